@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -128,8 +128,11 @@ def _shard_paths(build_dir: Path, i: int) -> tuple[Path, Path]:
     return build_dir / f"shard-{i:06d}.npy", build_dir / f"shard-{i:06d}.json"
 
 
-def build_index(args: BuildArgs, log=print) -> dict:
-    """Build (or resume, or reuse) the index described by ``args``; returns the manifest."""
+def build_index(args: BuildArgs, log=print, encoders=None) -> dict:
+    """Build (or resume, or reuse) the index described by ``args``; returns the manifest.
+
+    ``encoders``: an already-built (image, text) encoder pair whose names match ``args`` (saves a reload).
+    """
     from tqdm import tqdm
 
     validate(args)
@@ -161,9 +164,15 @@ def build_index(args: BuildArgs, log=print) -> dict:
     build_dir.mkdir(parents=True, exist_ok=True)
     write_json_atomic(state_path, settings)
 
-    img_enc = image_encoder(args.image_encoder, device=args.device, batch_size=args.batch_size)
-    txt_enc = text_encoder(args.text_encoder, device=args.device, batch_size=args.batch_size,
-                           trust_remote_code=args.trust_remote_code)
+    if encoders is not None:
+        img_enc, txt_enc = encoders
+        if (img_enc.name, txt_enc.name) != (args.image_encoder, args.text_encoder):
+            raise ValueError(f"encoders {img_enc.name!r}/{txt_enc.name!r} given for a build that names "
+                             f"{args.image_encoder!r}/{args.text_encoder!r}")
+    else:
+        img_enc = image_encoder(args.image_encoder, device=args.device, batch_size=args.batch_size)
+        txt_enc = text_encoder(args.text_encoder, device=args.device, batch_size=args.batch_size,
+                               trust_remote_code=args.trust_remote_code)
     check_factory(args.factory, img_enc.dim + txt_enc.dim)
 
     n_shards = (n_rows + args.shard_size - 1) // args.shard_size

@@ -175,7 +175,8 @@ def _tiny_vocab() -> list[str]:
 def build_tiny_text_model(folder: Path) -> Path:
     """Write a seeded random tiny sentence-transformers model to ``folder`` (atomically); return it."""
     import torch
-    from sentence_transformers import SentenceTransformer, models
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
     from transformers import BertConfig, BertModel, BertTokenizerFast
 
     folder = Path(folder)
@@ -191,8 +192,8 @@ def build_tiny_text_model(folder: Path) -> Path:
     hf_dir = tmp / "hf"
     bert.save_pretrained(hf_dir)
     tokenizer.save_pretrained(hf_dir)
-    word = models.Transformer(str(hf_dir), max_seq_length=128)
-    pool = models.Pooling(word.get_embedding_dimension(), pooling_mode="mean")
+    word = Transformer(str(hf_dir), max_seq_length=128)
+    pool = Pooling(word.get_embedding_dimension(), pooling_mode="mean")
     SentenceTransformer(modules=[word, pool], device="cpu").save(str(tmp / "st"))
     try:
         os.replace(tmp / "st", folder)

@@ -1,0 +1,247 @@
+"""Retrieval evaluation: Recall@K over unique entities and pseudo-recall@K.
+
+    python -m retrieval.evaluate --index DIR --queries q.jsonl --alpha A [--images_root DIR] [--k 1,5,10,20]
+        [--text_field question] [--compare FIELD] [--alpha_sweep 0:1:0.05] [--out DIR]
+
+Recall@K: the gold entity is among the top K unique entities. Pseudo-recall@K: an answer string appears
+(case-insensitively) in the text of the best section of one of the top K entities. ``--compare FIELD`` evaluates a
+second text field on the same images side by side; ``--alpha_sweep lo:hi:step`` evaluates many α from one set of
+embeddings and writes a CSV and a plot of R@K against α. Question rows whose image is missing, whose entity is not
+in the index or whose text field is empty are reported and excluded, with the counts shown.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from retrieval.files import atomic_path, read_jsonl, write_json_atomic, write_text_atomic
+from retrieval.index import MANIFEST_FILE, MultimodalIndex, check_alpha, check_k, ranks_of
+
+
+@dataclass
+class EvalArgs:
+    index: str = field(default=None, metadata={"help": "index directory"})
+    queries: str = field(default=None, metadata={"help": "question JSONL"})
+    alpha: float = field(default=None, metadata={"help": "image weight α in [0, 1]"})
+    images_root: str = field(default=None, metadata={"help": "folder image paths resolve against (default: the queries file's folder)"})
+    k: str = field(default="1,5,10,20", metadata={"help": "comma-separated K values"})
+    text_field: str = field(default="question", metadata={"help": "record field used as the text query"})
+    compare: str = field(default=None, metadata={"help": "a second text field to evaluate side by side"})
+    alpha_sweep: str = field(default=None, metadata={"help": "lo:hi:step, e.g. 0:1:0.05"})
+    depth: int = field(default=200, metadata={"help": "rank depth (ranks beyond it count as misses)"})
+    kb: str = field(default=None, metadata={"help": "KB JSONL for pseudo-recall (default: the one the index was built from)"})
+    out: str = field(default=None, metadata={"help": "output folder (default: outputs/eval/<queries name>)"})
+    device: str = field(default=None, metadata={"help": "cuda / cpu"})
+
+
+# --------------------------------------------------------------------------- pure metric functions
+
+
+def parse_ks(text: str) -> list[int]:
+    try:
+        ks = sorted({int(x) for x in str(text).split(",") if x.strip()})
+    except ValueError:
+        raise ValueError(f"--k must be comma-separated positive integers, got {text!r}") from None
+    if not ks:
+        raise ValueError("--k: no K values given")
+    for k in ks:
+        check_k(k, "--k: each K")
+    return ks
+
+
+def parse_sweep(text: str) -> list[float]:
+    try:
+        lo, hi, step = (float(x) for x in text.split(":"))
+    except ValueError:
+        raise ValueError(f"--alpha_sweep must look like lo:hi:step (e.g. 0:1:0.05), got {text!r}") from None
+    if step <= 0 or lo > hi:
+        raise ValueError(f"--alpha_sweep {text!r}: need lo ≤ hi and step > 0")
+    alphas = [round(a, 10) for a in np.arange(lo, hi + step / 2, step)]
+    for a in alphas:
+        check_alpha(a)
+    return alphas
+
+
+def recall_at(ranks: list[int | None], ks: list[int]) -> dict[str, float]:
+    n = max(len(ranks), 1)
+    return {f"R@{k}": 100.0 * sum(1 for r in ranks if r is not None and r <= k) / n for k in ks}
+
+
+def answer_in(text: str, answers: list[str]) -> bool:
+    low = text.lower()
+    return any(a and str(a).lower() in low for a in answers)
+
+
+def pseudo_recall_at(hit_texts: list[list[str]], answers: list[list[str]], ks: list[int]) -> dict[str, float]:
+    """hit_texts[i] = section texts of query i's ranked entities (best row each)."""
+    n = max(len(hit_texts), 1)
+    out = {}
+    for k in ks:
+        out[f"PR@{k}"] = 100.0 * sum(1 for texts, ans in zip(hit_texts, answers)
+                                     if any(answer_in(t, ans) for t in texts[:k])) / n
+    return out
+
+
+# --------------------------------------------------------------------------- data
+
+
+def load_questions(path: Path, fields: list[str], images_root: Path, index: MultimodalIndex | None):
+    """Keep the rows we can evaluate; return (rows, excluded) where excluded = {reason: count} plus examples."""
+    rows, excluded = [], {}
+
+    def drop(reason):
+        excluded[reason] = excluded.get(reason, 0) + 1
+
+    for rec in read_jsonl(path):
+        if not rec.get("image") or not (images_root / rec["image"]).is_file():
+            drop("image missing")
+        elif index is not None and not index.has_entity(str(rec.get("entity_id"))):
+            drop("entity not in index")
+        elif any(not isinstance(rec.get(f), str) or not rec[f].strip() for f in fields):
+            drop(f"empty or missing text field ({', '.join(fields)})")
+        else:
+            rows.append(rec)
+    return rows, excluded
+
+
+def load_entry_texts(kb_path: Path, entry_ids: set[str]) -> dict[str, str]:
+    return {str(r["entry_id"]): str(r.get("text", "")) for r in read_jsonl(kb_path) if str(r["entry_id"]) in entry_ids}
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+def evaluate_ranked(index: MultimodalIndex, ranked: list, rows: list[dict], ks: list[int], depth: int,
+                    entry_texts: dict[str, str] | None) -> dict:
+    """Metrics of one ranking (``index.rank`` output) of ``rows``."""
+    ranks = ranks_of(ranked, [index.entity_index[str(r["entity_id"])] for r in rows])
+    ranks = [r if r is not None and r <= depth else None for r in ranks]
+    metrics = recall_at(ranks, ks)
+    if entry_texts is not None:
+        hit_texts = [[entry_texts.get(index.entry_ids[row], "") for row in rk.rows[:max(ks)]] for rk in ranked]
+        metrics.update(pseudo_recall_at(hit_texts, [r.get("answers") or [] for r in rows], ks))
+    metrics["n"] = len(rows)
+    return {"metrics": metrics, "ranks": ranks}
+
+
+def format_table(results: dict[str, dict], ks: list[int], label: str = "field") -> str:
+    cols = [f"R@{k}" for k in ks] + [f"PR@{k}" for k in ks]
+    cols = [c for c in cols if any(c in m for m in results.values())]
+    head = f"| {label} | n | " + " | ".join(cols) + " |"
+    sep = "|" + "---|" * (len(cols) + 2)
+    body = [f"| {name} | {m['n']} | " + " | ".join(f"{m[c]:.1f}" for c in cols) + " |" for name, m in results.items()]
+    return "\n".join([head, sep, *body])
+
+
+def run(args: EvalArgs, log=print) -> dict:
+    from PIL import Image
+    from tqdm import tqdm
+
+    # ---- validate everything before any model loads
+    if not args.index or not (Path(args.index) / MANIFEST_FILE).is_file():
+        raise ValueError(f"--index: {args.index!r} is not a finished index directory (no {MANIFEST_FILE})")
+    if not args.queries or not Path(args.queries).is_file():
+        raise ValueError(f"--queries: file {args.queries!r} does not exist")
+    ks = parse_ks(args.k)
+    check_k(args.depth, "depth")
+    if args.alpha_sweep:
+        alphas = parse_sweep(args.alpha_sweep)
+    elif args.alpha is None:
+        raise ValueError("--alpha is required (or give --alpha_sweep)")
+    else:
+        alphas = [check_alpha(args.alpha)]
+    fields = [args.text_field] + ([args.compare] if args.compare else [])
+    queries = Path(args.queries)
+    images_root = Path(args.images_root or queries.parent)
+    if not images_root.is_dir():
+        raise ValueError(f"--images_root: folder {images_root} does not exist")
+    out = Path(args.out or Path("outputs/eval") / queries.stem)
+
+    index = MultimodalIndex.load(args.index, device=args.device)
+    rows, excluded = load_questions(queries, fields, images_root, index)
+    for reason, count in excluded.items():
+        log(f"excluded {count} question(s): {reason}")
+    if not rows:
+        raise ValueError(f"no question in {queries} can be evaluated ({excluded})")
+    kb_path = Path(args.kb or index.manifest.get("kb_path", ""))
+    images = [Image.open(images_root / r["image"]).convert("RGB") for r in tqdm(rows, desc="loading images")]
+    image_emb = index.encode_images(images)
+    text_embs = {f: index.encode_texts([r[f] for r in rows]) for f in fields}
+    ranked = {a: {f: index.rank(image_emb, text_embs[f], a, max(args.depth, max(ks))) for f in fields}
+              for a in alphas}
+    entry_texts = None
+    if kb_path.is_file():  # pseudo-recall reads the sections ranked in the top max(K)
+        needed = {index.entry_ids[r] for per in ranked.values() for rk in per.values() for x in rk
+                  for r in x.rows[:max(ks)]}
+        entry_texts = load_entry_texts(kb_path, needed)
+    else:
+        log(f"pseudo-recall skipped: KB file {kb_path} not found (pass --kb)")
+    results = {a: {f: evaluate_ranked(index, ranked[a][f], rows, ks, args.depth, entry_texts) for f in fields}
+               for a in alphas}
+    summary = {"index": str(args.index), "queries": str(queries), "excluded": excluded, "ks": ks,
+               "results": {str(a): {f: r["metrics"] for f, r in per.items()} for a, per in results.items()}}
+    out.mkdir(parents=True, exist_ok=True)
+    if len(alphas) == 1:
+        table = format_table({f: r["metrics"] for f, r in results[alphas[0]].items()}, ks)
+        log(f"α = {alphas[0]}\n{table}")
+        write_text_atomic(out / "metrics.md", f"α = {alphas[0]}\n\n{table}\n")
+        per_question = [{"id": row["id"], **{f"rank_{f}": results[alphas[0]][f]["ranks"][i] for f in fields}}
+                        for i, row in enumerate(rows)]
+        with atomic_path(out / "ranks.jsonl") as tmp, open(tmp, "w") as fh:
+            fh.writelines(json.dumps(p) + "\n" for p in per_question)
+    else:
+        _write_sweep(out, alphas, fields, ks, results, log)
+    write_json_atomic(out / "metrics.json", summary)
+    log(f"wrote {out}/metrics.json")
+    return summary
+
+
+def _write_sweep(out: Path, alphas, fields, ks, results, log) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = [f"R@{k}" for k in ks]
+    with atomic_path(out / "alpha_sweep.csv") as tmp, open(tmp, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["alpha", "field", *keys])
+        for a in alphas:
+            for f in fields:
+                w.writerow([a, f, *(f"{results[a][f]['metrics'][k]:.2f}" for k in keys)])
+    lines = ["| α | field | " + " | ".join(keys) + " |", "|" + "---|" * (len(keys) + 2)]
+    lines += [f"| {a:g} | {f} | " + " | ".join(f"{results[a][f]['metrics'][k]:.1f}" for k in keys) + " |"
+              for a in alphas for f in fields]
+    log("\n".join(lines))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for f in fields:
+        for k in keys:
+            ax.plot(alphas, [results[a][f]["metrics"][k] for a in alphas], marker="o", ms=3,
+                    label=f"{k} ({f})" if len(fields) > 1 else k)
+    ax.set_xlabel("α (image weight)")
+    ax.set_ylabel("recall (%)")
+    ax.set_title("Recall@K against α")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    with atomic_path(out / "alpha_sweep.png", suffix=".png") as tmp:
+        fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    from retrieval.cli import parse
+
+    (args,) = parse((EvalArgs,), argv, description=__doc__)
+    run(args)
+
+
+if __name__ == "__main__":
+    from retrieval.cli import run as run_cli
+
+    run_cli(main)

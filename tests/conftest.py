@@ -1,0 +1,50 @@
+"""Shared fixtures: offline settings and a tiny toy world + index, built once per test session."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cache(tmp_path_factory):
+    if "REFINE_RL_CACHE" not in os.environ:
+        os.environ["REFINE_RL_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="session")
+def encoders():
+    from retrieval.encoders import image_encoder, text_encoder
+
+    return image_encoder("tiny", device="cpu"), text_encoder("tiny", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_world(tmp_path_factory):
+    """24 entities, 2 KB images, 2 train + 2 test questions each; no index."""
+    from retrieval.toyworld import ToyWorldArgs, generate
+
+    out = tmp_path_factory.mktemp("world")
+    generate(ToyWorldArgs(out=str(out), entities=24, train_images=2, test_images=2), log=lambda *a: None)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_index_dir(tiny_world, encoders):
+    from retrieval.build_index import BuildArgs, build_index
+
+    out = tiny_world / "index"
+    build_index(BuildArgs(kb=str(tiny_world / "kb.jsonl"), out=str(out), image_encoder="tiny", text_encoder="tiny",
+                          device="cpu", shard_size=32), log=lambda *a: None, encoders=encoders)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_index(tiny_index_dir, encoders):
+    from retrieval import MultimodalIndex
+
+    return MultimodalIndex.load(tiny_index_dir, image_encoder=encoders[0], text_encoder=encoders[1])

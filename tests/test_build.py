@@ -1,0 +1,156 @@
+"""Index build: manifest, skipped rows, duplicate ids, resume after a kill, manifest mismatch."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+import retrieval.build_index as bi
+from retrieval import MultimodalIndex
+from retrieval.build_index import BuildArgs, build_index
+
+QUIET = dict(log=lambda *a: None)
+
+
+def args_for(world, out, **kw):
+    settings = {"image_encoder": "tiny", "text_encoder": "tiny", "device": "cpu", "shard_size": 16, **kw}
+    return BuildArgs(kb=str(world / "kb.jsonl"), out=str(out), **settings)
+
+
+def vectors(index_dir):
+    import faiss
+
+    index = faiss.read_index(str(index_dir / "index.faiss"))
+    return index.reconstruct_n(0, index.ntotal)
+
+
+def test_manifest_and_rows(tiny_index_dir, tiny_world):
+    m = json.loads((tiny_index_dir / "manifest.json").read_text())
+    kb_rows = sum(1 for _ in open(tiny_world / "kb.jsonl"))
+    assert m["rows"] == kb_rows and m["entities"] == 24 and m["skipped"] == 0
+    assert m["image_encoder"] == "tiny" and m["text_encoder"] == "tiny" and m["factory"] == "Flat"
+    assert m["dim"] == m["image_dim"] + m["text_dim"]
+    assert m["kb_fingerprint"].startswith("sha256:") and "faiss" in m["versions"]
+    assert "alpha" not in m  # α is a query-time knob
+    rows = vectors(tiny_index_dir)
+    # each half of a row is L2-normalised
+    np.testing.assert_allclose(np.linalg.norm(rows[:, :m["image_dim"]], axis=1), 1, atol=1e-5)
+    np.testing.assert_allclose(np.linalg.norm(rows[:, m["image_dim"]:], axis=1), 1, atol=1e-5)
+    assert not (tiny_index_dir / "build").exists()
+
+
+def test_bad_rows_are_skipped_and_listed(tiny_world, tmp_path, encoders):
+    kb = [json.loads(x) for x in open(tiny_world / "kb.jsonl")][:12]
+    (tmp_path / "broken.png").write_bytes(b"not a png")
+    kb[1]["image"] = "images/nope.png"
+    kb[2]["text"] = "   "
+    kb[3]["entity_id"] = None
+    kb[4]["image"] = str(tmp_path / "broken.png")
+    (tmp_path / "kb.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kb))
+    out = tmp_path / "idx"
+    m = build_index(BuildArgs(kb=str(tmp_path / "kb.jsonl"), images_root=str(tiny_world), out=str(out),
+                              image_encoder="tiny", text_encoder="tiny", shard_size=5), encoders=encoders, **QUIET)
+    skipped = {r["entry_id"]: r["reason"] for r in map(json.loads, open(out / "skipped.jsonl"))}
+    assert m["rows"] == 8 and m["skipped"] == 4
+    assert "missing image" in skipped[kb[1]["entry_id"]]
+    assert skipped[kb[2]["entry_id"]] == "empty text"
+    assert skipped[kb[3]["entry_id"]] == "no entity_id"
+    assert "unreadable image" in skipped[kb[4]["entry_id"]]
+
+
+def test_duplicate_entry_id_fails_before_encoding(tiny_world, tmp_path, monkeypatch):
+    lines = open(tiny_world / "kb.jsonl").read().splitlines()[:6]
+    (tmp_path / "kb.jsonl").write_text("\n".join(lines + [lines[2]]) + "\n")
+    dup = json.loads(lines[2])["entry_id"]
+    monkeypatch.setattr(bi, "image_encoder", lambda *a, **k: pytest.fail("an encoder was loaded"))
+    with pytest.raises(ValueError, match=f"duplicate entry_id '{dup}'"):
+        build_index(BuildArgs(kb=str(tmp_path / "kb.jsonl"), images_root=str(tiny_world), out=str(tmp_path / "o"),
+                              image_encoder="tiny", text_encoder="tiny"), **QUIET)
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("factory", "NotAFactory", "factory"),
+    ("image_encoder", "no-such-clip", "unknown image encoder"),
+    ("text_encoder", "nonsense", "unknown text encoder"),
+    ("shard_size", 0, "shard_size"),
+])
+def test_invalid_settings_fail_before_models_load(tiny_world, tmp_path, monkeypatch, field, value, match):
+    monkeypatch.setattr(bi, "image_encoder", lambda *a, **k: pytest.fail("an encoder was loaded"))
+    with pytest.raises(ValueError, match=match):
+        build_index(args_for(tiny_world, tmp_path / "o", **{field: value}), **QUIET)
+
+
+def test_resume_after_kill_gives_the_same_index(tiny_world, tiny_index_dir, tmp_path, encoders, monkeypatch):
+    out = tmp_path / "idx"
+    real = bi._encode_shard
+    calls = []
+
+    def dying(records, *a, **k):
+        if len(calls) == 2:
+            raise KeyboardInterrupt("killed")
+        calls.append(len(records))
+        return real(records, *a, **k)
+
+    monkeypatch.setattr(bi, "_encode_shard", dying)
+    with pytest.raises(KeyboardInterrupt):
+        build_index(args_for(tiny_world, out, shard_size=32), encoders=encoders, **QUIET)
+    assert not (out / "manifest.json").exists() and len(list((out / "build").glob("shard-*.json"))) == 2
+
+    resumed = []
+    monkeypatch.setattr(bi, "_encode_shard", lambda records, *a, **k: resumed.append(1) or real(records, *a, **k))
+    build_index(args_for(tiny_world, out, shard_size=32), encoders=encoders, **QUIET)
+    n_shards = -(-sum(1 for _ in open(tiny_world / "kb.jsonl")) // 32)
+    assert len(resumed) == n_shards - 2  # finished shards were not encoded again
+    np.testing.assert_allclose(vectors(out), vectors(tiny_index_dir), atol=1e-6)
+    import pyarrow.parquet as pq
+
+    assert pq.read_table(out / "rows.parquet").to_pydict() == pq.read_table(tiny_index_dir / "rows.parquet").to_pydict()
+
+
+def test_partial_build_with_other_settings_is_refused(tiny_world, tmp_path, encoders, monkeypatch):
+    out = tmp_path / "idx"
+    monkeypatch.setattr(bi, "_encode_shard", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        build_index(args_for(tiny_world, out, shard_size=32), encoders=encoders, **QUIET)
+    with pytest.raises(ValueError, match="shard_size"):
+        build_index(args_for(tiny_world, out, shard_size=16), encoders=encoders, **QUIET)
+
+
+def test_finished_index_is_reused(tiny_world, tiny_index_dir, encoders, monkeypatch):
+    monkeypatch.setattr(bi, "_encode_shard", lambda *a, **k: pytest.fail("re-encoded a finished index"))
+    m = build_index(args_for(tiny_world, tiny_index_dir, shard_size=32), encoders=encoders, **QUIET)
+    assert m["rows"] > 0
+
+
+def test_load_with_other_encoder_names_both(tiny_index_dir):
+    with pytest.raises(ValueError, match="built with text encoder 'tiny', but 'minilm' was requested"):
+        MultimodalIndex.load(tiny_index_dir, text_encoder="minilm")
+    with pytest.raises(ValueError, match="built with image encoder 'tiny', but 'ViT-B-32' was requested"):
+        MultimodalIndex.load(tiny_index_dir, image_encoder="ViT-B-32")
+
+
+def test_hnsw_and_ivf_factories_build(tiny_world, tiny_index_dir, tmp_path, encoders):
+    for factory in ["HNSW16,Flat", "IVF4,Flat"]:
+        out = tmp_path / factory.replace(",", "_")
+        shutil.copytree(tiny_index_dir, out)
+        (out / "manifest.json").unlink()
+        m = build_index(args_for(tiny_world, out, factory=factory, shard_size=32, overwrite=True),
+                        encoders=encoders, **QUIET)
+        idx = MultimodalIndex.load(out, *encoders)
+        assert m["factory"] == factory and len(idx) == m["rows"]
+
+
+def test_search_finds_the_entity_of_a_kb_image(tiny_index, tiny_world):
+    """Querying with a KB row's own image and text ranks its entity first at every α."""
+    from PIL import Image
+
+    rec = json.loads(open(tiny_world / "kb.jsonl").readline())
+    from retrieval.kb import entry_text
+
+    img = Image.open(tiny_world / rec["image"])
+    for alpha in (0.0, 0.5, 1.0):
+        hits = tiny_index.search([img], [entry_text(rec)], alpha=alpha, k=5)[0]
+        assert hits[0].entity_id == rec["entity_id"]
+        assert hits[0].score == pytest.approx(1.0, abs=1e-4) or alpha == 1.0

@@ -1,0 +1,63 @@
+"""Encoders: tiny ones are deterministic and offline, outputs are normalised float32, bad names are refused."""
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from retrieval.encoders import check_image_encoder_name, check_text_encoder_name, image_encoder, text_encoder
+
+
+def test_tiny_image_encoder_is_deterministic_and_normalised(encoders):
+    imgs = [Image.new("RGB", (40, 30), c) for c in [(250, 0, 0), (245, 10, 5), (0, 0, 250)]]
+    a = encoders[0].encode(imgs)
+    b = image_encoder("tiny", device="cpu", batch_size=2).encode(imgs)  # fresh build, other batching
+    assert a.dtype == np.float32 and a.shape == (3, encoders[0].dim)
+    np.testing.assert_allclose(np.linalg.norm(a, axis=1), 1, atol=1e-5)
+    np.testing.assert_allclose(a, b, atol=1e-5)
+    # similar colours are closer than different ones
+    assert a[0] @ a[1] > a[0] @ a[2]
+
+
+def test_tiny_text_encoder_is_deterministic_and_normalised(encoders):
+    texts = ["a red star", "a red star with stripes", "zzz"]
+    a = encoders[1].encode(texts)
+    b = text_encoder("tiny", device="cpu").encode(texts)
+    assert a.dtype == np.float32 and a.shape == (3, encoders[1].dim)
+    np.testing.assert_allclose(np.linalg.norm(a, axis=1), 1, atol=1e-5)
+    np.testing.assert_allclose(a, b, atol=1e-5)
+    assert encoders[1].encode([]).shape == (0, encoders[1].dim)
+
+
+def test_minilm_relates_attribute_words():
+    enc = text_encoder("minilm", device="cpu")
+    e = enc.encode(["Where does this creature live? red star striped",
+                    "The Zorvak is a red striped star.", "The Melidra is a blue plain circle."])
+    assert enc.dim == 384 and e[0] @ e[1] > e[0] @ e[2] + 0.1
+
+
+def test_query_prompt_applies_to_queries_only():
+    enc = text_encoder("tiny", device="cpu", query_prompt="query: ")
+    q, d = enc.encode(["red star"], is_query=True), enc.encode(["red star"])
+    np.testing.assert_allclose(q, enc.encode(["query: red star"]), atol=1e-5)
+    assert not np.allclose(q, d)
+
+
+@pytest.mark.parametrize("name", ["", "no-such-model", "EVA02-E-14-plus@no-such-tag", "local-dir:/does/not/exist"])
+def test_bad_image_encoder_names(name):
+    with pytest.raises(ValueError):
+        check_image_encoder_name(name)
+
+
+@pytest.mark.parametrize("name", ["tiny", "EVA02-E-14-plus@laion2b_s9b_b144k", "EVA02-B-16", "hf-hub:timm/x"])
+def test_good_image_encoder_names(name):
+    assert check_image_encoder_name(name) == name
+
+
+@pytest.mark.parametrize("name,ok", [("tiny", True), ("minilm", True), ("Qwen/Qwen3-Embedding-0.6B", True),
+                                     ("nonsense", False), ("", False), ("a/b/c", False)])
+def test_text_encoder_names(name, ok):
+    if ok:
+        assert check_text_encoder_name(name) == name
+    else:
+        with pytest.raises(ValueError, match="text encoder"):
+            check_text_encoder_name(name)

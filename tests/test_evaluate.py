@@ -1,0 +1,113 @@
+"""Retrieval evaluation: metric functions, exclusions, α-sweep consistency, validation before loading."""
+
+import json
+
+import pytest
+
+import retrieval.evaluate as ev
+from retrieval.evaluate import EvalArgs, parse_ks, parse_sweep, pseudo_recall_at, recall_at
+
+QUIET = dict(log=lambda *a: None)
+
+
+@pytest.mark.parametrize("ranks,ks,expected", [
+    ([1, 2, 6, None], [1, 5, 10], {"R@1": 25.0, "R@5": 50.0, "R@10": 75.0}),
+    ([None, None], [1], {"R@1": 0.0}),
+    ([3], [1, 3], {"R@1": 0.0, "R@3": 100.0}),
+    ([], [1], {"R@1": 0.0}),
+])
+def test_recall_at(ranks, ks, expected):
+    assert recall_at(ranks, ks) == pytest.approx(expected)
+
+
+def test_pseudo_recall_is_case_insensitive_and_respects_k():
+    texts = [["It lives in Mossy Caves.", "eats seeds"], ["nothing", "the answer is here: Paris"]]
+    answers = [["mossy caves"], ["paris"]]
+    assert pseudo_recall_at(texts, answers, [1, 2]) == pytest.approx({"PR@1": 50.0, "PR@2": 100.0})
+    assert pseudo_recall_at([["x"]], [[""]], [1]) == {"PR@1": 0.0}  # an empty answer never matches
+
+
+@pytest.mark.parametrize("text,ok", [("1,5,10", [1, 5, 10]), ("10, 1", [1, 10]), ("0", None), ("a", None), ("", None)])
+def test_parse_ks(text, ok):
+    if ok is None:
+        with pytest.raises(ValueError):
+            parse_ks(text)
+    else:
+        assert parse_ks(text) == ok
+
+
+def test_parse_sweep():
+    assert parse_sweep("0:1:0.25") == [0, 0.25, 0.5, 0.75, 1.0]
+    for bad in ["0:1", "0:2:0.5", "1:0:0.1", "0:1:0"]:
+        with pytest.raises(ValueError):
+            parse_sweep(bad)
+
+
+def run(tiny_index_dir, queries, tmp_path, **kw):
+    return ev.run(EvalArgs(index=str(tiny_index_dir), queries=str(queries), out=str(tmp_path / "ev"), **kw), **QUIET)
+
+
+def test_sweep_equals_single_alpha_runs(tiny_index_dir, tiny_world, tmp_path, monkeypatch, encoders):
+    real_load = ev.MultimodalIndex.load
+    monkeypatch.setattr(ev.MultimodalIndex, "load", lambda p, **k: real_load(p, *encoders))
+    q = tiny_world / "test.jsonl"
+    sweep = run(tiny_index_dir, q, tmp_path, alpha_sweep="0:1:0.5")["results"]
+    for a in ["0.0", "0.5", "1.0"]:
+        single = run(tiny_index_dir, q, tmp_path / a, alpha=float(a))["results"]
+        assert single[str(float(a))]["question"] == pytest.approx(sweep[a]["question"])
+    assert (tmp_path / "ev" / "alpha_sweep.png").stat().st_size > 1000
+    assert len(open(tmp_path / "ev" / "alpha_sweep.csv").read().splitlines()) == 4
+    # image-only retrieval on this world beats text-only (the vague question says nothing about the entity)
+    assert sweep["1.0"]["question"]["R@5"] > sweep["0.0"]["question"]["R@5"]
+
+
+def test_excluded_rows_are_counted(tiny_index_dir, tiny_world, tmp_path, monkeypatch, encoders):
+    real_load = ev.MultimodalIndex.load
+    monkeypatch.setattr(ev.MultimodalIndex, "load", lambda p, **k: real_load(p, *encoders))
+    rows = [json.loads(x) for x in open(tiny_world / "test.jsonl")][:6]
+    rows[0]["image"] = "images/none.png"
+    rows[1]["entity_id"] = "E9999"
+    rows[2]["question"] = ""
+    q = tmp_path / "q.jsonl"
+    q.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = run(tiny_index_dir, q, tmp_path, alpha=0.5, images_root=str(tiny_world), compare="question")
+    assert res["excluded"] == {"image missing": 1, "entity not in index": 1,
+                               "empty or missing text field (question, question)": 1}
+    assert res["results"]["0.5"]["question"]["n"] == 3
+
+
+def test_compare_prints_two_fields(tiny_index_dir, tiny_world, tmp_path, monkeypatch, encoders):
+    real_load = ev.MultimodalIndex.load
+    monkeypatch.setattr(ev.MultimodalIndex, "load", lambda p, **k: real_load(p, *encoders))
+    rows = [json.loads(x) for x in open(tiny_world / "test.jsonl")]
+    for r in rows:
+        r["refined_query"] = r["question"] + " " + " ".join(r["attributes"].values())
+    q = tiny_world / "refined_test.jsonl"
+    q.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    lines = []
+    res = ev.run(EvalArgs(index=str(tiny_index_dir), queries=str(q), alpha=0.5, text_field="refined_query",
+                          compare="question", out=str(tmp_path / "ev")), log=lines.append)
+    per = res["results"]["0.5"]
+    assert set(per) == {"refined_query", "question"} and "PR@1" in per["question"]
+    assert "| refined_query |" in "\n".join(lines) and "| question |" in "\n".join(lines)
+    ranks = [json.loads(x) for x in open(tmp_path / "ev" / "ranks.jsonl")]
+    assert len(ranks) == len(rows) and "rank_refined_query" in ranks[0]
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(alpha=2.0), "alpha"),
+    (dict(alpha=0.5, k="0"), "--k"),
+    (dict(), "--alpha is required"),
+    (dict(alpha=0.5, alpha_sweep="x"), "alpha_sweep"),
+])
+def test_invalid_settings_fail_before_loading(tiny_index_dir, tiny_world, tmp_path, monkeypatch, kw, match):
+    monkeypatch.setattr(ev.MultimodalIndex, "load", lambda *a, **k: pytest.fail("the index was loaded"))
+    with pytest.raises(ValueError, match=match):
+        run(tiny_index_dir, tiny_world / "test.jsonl", tmp_path, **kw)
+
+
+def test_missing_index_or_queries_named(tiny_index_dir, tmp_path):
+    with pytest.raises(ValueError, match="--index"):
+        ev.run(EvalArgs(index=str(tmp_path), queries="x", alpha=0.5))
+    with pytest.raises(ValueError, match="--queries"):
+        ev.run(EvalArgs(index=str(tiny_index_dir), queries=str(tmp_path / "none.jsonl"), alpha=0.5))

@@ -1,0 +1,103 @@
+"""Ranking math of MultimodalIndex against a direct numpy computation of α·cos_image + (1−α)·cos_text."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from retrieval.encoders import l2_normalize
+from retrieval.index import MultimodalIndex, build_faiss_index, check_alpha, query_vectors
+
+
+def make_index(n_entities, rows_per_entity, di=8, dt=12, seed=0):
+    rng = np.random.default_rng(seed)
+    counts = rng.integers(1, rows_per_entity + 1, size=n_entities)
+    entity_ids = [f"ent{e}" for e, c in enumerate(counts) for _ in range(c)]
+    v = l2_normalize(rng.normal(size=(len(entity_ids), di)))
+    t = l2_normalize(rng.normal(size=(len(entity_ids), dt)))
+    index = build_faiss_index(np.concatenate([v, t], 1), "Flat")
+    manifest = {"image_dim": di, "text_dim": dt, "image_encoder": "x", "text_encoder": "y"}
+    entry_ids = [f"row{i}" for i in range(len(entity_ids))]
+    return MultimodalIndex(index, entry_ids, entity_ids, manifest), v, t, entity_ids
+
+
+def numpy_entity_scores(v, t, entity_ids, qv, qt, alpha):
+    """Best α·cos_i + (1−α)·cos_t per entity, for one query."""
+    s = alpha * (v @ l2_normalize(qv)) + (1 - alpha) * (t @ l2_normalize(qt))
+    best = {}
+    for e, x in zip(entity_ids, s):
+        best[e] = max(best.get(e, -np.inf), float(x))
+    return best
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.1, 0.5, 0.63, 1.0])
+@pytest.mark.parametrize("rows_per_entity", [1, 3, 40])
+def test_search_matches_numpy(alpha, rows_per_entity):
+    idx, v, t, ents = make_index(60, rows_per_entity, seed=rows_per_entity)
+    rng = np.random.default_rng(1)
+    qv, qt = rng.normal(size=(5, 8)), rng.normal(size=(5, 12))
+    hits = idx.search(qv.astype(np.float32), qt.astype(np.float32), alpha=alpha, k=25)
+    for q in range(5):
+        best = numpy_entity_scores(v, t, ents, qv[q], qt[q], alpha)
+        expected = sorted(best.values(), reverse=True)[:25]
+        got = [h.score for h in hits[q]]
+        assert len({h.entity_id for h in hits[q]}) == len(hits[q]) == 25  # one hit per entity
+        np.testing.assert_allclose(got, expected, atol=1e-5)  # same score profile, ties allowed
+        for h in hits[q]:  # each hit's score is its entity's best row, and the row belongs to the entity
+            assert abs(h.score - best[h.entity_id]) < 1e-5
+            assert ents[int(h.entry_id[3:])] == h.entity_id
+        assert got == sorted(got, reverse=True)
+
+
+@settings(max_examples=40, deadline=None)
+@given(alpha=st.floats(0, 1), seed=st.integers(0, 10_000), depth=st.integers(1, 30))
+def test_entity_ranks_property(alpha, seed, depth):
+    idx, v, t, ents = make_index(25, 6, seed=seed % 7)
+    rng = np.random.default_rng(seed)
+    qv, qt = rng.normal(size=(3, 8)).astype(np.float32), rng.normal(size=(3, 12)).astype(np.float32)
+    gold = [f"ent{rng.integers(25)}" for _ in range(3)]
+    ranks = idx.entity_ranks(qv, qt, gold, alpha=alpha, depth=depth)
+    for q in range(3):
+        best = numpy_entity_scores(v, t, ents, qv[q], qt[q], alpha)
+        g = best[gold[q]]
+        better = sum(1 for s in best.values() if s > g + 1e-5)
+        tied_or_better = sum(1 for s in best.values() if s >= g - 1e-5)
+        if ranks[q] is None:
+            assert better + 1 > depth or tied_or_better > depth
+        else:
+            assert better + 1 <= ranks[q] <= tied_or_better
+            assert ranks[q] <= depth
+
+
+def test_rank_beyond_depth_is_none_and_unknown_entity_is_none():
+    idx, *_ = make_index(50, 2)
+    rng = np.random.default_rng(3)
+    qv, qt = rng.normal(size=(1, 8)).astype(np.float32), rng.normal(size=(1, 12)).astype(np.float32)
+    order = [h.entity_id for h in idx.search(qv, qt, alpha=0.5, k=50)[0]]
+    assert idx.entity_ranks(qv, qt, [order[-1]], alpha=0.5, depth=10) == [None]
+    assert idx.entity_ranks(qv, qt, [order[3]], alpha=0.5, depth=10) == [4]
+    assert idx.entity_ranks(qv, qt, ["not-an-entity"], alpha=0.5, depth=10) == [None]
+
+
+def test_query_vector_is_normalised_and_weighted():
+    rng = np.random.default_rng(0)
+    v, t = rng.normal(size=(4, 8)), rng.normal(size=(4, 12))
+    q, norms = query_vectors(v, t, 0.25)
+    np.testing.assert_allclose(np.linalg.norm(q, axis=1), 1.0, atol=1e-6)
+    ratio = np.linalg.norm(q[:, :8], axis=1) / np.linalg.norm(q[:, 8:], axis=1)
+    np.testing.assert_allclose(ratio, 0.25 / 0.75, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.01, float("nan"), "0.5", None])
+def test_alpha_out_of_range_is_refused(bad):
+    with pytest.raises(ValueError, match="alpha"):
+        check_alpha(bad)
+
+
+def test_bad_k_and_shapes_are_refused():
+    idx, *_ = make_index(10, 2)
+    qv, qt = np.ones((1, 8), np.float32), np.ones((1, 12), np.float32)
+    with pytest.raises(ValueError, match="k must be a positive integer"):
+        idx.search(qv, qt, alpha=0.5, k=0)
+    with pytest.raises(ValueError, match=r"shape \(n, 8\)"):
+        idx.search(np.ones((1, 5), np.float32), qt, alpha=0.5, k=3)
