@@ -1,0 +1,109 @@
+"""The retrieval reward called exactly as TRL calls it: columns repeated per generation, plus **kwargs."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from rewards import RetrievalReward, format_completion, rank_reward
+from rewards.retrieval import batch_metrics
+
+G = 4  # generations per prompt
+
+
+def trl_call(reward, rows, completions, images, **extra):
+    """Mimic GRPOTrainer._calculate_rewards: every column but prompt, repeated G times, plus TRL's extras."""
+    rep = lambda xs: [x for x in xs for _ in range(G)]  # noqa: E731
+    logged = {}
+    out = reward(prompts=rep([[{"role": "user", "content": r["question"]}] for r in rows]),
+                 completions=[[{"role": "assistant", "content": c}] for c in completions],
+                 completion_ids=[[1, 2]] * len(completions), id=rep([r["id"] for r in rows]),
+                 entity_id=rep([r["entity_id"] for r in rows]), question=rep([r["question"] for r in rows]),
+                 answers=rep([r["answers"] for r in rows]), image=rep(images), trainer_state=None,
+                 log_extra=lambda *a: None, log_metric=lambda k, v: logged.__setitem__(k, v), **extra)
+    return out, logged
+
+
+@pytest.fixture()
+def batch(tiny_world):
+    rows = [json.loads(x) for x in open(tiny_world / "test.jsonl")][:3]
+    images = [Image.open(tiny_world / r["image"]).convert("RGB") for r in rows]
+    return rows, images
+
+
+def test_rewards_match_direct_ranking(tiny_index, batch):
+    rows, images = batch
+    reward = RetrievalReward(tiny_index, alpha=0.5)
+    queries = []
+    for r in rows:
+        a = r["attributes"]
+        queries += [f"{r['question']} {a['colour']} {a['shape']} {a['pattern']}", r["question"], "nonsense words",
+                    None]
+    completions = [format_completion(q) if q else "garbage" for q in queries]
+    out, logged = trl_call(reward, rows, completions, images)
+    assert len(out) == len(completions) and all(math.isfinite(x) for x in out)
+    gold = [r["entity_id"] for r in rows for _ in range(G)]
+    img = tiny_index.encode_images([im for im in images for _ in range(G)])
+    for i, q in enumerate(queries):
+        if q is None:
+            assert out[i] == -2.5  # unparseable → the miss penalty on the retrieval side
+        else:
+            expected = tiny_index.entity_ranks(img[i:i + 1], [q], [gold[i]], alpha=0.5, depth=200)[0]
+            assert out[i] == rank_reward(expected)
+    assert logged["retrieval/parse_rate"] == pytest.approx(0.75)
+    assert logged["retrieval/same_as_question"] == pytest.approx(0.25)
+    assert {"retrieval/hit@1", "retrieval/hit@200", "retrieval/miss_rate", "retrieval/query_tokens"} <= set(logged)
+
+
+def test_images_are_encoded_once_per_question(tiny_index, batch, monkeypatch):
+    rows, images = batch
+    reward = RetrievalReward(tiny_index, alpha=0.3)
+    calls = []
+    real = tiny_index.encode_images
+    monkeypatch.setattr(tiny_index, "encode_images", lambda ims: calls.append(len(ims)) or real(ims))
+    completions = [format_completion("red star")] * (len(rows) * G)
+    first, _ = trl_call(reward, rows, completions, images)
+    second, _ = trl_call(reward, rows, completions, images)
+    assert calls == [len(rows)]  # one batch, one image per question id, never re-encoded
+    assert first == second
+
+
+def test_one_text_batch_and_one_search_per_call(tiny_index, batch, monkeypatch):
+    rows, images = batch
+    reward = RetrievalReward(tiny_index, alpha=0.3)
+    texts, searches = [], []
+    real_t, real_s = tiny_index.encode_texts, tiny_index.faiss.search
+    monkeypatch.setattr(tiny_index, "encode_texts", lambda t: texts.append(len(t)) or real_t(t))
+    monkeypatch.setattr(tiny_index, "faiss", type("F", (), {"search": lambda self, q, k: searches.append(len(q)) or
+                                                            real_s(q, k), "ntotal": tiny_index.faiss.ntotal})())
+    trl_call(reward, rows, [format_completion(f"q {i}") for i in range(len(rows) * G)], images)
+    assert texts == [len(rows) * G] and searches == [len(rows) * G]
+
+
+def test_length_cap_and_custom_penalties(tiny_index, batch):
+    rows, images = batch
+    reward = RetrievalReward(tiny_index, alpha=0.3, max_query_tokens=3, unparseable=-7.0)
+    out, _ = trl_call(reward, rows, [format_completion("one two three four")] * (len(rows) * G), images)
+    assert out == [-7.0] * (len(rows) * G)
+
+
+def test_bad_settings_are_refused(tiny_index):
+    with pytest.raises(ValueError, match="alpha"):
+        RetrievalReward(tiny_index, alpha=1.5)
+    with pytest.raises(ValueError, match="contiguous"):
+        RetrievalReward(tiny_index, alpha=0.5, tiers=[(2, 5, 1.0)])
+    with pytest.raises(ValueError, match="finite"):
+        RetrievalReward(tiny_index, alpha=0.5, unparseable=float("nan"))
+    with pytest.raises(ValueError, match="entity_id"):
+        RetrievalReward(tiny_index, alpha=0.5)(prompts=[1], completions=["x"])
+
+
+def test_batch_metrics_table():
+    m = batch_metrics(["a b", None, "q", "c d e f"], [1, None, 7, None], ["q", "x", "q", "y"])
+    assert m["retrieval/hit@1"] == 0.25 and m["retrieval/hit@10"] == 0.5 and m["retrieval/miss_rate"] == 0.5
+    assert m["retrieval/mean_hit_rank"] == 4 and m["retrieval/parse_rate"] == 0.75
+    assert m["retrieval/query_tokens"] == pytest.approx((2 + 1 + 4) / 3)
+    assert m["retrieval/same_as_question"] == 0.25
+    assert np.isfinite(list(m.values())).all()
