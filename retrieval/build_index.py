@@ -96,8 +96,8 @@ def _load_image(root: Path, rel) -> tuple[object, str | None]:
 
 
 def _encode_shard(records: list[dict], root: Path, img_enc, txt_enc, args: BuildArgs):
-    """Encode one shard's rows in batches; returns (embeddings, entry_ids, entity_ids, skipped)."""
-    embs, entry_ids, entity_ids, skipped = [], [], [], []
+    """Encode one shard's rows in batches; returns (embeddings, entry_ids, entity_ids, titles, skipped)."""
+    embs, entry_ids, entity_ids, titles, skipped = [], [], [], [], []
     for start in range(0, len(records), args.batch_size):
         images, texts = [], []
         for rec in records[start:start + args.batch_size]:
@@ -117,11 +117,12 @@ def _encode_shard(records: list[dict], root: Path, img_enc, txt_enc, args: Build
             texts.append(text)
             entry_ids.append(str(rec["entry_id"]))
             entity_ids.append(str(rec["entity_id"]))
+            titles.append(str(rec.get("title") or ""))
         if images:
             embs.append(np.concatenate([img_enc.encode(images), txt_enc.encode(texts)], axis=1))
     dim = img_enc.dim + txt_enc.dim
     emb = np.concatenate(embs) if embs else np.zeros((0, dim), np.float32)
-    return emb.astype(np.float32), entry_ids, entity_ids, skipped
+    return emb.astype(np.float32), entry_ids, entity_ids, titles, skipped
 
 
 def _shard_paths(build_dir: Path, i: int) -> tuple[Path, Path]:
@@ -190,19 +191,21 @@ def build_index(args: BuildArgs, log=print, encoders=None) -> dict:
             _finish_shard(build_dir, i, shard, root, img_enc, txt_enc, args)
             bar.update(len(shard))
 
-    embs, entry_ids, entity_ids, skipped = [], [], [], []
+    embs, entry_ids, entity_ids, titles, skipped = [], [], [], [], []
     for i in range(n_shards):
         npy, meta_path = _shard_paths(build_dir, i)
         meta = json.loads(meta_path.read_text())
         embs.append(np.load(npy, allow_pickle=False))
         entry_ids += meta["entry_ids"]
         entity_ids += meta["entity_ids"]
+        titles += meta["titles"]
         skipped += meta["skipped"]
     rows = np.concatenate(embs)
     if len(rows) == 0:
         raise ValueError(f"every row of {kb} was skipped; see the reasons in {out / SKIPPED_FILE}")
     index = build_faiss_index(rows, args.factory)
-    manifest = _write_index(out, index, entry_ids, entity_ids, skipped, settings, args, img_enc, txt_enc, kb)
+    rows_table = {"entry_id": entry_ids, "entity_id": entity_ids, "title": titles}
+    manifest = _write_index(out, index, rows_table, skipped, settings, args, img_enc, txt_enc, kb)
     shutil.rmtree(build_dir, ignore_errors=True)
     log(f"built {out}: {manifest['rows']} rows, {manifest['entities']} entities, {len(skipped)} skipped, "
         f"{time.time() - t0:.1f}s")
@@ -213,13 +216,14 @@ def _finish_shard(build_dir, i, records, root, img_enc, txt_enc, args) -> None:
     npy, meta_path = _shard_paths(build_dir, i)
     if meta_path.exists():  # finished before an interruption
         return
-    emb, entry_ids, entity_ids, skipped = _encode_shard(records, root, img_enc, txt_enc, args)
+    emb, entry_ids, entity_ids, titles, skipped = _encode_shard(records, root, img_enc, txt_enc, args)
     with atomic_path(npy, suffix=".npy") as tmp:
         np.save(tmp, emb, allow_pickle=False)
-    write_json_atomic(meta_path, {"entry_ids": entry_ids, "entity_ids": entity_ids, "skipped": skipped})
+    write_json_atomic(meta_path, {"entry_ids": entry_ids, "entity_ids": entity_ids, "titles": titles,
+                                  "skipped": skipped})
 
 
-def _write_index(out: Path, index, entry_ids, entity_ids, skipped, settings, args, img_enc, txt_enc, kb) -> dict:
+def _write_index(out: Path, index, rows_table: dict, skipped, settings, args, img_enc, txt_enc, kb) -> dict:
     import faiss
     import open_clip
     import pyarrow as pa
@@ -229,12 +233,12 @@ def _write_index(out: Path, index, entry_ids, entity_ids, skipped, settings, arg
     with atomic_path(out / INDEX_FILE) as tmp:
         faiss.write_index(index, str(tmp))
     with atomic_path(out / ROWS_FILE) as tmp:
-        pq.write_table(pa.table({"entry_id": entry_ids, "entity_id": entity_ids}), tmp)
+        pq.write_table(pa.table(rows_table), tmp)
     write_jsonl_atomic(out / SKIPPED_FILE, skipped)
     manifest = {
         **settings,
         "image_dim": img_enc.dim, "text_dim": txt_enc.dim, "dim": img_enc.dim + txt_enc.dim,
-        "rows": int(index.ntotal), "entities": len(set(entity_ids)), "skipped": len(skipped),
+        "rows": int(index.ntotal), "entities": len(set(rows_table["entity_id"])), "skipped": len(skipped),
         "kb_path": str(kb.resolve()), "images_root": str(Path(args.images_root or kb.parent).resolve()),
         "trust_remote_code": args.trust_remote_code,
         "versions": {"faiss": faiss.__version__, "open_clip": open_clip.__version__,

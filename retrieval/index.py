@@ -5,7 +5,7 @@ Ranks are over unique entities (many rows share one entity), 1-based; ``None`` m
 
 Index directory:
     index.faiss     FAISS index (inner product)
-    rows.parquet    row → entry_id, entity_id
+    rows.parquet    row → entry_id, entity_id, title
     manifest.json   encoder names, dims, row count, KB fingerprint, factory, library versions
     skipped.jsonl   KB rows left out of the build, with the reason
 """
@@ -116,10 +116,12 @@ class Ranked:
 
 class MultimodalIndex:
     def __init__(self, faiss_index, entry_ids: list[str], entity_ids: list[str], manifest: dict,
-                 image_encoder=None, text_encoder=None, device: str | None = None, path: Path | None = None):
+                 image_encoder=None, text_encoder=None, device: str | None = None, path: Path | None = None,
+                 titles: list[str] | None = None):
         self.faiss = faiss_index
         self.entry_ids = entry_ids
         self.entity_names, self.row_entity = np.unique(np.asarray(entity_ids, dtype=object), return_inverse=True)
+        self.entity_titles = dict(zip(entity_ids, titles)) if titles is not None else {}
         self.entity_index = {e: i for i, e in enumerate(self.entity_names)}
         self.manifest = manifest
         self.path = path
@@ -165,7 +167,7 @@ class MultimodalIndex:
         self = cls(index, rows["entry_id"], rows["entity_id"], manifest,
                    image_encoder=image_encoder if not isinstance(image_encoder, str) else None,
                    text_encoder=text_encoder if not isinstance(text_encoder, str) else None,
-                   device=device, path=path)
+                   device=device, path=path, titles=rows.get("title"))
         self.query_prompt = query_prompt
         return self
 

@@ -8,7 +8,7 @@ real MiniLM text encoder understands as words. Images are 56 px drawings with ji
 noise and a distractor blob. KB sections say the attributes in plain words. Questions are vague ("Where does this
 creature live?") on held-out image variants; they carry the gold entity, answers and gold attributes.
 
-Writes DIR/{kb,train,test,entities}.jsonl, DIR/images/, DIR/index/ (built with the chosen encoders) and
+Writes DIR/{kb,train,val,test,entities}.jsonl, DIR/images/, DIR/index/ (built with the chosen encoders) and
 DIR/calibration.json: where original questions rank (the paper's reward tiers), and how much stating the
 attributes helps — the properties a refiner needs to be able to learn from retrieval reward.
 """
@@ -56,6 +56,7 @@ class ToyWorldArgs:
     seed: int = field(default=0, metadata={"help": "world seed"})
     kb_images: int = field(default=2, metadata={"help": "KB images per entity"})
     train_images: int = field(default=20, metadata={"help": "train question images per entity"})
+    val_images: int = field(default=1, metadata={"help": "validation question images per entity (checkpoint selection)"})
     test_images: int = field(default=2, metadata={"help": "held-out test question images per entity"})
     noise: float = field(default=8.0, metadata={"help": "pixel noise σ"})
     alpha: float = field(default=0.3, metadata={"help": "α used to calibrate the world (the embedded default's α)"})
@@ -179,7 +180,8 @@ def render(e: dict, rng: np.random.Generator, noise: float = 8.0):
 def generate(args: ToyWorldArgs, log=print) -> dict:
     """Write the world's data files (idempotent: an existing world with the same settings is kept)."""
     out = Path(args.out)
-    settings = {k: getattr(args, k) for k in ("entities", "seed", "kb_images", "train_images", "test_images", "noise")}
+    settings = {k: getattr(args, k) for k in ("entities", "seed", "kb_images", "train_images", "val_images", "test_images",
+                                    "noise")}
     world_file = out / "world.json"
     if world_file.exists() and json.loads(world_file.read_text()).get("settings") == settings:
         log(f"toy world in {out} already generated")
@@ -187,7 +189,7 @@ def generate(args: ToyWorldArgs, log=print) -> dict:
     entities = make_entities(args.entities, args.seed)
     (out / "images").mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(args.seed + 1)
-    kb, questions = [], {"train": [], "test": []}
+    kb, questions = [], {"train": [], "val": [], "test": []}
     qtypes = list(QUESTIONS)
     for e in entities:
         eid = e["entity_id"]
@@ -197,7 +199,7 @@ def generate(args: ToyWorldArgs, log=print) -> dict:
             for k, (title, text) in enumerate(sections(e)):
                 kb.append(dict(entry_id=f"{eid}-img{j}-sec{k}", entity_id=eid, title=e["name"], section_title=title,
                                text=text, image=image))
-        for split, n in (("train", args.train_images), ("test", args.test_images)):
+        for split, n in (("train", args.train_images), ("val", args.val_images), ("test", args.test_images)):
             for j in range(n):
                 image = f"images/{eid}_{split}{j}.png"
                 render(e, rng, args.noise).save(out / image)
@@ -211,10 +213,10 @@ def generate(args: ToyWorldArgs, log=print) -> dict:
     for split, rows in questions.items():
         write_jsonl_atomic(out / f"{split}.jsonl", rows)
     world = {"settings": settings, "entities": len(entities), "kb_rows": len(kb),
-             "train_questions": len(questions["train"]), "test_questions": len(questions["test"])}
+             **{f"{split}_questions": len(rows) for split, rows in questions.items()}}
     write_json_atomic(world_file, world)  # last: marks the world complete
     log(f"toy world: {len(entities)} entities, {len(kb)} KB rows, {len(questions['train'])} train / "
-        f"{len(questions['test'])} test questions in {out}")
+        f"{len(questions['val'])} val / {len(questions['test'])} test questions in {out}")
     return world
 
 

@@ -12,7 +12,7 @@ from retrieval.toyworld import (ATTRIBUTES, ToyWorldArgs, bucket_histogram, buil
 
 def digest(folder):
     h = hashlib.sha256()
-    for name in ["kb.jsonl", "train.jsonl", "test.jsonl", "entities.jsonl"]:
+    for name in ["kb.jsonl", "train.jsonl", "val.jsonl", "test.jsonl", "entities.jsonl"]:
         h.update((folder / name).read_bytes())
     for p in sorted((folder / "images").iterdir())[:20]:
         h.update(p.read_bytes())
@@ -35,7 +35,9 @@ def test_world_records_are_well_formed(tiny_world):
     assert len({e["name"] for e in entities.values()}) == 24
     train = [json.loads(x) for x in open(tiny_world / "train.jsonl")]
     test = [json.loads(x) for x in open(tiny_world / "test.jsonl")]
-    assert not {q["image"] for q in train} & {q["image"] for q in test}  # held-out image variants
+    val = [json.loads(x) for x in open(tiny_world / "val.jsonl")]
+    assert len(val) == 24 and len(test) == 48
+    assert not {q["image"] for q in train} & {q["image"] for q in test + val}  # held-out image variants
     for q in train + test:
         e = entities[q["entity_id"]]
         assert (tiny_world / q["image"]).is_file()

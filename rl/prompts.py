@@ -1,0 +1,41 @@
+"""The refiner's prompt: the one place its wording lives (exported with the model).
+
+Prompts are data keyed by plain names: ``wikiseeker`` is the paper's refiner prompt (the real configs); ``toy`` is a
+short prompt with the same contract for the tiny embedded-default model, whose context is small.
+"""
+
+from __future__ import annotations
+
+SYSTEM_PROMPTS = {
+    "wikiseeker": (
+        "You are an expert in encyclopedic knowledge and in writing search queries for an encyclopedic knowledge "
+        "base. You are given an image and a question about it. Rewrite the question into a retrieval query that "
+        "finds the Wikipedia article and section answering it. Retain the original query, and expand it with what "
+        "you see in the image (the entity's visual features) and with relevant world knowledge. First reason "
+        "inside <think> </think>, then give the final query as a JSON object {\"query\": \"...\"} inside "
+        "<answer> </answer>."
+    ),
+    "toy": "Refine the question into a search query. Think in <think></think>, answer JSON {\"query\": ...} in "
+           "<answer></answer>.",
+}
+USER_TEMPLATE = "{question}"
+
+
+def check_prompt(name: str) -> str:
+    if name not in SYSTEM_PROMPTS:
+        raise ValueError(f"unknown prompt {name!r}: choose one of {', '.join(SYSTEM_PROMPTS)}")
+    return name
+
+
+def prompt_messages(question: str, prompt: str = "wikiseeker", with_image_block: bool = False) -> list[dict]:
+    """Conversational prompt. TRL's GRPOTrainer inserts the image block itself (``with_image_block=False``);
+    plain generation with a processor needs it in the user turn."""
+    user = USER_TEMPLATE.format(question=question)
+    content = ([{"type": "image"}] if with_image_block else []) + [{"type": "text", "text": user}]
+    return [{"role": "system", "content": [{"type": "text", "text": SYSTEM_PROMPTS[check_prompt(prompt)]}]},
+            {"role": "user", "content": content}]
+
+
+def prompt_spec(prompt: str) -> dict:
+    """What an exported refiner needs to rebuild its prompt (written into refiner.json)."""
+    return {"name": prompt, "system": SYSTEM_PROMPTS[check_prompt(prompt)], "user_template": USER_TEMPLATE}
