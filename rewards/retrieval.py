@@ -41,6 +41,7 @@ class RetrievalReward:
         self.seconds = 0.0
         self.calls = 0
         self.last: list[dict] = []  # the latest call's per-completion details (for tables)
+        self.images: dict[str, object] = {}  # the latest call's images by question id (for tables)
 
     # ------------------------------------------------------------------ image embeddings
 
@@ -91,8 +92,10 @@ class RetrievalReward:
                    for q, r in zip(queries, ranks)]
         rewards = [r if math.isfinite(r) else self.miss for r in rewards]
         questions = kwargs.get(self.question_field)
-        self.last = [dict(query=q, rank=r, reward=w, entity_id=str(e), id=i)
-                     for q, r, w, e, i in zip(queries, ranks, rewards, entity_id, ids)]
+        self.last = [dict(query=q, rank=r, reward=w, entity_id=str(e), id=i,
+                          question=None if questions is None else questions[j])
+                     for j, (q, r, w, e, i) in enumerate(zip(queries, ranks, rewards, entity_id, ids))]
+        self.images = dict(zip(ids, images))
         if log_metric is not None:
             for name, value in batch_metrics(queries, ranks, questions).items():
                 log_metric(name, value)

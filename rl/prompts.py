@@ -28,12 +28,13 @@ def check_prompt(name: str) -> str:
 
 
 def prompt_messages(question: str, prompt: str = "wikiseeker", with_image_block: bool = False) -> list[dict]:
-    """Conversational prompt. TRL's GRPOTrainer inserts the image block itself (``with_image_block=False``);
-    plain generation with a processor needs it in the user turn."""
-    user = USER_TEMPLATE.format(question=question)
-    content = ([{"type": "image"}] if with_image_block else []) + [{"type": "text", "text": user}]
-    return [{"role": "system", "content": [{"type": "text", "text": SYSTEM_PROMPTS[check_prompt(prompt)]}]},
-            {"role": "user", "content": content}]
+    """Conversational prompt. For TRL datasets (``with_image_block=False``) contents are strings and TRL inserts
+    the image block before the user text itself; plain generation with a processor needs the block explicitly."""
+    system, user = SYSTEM_PROMPTS[check_prompt(prompt)], USER_TEMPLATE.format(question=question)
+    if not with_image_block:
+        return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    return [{"role": "system", "content": [{"type": "text", "text": system}]},
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": user}]}]
 
 
 def prompt_spec(prompt: str) -> dict:

@@ -1,0 +1,187 @@
+"""RL data: question datasets for TRL, and hit-rank stratified sampling of the RL training set.
+
+    python -m rl.data --queries train.jsonl --index DIR --alpha A \
+        --strata "1-5:500,6-10:1000,11-20:1000,21-200:2500,miss:2000" --out rl_train.jsonl [--seed 0]
+
+Runs baseline retrieval with the original question, buckets questions by the gold entity's rank, samples each
+bucket (seeded), writes the sample with ``baseline_rank``, and prints and plots the bucket histogram. A bucket with
+too few questions is filled as far as possible and reported. A question whose gold entity is not in the index is
+refused with a list (it would otherwise be rewarded as a permanent miss).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from retrieval.files import atomic_path, read_jsonl, write_json_atomic, write_jsonl_atomic
+from retrieval.index import check_alpha
+from rl.prompts import prompt_messages
+
+
+def question_dataset(path: str | Path, images_root: str | Path | None = None, prompt: str = "wikiseeker",
+                     limit: int | None = None):
+    """Question JSONL → a TRL-ready ``datasets.Dataset``: conversational ``prompt`` plus ``image`` and the columns
+    the rewards read (``id``, ``entity_id``, ``question``)."""
+    from datasets import Dataset, Image
+
+    path = Path(path)
+    root = Path(images_root or path.parent)
+    rows = []
+    for rec in read_jsonl(path):
+        image = root / str(rec.get("image"))
+        if not image.is_file():
+            raise ValueError(f"{path}: question {rec.get('id')!r} has no image file at {image}")
+        rows.append({"prompt": prompt_messages(rec["question"], prompt), "image": str(image), "id": str(rec["id"]),
+                     "entity_id": str(rec["entity_id"]), "question": rec["question"]})
+        if limit and len(rows) >= limit:
+            break
+    if not rows:
+        raise ValueError(f"{path} holds no questions")
+    return Dataset.from_list(rows).cast_column("image", Image())
+
+
+# --------------------------------------------------------------------------- stratified RL data
+
+@dataclass
+class RLDataArgs:
+    queries: str = field(default=None, metadata={"help": "question JSONL"})
+    index: str = field(default=None, metadata={"help": "index directory"})
+    alpha: float = field(default=None, metadata={"help": "image weight α"})
+    strata: str = field(default="1-5:500,6-10:1000,11-20:1000,21-200:2500,miss:2000",
+                        metadata={"help": "bucket:count list; buckets are lo-hi rank ranges or 'miss'"})
+    out: str = field(default=None, metadata={"help": "RL training JSONL to write"})
+    images_root: str = field(default=None, metadata={"help": "default: the queries file's folder"})
+    depth: int = field(default=200, metadata={"help": "rank depth (deeper = miss)"})
+    seed: int = field(default=0, metadata={"help": "sampling seed"})
+    batch_size: int = field(default=256, metadata={"help": "questions per retrieval batch"})
+
+
+def parse_strata(text: str) -> list[tuple[str, int | None, int | None, int]]:
+    """``"1-5:500,miss:2000"`` → [(name, lo, hi, count)] with (None, None) for the miss bucket."""
+    out = []
+    for part in str(text).split(","):
+        try:
+            name, count = part.strip().rsplit(":", 1)
+            count = int(count)
+            if name == "miss":
+                lo = hi = None
+            else:
+                lo, hi = (int(x) for x in name.split("-"))
+                if not 1 <= lo <= hi:
+                    raise ValueError
+        except ValueError:
+            raise ValueError(f"--strata: bucket {part.strip()!r} must look like lo-hi:count or miss:count") from None
+        if count < 0:
+            raise ValueError(f"--strata: bucket {name} has a negative count")
+        out.append((name, lo, hi, count))
+    spans = sorted((lo, hi) for _, lo, hi, _ in out if lo is not None)
+    for (a_lo, a_hi), (b_lo, b_hi) in zip(spans, spans[1:]):
+        if b_lo <= a_hi:
+            raise ValueError(f"--strata: buckets {a_lo}-{a_hi} and {b_lo}-{b_hi} overlap")
+    return out
+
+
+def bucket_of(rank: int | None, strata) -> str | None:
+    for name, lo, hi, _ in strata:
+        if (lo is None and rank is None) or (lo is not None and rank is not None and lo <= rank <= hi):
+            return name
+    return None
+
+
+def stratified_sample(ranks: list[int | None], strata, seed: int) -> tuple[list[int], dict]:
+    """Indices sampled per bucket (seeded, in file order) and a report {bucket: {available, wanted, taken}}."""
+    rng = np.random.default_rng(seed)
+    members: dict[str, list[int]] = {name: [] for name, *_ in strata}
+    for i, r in enumerate(ranks):
+        b = bucket_of(r, strata)
+        if b is not None:
+            members[b].append(i)
+    chosen, report = [], {}
+    for name, _, _, count in strata:
+        pool = members[name]
+        take = min(count, len(pool))
+        chosen += [pool[j] for j in rng.choice(len(pool), size=take, replace=False)] if take else []
+        report[name] = {"available": len(pool), "wanted": count, "taken": take}
+    return sorted(chosen), report
+
+
+def build_rl_data(args: RLDataArgs, log=print) -> dict:
+    from PIL import Image
+    from tqdm import tqdm
+
+    from retrieval.index import MANIFEST_FILE, MultimodalIndex
+
+    if not args.queries or not Path(args.queries).is_file():
+        raise ValueError(f"--queries: file {args.queries!r} does not exist")
+    if not args.index or not (Path(args.index) / MANIFEST_FILE).is_file():
+        raise ValueError(f"--index: {args.index!r} is not a finished index directory")
+    if args.alpha is None:
+        raise ValueError("--alpha is required")
+    check_alpha(args.alpha)
+    if not args.out:
+        raise ValueError("--out is required")
+    strata = parse_strata(args.strata)
+    root = Path(args.images_root or Path(args.queries).parent)
+    index = MultimodalIndex.load(args.index)
+    rows = list(read_jsonl(args.queries))
+    unknown = [r.get("id") for r in rows if not index.has_entity(str(r.get("entity_id")))]
+    if unknown:
+        shown = ", ".join(map(str, unknown[:20])) + (" …" if len(unknown) > 20 else "")
+        raise ValueError(f"{len(unknown)} question(s) have a gold entity that is not in the index: {shown}")
+    missing = [r.get("id") for r in rows if not (root / str(r.get("image"))).is_file()]
+    if missing:
+        raise ValueError(f"{len(missing)} question(s) have no image file under {root}: "
+                         + ", ".join(map(str, missing[:20])))
+    ranks: list[int | None] = []
+    for start in tqdm(range(0, len(rows), args.batch_size), desc="baseline retrieval"):
+        batch = rows[start:start + args.batch_size]
+        images = [Image.open(root / r["image"]).convert("RGB") for r in batch]
+        ranks += index.entity_ranks(images, [r["question"] for r in batch], [str(r["entity_id"]) for r in batch],
+                                    alpha=args.alpha, depth=args.depth)
+    chosen, report = stratified_sample(ranks, strata, args.seed)
+    write_jsonl_atomic(args.out, ({**rows[i], "baseline_rank": ranks[i]} for i in chosen))
+    for name, rep in report.items():
+        note = "" if rep["taken"] == rep["wanted"] else f"   (only {rep['available']} available)"
+        log(f"{name:>8}: {rep['taken']:6d} of {rep['wanted']:6d}{note}")
+    log(f"wrote {len(chosen)} questions to {args.out}")
+    summary = {"alpha": args.alpha, "depth": args.depth, "seed": args.seed, "buckets": report,
+               "questions": len(rows), "sampled": len(chosen)}
+    write_json_atomic(f"{args.out}.buckets.json", summary)
+    _plot(report, f"{args.out}.buckets.png")
+    return summary
+
+
+def _plot(report: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(report)
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar(names, [report[n]["available"] for n in names], color="#cccccc", label="available")
+    ax.bar(names, [report[n]["taken"] for n in names], color="#3b75af", label="sampled")
+    ax.set_xlabel("baseline rank bucket")
+    ax.set_ylabel("questions")
+    ax.legend()
+    fig.tight_layout()
+    with atomic_path(path, suffix=".png") as tmp:
+        fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    from retrieval.cli import parse
+
+    (args,) = parse((RLDataArgs,), argv, description=__doc__)
+    build_rl_data(args)
+
+
+if __name__ == "__main__":
+    from retrieval.cli import run
+
+    run(main)

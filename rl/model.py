@@ -1,0 +1,55 @@
+"""Loading the refiner VLM: any AutoModelForImageTextToText path or name, dtype from config, frozen vision tower."""
+
+from __future__ import annotations
+
+import torch
+
+DTYPES = {"auto": "auto", "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+          "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
+
+
+def resolve_dtype(name: str | None, device: str = "cpu"):
+    """``None``/"auto" → bf16 on GPU, fp32 on CPU; otherwise one of DTYPES."""
+    if name in (None, "auto"):
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+def vision_tower(model):
+    """The vision encoder module of a (possibly PEFT-wrapped) VLM."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for getter in (lambda m: m.model.visual, lambda m: m.visual, lambda m: m.get_encoder(modality="image")):
+        try:
+            tower = getter(base)
+        except (AttributeError, TypeError):
+            continue
+        if isinstance(tower, torch.nn.Module):
+            return tower
+    raise ValueError(f"cannot find the vision tower of {type(base).__name__}")
+
+
+def freeze_vision_tower(model) -> int:
+    """Freeze the vision tower; returns how many parameters were frozen."""
+    tower = vision_tower(model)
+    tower.requires_grad_(False)
+    return sum(p.numel() for p in tower.parameters())
+
+
+def trainable_parameters(module) -> int:
+    return sum(p.numel() for p in module.parameters() if p.requires_grad)
+
+
+def load_model(name_or_path: str, dtype: str | None = None, device: str = "cpu", trust_remote_code: bool = False,
+               attn_implementation: str | None = None):
+    """Model and processor from a folder or hub name (``trust_remote_code`` only when asked)."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    kwargs = {"dtype": resolve_dtype(dtype, device), "trust_remote_code": trust_remote_code}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    model = AutoModelForImageTextToText.from_pretrained(name_or_path, **kwargs)
+    processor = AutoProcessor.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    processor.tokenizer.padding_side = "left"
+    return model, processor

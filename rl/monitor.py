@@ -1,0 +1,160 @@
+"""Monitoring for GRPO runs: our own completions table (TRL's crashes with image prompts in W&B), a rank
+histogram, reward-time accounting, and PNG curves + a final metrics JSON that exist with or without W&B."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+from retrieval.files import atomic_path, write_json_atomic
+
+
+def setup_wandb(output_dir: str, report_to) -> None:
+    """Log W&B offline, into the output dir, unless the user configured W&B themselves."""
+    if "wandb" not in (report_to or []):
+        return
+    if not os.environ.get("WANDB_API_KEY") and "WANDB_MODE" not in os.environ:
+        os.environ["WANDB_MODE"] = "offline"
+    os.environ.setdefault("WANDB_DIR", str(Path(output_dir).resolve()))
+    os.environ.setdefault("WANDB_CACHE_DIR", str(Path(output_dir).resolve() / ".wandb-cache"))
+    Path(os.environ["WANDB_DIR"]).mkdir(parents=True, exist_ok=True)
+
+
+class TimedReward:
+    """Wraps a TRL reward function, adding up the seconds spent in it; keeps the name TRL logs it under."""
+
+    def __init__(self, func):
+        self.func = func
+        self.__name__ = getattr(func, "__name__", type(func).__name__)
+        self.seconds = 0.0
+        self.last: list[float] = []
+
+    def __call__(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        self.last = self.func(*args, **kwargs)
+        self.seconds += time.perf_counter() - t0
+        return self.last
+
+
+class RefinerMonitor(TrainerCallback):
+    """Every ``table_steps``: a W&B table of the latest completions (image, question, refined query, gold entity,
+    rank, top-3 retrieved titles, rewards) and a rank histogram; also appended to ``samples.jsonl``.
+    At the end: reward-time share of step time, ``curves.png`` and ``metrics.json`` in the output dir."""
+
+    def __init__(self, retrieval_reward, format_reward: TimedReward, timed: list[TimedReward], table_steps: int,
+                 output_dir: str, max_rows: int = 16):
+        self.retrieval, self.format, self.timed = retrieval_reward, format_reward, timed
+        self.table_steps, self.max_rows = table_steps, max_rows
+        self.output_dir = Path(output_dir)
+        self.step_seconds = 0.0
+        self._t0 = None
+        self.images: dict[str, object] = {}
+
+    # -------------------------------------------------------------- timing
+
+    def on_step_begin(self, args, state, control, **kw):
+        self._t0 = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kw):
+        if self._t0 is not None:
+            self.step_seconds += time.perf_counter() - self._t0
+        if self.table_steps and state.global_step % self.table_steps == 0 and state.is_world_process_zero:
+            self.log_table(state.global_step)
+
+    def reward_seconds(self) -> float:
+        return sum(t.seconds for t in self.timed)
+
+    # -------------------------------------------------------------- completions table
+
+    def rows(self) -> list[dict]:
+        last, fmt = self.retrieval.last, self.format.last
+        rows = []
+        for i, rec in enumerate(last[: self.max_rows]):
+            top = []
+            if rec["query"] is not None and rec["id"] in self.retrieval.image_cache:
+                import numpy as np
+
+                hits = self.retrieval.index.search(np.stack([self.retrieval.image_cache[rec["id"]]]), [rec["query"]],
+                                                   alpha=self.retrieval.alpha, k=3)[0]
+                top = [self.retrieval.index.entity_titles.get(h.entity_id) or h.entity_id for h in hits]
+            f = fmt[i] if i < len(fmt) else None
+            rows.append({**rec, "gold_title": self.retrieval.index.entity_titles.get(rec["entity_id"], rec["entity_id"]),
+                         "top3": top, "format_reward": f, "retrieval_reward": rec["reward"],
+                         "total_reward": None if f is None else f + rec["reward"]})
+        return rows
+
+    def log_table(self, step: int) -> None:
+        rows = self.rows()
+        if not rows:
+            return
+        with open(self.output_dir / "samples.jsonl", "a") as fh:
+            for r in rows:
+                fh.write(json.dumps({"step": step, **r}, default=str) + "\n")
+        try:
+            import wandb
+        except ImportError:
+            return
+        if wandb.run is None:
+            return
+        cols = ["step", "image", "question", "refined_query", "gold_entity", "rank", "top3_retrieved",
+                "format_reward", "retrieval_reward", "total_reward"]
+        table = wandb.Table(columns=cols)
+        for r in rows:
+            img = self.retrieval.images.get(r["id"])
+            table.add_data(step, wandb.Image(img) if img is not None else None, r.get("question") or "",
+                           r["query"] or "", r["gold_title"], -1 if r["rank"] is None else r["rank"],
+                           ", ".join(r["top3"]), r["format_reward"], r["retrieval_reward"], r["total_reward"])
+        ranks = [(self.retrieval.depth + 1) if x["rank"] is None else x["rank"] for x in self.retrieval.last]
+        wandb.log({"completions": table, "rank_histogram": wandb.Histogram(ranks)}, commit=False)
+
+    # -------------------------------------------------------------- end of training
+
+    def on_train_end(self, args, state, control, **kw):
+        if not state.is_world_process_zero:
+            return
+        share = self.reward_seconds() / self.step_seconds if self.step_seconds else float("nan")
+        self.summary = {"reward_seconds": self.reward_seconds(), "step_seconds": self.step_seconds,
+                        "reward_time_share": share, "global_step": state.global_step}
+        print(f"reward time: {self.reward_seconds():.1f}s of {self.step_seconds:.1f}s in training steps "
+              f"({100 * share:.1f}%)")
+        write_curves(state.log_history, self.output_dir / "curves.png")
+        final = state.log_history[-1] if state.log_history else {}
+        write_json_atomic(self.output_dir / "metrics.json", {**self.summary, "final_log": final,
+                                                              "log_history": state.log_history})
+
+
+def write_curves(log_history: list[dict], path: Path) -> None:
+    """Mean total / format / retrieval reward and hit@1 / hit@10 per logged step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    logs = [h for h in log_history if "reward" in h and "step" in h]
+    if not logs:
+        return
+    steps = [h["step"] for h in logs]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for key, label in [("reward", "total"), ("rewards/format_reward/mean", "format"),
+                       ("rewards/retrieval_reward/mean", "retrieval")]:
+        if any(key in h for h in logs):
+            a.plot(steps, [h.get(key, float("nan")) for h in logs], label=label)
+    a.set_title("mean reward")
+    a.set_xlabel("step")
+    a.legend()
+    for key in ("retrieval/hit@1", "retrieval/hit@10"):
+        if any(key in h for h in logs):
+            b.plot(steps, [h.get(key, float("nan")) for h in logs], label=key.split("/")[1])
+    b.set_title("hit rate of sampled queries")
+    b.set_xlabel("step")
+    b.legend()
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    with atomic_path(path, suffix=".png") as tmp:
+        fig.savefig(tmp, dpi=110)
+    plt.close(fig)

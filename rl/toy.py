@@ -1,0 +1,146 @@
+"""The embedded default's pieces: the toy world, a tiny refiner, its supervised warm start, and the learning table.
+
+The warm start (TRL SFTTrainer) teaches the output format to convergence but is deliberately imperfect on what the
+refiner sees: in ``shift_fraction`` of its examples the colour word is replaced by the next colour of the palette
+(red→orange, orange→yellow, …). After it, the refiner names the right colour only part of the time; GRPO must
+fix that from the retrieval reward alone, since stating a wrong colour ranks the gold entity lower.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from retrieval.files import read_jsonl, write_json_atomic
+from retrieval.toyworld import ATTRIBUTE_VALUES, ATTRIBUTES, COLOURS, attribute_words
+from rewards.format import format_completion, parse_query
+from rl.prompts import SYSTEM_PROMPTS, prompt_messages
+
+COLOUR_SHIFT = dict(zip(COLOURS, list(COLOURS)[1:] + list(COLOURS)[:1]))
+_VALUE_OF = {v: k for k, vs in ATTRIBUTE_VALUES.items() for v in vs}
+
+
+def refined(question: str, attrs: dict) -> str:
+    return f"{question} {attribute_words(attrs)}"
+
+
+def target_completion(question: str, attrs: dict) -> str:
+    """What the warm start teaches: the attributes in <think>, the question + attributes as the query."""
+    return format_completion(refined(question, attrs), think=attribute_words(attrs))
+
+
+def warm_start_rows(world: Path, shift_fraction: float, seed: int) -> list[dict]:
+    """Prompt–completion rows over the train split, with the colour label shifted in a seeded fraction of them."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for q in read_jsonl(world / "train.jsonl"):
+        attrs = dict(q["attributes"])
+        if rng.random() < shift_fraction:
+            attrs["colour"] = COLOUR_SHIFT[attrs["colour"]]
+        rows.append({"prompt": prompt_messages(q["question"], "toy"),
+                     "completion": [{"role": "assistant", "content": target_completion(q["question"], attrs)}],
+                     "image": str(world / q["image"])})
+    return rows
+
+
+def tokenizer_corpus(world: Path) -> list[str]:
+    texts = [r["text"] for r in read_jsonl(world / "kb.jsonl")]
+    for q in read_jsonl(world / "train.jsonl"):
+        texts.append(target_completion(q["question"], q["attributes"]))
+    return texts + list(SYSTEM_PROMPTS.values())
+
+
+def run_warm_start(base: Path, world: Path, out: Path, steps: int, batch_size: int, learning_rate: float,
+                   shift_fraction: float, seed: int, log=print) -> Path:
+    """TRL SFTTrainer on the warm-start rows; the finished model is saved to ``out`` (reused if present)."""
+    if (out / "warm_start.json").exists():
+        log(f"warm start in {out} already done")
+        return out
+    from datasets import Dataset, Image
+    from trl import SFTConfig, SFTTrainer
+
+    from rl.model import load_model
+
+    model, processor = load_model(str(base))
+    data = Dataset.from_list(warm_start_rows(world, shift_fraction, seed)).cast_column("image", Image())
+    config = SFTConfig(output_dir=str(out / "run"), max_steps=steps, per_device_train_batch_size=batch_size,
+                       learning_rate=learning_rate, warmup_steps=min(50, steps // 10), lr_scheduler_type="cosine",
+                       logging_steps=max(1, steps // 10), save_strategy="no", report_to="none", use_cpu=True,
+                       bf16=False, gradient_checkpointing=False, max_length=None, seed=seed,
+                       dataloader_num_workers=0, disable_tqdm=False)
+    trainer = SFTTrainer(model=model, args=config, train_dataset=data, processing_class=processor)
+    result = trainer.train()
+    trainer.save_model(str(out))
+    processor.save_pretrained(str(out))
+    write_json_atomic(out / "warm_start.json", {"steps": steps, "shift_fraction": shift_fraction,
+                                                 "train_loss": result.training_loss})
+    return out
+
+
+# --------------------------------------------------------------------------- the learning table
+
+
+def attribute_stats(query: str | None, gold: dict) -> tuple[int, int, int]:
+    """(correct attribute words, wrong attribute words, attribute words stated) of one refined query."""
+    if not query:
+        return 0, 0, 0
+    words = set(query.lower().replace("?", " ").replace(",", " ").split())
+    stated = [w for w in words if w in _VALUE_OF]
+    correct = sum(1 for a in ATTRIBUTES if gold[a] in words)
+    return correct, len(stated) - correct, len(stated)
+
+
+def learning_row(ranks: list[int | None], queries: list[str | None] | None, golds: list[dict]) -> dict:
+    n = max(len(ranks), 1)
+    row = {f"R@{k}": 100.0 * sum(1 for r in ranks if r is not None and r <= k) / n for k in (1, 5, 10)}
+    if queries is not None:
+        stats = [attribute_stats(q, g) for q, g in zip(queries, golds)]
+        stated = sum(s[2] for s in stats)
+        row["attribute_accuracy"] = 100.0 * sum(s[0] for s in stats) / (len(ATTRIBUTES) * n)
+        row["wrong_attribute_words"] = 100.0 * sum(s[1] for s in stats) / max(stated, 1)
+        row["attribute_words_per_query"] = stated / n
+        row["parse_rate"] = 100.0 * sum(q is not None for q in queries) / n
+    return row
+
+
+def evaluate_refiner(index, world: Path, alpha: float, model=None, processor=None, split: str = "test",
+                     batch_size: int = 64, max_new_tokens: int = 64) -> tuple[dict, list[dict]]:
+    """Greedy refined queries for a split → (learning-table row, per-question records). Without a model the
+    original question is the query. An unparseable completion falls back to the original question."""
+    from PIL import Image
+
+    from rl.generate import generate_completions
+
+    rows = list(read_jsonl(world / f"{split}.jsonl"))
+    images = [Image.open(world / r["image"]).convert("RGB") for r in rows]
+    questions = [r["question"] for r in rows]
+    if model is None:
+        raw, queries = None, None
+        texts = questions
+    else:
+        raw = generate_completions(model, processor, images, questions, prompt="toy", batch_size=batch_size,
+                                   max_new_tokens=max_new_tokens)
+        queries = [parse_query(t) for t in raw]
+        texts = [q if q is not None else orig for q, orig in zip(queries, questions)]
+    ranks = index.entity_ranks(images, texts, [r["entity_id"] for r in rows], alpha=alpha, depth=200)
+    records = [{"id": r["id"], "question": r["question"], "query": t, "rank": k,
+                "raw": None if raw is None else raw[i]} for i, (r, t, k) in enumerate(zip(rows, texts, ranks))]
+    return learning_row(ranks, queries, [r["attributes"] for r in rows]), records
+
+
+def format_learning_table(table: dict) -> str:
+    cols = ["R@1", "R@5", "R@10", "attribute_accuracy", "wrong_attribute_words", "attribute_words_per_query"]
+    lines = ["| queries | " + " | ".join(cols) + " |", "|" + "---|" * (len(cols) + 1)]
+    for name in ("original", "warm_start", "grpo"):
+        if name in table:
+            row = table[name]
+            lines.append(f"| {name} | " + " | ".join(
+                "—" if c not in row else (f"{row[c]:.2f}" if c == "attribute_words_per_query" else f"{row[c]:.1f}")
+                for c in cols) + " |")
+    return "\n".join(lines)
+
+
+def load_json(path: Path) -> dict:
+    return json.loads(Path(path).read_text())

@@ -1,0 +1,205 @@
+"""Train a query refiner with GRPO against a multimodal retrieval reward.
+
+    accelerate launch rl/train_grpo.py [--config configs/grpo/X.yaml] [--any_field value ...]
+
+With no --config it runs the embedded default (configs/grpo/toy.yaml): it generates the toy world and its index
+if missing, builds a tiny Qwen2.5-VL refiner, gives it a supervised warm start, runs GRPO on the CPU, and prints
+a table of test-set retrieval for the original question, the warm start and the GRPO refiner.
+
+Arguments are TRL's: every GRPOConfig and ModelConfig field, plus ours (RefinerArguments), from YAML or flags.
+The loop is TRL's GRPOTrainer; the rewards are rewards.FormatReward + rewards.RetrievalReward.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# run as a script (accelerate launch rl/train_grpo.py): import the packages, not this folder's modules
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "rl"]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import json  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+
+DEFAULT_CONFIG = ROOT / "configs" / "grpo" / "toy.yaml"
+
+
+@dataclass
+class RefinerArguments:
+    index: str = field(default=None, metadata={"help": "index directory (retrieval.build_index output)"})
+    alpha: float = field(default=0.63, metadata={"help": "image weight α of the query"})
+    train_file: str = field(default=None, metadata={"help": "question JSONL for RL (rl.data output)"})
+    eval_file: str = field(default=None, metadata={"help": "held-out question JSONL scored during training"})
+    eval_limit: int = field(default=None, metadata={"help": "use only the first N eval questions"})
+    images_root: str = field(default=None, metadata={"help": "image folder (default: each question file's folder)"})
+    prompt: str = field(default="wikiseeker", metadata={"help": "refiner prompt: wikiseeker | toy"})
+    depth: int = field(default=200, metadata={"help": "rank depth of the retrieval reward"})
+    reward_tiers: str = field(default="1-5:4,6-10:3.5,11-20:3,21-50:1,51-100:0.5,101-200:0.1",
+                              metadata={"help": "rank tiers lo-hi:reward (the paper's by default)"})
+    miss_reward: float = field(default=-2.5, metadata={"help": "retrieval reward beyond the last tier"})
+    unparseable_retrieval_reward: float = field(default=-2.5, metadata={"help": "retrieval reward of a completion that does not parse"})
+    format_valid_reward: float = field(default=1.0, metadata={"help": "format reward when the format holds"})
+    format_invalid_reward: float = field(default=-4.0, metadata={"help": "format reward otherwise"})
+    max_query_tokens: int = field(default=128, metadata={"help": "longer queries count as invalid format"})
+    freeze_vision_tower: bool = field(default=True, metadata={"help": "train no vision-tower parameter"})
+    log_table_steps: int = field(default=50, metadata={"help": "completions table every N steps (0 = never)"})
+    toy_world: str = field(default=None, metadata={"help": "embedded default: generate the toy world here if missing"})
+    warm_start_steps: int = field(default=0, metadata={"help": "supervised warm start steps before GRPO (toy world)"})
+    warm_start_batch_size: int = field(default=16, metadata={"help": "warm start batch size"})
+    warm_start_learning_rate: float = field(default=1e-3, metadata={"help": "warm start learning rate"})
+    warm_start_shift: float = field(default=0.5, metadata={"help": "share of warm-start examples with a shifted colour"})
+    learning_table: bool = field(default=False, metadata={"help": "print/write the toy-world learning table at the end"})
+
+
+def validate(args: RefinerArguments, training_args, model_args, num_processes: int) -> None:
+    """Settings that need no files: fail before anything loads, naming the setting."""
+    from retrieval.index import check_alpha, check_k
+    from rewards.rank import parse_tiers, validate_tiers
+    from rl.prompts import check_prompt
+
+    check_alpha(args.alpha)
+    check_k(args.depth, "depth")
+    check_prompt(args.prompt)
+    validate_tiers(parse_tiers(args.reward_tiers), args.miss_reward)
+    if not model_args.model_name_or_path:
+        raise ValueError("--model_name_or_path is required")
+    per_step = training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps * num_processes
+    if per_step % training_args.num_generations:
+        raise ValueError(f"batch geometry: per_device_train_batch_size ({training_args.per_device_train_batch_size}) "
+                         f"× gradient_accumulation_steps ({training_args.gradient_accumulation_steps}) × processes "
+                         f"({num_processes}) = {per_step} completions per step is not a multiple of "
+                         f"num_generations ({training_args.num_generations})")
+    print(f"batch geometry: {per_step // training_args.num_generations} prompts × {training_args.num_generations} "
+          f"generations = {per_step} completions per optimizer step")
+
+
+def validate_files(args: RefinerArguments) -> None:
+    from retrieval.encoders import check_image_encoder_name, check_text_encoder_name
+    from retrieval.index import MANIFEST_FILE
+
+    if not args.index or not (Path(args.index) / MANIFEST_FILE).is_file():
+        raise ValueError(f"--index: {args.index!r} is not a finished index directory (no {MANIFEST_FILE})")
+    manifest = json.loads((Path(args.index) / MANIFEST_FILE).read_text())
+    check_image_encoder_name(manifest["image_encoder"])
+    check_text_encoder_name(manifest["text_encoder"])
+    for name in ("train_file", "eval_file"):
+        value = getattr(args, name)
+        if (name == "train_file" or value) and (not value or not Path(value).is_file()):
+            raise ValueError(f"--{name}: file {value!r} does not exist")
+
+
+def prepare_embedded_default(args: RefinerArguments, model_args, output_dir: Path) -> str:
+    """Toy world + index if missing, tiny base model if asked, supervised warm start if asked → model path."""
+    from retrieval.toyworld import ToyWorldArgs, build
+    from rl.tiny_vlm import build_tiny_vlm
+    from rl.toy import run_warm_start, tokenizer_corpus
+
+    model_path = model_args.model_name_or_path
+    if args.toy_world:
+        world = Path(args.toy_world)
+        build(ToyWorldArgs(out=str(world), alpha=args.alpha))
+    if model_path == "tiny":
+        if not args.toy_world:
+            raise ValueError("--model_name_or_path tiny builds its tokenizer from the toy world: set --toy_world")
+        model_path = str(build_tiny_vlm(output_dir / "tiny-base", tokenizer_corpus(Path(args.toy_world))))
+    if args.warm_start_steps > 0:
+        if not args.toy_world:
+            raise ValueError("--warm_start_steps needs --toy_world (the warm start is the toy world's)")
+        model_path = str(run_warm_start(Path(model_path), Path(args.toy_world), output_dir / "warm_start",
+                                        args.warm_start_steps, args.warm_start_batch_size,
+                                        args.warm_start_learning_rate, args.warm_start_shift, seed=0))
+    return model_path
+
+
+def main(argv=None) -> dict:
+    from accelerate import PartialState
+    from trl import GRPOConfig, GRPOTrainer, ModelConfig, get_peft_config
+
+    from retrieval.cli import parse
+    from retrieval.index import MultimodalIndex
+    from rewards import FormatReward, RetrievalReward, parse_tiers
+    from rl.data import question_dataset
+    from rl.model import freeze_vision_tower, load_model, trainable_parameters, vision_tower
+    from rl.monitor import RefinerMonitor, TimedReward, setup_wandb
+
+    t_start = time.time()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--config" not in argv:
+        print(f"no --config given: running the embedded default ({DEFAULT_CONFIG.relative_to(ROOT)})")
+        argv = ["--config", str(DEFAULT_CONFIG), *argv]
+    args, training_args, model_args = parse((RefinerArguments, GRPOConfig, ModelConfig), argv, description=__doc__)
+    state = PartialState()
+    validate(args, training_args, model_args, state.num_processes)
+    output_dir = Path(training_args.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    with state.main_process_first():
+        model_path = prepare_embedded_default(args, model_args, output_dir)
+    validate_files(args)
+
+    model, processor = load_model(model_path, model_args.dtype, device=str(state.device),
+                                  trust_remote_code=training_args.trust_remote_code,
+                                  attn_implementation=model_args.attn_implementation)
+    if args.freeze_vision_tower:
+        frozen = freeze_vision_tower(model)
+        print(f"vision tower frozen ({frozen:,} parameters)")
+    index = MultimodalIndex.load(args.index, device="cpu" if training_args.use_cpu else None)
+    train_data = question_dataset(args.train_file, args.images_root, args.prompt)
+    eval_data = question_dataset(args.eval_file, args.images_root, args.prompt, args.eval_limit) if args.eval_file else None
+
+    retrieval = RetrievalReward(index, args.alpha, depth=args.depth, tiers=parse_tiers(args.reward_tiers),
+                                miss=args.miss_reward, unparseable=args.unparseable_retrieval_reward,
+                                max_query_tokens=args.max_query_tokens)
+    fmt = TimedReward(FormatReward(args.format_valid_reward, args.format_invalid_reward, args.max_query_tokens))
+    ret = TimedReward(retrieval)
+    monitor = RefinerMonitor(retrieval, fmt, [fmt, ret], args.log_table_steps, training_args.output_dir)
+    setup_wandb(training_args.output_dir, training_args.report_to)
+    trainer = GRPOTrainer(model=model, reward_funcs=[fmt, ret], args=training_args, train_dataset=train_data,
+                          eval_dataset=eval_data, processing_class=processor, peft_config=get_peft_config(model_args),
+                          callbacks=[monitor])
+    if args.freeze_vision_tower:
+        leaked = trainable_parameters(vision_tower(trainer.model))
+        if leaked:
+            raise RuntimeError(f"{leaked} vision-tower parameters are trainable despite freeze_vision_tower")
+    print(f"trainable parameters: {trainable_parameters(trainer.model):,}")
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.save_model(str(output_dir / "final"))
+    if state.is_main_process:
+        processor.save_pretrained(str(output_dir / "final"))
+    result = {"reward_time": getattr(monitor, "summary", {}), "log_history": trainer.state.log_history}
+    if args.learning_table and state.is_main_process:
+        result["learning"] = learning_table(args, index, model_path, trainer, processor, output_dir, t_start)
+    return result
+
+
+def learning_table(args, index, warm_path, trainer, processor, output_dir: Path, t_start: float) -> dict:
+    """Test-set R@k and attribute accuracy: original question, warm-started refiner, GRPO refiner."""
+    from retrieval.files import write_json_atomic, write_jsonl_atomic
+    from rl.model import load_model
+    from rl.toy import evaluate_refiner, format_learning_table
+
+    world = Path(args.toy_world)
+    table, samples = {}, {}
+    table["original"], samples["original"] = evaluate_refiner(index, world, args.alpha)
+    warm, warm_processor = load_model(warm_path)
+    table["warm_start"], samples["warm_start"] = evaluate_refiner(index, world, args.alpha, warm, warm_processor)
+    model = trainer.model.merge_and_unload() if hasattr(trainer.model, "merge_and_unload") else trainer.model
+    table["grpo"], samples["grpo"] = evaluate_refiner(index, world, args.alpha, model, processor)
+    table["wall_seconds"] = time.time() - t_start
+    table["test_questions"] = len(samples["original"])
+    write_json_atomic(output_dir / "learning.json", table)
+    for name, recs in samples.items():
+        write_jsonl_atomic(output_dir / f"test_queries_{name}.jsonl", recs)
+    print(f"\ntoy-world test set ({table['test_questions']} held-out questions), α = {args.alpha}:")
+    print(format_learning_table(table))
+    print(f"wall time {table['wall_seconds']:.0f}s; written to {output_dir / 'learning.json'}")
+    return table
+
+
+if __name__ == "__main__":
+    from retrieval.cli import run
+
+    run(main)
