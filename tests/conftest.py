@@ -48,3 +48,15 @@ def tiny_index(tiny_index_dir, encoders):
     from retrieval import MultimodalIndex
 
     return MultimodalIndex.load(tiny_index_dir, image_encoder=encoders[0], text_encoder=encoders[1])
+
+
+@pytest.fixture(scope="session")
+def tiny_refiner(tiny_world, tmp_path_factory):
+    """A tiny Qwen2.5-VL with a short supervised warm start: most of its samples parse, not all."""
+    from rl.tiny_vlm import build_tiny_vlm
+    from rl.toy import run_warm_start, tokenizer_corpus
+
+    root = tmp_path_factory.mktemp("refiner")
+    base = build_tiny_vlm(root / "base", tokenizer_corpus(tiny_world))
+    return run_warm_start(base, tiny_world, root / "warm", steps=150, batch_size=8, learning_rate=2e-3,
+                          shift_fraction=0.0, seed=0, log=lambda *a: None)
