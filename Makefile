@@ -13,8 +13,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
-	$(PY) -m retrieval.toyworld --config configs/retrieval/toyworld.yaml
-	$(PY) -m retrieval.evaluate --config configs/retrieval/evaluate_toy.yaml --alpha_sweep 0:1:0.1
+	$(VENV)/bin/accelerate launch rl/train_grpo.py
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q

@@ -2,7 +2,8 @@
 
 One call receives TRL's whole generation slice (every dataset column repeated per generation). It parses every
 completion, encodes all valid queries in one batch, takes the query-image embeddings from a cache keyed by the
-question ``id`` (each image is encoded once per run), and ranks every query in one index search.
+question ``id`` (each image is encoded once per run), and ranks every query in one index search. Query texts are
+cached too: a group of generations often repeats a query, and only unseen texts are encoded (in one batch).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ class RetrievalReward:
         self.max_query_tokens = max_query_tokens
         self.question_field = question_field
         self.image_cache: dict[str, np.ndarray] = {}
+        self.text_cache: dict[str, np.ndarray] = {}
+        self.text_cache_size = 200_000
         self.seconds = 0.0
         self.calls = 0
         self.last: list[dict] = []  # the latest call's per-completion details (for tables)
@@ -58,6 +61,15 @@ class RetrievalReward:
             self.image_cache.update(zip(missing, emb))
         return np.stack([self.image_cache[q] for q in ids])
 
+    def text_embeddings(self, texts: list[str]) -> np.ndarray:
+        """Embeddings of query texts; the unseen ones are encoded in one batch and cached."""
+        new = list(dict.fromkeys(t for t in texts if t not in self.text_cache))
+        if new:
+            if len(self.text_cache) + len(new) > self.text_cache_size:
+                self.text_cache.clear()
+            self.text_cache.update(zip(new, self.index.encode_texts(new)))
+        return np.stack([self.text_cache[t] for t in texts])
+
     # ------------------------------------------------------------------ the reward
 
     def score(self, queries: list[str | None], entity_ids: list[str], ids: list[str], images: list) -> list:
@@ -66,8 +78,9 @@ class RetrievalReward:
         ranks: list[int | None] = [None] * len(queries)
         if valid:
             img = self.image_embeddings([ids[i] for i in valid], [images[i] for i in valid])
-            found = self.index.entity_ranks(img, [queries[i] for i in valid], [entity_ids[i] for i in valid],
-                                            alpha=self.alpha, depth=self.depth)
+            txt = self.text_embeddings([queries[i] for i in valid])
+            found = self.index.entity_ranks(img, txt, [entity_ids[i] for i in valid], alpha=self.alpha,
+                                            depth=self.depth)
             for i, r in zip(valid, found):
                 ranks[i] = r
         return ranks

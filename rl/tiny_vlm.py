@@ -50,17 +50,21 @@ def build_tokenizer(corpus: list[str], vocab_size: int = 1024):
         model_max_length=1024)
 
 
-def build_processor(tokenizer):
+def build_processor(tokenizer, image_pixels: int = 112 * 112):
     from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor
     from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
 
-    image_processor = Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=112 * 112)
+    image_processor = Qwen2VLImageProcessor(min_pixels=image_pixels, max_pixels=max(image_pixels, 112 * 112))
     return Qwen2_5_VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
                                video_processor=Qwen2VLVideoProcessor(), chat_template=CHAT_TEMPLATE)
 
 
-def build_tiny_vlm(out: str | Path, corpus: list[str], seed: int = 0, vocab_size: int = 1024) -> Path:
-    """Write a tiny Qwen2.5-VL (model + processor + tokenizer) to ``out`` atomically; returns ``out``."""
+def build_tiny_vlm(out: str | Path, corpus: list[str], seed: int = 0, vocab_size: int = 1024,
+                   image_pixels: int = 112 * 112) -> Path:
+    """Write a tiny Qwen2.5-VL (model + processor + tokenizer) to ``out`` atomically; returns ``out``.
+
+    ``image_pixels``: images are resized to at least this many pixels (56 px toy images → 112 px: 8×8 patches of
+    14 px, 16 image tokens after the 2×2 merge), enough for a tiny ViT to tell shapes and patterns apart."""
     import torch
     from transformers import AutoModelForImageTextToText, Qwen2_5_VLConfig
 
@@ -83,6 +87,6 @@ def build_tiny_vlm(out: str | Path, corpus: list[str], seed: int = 0, vocab_size
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
-    build_processor(tokenizer).save_pretrained(tmp)
+    build_processor(tokenizer, image_pixels).save_pretrained(tmp)
     os.replace(tmp, out)
     return out

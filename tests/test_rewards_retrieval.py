@@ -82,6 +82,18 @@ def test_one_text_batch_and_one_search_per_call(tiny_index, batch, monkeypatch):
     assert texts == [len(rows) * G] and searches == [len(rows) * G]
 
 
+def test_repeated_queries_are_encoded_once(tiny_index, batch, monkeypatch):
+    rows, images = batch
+    reward = RetrievalReward(tiny_index, alpha=0.3)
+    texts = []
+    real_t = tiny_index.encode_texts
+    monkeypatch.setattr(tiny_index, "encode_texts", lambda t: texts.append(list(t)) or real_t(t))
+    completions = [format_completion(f"q {i % 3}") for i in range(len(rows) * G)]
+    first, _ = trl_call(reward, rows, completions, images)
+    second, _ = trl_call(reward, rows, completions, images)
+    assert texts == [["q 0", "q 1", "q 2"]] and first == second
+
+
 def test_length_cap_and_custom_penalties(tiny_index, batch):
     rows, images = batch
     reward = RetrievalReward(tiny_index, alpha=0.3, max_query_tokens=3, unparseable=-7.0)
