@@ -21,8 +21,15 @@ import numpy as np
 
 from retrieval.encoders import check_image_encoder_name, check_text_encoder_name, image_encoder, text_encoder
 from retrieval.files import atomic_path, file_fingerprint, read_jsonl, write_json_atomic, write_jsonl_atomic
-from retrieval.index import (INDEX_FILE, MANIFEST_FILE, ROWS_FILE, SKIPPED_FILE, build_faiss_index, check_factory,
-                             check_k)
+from retrieval.index import (
+    INDEX_FILE,
+    MANIFEST_FILE,
+    ROWS_FILE,
+    SKIPPED_FILE,
+    build_faiss_index,
+    check_factory,
+    check_k,
+)
 from retrieval.kb import entry_text
 
 

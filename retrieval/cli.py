@@ -4,7 +4,7 @@ clean one-line error for bad input instead of a traceback."""
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 
 def parse(dataclass_types, argv=None, description: str | None = None):

@@ -13,9 +13,10 @@ Index directory:
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -136,7 +137,7 @@ class MultimodalIndex:
 
     @classmethod
     def load(cls, path, image_encoder=None, text_encoder=None, device: str | None = None,
-             query_prompt: str | None = None, nprobe: int = 32) -> "MultimodalIndex":
+             query_prompt: str | None = None, nprobe: int = 32) -> MultimodalIndex:
         """Load an index directory. Encoders default to the manifest's and are built on first use.
 
         ``image_encoder`` / ``text_encoder`` may be a name or an already-built encoder; a name different from the

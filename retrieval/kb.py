@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import csv
 import hashlib
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
 
 KB_FIELDS = ("entry_id", "entity_id", "title", "section_title", "text", "image")
 QUESTION_FIELDS = ("id", "image", "question", "entity_id", "answers")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -290,7 +290,7 @@ def format_report(rep: dict) -> str:
     lines = [
         f"toy-world calibration: {rep['questions']} test questions, {rep['entities']} entities, α = {rep['alpha']}",
         "original-question rank buckets: " + "  ".join(f"{k}: {100 * v:.0f}%" for k, v in b.items()),
-        f"median rank by correct attribute words: "
+        "median rank by correct attribute words: "
         + "  ".join(f"{n}: {v:g}" for n, v in rep["median_rank_by_correct_attributes"].items())
         + f"   (2 correct + 1 wrong: {rep['median_rank_two_correct_one_wrong']:g})",
         f"all three attributes → top-5: {100 * rep['all_attributes_top5']:.0f}%",

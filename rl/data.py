@@ -11,7 +11,6 @@ refused with a list (it would otherwise be rewarded as a permanent miss).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 

@@ -6,8 +6,16 @@ import json
 import numpy as np
 import pytest
 
-from retrieval.toyworld import (ATTRIBUTES, ToyWorldArgs, bucket_histogram, build, generate, make_entities,
-                                median_rank, sections)
+from retrieval.toyworld import (
+    ATTRIBUTES,
+    ToyWorldArgs,
+    bucket_histogram,
+    build,
+    generate,
+    make_entities,
+    median_rank,
+    sections,
+)
 
 
 def digest(folder):
