@@ -45,6 +45,7 @@ QUESTIONS = {
 ATTRIBUTES = ("colour", "shape", "pattern")
 ATTRIBUTE_VALUES = {"colour": list(COLOURS), "shape": SHAPES, "pattern": PATTERNS}
 IMAGE_SIZE = 56
+WORLD_VERSION = 3  # bump when rendering or wording changes, so existing worlds are regenerated
 # The paper's Table 5 buckets (hit-rank strata of the RL data)
 BUCKETS = [("1-5", 1, 5), ("6-10", 6, 10), ("11-20", 11, 20), ("21-200", 21, 200)]
 
@@ -139,12 +140,18 @@ def _pattern_mask(pattern: str, size: int, phase: int) -> np.ndarray:
     if pattern == "plain":
         return np.zeros((size, size), bool)
     if pattern == "striped":
-        return ((yy + phase) // 3) % 2 == 0
+        return ((yy + phase) // 4) % 2 == 0
     if pattern == "dotted":
-        return (((yy + phase) % 6) < 2) & (((xx + phase) % 6) < 2)
+        return (((yy + phase) % 7) < 3) & (((xx + phase) % 7) < 3)
     if pattern == "checkered":
-        return (((yy + phase) // 4) + ((xx + phase) // 4)) % 2 == 0
+        return (((yy + phase) // 5) + ((xx + phase) // 5)) % 2 == 0
     raise ValueError(f"unknown pattern {pattern!r}")
+
+
+def _erode(mask: np.ndarray) -> np.ndarray:
+    """Pixels whose four neighbours are all inside ``mask``."""
+    m = np.pad(mask, 1)
+    return m[1:-1, 1:-1] & m[:-2, 1:-1] & m[2:, 1:-1] & m[1:-1, :-2] & m[1:-1, 2:]
 
 
 def render(e: dict, rng: np.random.Generator, noise: float = 8.0):
@@ -159,7 +166,7 @@ def render(e: dict, rng: np.random.Generator, noise: float = 8.0):
         dx, dy, dr = rng.integers(4, s - 4), rng.integers(4, s - 4), rng.integers(2, 5)
         yy, xx = np.mgrid[0:s, 0:s]
         canvas[(yy - dy) ** 2 + (xx - dx) ** 2 <= dr * dr] = float(rng.integers(90, 170))
-    r = float(rng.uniform(13, 19))
+    r = float(rng.uniform(15, 21))
     cx, cy = rng.uniform(r + 2, s - r - 2, size=2)
     mask_img = Image.new("L", (s, s), 0)
     if e["shape"] == "circle":
@@ -170,6 +177,7 @@ def render(e: dict, rng: np.random.Generator, noise: float = 8.0):
     colour = np.clip(np.asarray(COLOURS[e["colour"]], np.float32) + rng.normal(0, 12, 3), 0, 255)
     canvas[mask] = colour
     canvas[mask & _pattern_mask(e["pattern"], s, int(rng.integers(0, 6)))] = 250.0
+    canvas[mask & ~_erode(_erode(mask))] = 45.0  # a dark outline keeps the silhouette when the pattern is white
     canvas += rng.normal(0, noise, canvas.shape)
     return Image.fromarray(np.clip(canvas, 0, 255).astype(np.uint8))
 
@@ -182,6 +190,7 @@ def generate(args: ToyWorldArgs, log=print) -> dict:
     out = Path(args.out)
     settings = {k: getattr(args, k) for k in ("entities", "seed", "kb_images", "train_images", "val_images", "test_images",
                                     "noise")}
+    settings["version"] = WORLD_VERSION
     world_file = out / "world.json"
     if world_file.exists() and json.loads(world_file.read_text()).get("settings") == settings:
         log(f"toy world in {out} already generated")
@@ -215,6 +224,7 @@ def generate(args: ToyWorldArgs, log=print) -> dict:
     world = {"settings": settings, "entities": len(entities), "kb_rows": len(kb),
              **{f"{split}_questions": len(rows) for split, rows in questions.items()}}
     write_json_atomic(world_file, world)  # last: marks the world complete
+    world["generated_now"] = True
     log(f"toy world: {len(entities)} entities, {len(kb)} KB rows, {len(questions['train'])} train / "
         f"{len(questions['val'])} val / {len(questions['test'])} test questions in {out}")
     return world
@@ -310,13 +320,13 @@ def build(args: ToyWorldArgs, log=print) -> dict:
     check_image_encoder_name(args.image_encoder)
     check_text_encoder_name(args.text_encoder)
     out = Path(args.out)
-    generate(args, log=log)
+    fresh = generate(args, log=log).get("generated_now", False)
     if args.skip_index:
         return {}
     index_dir = out / "index"
     build_index(BuildArgs(kb=str(out / "kb.jsonl"), out=str(index_dir), images_root=str(out),
                           image_encoder=args.image_encoder, text_encoder=args.text_encoder, factory="Flat",
-                          device="cpu", overwrite=_index_stale(index_dir, args)), log=log)
+                          device="cpu", overwrite=fresh or _index_stale(index_dir, args)), log=log)
     built = json.loads((index_dir / "manifest.json").read_text())["created"]
     previous = out / "calibration.json"
     if previous.exists():
