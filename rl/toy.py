@@ -102,6 +102,9 @@ def learning_row(ranks: list[int | None], queries: list[str | None] | None, gold
         row["wrong_attribute_words"] = 100.0 * sum(s[1] for s in stats) / max(stated, 1)
         row["attribute_words_per_query"] = stated / n
         row["parse_rate"] = 100.0 * sum(q is not None for q in queries) / n
+        for a in ATTRIBUTES:  # which attribute the refiner gets right, e.g. the warm start's shifted colour
+            words = [set((q or "").lower().replace("?", " ").replace(",", " ").split()) for q in queries]
+            row[f"{a}_accuracy"] = 100.0 * sum(g[a] in w for w, g in zip(words, golds)) / n
     return row
 
 
