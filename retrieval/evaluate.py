@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from retrieval.files import atomic_path, read_jsonl, write_json_atomic, write_text_atomic
+from retrieval.files import atomic_path, pyplot, read_jsonl, save_figure, write_json_atomic, write_text_atomic
 from retrieval.index import MANIFEST_FILE, MultimodalIndex, check_alpha, check_k, ranks_of
 
 
@@ -202,10 +202,7 @@ def run(args: EvalArgs, log=print) -> dict:
 
 
 def _write_sweep(out: Path, alphas, fields, ks, results, log) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     keys = [f"R@{k}" for k in ks]
     with atomic_path(out / "alpha_sweep.csv") as tmp, open(tmp, "w", newline="") as fh:
@@ -229,9 +226,7 @@ def _write_sweep(out: Path, alphas, fields, ks, results, log) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    with atomic_path(out / "alpha_sweep.png", suffix=".png") as tmp:
-        fig.savefig(tmp, dpi=120)
-    plt.close(fig)
+    save_figure(fig, out / "alpha_sweep.png", dpi=120)
 
 
 def main(argv=None) -> None:

@@ -65,3 +65,20 @@ def file_fingerprint(path: str | Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return "sha256:" + h.hexdigest()
+
+
+def pyplot():
+    """matplotlib.pyplot on the non-interactive Agg backend (no screen here or on clusters)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: str | Path, dpi: int = 120) -> None:
+    """Write a figure as PNG atomically and close it."""
+    with atomic_path(path, suffix=".png") as tmp:
+        fig.savefig(tmp, dpi=dpi, format="png")
+    pyplot().close(fig)

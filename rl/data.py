@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from retrieval.files import atomic_path, read_jsonl, write_json_atomic, write_jsonl_atomic
+from retrieval.files import pyplot, read_jsonl, save_figure, write_json_atomic, write_jsonl_atomic
 from retrieval.index import check_alpha
 from rl.prompts import prompt_messages
 
@@ -155,10 +155,7 @@ def build_rl_data(args: RLDataArgs, log=print) -> dict:
 
 
 def _plot(report: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = list(report)
     fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -168,9 +165,7 @@ def _plot(report: dict, path: str) -> None:
     ax.set_ylabel("questions")
     ax.legend()
     fig.tight_layout()
-    with atomic_path(path, suffix=".png") as tmp:
-        fig.savefig(tmp, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def main(argv=None) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from retrieval.files import atomic_path, write_json_atomic
+from retrieval.files import pyplot, save_figure, write_json_atomic
 
 
 def setup_wandb(output_dir: str, report_to) -> None:
@@ -129,10 +129,7 @@ class RefinerMonitor(TrainerCallback):
 
 def write_curves(log_history: list[dict], path: Path) -> None:
     """Mean total / format / retrieval reward and hit@1 / hit@10 per logged step."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     logs = [h for h in log_history if "reward" in h and "step" in h]
     if not logs:
@@ -155,6 +152,4 @@ def write_curves(log_history: list[dict], path: Path) -> None:
     for ax in (a, b):
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    with atomic_path(path, suffix=".png") as tmp:
-        fig.savefig(tmp, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)

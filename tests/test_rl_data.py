@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from rl.data import RLDataArgs, build_rl_data, bucket_of, parse_strata, question_dataset, stratified_sample
+from rl.data import RLDataArgs, bucket_of, build_rl_data, parse_strata, question_dataset, stratified_sample
 from rl.toy import COLOUR_SHIFT, attribute_stats, learning_row, warm_start_rows
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
