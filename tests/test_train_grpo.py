@@ -99,3 +99,15 @@ def test_bad_settings_fail_before_any_model_loads(config, monkeypatch, overrides
     monkeypatch.setattr(rl.model, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     with pytest.raises(ValueError, match=match):
         tg.main(config(**overrides))
+
+
+def test_held_out_eval_selects_the_best_checkpoint(config, tiny_world, tmp_path):
+    """The eval split is scored with the same reward, and metric_for_best_model can pick by held-out hit@1."""
+    result = tg.main(config(eval_file=str(tiny_world / "val.jsonl"), eval_limit=4, eval_strategy="steps",
+                            eval_steps=1, save_strategy="steps", save_steps=1, per_device_eval_batch_size=8,
+                            metric_for_best_model="retrieval/hit@1", load_best_model_at_end=True))
+    evals = [h for h in result["log_history"] if "eval_retrieval/hit@1" in h]
+    assert len(evals) == 2 and all(0 <= h["eval_retrieval/hit@1"] <= 1 for h in evals)
+    state = json.loads((tmp_path / "run" / "checkpoint-2" / "trainer_state.json").read_text())
+    assert state["best_metric"] == pytest.approx(max(h["eval_retrieval/hit@1"] for h in evals))
+    assert state["best_model_checkpoint"].endswith(("checkpoint-1", "checkpoint-2"))
