@@ -115,6 +115,28 @@ def prepare_embedded_default(args: RefinerArguments, model_args, output_dir: Pat
     return model_path
 
 
+RUN_RECORD = "refine_rl_run.json"
+
+
+def write_run_record(output_dir: Path, args: RefinerArguments, training_args, model_path: str) -> None:
+    """What export needs from this run, as JSON (TRL's training_args.bin is a pickle, which we never read)."""
+    from dataclasses import asdict
+
+    from retrieval.files import write_json_atomic
+    from retrieval.index import MANIFEST_FILE
+    from rl.prompts import prompt_spec
+
+    manifest = json.loads((Path(args.index) / MANIFEST_FILE).read_text())
+    write_json_atomic(output_dir / RUN_RECORD, {
+        "base_model": str(Path(model_path).resolve()) if Path(model_path).exists() else model_path,
+        "refiner_args": asdict(args), "prompt": prompt_spec(args.prompt),
+        "index": {"path": str(Path(args.index).resolve()), "alpha": args.alpha,
+                  "image_encoder": manifest["image_encoder"], "text_encoder": manifest["text_encoder"]},
+        "generation": {"temperature": training_args.temperature, "top_p": training_args.top_p,
+                       "max_new_tokens": training_args.max_completion_length},
+    })
+
+
 def main(argv=None) -> dict:
     from accelerate import PartialState
     from trl import GRPOConfig, GRPOTrainer, ModelConfig, get_peft_config
@@ -139,6 +161,8 @@ def main(argv=None) -> dict:
     with state.main_process_first():
         model_path = prepare_embedded_default(args, model_args, output_dir)
     validate_files(args)
+    if state.is_main_process:
+        write_run_record(output_dir, args, training_args, model_path)
 
     model, processor = load_model(model_path, model_args.dtype, device=str(state.device),
                                   trust_remote_code=training_args.trust_remote_code,

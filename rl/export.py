@@ -1,0 +1,188 @@
+"""Export a trained refiner to a self-contained serving folder.
+
+    python -m rl.export --checkpoint DIR --out DIR [--dtype bf16|fp16|fp32] [--force]
+
+``--checkpoint`` is a trainer checkpoint (full weights, or a PEFT adapter whose LoRA is merged into the base
+weights), a run's ``final`` folder, or a run's output dir (its best checkpoint by ``metric_for_best_model``, else
+its latest). The folder gets safetensors weights (sharded when large), config, processor, tokenizer and chat
+template, ``generation_config.json`` (the run's sampling settings) and ``refiner.json`` (prompt, output format and
+parser version, the index's α and encoders, training step, held-out metrics at that step).
+
+It is written to a temporary sibling, reloaded in a fresh process with AutoModelForImageTextToText +
+AutoProcessor, made to generate for one toy example whose output must parse, and only then renamed to ``--out``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from retrieval.files import write_json_atomic
+from rewards.format import PARSER_VERSION
+
+RUN_RECORD = "refine_rl_run.json"
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+@dataclass
+class ExportArgs:
+    checkpoint: str = field(default=None, metadata={"help": "checkpoint, final folder, or run output dir"})
+    out: str = field(default=None, metadata={"help": "serving folder to write"})
+    dtype: str = field(default="bf16", metadata={"help": "bf16 | fp16 | fp32"})
+    force: bool = field(default=False, metadata={"help": "replace a non-empty --out"})
+    max_shard_size: str = field(default="2GB", metadata={"help": "safetensors shard size"})
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """A folder with weights or an adapter; a run dir resolves to its best (else latest) checkpoint, else final."""
+    if (path / "config.json").exists() or (path / "adapter_config.json").exists():
+        return path
+    checkpoints = sorted(path.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]))
+    if checkpoints:
+        state = json.loads((checkpoints[-1] / "trainer_state.json").read_text()) \
+            if (checkpoints[-1] / "trainer_state.json").exists() else {}
+        best = state.get("best_model_checkpoint")
+        if best and Path(best).exists():
+            return Path(best)
+        return checkpoints[-1]
+    if (path / "final").is_dir():
+        return path / "final"
+    raise ValueError(f"--checkpoint: {path} holds no model weights, adapter or checkpoint-* folder")
+
+
+def run_record(ckpt: Path) -> dict:
+    for folder in (ckpt, ckpt.parent, ckpt.parent.parent):
+        if (folder / RUN_RECORD).exists():
+            return json.loads((folder / RUN_RECORD).read_text())
+    raise ValueError(f"no {RUN_RECORD} next to {ckpt}: export needs the run's record (written by rl/train_grpo.py)")
+
+
+def step_and_metrics(ckpt: Path) -> tuple[int | None, dict]:
+    """Training step of a checkpoint and the latest held-out (eval_*) metrics at or before it."""
+    state_file = next((f for f in (ckpt / "trainer_state.json", ckpt.parent / "trainer_state.json") if f.exists()),
+                      None)
+    if state_file is None:
+        return None, {}
+    state = json.loads(state_file.read_text())
+    step = state.get("global_step")
+    evals = [h for h in state.get("log_history", []) if any(k.startswith("eval_") for k in h)
+             and (step is None or h.get("step", 0) <= step)]
+    return step, ({k: v for k, v in evals[-1].items() if k.startswith("eval_") or k == "step"} if evals else {})
+
+
+def load_for_export(ckpt: Path, record: dict, dtype: str):
+    """Model (LoRA merged) and processor of a checkpoint."""
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    torch_dtype = getattr(torch, DTYPES[dtype])
+    adapter = ckpt / "adapter_config.json"
+    if adapter.exists():
+        from peft import PeftModel
+
+        base = json.loads(adapter.read_text()).get("base_model_name_or_path")
+        candidates = [b for b in (base, record.get("base_model")) if b]
+        base = next((b for b in candidates if Path(b).exists()), candidates[0] if candidates else None)
+        if base is None:
+            raise ValueError(f"{adapter} names no base model and the run record has none")
+        if not Path(base).exists() and os.environ.get("HF_HUB_OFFLINE") == "1":
+            raise ValueError(f"the adapter in {ckpt} needs its base model {base!r}, which is not a local folder "
+                             "(and the hub is offline)")
+        model = AutoModelForImageTextToText.from_pretrained(base, dtype=torch_dtype)
+        model = PeftModel.from_pretrained(model, str(ckpt)).merge_and_unload()
+        processor_source = ckpt if (ckpt / "tokenizer_config.json").exists() else Path(base)
+    else:
+        model = AutoModelForImageTextToText.from_pretrained(str(ckpt), dtype=torch_dtype)
+        processor_source = ckpt if (ckpt / "tokenizer_config.json").exists() else Path(record["base_model"])
+    processor = AutoProcessor.from_pretrained(str(processor_source))
+    return model, processor
+
+
+def verify(folder: Path) -> str:
+    """In this process: reload the folder, generate for one toy example, require that the output parses."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from retrieval.toyworld import make_entities, render
+    from rewards import parse_query
+    from rl.generate import generate_completions
+
+    spec = json.loads((folder / "refiner.json").read_text())
+    model = AutoModelForImageTextToText.from_pretrained(str(folder), dtype=torch.float32)
+    processor = AutoProcessor.from_pretrained(str(folder))
+    image = render(make_entities(1, 0)[0], np.random.default_rng(0))
+    text = generate_completions(model, processor, [image], ["Where does this creature live?"],
+                                prompt=spec["prompt"]["name"],
+                                max_new_tokens=spec["generation"]["max_new_tokens"])[0]
+    if parse_query(text) is None:
+        raise ValueError(f"exported model's output does not parse: {text[:200]!r}")
+    return text
+
+
+def export(args: ExportArgs, log=print) -> Path:
+    if args.dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {args.dtype!r}")
+    if not args.checkpoint or not Path(args.checkpoint).is_dir():
+        raise ValueError(f"--checkpoint: folder {args.checkpoint!r} does not exist")
+    if not args.out:
+        raise ValueError("--out is required")
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()) and not args.force:
+        raise ValueError(f"--out: {out} is not empty (pass --force to replace it)")
+    ckpt = resolve_checkpoint(Path(args.checkpoint))
+    record = run_record(ckpt)
+    step, metrics = step_and_metrics(ckpt)
+    log(f"exporting {ckpt} (step {step})")
+    model, processor = load_for_export(ckpt, record, args.dtype)
+
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model.save_pretrained(tmp, max_shard_size=args.max_shard_size)
+        processor.save_pretrained(tmp)
+        gen = record["generation"]
+        model.generation_config.update(do_sample=True, temperature=gen["temperature"], top_p=gen["top_p"],
+                                       max_new_tokens=gen["max_new_tokens"])
+        model.generation_config.save_pretrained(tmp)
+        write_json_atomic(tmp / "refiner.json", {
+            "prompt": record["prompt"], "user_template": record["prompt"]["user_template"],
+            "output_format": "<think>…</think><answer>{\"query\": \"…\"}</answer>", "parser_version": PARSER_VERSION,
+            "index": record["index"], "generation": gen, "training_step": step, "held_out_metrics": metrics,
+            "source_checkpoint": str(ckpt.resolve()), "dtype": args.dtype,
+        })
+        result = subprocess.run([sys.executable, "-m", "rl.export", "--verify", str(tmp)], capture_output=True,
+                                text=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+        if result.returncode != 0:
+            raise ValueError(f"verification of the exported folder failed: {result.stderr.strip().splitlines()[-1:]}")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log(f"exported to {out}; verified in a fresh process: {result.stdout.strip().splitlines()[-1]}")
+    log(f"serve it with: vllm serve {out.resolve()} --served-model-name refiner --dtype "
+        f"{DTYPES[args.dtype]} --limit-mm-per-prompt '{{\"image\": 1}}'")
+    return out
+
+
+def main(argv=None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--verify"]:
+        print("generated:", verify(Path(argv[1])))
+        return
+    from retrieval.cli import parse
+
+    (args,) = parse((ExportArgs,), argv, description=__doc__)
+    export(args)
+
+
+if __name__ == "__main__":
+    from retrieval.cli import run
+
+    run(main)

@@ -1,0 +1,90 @@
+"""Export of a trained refiner: full fine-tune and LoRA round trips, atomic writes, refusals."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import rl.export as ex
+import rl.train_grpo as tg
+from rl.export import ExportArgs, export
+
+QUIET = dict(log=lambda *a: None)
+
+
+def weights(folder):
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def train(config, tmp_path, name, **kw):
+    tg.main(config(max_steps=1, save_strategy="steps", save_steps=1, output_dir=str(tmp_path / name), **kw))
+    return tmp_path / name
+
+
+def test_full_fine_tune_round_trip(config, tmp_path):
+    run = train(config, tmp_path, "full")
+    out = export(ExportArgs(checkpoint=str(run), out=str(tmp_path / "serve"), dtype="fp32"), **QUIET)
+    trained, exported = weights(run / "checkpoint-1"), weights(out)
+    assert set(trained) == set(exported)
+    assert all(torch.allclose(trained[k].float(), exported[k].float(), atol=1e-6) for k in trained)
+    spec = json.loads((out / "refiner.json").read_text())
+    assert spec["prompt"]["name"] == "toy" and spec["index"]["alpha"] == 0.5
+    assert spec["index"]["image_encoder"] == "tiny" and spec["training_step"] == 1 and spec["parser_version"]
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert gen["temperature"] == 1.0 and gen["max_new_tokens"] == 40
+    assert (out / "chat_template.jinja").exists() or "chat_template" in (out / "tokenizer_config.json").read_text()
+    assert not list(tmp_path.glob(".serve.tmp-*"))
+
+
+def test_lora_is_merged(config, tmp_path, tiny_refiner):
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    run = train(config, tmp_path, "lora", use_peft=True, lora_r=4, lora_alpha=8,
+                lora_target_modules=["q_proj", "v_proj"], learning_rate=1e-2)
+    assert (run / "checkpoint-1" / "adapter_config.json").exists()
+    out = export(ExportArgs(checkpoint=str(run / "checkpoint-1"), out=str(tmp_path / "serve"), dtype="fp32"),
+                 **QUIET)
+    base = AutoModelForImageTextToText.from_pretrained(str(tiny_refiner), dtype=torch.float32)
+    original = {k: v.clone() for k, v in base.state_dict().items()}
+    merged = PeftModel.from_pretrained(base, str(run / "checkpoint-1")).merge_and_unload().state_dict()
+    assert not any("lora" in k for k in weights(out))
+    exported = AutoModelForImageTextToText.from_pretrained(str(out), dtype=torch.float32).state_dict()
+    assert set(exported) == set(merged)
+    assert all(torch.allclose(exported[k], merged[k], atol=1e-6) for k in merged)
+    changed = [k for k in merged if not torch.allclose(merged[k], original[k])]
+    assert changed and all("q_proj" in k or "v_proj" in k for k in changed)  # the LoRA update, and only it
+
+
+def test_failed_verification_leaves_no_folder(config, tmp_path, monkeypatch):
+    run = train(config, tmp_path, "full")
+
+    class Failed:
+        returncode, stdout, stderr = 1, "", "Traceback …\nValueError: exported model's output does not parse"
+
+    monkeypatch.setattr(ex.subprocess, "run", lambda *a, **k: Failed())
+    with pytest.raises(ValueError, match="verification"):
+        export(ExportArgs(checkpoint=str(run), out=str(tmp_path / "serve")), **QUIET)
+    assert not (tmp_path / "serve").exists() and not list(tmp_path.glob(".serve.tmp-*"))
+
+
+def test_refusals(tmp_path):
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "x").write_text("x")
+    (tmp_path / "ckpt").mkdir()
+    with pytest.raises(ValueError, match="not empty"):
+        export(ExportArgs(checkpoint=str(tmp_path / "ckpt"), out=str(tmp_path / "busy")))
+    with pytest.raises(ValueError, match="holds no model weights"):
+        export(ExportArgs(checkpoint=str(tmp_path / "ckpt"), out=str(tmp_path / "new")))
+    with pytest.raises(ValueError, match="--checkpoint"):
+        export(ExportArgs(checkpoint=str(tmp_path / "none"), out=str(tmp_path / "new")))
+    with pytest.raises(ValueError, match="--dtype"):
+        export(ExportArgs(checkpoint=str(tmp_path / "ckpt"), out=str(tmp_path / "new"), dtype="int3"))
+    (tmp_path / "ckpt" / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "org/missing"}))
+    (tmp_path / "refine_rl_run.json").write_text(json.dumps({"base_model": "org/missing"}))
+    with pytest.raises(ValueError, match="needs its base model 'org/missing'"):
+        export(ExportArgs(checkpoint=str(tmp_path / "ckpt"), out=str(tmp_path / "new")))
