@@ -7,7 +7,7 @@ import torch
 from rl.prompts import prompt_messages
 
 
-def generate_completions(model, processor, images: list, questions: list[str], prompt: str = "wikiseeker",
+def generate_completions(model, processor, images: list, questions: list[str], prompt: str | dict = "wikiseeker",
                          batch_size: int = 32, max_new_tokens: int = 64, do_sample: bool = False,
                          temperature: float = 1.0, top_p: float = 1.0, progress: bool = False) -> list[str]:
     """One completion per (image, question), in input order."""

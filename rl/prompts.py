@@ -27,10 +27,12 @@ def check_prompt(name: str) -> str:
     return name
 
 
-def prompt_messages(question: str, prompt: str = "wikiseeker", with_image_block: bool = False) -> list[dict]:
-    """Conversational prompt. For TRL datasets (``with_image_block=False``) contents are strings and TRL inserts
-    the image block before the user text itself; plain generation with a processor needs the block explicitly."""
-    system, user = SYSTEM_PROMPTS[check_prompt(prompt)], USER_TEMPLATE.format(question=question)
+def prompt_messages(question: str, prompt: str | dict = "wikiseeker", with_image_block: bool = False) -> list[dict]:
+    """Conversational prompt from a prompt name or an exported spec (``prompt_spec``). For TRL datasets
+    (``with_image_block=False``) contents are strings and TRL inserts the image block before the user text itself;
+    plain generation with a processor needs the block explicitly."""
+    spec = prompt if isinstance(prompt, dict) else prompt_spec(prompt)
+    system, user = spec["system"], spec["user_template"].format(question=question)
     if not with_image_block:
         return [{"role": "system", "content": system}, {"role": "user", "content": user}]
     return [{"role": "system", "content": [{"type": "text", "text": system}]},

@@ -1,0 +1,187 @@
+"""Batched refiner inference: questions in, refined queries out.
+
+    python -m rl.refine --model DIR --queries q.jsonl --out refined.jsonl [--batch_size N] [--backend hf|vllm]
+        [--sample] [--images_root DIR]
+
+``--model`` is an exported folder (``rl.export``) or a checkpoint; its own prompt and parser come from
+``refiner.json`` (or the run record). Each output record is the input record plus ``refined_query``,
+``raw_output`` and ``format_ok``; a completion that does not parse falls back to the original question. Resumable:
+ids already in ``--out`` are skipped, and every batch is appended and flushed, so an interrupted run loses nothing
+it wrote. Greedy by default; ``--sample`` uses the sampling settings of ``generation_config.json``.
+
+Python API: ``Refiner.load(path)`` and ``refiner.refine(images, questions) -> list[str]``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from retrieval.files import read_jsonl
+from rewards.format import parse_query
+from rl.prompts import prompt_spec
+
+BACKENDS = ("hf", "vllm")
+
+
+def load_spec(path: Path) -> dict:
+    """refiner.json of an exported folder, else built from the run record next to a checkpoint."""
+    if (path / "refiner.json").exists():
+        return json.loads((path / "refiner.json").read_text())
+    for folder in (path, path.parent, path.parent.parent):
+        record = folder / "refine_rl_run.json"
+        if record.exists():
+            rec = json.loads(record.read_text())
+            return {"prompt": rec["prompt"], "generation": rec["generation"], "index": rec["index"]}
+    return {"prompt": prompt_spec("wikiseeker"), "generation": {"temperature": 1.0, "top_p": 1.0,
+                                                                 "max_new_tokens": 256}}
+
+
+class Refiner:
+    """A refiner VLM with its own prompt and parser."""
+
+    def __init__(self, model, processor, spec: dict, backend: str = "hf", llm=None):
+        self.model, self.processor, self.spec, self.backend, self.llm = model, processor, spec, backend, llm
+
+    @classmethod
+    def load(cls, path, backend: str = "hf", device: str | None = None, dtype: str | None = None) -> Refiner:
+        path = Path(path)
+        if backend not in BACKENDS:
+            raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        if not (path / "config.json").exists():
+            raise ValueError(f"--model: {path} has no config.json (export a checkpoint with python -m rl.export)")
+        spec = load_spec(path)
+        if backend == "vllm":
+            try:
+                from vllm import LLM
+            except ImportError:
+                raise ValueError("--backend vllm needs vLLM, which is not installed (pip install vllm); "
+                                 "or use --backend hf") from None
+            from transformers import AutoProcessor
+
+            return cls(None, AutoProcessor.from_pretrained(str(path)), spec, "vllm",
+                       LLM(model=str(path), limit_mm_per_prompt={"image": 1}))
+        import torch
+
+        from rl.model import load_model
+
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        model, processor = load_model(str(path), dtype, device=device)
+        return cls(model.to(device), processor, spec)
+
+    def generate(self, images: list, questions: list[str], batch_size: int = 16, sample: bool = False,
+                 progress: bool = False) -> list[str]:
+        gen = self.spec["generation"]
+        if self.backend == "vllm":
+            return self._generate_vllm(images, questions, sample)
+        from rl.generate import generate_completions
+
+        return generate_completions(self.model, self.processor, images, questions, prompt=self.spec["prompt"],
+                                    batch_size=batch_size, max_new_tokens=gen["max_new_tokens"], do_sample=sample,
+                                    temperature=gen["temperature"], top_p=gen["top_p"], progress=progress)
+
+    def _generate_vllm(self, images, questions, sample):
+        from vllm import SamplingParams
+
+        from rl.prompts import prompt_messages
+
+        gen = self.spec["generation"]
+        params = SamplingParams(max_tokens=gen["max_new_tokens"], temperature=gen["temperature"] if sample else 0.0,
+                                top_p=gen["top_p"] if sample else 1.0)
+        prompts = [{"prompt": self.processor.apply_chat_template(
+                        prompt_messages(q, self.spec["prompt"], with_image_block=True), add_generation_prompt=True,
+                        tokenize=False), "multi_modal_data": {"image": img}} for img, q in zip(images, questions)]
+        return [o.outputs[0].text for o in self.llm.generate(prompts, params)]
+
+    def refine_with_outputs(self, images, questions, **kw) -> list[dict]:
+        raw = self.generate(images, questions, **kw)
+        out = []
+        for q, text in zip(questions, raw):
+            query = parse_query(text)
+            out.append({"refined_query": query if query is not None else q, "raw_output": text,
+                        "format_ok": query is not None})
+        return out
+
+    def refine(self, images, questions, **kw) -> list[str]:
+        """Refined query per (image, question); the original question where the output does not parse."""
+        return [r["refined_query"] for r in self.refine_with_outputs(images, questions, **kw)]
+
+
+@dataclass
+class RefineArgs:
+    model: str = field(default=None, metadata={"help": "exported refiner folder or checkpoint"})
+    queries: str = field(default=None, metadata={"help": "question JSONL"})
+    out: str = field(default=None, metadata={"help": "output JSONL (appended; resumable)"})
+    images_root: str = field(default=None, metadata={"help": "default: the queries file's folder"})
+    batch_size: int = field(default=16, metadata={"help": "questions per generation batch"})
+    backend: str = field(default="hf", metadata={"help": "hf | vllm"})
+    sample: bool = field(default=False, metadata={"help": "sample with generation_config.json settings (default: greedy)"})
+
+
+def completed_ids(out: Path) -> set[str]:
+    """Ids already written to ``out``; a last line cut short by a crash is dropped (atomically) first."""
+    if not out.exists():
+        return set()
+    lines = out.read_text().splitlines(keepends=True)
+    ids = set()
+    for i, line in enumerate(lines):
+        try:
+            ids.add(str(json.loads(line)["id"]))
+        except (ValueError, KeyError, TypeError):
+            if i != len(lines) - 1:
+                raise ValueError(f"{out}: line {i + 1} is not a refined record; fix or remove the file") from None
+            from retrieval.files import write_text_atomic
+
+            write_text_atomic(out, "".join(lines[:-1]))
+    return ids
+
+
+def refine_file(args: RefineArgs, log=print, refiner: Refiner | None = None) -> int:
+    from PIL import Image
+    from tqdm import tqdm
+
+    if args.backend not in BACKENDS:
+        raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {args.backend!r}")
+    if not args.queries or not Path(args.queries).is_file():
+        raise ValueError(f"--queries: file {args.queries!r} does not exist")
+    if not args.out:
+        raise ValueError("--out is required")
+    if args.batch_size <= 0:
+        raise ValueError(f"--batch_size must be positive, got {args.batch_size}")
+    root = Path(args.images_root or Path(args.queries).parent)
+    rows = list(read_jsonl(args.queries))
+    missing = [str(root / str(r.get("image"))) for r in rows if not (root / str(r.get("image"))).is_file()]
+    if missing:
+        raise ValueError(f"{len(missing)} question(s) in {args.queries} have no image file, e.g. {missing[0]}")
+    out = Path(args.out)
+    done = completed_ids(out)
+    todo = [r for r in rows if str(r.get("id")) not in done]
+    log(f"{len(done)} of {len(rows)} questions already refined in {out}; {len(todo)} to go")
+    if not todo:
+        return 0
+    refiner = refiner or Refiner.load(args.model, backend=args.backend)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "a") as fh, tqdm(total=len(todo), desc="refining", unit="q") as bar:
+        for start in range(0, len(todo), args.batch_size):
+            batch = todo[start:start + args.batch_size]
+            images = [Image.open(root / r["image"]).convert("RGB") for r in batch]
+            results = refiner.refine_with_outputs(images, [r["question"] for r in batch], batch_size=args.batch_size,
+                                                  sample=args.sample)
+            fh.writelines(json.dumps({**r, **res}, ensure_ascii=False) + "\n" for r, res in zip(batch, results))
+            fh.flush()
+            bar.update(len(batch))
+    return len(todo)
+
+
+def main(argv=None) -> None:
+    from retrieval.cli import parse
+
+    (args,) = parse((RefineArgs,), argv, description=__doc__)
+    refine_file(args)
+
+
+if __name__ == "__main__":
+    from retrieval.cli import run
+
+    run(main)
