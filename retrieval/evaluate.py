@@ -194,11 +194,46 @@ def run(args: EvalArgs, log=print) -> dict:
                         for i, row in enumerate(rows)]
         with atomic_path(out / "ranks.jsonl") as tmp, open(tmp, "w") as fh:
             fh.writelines(json.dumps(p) + "\n" for p in per_question)
+        _write_csv(out / "metrics.csv", {f: r["metrics"] for f, r in results[alphas[0]].items()})
+        if args.compare:
+            per = results[alphas[0]]
+            summary["rank_change"] = _write_rank_change(out / "rank_change.png", per[args.compare]["ranks"],
+                                                        per[args.text_field]["ranks"], args.depth,
+                                                        args.compare, args.text_field)
     else:
         _write_sweep(out, alphas, fields, ks, results, log)
     write_json_atomic(out / "metrics.json", summary)
     log(f"wrote {out}/metrics.json")
     return summary
+
+
+def rank_changes(before: list[int | None], after: list[int | None], depth: int) -> list[int]:
+    """Per question, how many places the gold entity moved up (a miss counts as rank depth + 1)."""
+    return [(depth + 1 if b is None else b) - (depth + 1 if a is None else a) for b, a in zip(before, after)]
+
+
+def _write_csv(path: Path, metrics: dict[str, dict]) -> None:
+    keys = list(next(iter(metrics.values())))
+    with atomic_path(path) as tmp, open(tmp, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["field", *keys])
+        w.writerows([f, *(round(m[k], 4) for k in keys)] for f, m in metrics.items())
+
+
+def _write_rank_change(path: Path, before, after, depth: int, before_name: str, after_name: str) -> dict:
+    """Histogram of per-question rank change from ``before_name`` to ``after_name``; returns its summary."""
+    changes = rank_changes(before, after, depth)
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.hist(changes, bins=41, color="#3b75af")
+    ax.axvline(0, color="k", lw=0.8)
+    ax.set_xlabel(f"rank improvement ({before_name} rank − {after_name} rank)")
+    ax.set_ylabel("questions")
+    fig.tight_layout()
+    save_figure(fig, path)
+    n = max(len(changes), 1)
+    return {"improved": sum(c > 0 for c in changes) / n, "unchanged": sum(c == 0 for c in changes) / n,
+            "worse": sum(c < 0 for c in changes) / n, "median": float(np.median(changes)) if changes else 0.0}
 
 
 def _write_sweep(out: Path, alphas, fields, ks, results, log) -> None:

@@ -92,6 +92,15 @@ def test_compare_prints_two_fields(tiny_index_dir, tiny_world, tmp_path, monkeyp
     assert "| refined_query |" in "\n".join(lines) and "| question |" in "\n".join(lines)
     ranks = [json.loads(x) for x in open(tmp_path / "ev" / "ranks.jsonl")]
     assert len(ranks) == len(rows) and "rank_refined_query" in ranks[0]
+    # stating the gold attributes moves the gold entity up for most questions
+    assert res["rank_change"]["improved"] > res["rank_change"]["worse"]
+    assert (tmp_path / "ev" / "rank_change.png").stat().st_size > 1000
+    assert open(tmp_path / "ev" / "metrics.csv").readline().startswith("field,R@1")
+
+
+@pytest.mark.parametrize("before,after,expected", [([5, None, 1], [1, 3, None], [4, 198, -200]), ([], [], [])])
+def test_rank_changes(before, after, expected):
+    assert ev.rank_changes(before, after, depth=200) == expected
 
 
 @pytest.mark.parametrize("kw,match", [
