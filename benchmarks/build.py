@@ -97,6 +97,7 @@ def write_kb(n):
 
 
 # ------------------------------------------------------------------ baseline and builds
+print("load average at start: %.2f %.2f %.2f (other work on the machine skews the timings)" % os.getloadavg())
 print(f"temp dir {tmp}; REFINE_RL_CACHE={env['REFINE_RL_CACHE']}; {os.cpu_count()} CPUs", flush=True)
 run_child([])  # warm-up: builds the tiny text model into the cache, warms the page cache
 base_wall, base, _ = run_child([])
@@ -119,6 +120,7 @@ for n in sizes:
     print(f"  done: {n:,} rows in {wall:.1f} s ({manifest['rows']:,} indexed, {manifest['skipped']} skipped)",
           flush=True)
 
+print("load average at end:   %.2f %.2f %.2f" % os.getloadavg())
 print()
 print(f"dim = {results[0]['dim']} (tiny image + tiny text), shard size {args.shard_size}, batch size "
       f"{args.batch_size}; MB = 2^20 bytes")

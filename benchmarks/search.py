@@ -82,6 +82,7 @@ del A
 print(f"faiss {faiss.__version__}, faiss.omp_get_max_threads() = {faiss.omp_get_max_threads()}, "
       f"os.cpu_count() = {os.cpu_count()}")
 print(f"numpy sgemm peak (4096×4096 @ 4096×4096 float32, best of 3): {sgemm:.1f} GFLOP/s")
+print("load average at start: %.2f %.2f %.2f (other work on the machine skews the timings)" % os.getloadavg())
 print(f"d = {d}, {nq} queries per batch, k = {k}, best of {args.repeats} after a warm-up")
 if any(n > args.max_ann for n in sizes):
     print(f"note: HNSW and IVF are built only for N ≤ {args.max_ann} (--max-ann): building them at larger N "
@@ -127,6 +128,7 @@ for n in sizes:
     del X, exact
     gc.collect()
 
+print("load average at end:   %.2f %.2f %.2f" % os.getloadavg())
 print()
 print(f"| method | N | build s | ms / {nq} queries | queries/s | recall@{k} vs Flat | GFLOP/s | % of sgemm |")
 print("|---|---:|---:|---:|---:|---:|---:|---:|")
