@@ -139,7 +139,13 @@ def export(args: ExportArgs, log=print) -> Path:
     record = run_record(ckpt)
     step, metrics = step_and_metrics(ckpt)
     log(f"exporting {ckpt} (step {step})")
-    model, processor = load_for_export(ckpt, record, args.dtype)
+    try:
+        model, processor = load_for_export(ckpt, record, args.dtype)
+    except ValueError:
+        raise
+    except Exception as e:  # corrupt or incomplete files surface as many exception types
+        raise ValueError(f"cannot load the checkpoint {ckpt}: {type(e).__name__}: {str(e).splitlines()[0][:300]}") \
+            from None
 
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

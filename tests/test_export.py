@@ -88,3 +88,12 @@ def test_refusals(tmp_path):
     (tmp_path / "refine_rl_run.json").write_text(json.dumps({"base_model": "org/missing"}))
     with pytest.raises(ValueError, match="needs its base model 'org/missing'"):
         export(ExportArgs(checkpoint=str(tmp_path / "ckpt"), out=str(tmp_path / "new")))
+
+
+def test_corrupt_weights_are_named(config, tmp_path):
+    run = train(config, tmp_path, "full")
+    weights_file = next((run / "checkpoint-1").glob("*.safetensors"))
+    weights_file.write_bytes(weights_file.read_bytes()[:100])
+    with pytest.raises(ValueError, match="cannot load the checkpoint .*checkpoint-1"):
+        export(ExportArgs(checkpoint=str(run / "checkpoint-1"), out=str(tmp_path / "serve")), **QUIET)
+    assert not (tmp_path / "serve").exists()
