@@ -24,8 +24,8 @@ from pathlib import Path
 
 from retrieval.files import write_json_atomic
 from rewards.format import PARSER_VERSION
+from rl.run_record import RUN_RECORD, find_run_record
 
-RUN_RECORD = "refine_rl_run.json"
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
@@ -56,10 +56,11 @@ def resolve_checkpoint(path: Path) -> Path:
 
 
 def run_record(ckpt: Path) -> dict:
-    for folder in (ckpt, ckpt.parent, ckpt.parent.parent):
-        if (folder / RUN_RECORD).exists():
-            return json.loads((folder / RUN_RECORD).read_text())
-    raise ValueError(f"no {RUN_RECORD} next to {ckpt}: export needs the run's record (written by rl/train_grpo.py)")
+    record = find_run_record(ckpt)
+    if record is None:
+        raise ValueError(f"no {RUN_RECORD} next to {ckpt}: export needs the run's record (written by "
+                         "rl/train_grpo.py)")
+    return record
 
 
 def step_and_metrics(ckpt: Path) -> tuple[int | None, dict]:

@@ -21,6 +21,7 @@ from pathlib import Path
 from retrieval.files import read_jsonl
 from rewards.format import parse_query
 from rl.prompts import prompt_spec
+from rl.run_record import find_run_record
 
 BACKENDS = ("hf", "vllm")
 
@@ -29,11 +30,9 @@ def load_spec(path: Path) -> dict:
     """refiner.json of an exported folder, else built from the run record next to a checkpoint."""
     if (path / "refiner.json").exists():
         return json.loads((path / "refiner.json").read_text())
-    for folder in (path, path.parent, path.parent.parent):
-        record = folder / "refine_rl_run.json"
-        if record.exists():
-            rec = json.loads(record.read_text())
-            return {"prompt": rec["prompt"], "generation": rec["generation"], "index": rec["index"]}
+    rec = find_run_record(path)
+    if rec is not None:
+        return {"prompt": rec["prompt"], "generation": rec["generation"], "index": rec["index"]}
     return {"prompt": prompt_spec("wikiseeker"), "generation": {"temperature": 1.0, "top_p": 1.0,
                                                                  "max_new_tokens": 256}}
 

@@ -115,28 +115,6 @@ def prepare_embedded_default(args: RefinerArguments, model_args, output_dir: Pat
     return model_path
 
 
-RUN_RECORD = "refine_rl_run.json"
-
-
-def write_run_record(output_dir: Path, args: RefinerArguments, training_args, model_path: str) -> None:
-    """What export needs from this run, as JSON (TRL's training_args.bin is a pickle, which we never read)."""
-    from dataclasses import asdict
-
-    from retrieval.files import write_json_atomic
-    from retrieval.index import MANIFEST_FILE
-    from rl.prompts import prompt_spec
-
-    manifest = json.loads((Path(args.index) / MANIFEST_FILE).read_text())
-    write_json_atomic(output_dir / RUN_RECORD, {
-        "base_model": str(Path(model_path).resolve()) if Path(model_path).exists() else model_path,
-        "refiner_args": asdict(args), "prompt": prompt_spec(args.prompt),
-        "index": {"path": str(Path(args.index).resolve()), "alpha": args.alpha,
-                  "image_encoder": manifest["image_encoder"], "text_encoder": manifest["text_encoder"]},
-        "generation": {"temperature": training_args.temperature, "top_p": training_args.top_p,
-                       "max_new_tokens": training_args.max_completion_length},
-    })
-
-
 def main(argv=None) -> dict:
     from accelerate import PartialState
     from trl import GRPOConfig, GRPOTrainer, ModelConfig, get_peft_config
@@ -147,6 +125,7 @@ def main(argv=None) -> dict:
     from rl.data import question_dataset
     from rl.model import freeze_vision_tower, load_model, trainable_parameters, vision_tower
     from rl.monitor import RefinerMonitor, TimedReward, setup_wandb
+    from rl.run_record import write_run_record
 
     t_start = time.time()
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -1,0 +1,34 @@
+"""The run record: what a GRPO run writes for export and inference to find later (JSON; TRL's own
+``training_args.bin`` is a pickle, which we never read)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from retrieval.files import write_json_atomic
+from retrieval.index import MANIFEST_FILE
+from rl.prompts import prompt_spec
+
+RUN_RECORD = "refine_rl_run.json"
+
+
+def write_run_record(output_dir: Path, args, training_args, model_path: str) -> None:
+    manifest = json.loads((Path(args.index) / MANIFEST_FILE).read_text())
+    write_json_atomic(Path(output_dir) / RUN_RECORD, {
+        "base_model": str(Path(model_path).resolve()) if Path(model_path).exists() else model_path,
+        "refiner_args": asdict(args), "prompt": prompt_spec(args.prompt),
+        "index": {"path": str(Path(args.index).resolve()), "alpha": args.alpha,
+                  "image_encoder": manifest["image_encoder"], "text_encoder": manifest["text_encoder"]},
+        "generation": {"temperature": training_args.temperature, "top_p": training_args.top_p,
+                       "max_new_tokens": training_args.max_completion_length},
+    })
+
+
+def find_run_record(path: Path) -> dict | None:
+    """The record of the run a checkpoint (or final folder, or run dir) belongs to, if there is one."""
+    for folder in (path, path.parent, path.parent.parent):
+        if (folder / RUN_RECORD).exists():
+            return json.loads((folder / RUN_RECORD).read_text())
+    return None
