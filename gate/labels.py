@@ -1,0 +1,64 @@
+"""Gate labels from sampled, judged answers — pure functions.
+
+Polarity, everywhere: a HIGH judged score / accuracy / certainty means the VLM KNOWS the answer, so NO search.
+- HKB (hard knowledge boundary): "true" = search needed, when the mean judged score is below ε.
+- SKB (soft knowledge boundary): 6 − mean, on 1.0–5.0, so 5 = search needed.
+- KBM accuracy: True = unknown (search) when sampled accuracy < τ.
+- KBM certainty: True = search when C = 1 − H/Hmax over clusters of normalised answers is < τ (no gold answer needed).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+from gate.metrics import normalize_answer
+
+SCORE_MIN, SCORE_MAX = 1.0, 5.0
+
+
+def judged_mean(scores) -> float:
+    """Mean of judged scores on the 1–5 scale; every score must lie in [1, 5]."""
+    scores = [float(s) for s in scores]
+    if not scores:
+        raise ValueError("judged_mean needs at least one score")
+    for s in scores:
+        if not (SCORE_MIN <= s <= SCORE_MAX):
+            raise ValueError(f"judged scores must lie in [1, 5], got {s}")
+    return sum(scores) / len(scores)
+
+
+def hkb_label(scores, epsilon: float) -> str:
+    """"true" (search needed) when the mean judged score is below ε, else "false"."""
+    return "true" if judged_mean(scores) < epsilon else "false"
+
+
+def skb_label(scores) -> float:
+    """The flipped mean, 6 − mean, in [1, 5]: 5 = the model never answers right = search needed."""
+    return 6.0 - judged_mean(scores)
+
+
+def kbm_accuracy_label(correct, tau: float = 0.9) -> bool:
+    """True = unknown (search) when the share of correct sampled answers is below τ."""
+    correct = list(correct)
+    if not correct:
+        raise ValueError("kbm_accuracy_label needs at least one sampled answer")
+    return sum(bool(c) for c in correct) / len(correct) < tau
+
+
+def certainty(answers) -> float:
+    """C = 1 − H/Hmax over the clusters of normalised answers (H: entropy of the cluster shares, Hmax = log k for
+    k clusters); 1.0 when every answer falls in one cluster."""
+    clusters = Counter(normalize_answer(a) for a in answers)
+    n, k = sum(clusters.values()), len(clusters)
+    if n == 0:
+        raise ValueError("certainty needs at least one answer")
+    if k == 1:
+        return 1.0
+    entropy = -sum((c / n) * math.log(c / n) for c in clusters.values())
+    return max(0.0, min(1.0, 1.0 - entropy / math.log(k)))
+
+
+def kbm_certainty_label(answers, tau: float = 0.9) -> bool:
+    """True = search when the certainty of the sampled answers is below τ."""
+    return certainty(answers) < tau

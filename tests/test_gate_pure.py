@@ -1,0 +1,125 @@
+"""Gate label functions and QA metrics: hand-computed cases (table-driven) and properties (hypothesis)."""
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gate.labels import certainty, hkb_label, judged_mean, kbm_accuracy_label, kbm_certainty_label, skb_label
+from gate.metrics import harmonic_mean, infoseek_match, normalize_answer, token_accuracy
+
+# ---------------------------------------------------------------- metrics
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("The Eiffel Tower!", "eiffel tower"), ("  A  cat, an apple ", "cat apple"), ("Théâtre", "théâtre"),
+    ("", ""), (None, ""), (1889, "1889"), ("anthem", "anthem"),
+])
+def test_normalize_answer(text, expected):
+    assert normalize_answer(text) == expected
+
+
+@pytest.mark.parametrize("prediction,answer_eval,ok", [
+    ("France", ["France", "French Republic"], True),
+    ("the french republic.", ["France", "French Republic"], True),
+    ("Germany", ["France"], False),
+    ("", [""], False),
+    ("1889", [{"wikidata": 1889, "range": [1887, 1891]}], True),
+    ("It was built in 1,890.", {"wikidata": 1889, "range": [1887, 1891]}, True),
+    ("1900", [{"wikidata": 1889, "range": [1887, 1891]}], False),
+    ("about 6.5 metres", [{"wikidata": 6.3, "range": [5.67, 6.93]}], True),
+    ("between 1880 and 1888 — say 1885 to 1888", [{"wikidata": 1889, "range": [1887, 1891]}], True),
+    ("1850-1880", [{"wikidata": 1889, "range": [1887, 1891]}], False),
+    ("no number", [{"wikidata": 1889, "range": [1887, 1891]}], False),
+    ("1889", [{"wikidata": 1889}], True),
+])
+def test_infoseek_match(prediction, answer_eval, ok):
+    assert infoseek_match(prediction, answer_eval) is ok
+
+
+@pytest.mark.parametrize("prediction,golds,expected", [
+    ("the red fox jumps", ["red fox"], 1.0),
+    ("a red dog", ["red fox", "dog"], 1.0),
+    ("a red dog", ["red fox"], 0.5),
+    ("nothing", ["red fox"], 0.0),
+    ("anything", [""], 0.0),
+])
+def test_token_accuracy(prediction, golds, expected):
+    assert token_accuracy(prediction, golds) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("a,b,expected", [(0.5, 0.5, 0.5), (0.2, 0.6, 0.3), (0, 0, 0), (1, 0, 0)])
+def test_harmonic_mean(a, b, expected):
+    assert harmonic_mean(a, b) == pytest.approx(expected)
+
+
+@given(st.floats(0, 1), st.floats(0, 1))
+def test_harmonic_mean_between_min_and_mean(a, b):
+    h = harmonic_mean(a, b)
+    assert min(a, b) - 1e-12 <= h <= (a + b) / 2 + 1e-12
+
+
+@given(st.text(), st.lists(st.text(), max_size=4))
+def test_token_accuracy_in_unit_interval(prediction, golds):
+    assert 0.0 <= token_accuracy(prediction, golds) <= 1.0
+
+
+# ---------------------------------------------------------------- labels (high score = the model knows = no search)
+
+
+@pytest.mark.parametrize("scores,epsilon,label", [
+    ([5, 5, 4], 3.0, "false"), ([1, 1, 2], 3.0, "true"), ([3, 3], 3.0, "false"), ([2.9], 3.0, "true"),
+])
+def test_hkb_label(scores, epsilon, label):
+    assert hkb_label(scores, epsilon) == label
+
+
+@pytest.mark.parametrize("scores,label", [([5, 5], 1.0), ([1, 1], 5.0), ([2, 4], 3.0), ([1, 2, 3, 4, 5], 3.0)])
+def test_skb_label(scores, label):
+    assert skb_label(scores) == pytest.approx(label)
+
+
+def test_judged_mean_validates():
+    assert judged_mean([1, 2, 3]) == 2
+    for bad in ([], [0], [6], [float("nan")]):
+        with pytest.raises(ValueError):
+            judged_mean(bad)
+
+
+@given(st.lists(st.floats(1, 5), min_size=1, max_size=30))
+def test_skb_is_flipped_mean_in_range(scores):
+    assert 1.0 - 1e-9 <= skb_label(scores) <= 5.0 + 1e-9
+    assert skb_label(scores) == pytest.approx(6 - judged_mean(scores))
+
+
+@pytest.mark.parametrize("correct,tau,search", [
+    ([True] * 9 + [False], 0.9, False), ([True] * 8 + [False] * 2, 0.9, True), ([False], 0.9, True),
+    ([True], 0.9, False), ([True, False], 0.5, False),
+])
+def test_kbm_accuracy_label(correct, tau, search):
+    assert kbm_accuracy_label(correct, tau) is search
+
+
+@pytest.mark.parametrize("answers,expected", [
+    (["Paris", "paris.", "The Paris"], 1.0),
+    (["a", "b"], 0.0),
+    (["x", "y", "z"], 0.0),
+    (["x"] * 3 + ["y"], 1 - (-(0.75 * math.log(0.75) + 0.25 * math.log(0.25))) / math.log(2)),
+])
+def test_certainty(answers, expected):
+    assert certainty(answers) == pytest.approx(expected)
+
+
+def test_kbm_certainty_label_polarity():
+    assert kbm_certainty_label(["Paris"] * 30) is False  # all agree: certain, no search
+    assert kbm_certainty_label(["Paris"] * 15 + ["Lyon"] * 15) is True
+    with pytest.raises(ValueError):
+        certainty([])
+
+
+@given(st.lists(st.sampled_from(["a", "b", "c", "d"]), min_size=1, max_size=40))
+def test_certainty_in_unit_interval_and_one_iff_unanimous(answers):
+    c = certainty(answers)
+    assert 0.0 <= c <= 1.0
+    assert (c == 1.0) == (len(set(answers)) == 1)
