@@ -1,0 +1,108 @@
+"""Judges: exact and token on hand-computed cases; the LLM judge against a local OpenAI-compatible stub."""
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pytest
+
+from gate.judges import LLMJudge, judge_all, make_judge, parse_score
+
+
+@pytest.mark.parametrize("reply,score", [
+    ("Score: 4\nThe answer is right.", 4.0), ("score=2.5", 2.5), ("5\nperfect", 5.0), ("I think it's fine", None),
+    ("Score: 9", None), ("", None), (None, None),
+])
+def test_parse_score(reply, score):
+    assert parse_score(reply) == score
+
+
+@pytest.mark.parametrize("judge,answer,golds,answer_eval,score", [
+    ("exact", "The Eiffel Tower", ["eiffel tower"], None, 5.0),
+    ("exact", "Louvre", ["eiffel tower"], None, 1.0),
+    ("exact", "1889", [], [{"wikidata": 1889, "range": [1887, 1891]}], 5.0),
+    ("token", "the red fox", ["red fox"], None, 5.0),
+    ("token", "a red dog", ["red fox"], None, 3.0),
+    ("token", "nothing", ["red fox"], None, 1.0),
+])
+def test_exact_and_token(judge, answer, golds, answer_eval, score):
+    assert make_judge(judge).score("q?", answer, golds, answer_eval) == pytest.approx(score)
+
+
+def test_unknown_judge_and_missing_endpoint():
+    with pytest.raises(ValueError, match="unknown judge"):
+        make_judge("vibes")
+    with pytest.raises(ValueError, match="judge_url"):
+        make_judge("llm", url="", model="m")
+
+
+class Stub:
+    """A local OpenAI-compatible endpoint replying from a script, recording what it was sent."""
+
+    def __init__(self, replies):
+        self.replies, self.requests = list(replies), []
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                stub.requests.append({"body": body, "auth": self.headers.get("Authorization")})
+                reply = stub.replies.pop(0) if stub.replies else "no score here"
+                data = json.dumps({"choices": [{"message": {"role": "assistant", "content": reply}}]}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *a):
+                pass
+
+        self.server = HTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}/v1"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+
+
+@pytest.fixture()
+def stub():
+    made = []
+
+    def make(replies):
+        made.append(Stub(replies))
+        return made[-1]
+    yield make
+    for s in made:
+        s.close()
+
+
+def test_llm_judge_retries_then_scores(stub, monkeypatch, caplog):
+    monkeypatch.setenv("JUDGE_KEY", "sk-secret-123")
+    server = stub(["hmm", "Score: 4\nfine"])
+    judge = LLMJudge(server.url, "judge-model", api_key_env="JUDGE_KEY", retries=3, backoff=0)
+    assert judge.score("Where?", "Paris", ["Paris"]) == 4.0
+    assert len(server.requests) == 2 and server.requests[0]["auth"] == "Bearer sk-secret-123"
+    sent = server.requests[0]["body"]
+    assert sent["model"] == "judge-model" and "Reference Answer\nParis" in sent["messages"][1]["content"]
+    assert "sk-secret" not in caplog.text
+
+
+def test_llm_judge_failure_is_recorded_never_scored(stub):
+    server = stub(["no", "still no", "nope"])
+    judge = LLMJudge(server.url, "m", retries=3, backoff=0)
+    assert judge.score("q", "a", ["b"]) is None and judge.failures == 1 and len(server.requests) == 3
+
+
+def test_llm_judge_unreachable_endpoint_is_a_failure():
+    judge = LLMJudge("http://127.0.0.1:9", "m", retries=2, backoff=0, timeout=2)
+    assert judge.score("q", "a", ["b"]) is None and judge.last_failure == "URLError"
+
+
+def test_distinct_answers_are_judged_once(stub):
+    server = stub(["Score: 5", "Score: 1"])
+    judge = LLMJudge(server.url, "m", backoff=0)
+    records = [{"id": "q1", "question": "Where?", "answers": ["Paris"], "samples": ["Paris", "paris.", "Lyon", "Paris"]}]
+    assert judge_all(records, judge) == [[5.0, 5.0, 1.0, 5.0]]
+    assert len(server.requests) == 2
