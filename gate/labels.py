@@ -62,3 +62,35 @@ def certainty(answers) -> float:
 def kbm_certainty_label(answers, tau: float = 0.9) -> bool:
     """True = search when the certainty of the sampled answers is below τ."""
     return certainty(answers) < tau
+
+
+# ---------------------------------------------------------------- MMKB token system (the paper's text, not its
+# Algorithm 1 box): a correctly answered question needs no retrieval; a document is relevant if it turns a wrong
+# answer right, not relevant if it turns a right answer wrong; pairs that change nothing carry no label.
+
+
+def ret_label(correct_without_retrieval: bool) -> str:
+    """"NoRet" when the VLM alone answered correctly, else "Ret"."""
+    return "NoRet" if correct_without_retrieval else "Ret"
+
+
+def srt_label(correct_without: bool, correct_with_document: bool) -> str | None:
+    """"Rel" if the document turns a wrong answer right, "NoRel" if it turns a right answer wrong, None (drop the
+    pair) if it changes nothing."""
+    if correct_with_document and not correct_without:
+        return "Rel"
+    if correct_without and not correct_with_document:
+        return "NoRel"
+    return None
+
+
+# ---------------------------------------------------------------- Inspector (WikiSeeker)
+
+
+def inspector_label(top_entity: str, gold_entity: str, gold_answer: str,
+                    text_only_correct: bool | None = None) -> dict:
+    """PASS when the top retrieved section belongs to the gold entity (and, when given, a text-only answer with that
+    context was judged correct); otherwise FAIL with the gold answer as the Inspector's own answer."""
+    if str(top_entity) == str(gold_entity) and text_only_correct is not False:
+        return {"pass": "true"}
+    return {"pass": "false", "answer": gold_answer}

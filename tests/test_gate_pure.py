@@ -123,3 +123,30 @@ def test_certainty_in_unit_interval_and_one_iff_unanimous(answers):
     c = certainty(answers)
     assert 0.0 <= c <= 1.0
     assert (c == 1.0) == (len(set(answers)) == 1)
+
+
+# ---------------------------------------------------------------- MMKB and Inspector labels
+from gate.labels import inspector_label, ret_label, srt_label  # noqa: E402
+
+
+@pytest.mark.parametrize("correct,label", [(True, "NoRet"), (False, "Ret")])
+def test_ret_label(correct, label):
+    assert ret_label(correct) == label
+
+
+@pytest.mark.parametrize("without,with_doc,label", [
+    (False, True, "Rel"), (True, False, "NoRel"), (True, True, None), (False, False, None),
+])
+def test_srt_label_follows_the_papers_text(without, with_doc, label):
+    assert srt_label(without, with_doc) == label
+
+
+@pytest.mark.parametrize("top,gold,text_ok,expected", [
+    ("Q1", "Q1", None, {"pass": "true"}),
+    ("Q1", "Q1", True, {"pass": "true"}),
+    ("Q1", "Q1", False, {"pass": "false", "answer": "Paris"}),
+    ("Q2", "Q1", None, {"pass": "false", "answer": "Paris"}),
+    ("Q2", "Q1", True, {"pass": "false", "answer": "Paris"}),
+])
+def test_inspector_label(top, gold, text_ok, expected):
+    assert inspector_label(top, gold, "Paris", text_ok) == expected
