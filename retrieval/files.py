@@ -59,6 +59,22 @@ def read_jsonl(path: str | Path) -> Iterator[dict]:
             yield rec
 
 
+def completed_ids(out: Path) -> set[str]:
+    """Ids already written to ``out``; a last line cut short by a crash is dropped (atomically) first."""
+    if not out.exists():
+        return set()
+    lines = out.read_text().splitlines(keepends=True)
+    ids = set()
+    for i, line in enumerate(lines):
+        try:
+            ids.add(str(json.loads(line)["id"]))
+        except (ValueError, KeyError, TypeError):
+            if i != len(lines) - 1:
+                raise ValueError(f"{out}: line {i + 1} is not a JSON record with an id; fix or remove the file") from None
+            write_text_atomic(out, "".join(lines[:-1]))
+    return ids
+
+
 def file_fingerprint(path: str | Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

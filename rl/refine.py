@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from retrieval.files import read_jsonl
+from retrieval.files import completed_ids, read_jsonl
 from rewards.format import parse_query
 from rl.prompts import prompt_spec
 from rl.run_record import find_run_record
@@ -116,24 +116,6 @@ class RefineArgs:
     batch_size: int = field(default=16, metadata={"help": "questions per generation batch"})
     backend: str = field(default="hf", metadata={"help": "hf | vllm"})
     sample: bool = field(default=False, metadata={"help": "sample with generation_config.json settings (default: greedy)"})
-
-
-def completed_ids(out: Path) -> set[str]:
-    """Ids already written to ``out``; a last line cut short by a crash is dropped (atomically) first."""
-    if not out.exists():
-        return set()
-    lines = out.read_text().splitlines(keepends=True)
-    ids = set()
-    for i, line in enumerate(lines):
-        try:
-            ids.add(str(json.loads(line)["id"]))
-        except (ValueError, KeyError, TypeError):
-            if i != len(lines) - 1:
-                raise ValueError(f"{out}: line {i + 1} is not a refined record; fix or remove the file") from None
-            from retrieval.files import write_text_atomic
-
-            write_text_atomic(out, "".join(lines[:-1]))
-    return ids
 
 
 def refine_file(args: RefineArgs, log=print, refiner: Refiner | None = None) -> int:
