@@ -26,7 +26,7 @@ from retrieval.index import (
     MANIFEST_FILE,
     ROWS_FILE,
     SKIPPED_FILE,
-    build_faiss_index,
+    build_faiss_index_from_chunks,
     check_factory,
     check_k,
 )
@@ -198,19 +198,21 @@ def build_index(args: BuildArgs, log=print, encoders=None) -> dict:
             _finish_shard(build_dir, i, shard, root, img_enc, txt_enc, args)
             bar.update(len(shard))
 
-    embs, entry_ids, entity_ids, titles, skipped = [], [], [], [], []
+    entry_ids, entity_ids, titles, skipped = [], [], [], []
     for i in range(n_shards):
-        npy, meta_path = _shard_paths(build_dir, i)
-        meta = json.loads(meta_path.read_text())
-        embs.append(np.load(npy, allow_pickle=False))
+        meta = json.loads(_shard_paths(build_dir, i)[1].read_text())
         entry_ids += meta["entry_ids"]
         entity_ids += meta["entity_ids"]
         titles += meta["titles"]
         skipped += meta["skipped"]
-    rows = np.concatenate(embs)
-    if len(rows) == 0:
+    if not entry_ids:
+        write_jsonl_atomic(out / SKIPPED_FILE, skipped)
         raise ValueError(f"every row of {kb} was skipped; see the reasons in {out / SKIPPED_FILE}")
-    index = build_faiss_index(rows, args.factory)
+
+    def shards():  # one shard in memory at a time: the index is the only thing that grows with the KB
+        return (np.load(_shard_paths(build_dir, i)[0], allow_pickle=False) for i in range(n_shards))
+
+    index = build_faiss_index_from_chunks(shards, args.factory, img_enc.dim + txt_enc.dim)
     rows_table = {"entry_id": entry_ids, "entity_id": entity_ids, "title": titles}
     manifest = _write_index(out, index, rows_table, skipped, settings, args, img_enc, txt_enc, kb)
     shutil.rmtree(build_dir, ignore_errors=True)

@@ -70,17 +70,34 @@ def query_vectors(image_emb: np.ndarray, text_emb: np.ndarray, alpha: float) -> 
 
 def build_faiss_index(rows: np.ndarray, factory: str):
     """Build an inner-product FAISS index over ``rows`` (trained on them when the factory needs training)."""
+    return build_faiss_index_from_chunks(lambda: iter([rows]), factory, rows.shape[1])
+
+
+def build_faiss_index_from_chunks(chunks, factory: str, dim: int, max_train_rows: int = 262_144):
+    """Build an inner-product FAISS index chunk by chunk, so only the index itself is held in memory.
+
+    ``chunks()`` returns a fresh iterator of float32 arrays; a factory that needs training is trained on the first
+    ``max_train_rows`` rows (a second pass over the chunks)."""
     import faiss
 
-    rows = np.ascontiguousarray(rows, dtype=np.float32)
-    index = faiss.index_factory(rows.shape[1], factory, faiss.METRIC_INNER_PRODUCT)
+    index = faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
     if not index.is_trained:
+        sample, n = [], 0
+        for chunk in chunks():
+            sample.append(chunk[: max_train_rows - n])
+            n += len(sample[-1])
+            if n >= max_train_rows:
+                break
+        train = np.ascontiguousarray(np.concatenate(sample), dtype=np.float32)
         try:
-            index.train(rows)
+            index.train(train)
         except RuntimeError as e:
-            raise ValueError(f"FAISS factory {factory!r} could not be trained on {len(rows)} rows: "
+            raise ValueError(f"FAISS factory {factory!r} could not be trained on {len(train)} rows: "
                              f"{str(e).strip().splitlines()[-1]}") from None
-    index.add(rows)
+        del train, sample
+    for chunk in chunks():
+        if len(chunk):
+            index.add(np.ascontiguousarray(chunk, dtype=np.float32))
     return index
 
 
