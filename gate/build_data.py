@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from retrieval.files import completed_ids, read_jsonl
+from retrieval.kb import check_images
 
 STAGES = ("sample", "judge", "label")
 VARIANTS = ("hkb", "skb", "kbm-acc", "kbm-cert")
@@ -62,9 +63,7 @@ def stage_sample(args: BuildDataArgs, out: Path, log=print, generate=None) -> in
         raise ValueError("--model is required for the sample stage")
     root = Path(args.images_root or Path(args.queries).parent)
     rows = list(read_jsonl(args.queries))
-    missing = [str(root / str(r.get("image"))) for r in rows if not (root / str(r.get("image"))).is_file()]
-    if missing:
-        raise ValueError(f"{len(missing)} question(s) have no image file, e.g. {missing[0]}")
+    check_images(rows, root, args.queries)
     target = out / "samples.jsonl"
     done = completed_ids(target)
     todo = [r for r in rows if str(r["id"]) not in done]

@@ -141,3 +141,12 @@ def evqa_questions(rows: Iterable[dict], image_pattern: str = "{dataset_name}/{i
 def read_csv_rows(path: str | Path) -> Iterator[dict]:
     with open(path, newline="") as f:
         yield from csv.DictReader(f)
+
+
+def check_images(rows: list[dict], root: str | Path, source: str | Path) -> None:
+    """Raise a ValueError naming the image files that are missing for these question rows (ids and paths)."""
+    root = Path(root)
+    missing = [(r.get("id"), root / str(r.get("image"))) for r in rows if not (root / str(r.get("image"))).is_file()]
+    if missing:
+        shown = ", ".join(f"{qid} → {path}" for qid, path in missing[:5]) + (" …" if len(missing) > 5 else "")
+        raise ValueError(f"{len(missing)} question(s) in {source} have no image file: {shown}")

@@ -18,6 +18,7 @@ import numpy as np
 
 from retrieval.files import pyplot, read_jsonl, save_figure, write_json_atomic, write_jsonl_atomic
 from retrieval.index import check_alpha
+from retrieval.kb import check_images
 from rl.prompts import prompt_messages
 
 
@@ -131,10 +132,7 @@ def build_rl_data(args: RLDataArgs, log=print) -> dict:
     if unknown:
         shown = ", ".join(map(str, unknown[:20])) + (" …" if len(unknown) > 20 else "")
         raise ValueError(f"{len(unknown)} question(s) have a gold entity that is not in the index: {shown}")
-    missing = [r.get("id") for r in rows if not (root / str(r.get("image"))).is_file()]
-    if missing:
-        raise ValueError(f"{len(missing)} question(s) have no image file under {root}: "
-                         + ", ".join(map(str, missing[:20])))
+    check_images(rows, root, args.queries)
     ranks: list[int | None] = []
     for start in tqdm(range(0, len(rows), args.batch_size), desc="baseline retrieval"):
         batch = rows[start:start + args.batch_size]

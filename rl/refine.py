@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from retrieval.files import completed_ids, read_jsonl
+from retrieval.kb import check_images
 from rewards.format import parse_query
 from rl.prompts import prompt_spec
 from rl.run_record import find_run_record
@@ -132,9 +133,7 @@ def refine_file(args: RefineArgs, log=print, refiner: Refiner | None = None) -> 
         raise ValueError(f"--batch_size must be positive, got {args.batch_size}")
     root = Path(args.images_root or Path(args.queries).parent)
     rows = list(read_jsonl(args.queries))
-    missing = [str(root / str(r.get("image"))) for r in rows if not (root / str(r.get("image"))).is_file()]
-    if missing:
-        raise ValueError(f"{len(missing)} question(s) in {args.queries} have no image file, e.g. {missing[0]}")
+    check_images(rows, root, args.queries)
     out = Path(args.out)
     done = completed_ids(out)
     todo = [r for r in rows if str(r.get("id")) not in done]

@@ -128,3 +128,13 @@ def test_infoseek_without_withkb_is_refused(tmp_path):
     (tmp_path / "q.jsonl").write_text("{}\n")
     with pytest.raises(ValueError, match="--withkb"):
         convert(ConvertArgs(format="infoseek", input=str(tmp_path / "q.jsonl"), out=str(tmp_path / "o.jsonl")))
+
+
+def test_check_images_names_the_missing_files(tmp_path):
+    from retrieval.kb import check_images
+
+    (tmp_path / "ok.png").write_bytes(b"x")
+    rows = [{"id": "a", "image": "ok.png"}, {"id": "b", "image": "gone.png"}]
+    with pytest.raises(ValueError, match=r"1 question\(s\) in q.jsonl have no image file: b → .*gone.png"):
+        check_images(rows, tmp_path, "q.jsonl")
+    check_images(rows[:1], tmp_path, "q.jsonl")
