@@ -16,6 +16,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from retrieval.cli import require_file
 from retrieval.files import completed_ids, read_jsonl
 from retrieval.kb import check_images
 
@@ -57,8 +58,7 @@ def stage_sample(args: BuildDataArgs, out: Path, log=print, generate=None) -> in
     from PIL import Image
     from tqdm import tqdm
 
-    if not args.queries or not Path(args.queries).is_file():
-        raise ValueError(f"--queries: file {args.queries!r} does not exist")
+    require_file(args.queries, "queries")
     if not args.model and generate is None:
         raise ValueError("--model is required for the sample stage")
     root = Path(args.images_root or Path(args.queries).parent)

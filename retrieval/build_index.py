@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from retrieval.cli import require_file
 from retrieval.encoders import check_image_encoder_name, check_text_encoder_name, image_encoder, text_encoder
 from retrieval.files import atomic_path, file_fingerprint, read_jsonl, write_json_atomic, write_jsonl_atomic
 from retrieval.index import (
@@ -58,8 +59,7 @@ def _settings(args: BuildArgs, fingerprint: str) -> dict:
 
 def validate(args: BuildArgs) -> None:
     """Check every setting before any model loads."""
-    if not args.kb or not Path(args.kb).is_file():
-        raise ValueError(f"--kb: file {args.kb!r} does not exist")
+    require_file(args.kb, "kb")
     if not args.out:
         raise ValueError("--out: an index directory is required")
     check_k(args.shard_size, "shard_size")

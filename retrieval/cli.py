@@ -3,8 +3,10 @@ clean one-line error for bad input instead of a traceback."""
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 
 def parse(dataclass_types, argv=None, description: str | None = None):
@@ -22,3 +24,20 @@ def run(main: Callable[[], object]) -> None:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+def require_file(value, flag: str) -> Path:
+    """``value`` as a Path if it names an existing file, else a ValueError naming the flag."""
+    if not value or not Path(value).is_file():
+        raise ValueError(f"--{flag}: file {value!r} does not exist")
+    return Path(value)
+
+
+def require_index(value, flag: str = "index") -> dict:
+    """The manifest of a finished index directory, else a ValueError naming the flag."""
+    from retrieval.index import MANIFEST_FILE
+
+    manifest = Path(value or "") / MANIFEST_FILE
+    if not value or not manifest.is_file():
+        raise ValueError(f"--{flag}: {value!r} is not a finished index directory (no {MANIFEST_FILE})")
+    return json.loads(manifest.read_text())

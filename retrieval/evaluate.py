@@ -19,8 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
+from retrieval.cli import require_file, require_index
 from retrieval.files import atomic_path, pyplot, read_jsonl, save_figure, write_json_atomic, write_text_atomic
-from retrieval.index import MANIFEST_FILE, MultimodalIndex, check_alpha, check_k, ranks_of
+from retrieval.index import MultimodalIndex, check_alpha, check_k, ranks_of
 
 
 @dataclass
@@ -143,10 +144,8 @@ def run(args: EvalArgs, log=print) -> dict:
     from tqdm import tqdm
 
     # ---- validate everything before any model loads
-    if not args.index or not (Path(args.index) / MANIFEST_FILE).is_file():
-        raise ValueError(f"--index: {args.index!r} is not a finished index directory (no {MANIFEST_FILE})")
-    if not args.queries or not Path(args.queries).is_file():
-        raise ValueError(f"--queries: file {args.queries!r} does not exist")
+    require_index(args.index)
+    require_file(args.queries, "queries")
     ks = parse_ks(args.k)
     check_k(args.depth, "depth")
     if args.alpha_sweep:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from retrieval.cli import require_file, require_index
 from retrieval.files import pyplot, read_jsonl, save_figure, write_json_atomic, write_jsonl_atomic
 from retrieval.index import check_alpha
 from retrieval.kb import check_images
@@ -113,12 +114,10 @@ def build_rl_data(args: RLDataArgs, log=print) -> dict:
     from PIL import Image
     from tqdm import tqdm
 
-    from retrieval.index import MANIFEST_FILE, MultimodalIndex
+    from retrieval.index import MultimodalIndex
 
-    if not args.queries or not Path(args.queries).is_file():
-        raise ValueError(f"--queries: file {args.queries!r} does not exist")
-    if not args.index or not (Path(args.index) / MANIFEST_FILE).is_file():
-        raise ValueError(f"--index: {args.index!r} is not a finished index directory")
+    require_file(args.queries, "queries")
+    require_index(args.index)
     if args.alpha is None:
         raise ValueError("--alpha is required")
     check_alpha(args.alpha)

@@ -18,6 +18,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from retrieval.cli import require_file
 from retrieval.files import completed_ids, read_jsonl
 from retrieval.kb import check_images
 from rewards.format import parse_query
@@ -125,8 +126,7 @@ def refine_file(args: RefineArgs, log=print, refiner: Refiner | None = None) -> 
 
     if args.backend not in BACKENDS:
         raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {args.backend!r}")
-    if not args.queries or not Path(args.queries).is_file():
-        raise ValueError(f"--queries: file {args.queries!r} does not exist")
+    require_file(args.queries, "queries")
     if not args.out:
         raise ValueError("--out is required")
     if args.batch_size <= 0:

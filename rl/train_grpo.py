@@ -21,7 +21,6 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "rl"]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import json  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 
@@ -78,18 +77,15 @@ def validate(args: RefinerArguments, training_args, model_args, num_processes: i
 
 
 def validate_files(args: RefinerArguments) -> None:
+    from retrieval.cli import require_file, require_index
     from retrieval.encoders import check_image_encoder_name, check_text_encoder_name
-    from retrieval.index import MANIFEST_FILE
 
-    if not args.index or not (Path(args.index) / MANIFEST_FILE).is_file():
-        raise ValueError(f"--index: {args.index!r} is not a finished index directory (no {MANIFEST_FILE})")
-    manifest = json.loads((Path(args.index) / MANIFEST_FILE).read_text())
+    manifest = require_index(args.index)
     check_image_encoder_name(manifest["image_encoder"])
     check_text_encoder_name(manifest["text_encoder"])
-    for name in ("train_file", "eval_file"):
-        value = getattr(args, name)
-        if (name == "train_file" or value) and (not value or not Path(value).is_file()):
-            raise ValueError(f"--{name}: file {value!r} does not exist")
+    require_file(args.train_file, "train_file")
+    if args.eval_file:
+        require_file(args.eval_file, "eval_file")
 
 
 def prepare_embedded_default(args: RefinerArguments, model_args, output_dir: Path) -> str:
