@@ -9,7 +9,6 @@ cached too: a group of generations often repeats a query, and only unseen texts 
 from __future__ import annotations
 
 import math
-import time
 
 import numpy as np
 
@@ -41,8 +40,6 @@ class RetrievalReward:
         self.image_cache: dict[str, np.ndarray] = {}
         self.text_cache: dict[str, np.ndarray] = {}
         self.text_cache_size = 200_000
-        self.seconds = 0.0
-        self.calls = 0
         self.last: list[dict] = []  # the latest call's per-completion details (for tables)
         self.images: dict[str, object] = {}  # the latest call's images by question id (for tables)
 
@@ -87,7 +84,6 @@ class RetrievalReward:
 
     def __call__(self, prompts=None, completions=None, entity_id=None, id=None, image=None, log_metric=None,
                  **kwargs) -> list[float]:
-        t0 = time.perf_counter()
         completions = completions or []
         n = len(completions)
         if entity_id is None or len(entity_id) != n:
@@ -112,8 +108,6 @@ class RetrievalReward:
         if log_metric is not None:
             for name, value in batch_metrics(queries, ranks, questions).items():
                 log_metric(name, value)
-        self.seconds += time.perf_counter() - t0
-        self.calls += 1
         return rewards
 
 

@@ -52,7 +52,6 @@ class RefinerMonitor(TrainerCallback):
         self.output_dir = Path(output_dir)
         self.step_seconds = 0.0
         self._t0 = None
-        self.images: dict[str, object] = {}
 
     # -------------------------------------------------------------- timing
 

@@ -8,11 +8,11 @@ fix that from the retrieval reward alone, since stating a wrong colour ranks the
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
+from retrieval.evaluate import recall_at
 from retrieval.files import read_jsonl, write_json_atomic
 from retrieval.toyworld import ATTRIBUTE_VALUES, ATTRIBUTES, COLOURS, attribute_words
 from rewards.format import format_completion, parse_query
@@ -82,11 +82,15 @@ def run_warm_start(base: Path, world: Path, out: Path, steps: int, batch_size: i
 # --------------------------------------------------------------------------- the learning table
 
 
+def query_words(query: str | None) -> set[str]:
+    return set((query or "").lower().replace("?", " ").replace(",", " ").split())
+
+
 def attribute_stats(query: str | None, gold: dict) -> tuple[int, int, int]:
     """(correct attribute words, wrong attribute words, attribute words stated) of one refined query."""
     if not query:
         return 0, 0, 0
-    words = set(query.lower().replace("?", " ").replace(",", " ").split())
+    words = query_words(query)
     stated = [w for w in words if w in _VALUE_OF]
     correct = sum(1 for a in ATTRIBUTES if gold[a] in words)
     return correct, len(stated) - correct, len(stated)
@@ -94,7 +98,7 @@ def attribute_stats(query: str | None, gold: dict) -> tuple[int, int, int]:
 
 def learning_row(ranks: list[int | None], queries: list[str | None] | None, golds: list[dict]) -> dict:
     n = max(len(ranks), 1)
-    row = {f"R@{k}": 100.0 * sum(1 for r in ranks if r is not None and r <= k) / n for k in (1, 5, 10)}
+    row = recall_at(ranks, [1, 5, 10])
     if queries is not None:
         stats = [attribute_stats(q, g) for q, g in zip(queries, golds)]
         stated = sum(s[2] for s in stats)
@@ -102,8 +106,8 @@ def learning_row(ranks: list[int | None], queries: list[str | None] | None, gold
         row["wrong_attribute_words"] = 100.0 * sum(s[1] for s in stats) / max(stated, 1)
         row["attribute_words_per_query"] = stated / n
         row["parse_rate"] = 100.0 * sum(q is not None for q in queries) / n
+        words = [query_words(q) for q in queries]
         for a in ATTRIBUTES:  # which attribute the refiner gets right, e.g. the warm start's shifted colour
-            words = [set((q or "").lower().replace("?", " ").replace(",", " ").split()) for q in queries]
             row[f"{a}_accuracy"] = 100.0 * sum(g[a] in w for w, g in zip(words, golds)) / n
     return row
 
@@ -143,7 +147,3 @@ def format_learning_table(table: dict) -> str:
                 "—" if c not in row else (f"{row[c]:.2f}" if c == "attribute_words_per_query" else f"{row[c]:.1f}")
                 for c in cols) + " |")
     return "\n".join(lines)
-
-
-def load_json(path: Path) -> dict:
-    return json.loads(Path(path).read_text())
