@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from retrieval.files import write_json_atomic, write_jsonl_atomic
+from retrieval.files import file_fingerprint, write_json_atomic, write_jsonl_atomic
 
 COLOURS = {
     "red": (210, 40, 40), "orange": (240, 140, 30), "yellow": (235, 215, 40), "green": (50, 160, 60),
@@ -312,11 +312,10 @@ def format_report(rep: dict) -> str:
 def build(args: ToyWorldArgs, log=print) -> dict:
     """Generate the world, build its index and calibrate it; returns the calibration report (or {})."""
     from retrieval.build_index import BuildArgs, build_index
+    from retrieval.encoders import check_image_encoder_name, check_text_encoder_name
     from retrieval.index import MultimodalIndex, check_alpha
 
     check_alpha(args.alpha)
-    from retrieval.encoders import check_image_encoder_name, check_text_encoder_name
-
     check_image_encoder_name(args.image_encoder)
     check_text_encoder_name(args.text_encoder)
     out = Path(args.out)
@@ -350,8 +349,6 @@ def _index_stale(index_dir: Path, args: ToyWorldArgs) -> bool:
     if not manifest.exists():
         return False
     m = json.loads(manifest.read_text())
-    from retrieval.files import file_fingerprint
-
     return (m.get("image_encoder"), m.get("text_encoder"), m.get("kb_fingerprint")) != (
         args.image_encoder, args.text_encoder, file_fingerprint(index_dir.parent / "kb.jsonl"))
 
