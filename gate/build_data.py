@@ -1,89 +1,84 @@
 """Gate training data, in stages cached to JSONL and resumable per question id.
 
-    python -m gate.build_data --stage sample --queries q.jsonl --model VLM --out DIR [--samples 30] [--temperature 1.0]
-    python -m gate.build_data --stage judge  --out DIR --judge exact|token|llm [--judge_url URL --judge_model M]
-    python -m gate.build_data --stage label  --out DIR --variant hkb|skb|kbm-acc|kbm-cert [--epsilon 3] [--tau 0.9]
+    python -m gate.build_data --stage sample   --queries q.jsonl --model VLM --out DIR [--samples 30] [--temperature 1.0]
+    python -m gate.build_data --stage judge    --out DIR --judge exact|token|llm [--judge_url URL --judge_model M]
+    python -m gate.build_data --stage retrieve --queries q.jsonl --index IDX --out DIR [--refiner DIR] [--k 5]
+    python -m gate.build_data --stage context  --model VLM --out DIR --judge exact
+    python -m gate.build_data --stage label    --out DIR --variant hkb|skb|kbm-acc|kbm-cert|ret|srt|mct|inspector
+    python -m gate.build_data --stage render   --out DIR --variant V [--max_per_class N] [--balance]
 
 ``sample`` answers each question R times with any AutoModelForImageTextToText VLM (batched, progress bar) →
-``DIR/samples.jsonl``; ``judge`` scores every sampled answer on the 1–5 scale (each distinct answer once) →
-``DIR/judged.jsonl``; ``label`` turns judged samples into the variant's labels (gate.labels) →
-``DIR/labels-<variant>.jsonl``. Every stage appends per batch and skips ids already written.
+``samples.jsonl``; ``judge`` scores every sampled answer on the 1–5 scale (each distinct answer once) →
+``judged.jsonl``; ``retrieve`` and ``context`` (gate.context_data) record the top-k retrieved sections and the
+VLM's answer with each; ``label`` turns them into the variant's labels (gate.labels) → ``labels-<variant>.jsonl``;
+``render`` writes TRL conversational prompt–completion datasets ``<variant>.<split>.jsonl`` and prints the class
+balance. Every stage appends per batch and skips ids already written. A question without a gold answer is labelled
+for ``kbm-cert`` only (reported).
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from retrieval.cli import require_file
-from retrieval.files import completed_ids, read_jsonl
-from retrieval.kb import check_images
+from gate.context_data import _judge_kwargs, append_jsonl, load_questions, stage_context, stage_retrieve, vlm_answerer
+from retrieval.files import completed_ids, read_jsonl, write_jsonl_atomic
 
-STAGES = ("sample", "judge", "label")
-VARIANTS = ("hkb", "skb", "kbm-acc", "kbm-cert")
-ANSWER_PROMPT = {"name": "answer", "user_template": "{question}",
-                 "system": "Answer the question about the image with a short phrase."}
+STAGES = ("sample", "judge", "retrieve", "context", "label", "render")
 
 
 @dataclass
 class BuildDataArgs:
-    stage: str = field(default=None, metadata={"help": "sample | judge | label"})
-    out: str = field(default=None, metadata={"help": "stage folder (samples.jsonl, judged.jsonl, labels-*.jsonl)"})
-    queries: str = field(default=None, metadata={"help": "sample: question JSONL"})
-    images_root: str = field(default=None, metadata={"help": "sample: default the queries file's folder"})
-    model: str = field(default=None, metadata={"help": "sample: VLM path or name"})
+    stage: str = field(default=None, metadata={"help": " | ".join(STAGES)})
+    out: str = field(default=None, metadata={"help": "stage folder (samples, judged, retrieved, contexts, labels-*)"})
+    queries: str = field(default=None, metadata={"help": "sample/retrieve: question JSONL"})
+    images_root: str = field(default=None, metadata={"help": "sample/retrieve: default the queries file's folder"})
+    model: str = field(default=None, metadata={"help": "sample/context: VLM path or name"})
     samples: int = field(default=30, metadata={"help": "sample: answers per question (R)"})
     temperature: float = field(default=1.0, metadata={"help": "sample: sampling temperature"})
-    max_new_tokens: int = field(default=32, metadata={"help": "sample: answer length"})
-    batch_size: int = field(default=8, metadata={"help": "sample: questions per batch"})
-    judge: str = field(default="exact", metadata={"help": "judge: exact | token | llm"})
+    max_new_tokens: int = field(default=32, metadata={"help": "sample/context: answer length"})
+    batch_size: int = field(default=8, metadata={"help": "questions per batch"})
+    judge: str = field(default="exact", metadata={"help": "judge/context: exact | token | llm"})
     judge_url: str = field(default=None, metadata={"help": "judge llm: OpenAI-compatible base URL"})
     judge_model: str = field(default=None, metadata={"help": "judge llm: model name"})
     judge_key_env: str = field(default="OPENAI_API_KEY", metadata={"help": "judge llm: env var holding the key"})
-    variant: str = field(default=None, metadata={"help": "label: hkb | skb | kbm-acc | kbm-cert"})
+    index: str = field(default=None, metadata={"help": "retrieve: index directory"})
+    kb: str = field(default=None, metadata={"help": "retrieve: KB JSONL (default: the one the index was built from)"})
+    refiner: str = field(default=None, metadata={"help": "retrieve: exported refiner folder (default: the question)"})
+    alpha: float = field(default=None, metadata={"help": "retrieve: α (default: the refiner's index α)"})
+    k: int = field(default=5, metadata={"help": "retrieve: sections per question"})
+    variant: str = field(default=None, metadata={"help": "label/render: hkb | skb | kbm-acc | kbm-cert | ret | srt | "
+                                                         "mct | inspector"})
     epsilon: float = field(default=3.0, metadata={"help": "label hkb: search needed when mean score < ε"})
     tau: float = field(default=0.9, metadata={"help": "label kbm-*: threshold τ"})
-    correct_score: float = field(default=4.0, metadata={"help": "label kbm-acc: a judged score ≥ this is correct"})
-
-
-def _append(path: Path, records: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as fh:
-        fh.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
-        fh.flush()
+    correct_score: float = field(default=4.0, metadata={"help": "label: a judged score ≥ this is a correct answer"})
+    inspector_check_answer: bool = field(default=False, metadata={
+        "help": "label inspector: PASS also needs the answer with the top section to be judged correct"})
+    verbalisers: list[str] = field(default=None, metadata={"help": "render: replace the variant's verbalisers"})
+    max_per_class: int = field(default=None, metadata={"help": "render: cap per class (train split)"})
+    balance: bool = field(default=False, metadata={"help": "render: cap every train class at the smallest's size"})
+    seed: int = field(default=0, metadata={"help": "render: seed for capping / shuffling the train split"})
 
 
 def stage_sample(args: BuildDataArgs, out: Path, log=print, generate=None) -> int:
     from PIL import Image
     from tqdm import tqdm
 
-    require_file(args.queries, "queries")
     if not args.model and generate is None:
         raise ValueError("--model is required for the sample stage")
-    root = Path(args.images_root or Path(args.queries).parent)
-    rows = list(read_jsonl(args.queries))
-    check_images(rows, root, args.queries)
+    rows, _ = load_questions(args.queries, args.images_root)
     target = out / "samples.jsonl"
     done = completed_ids(target)
     todo = [r for r in rows if str(r["id"]) not in done]
     log(f"sample: {len(done)} done, {len(todo)} to go, R = {args.samples}")
     if generate is None and todo:
-        from rl.generate import generate_completions
-        from rl.model import load_model
-
-        model, processor = load_model(args.model)
-
-        def generate(images, questions):
-            return generate_completions(model, processor, images, questions, prompt=ANSWER_PROMPT,
-                                        batch_size=len(questions), max_new_tokens=args.max_new_tokens,
-                                        do_sample=True, temperature=args.temperature)
+        generate = vlm_answerer(args.model, args.max_new_tokens, args.temperature)
     for start in tqdm(range(0, len(todo), args.batch_size), desc="sampling", disable=not todo):
         batch = todo[start:start + args.batch_size]
-        images = [Image.open(root / r["image"]).convert("RGB") for r in batch for _ in range(args.samples)]
-        texts = generate(images, [r["question"] for r in batch for _ in range(args.samples)])
-        _append(target, [{**r, "samples": [t.strip() for t in texts[i * args.samples:(i + 1) * args.samples]]}
-                         for i, r in enumerate(batch)])
+        images = [Image.open(r["image_path"]).convert("RGB") for r in batch for _ in range(args.samples)]
+        texts = generate(images, [r["question"] for r in batch for _ in range(args.samples)], True)
+        append_jsonl(target, [{**r, "samples": [t.strip() for t in texts[i * args.samples:(i + 1) * args.samples]]}
+                              for i, r in enumerate(batch)])
     return len(todo)
 
 
@@ -93,57 +88,149 @@ def stage_judge(args: BuildDataArgs, out: Path, log=print) -> int:
     source = out / "samples.jsonl"
     if not source.is_file():
         raise ValueError(f"judge: {source} does not exist (run --stage sample first)")
-    kwargs = dict(url=args.judge_url, model=args.judge_model, api_key_env=args.judge_key_env) \
-        if args.judge == "llm" else {}
-    judge = make_judge(args.judge, **kwargs)
+    judge = make_judge(args.judge, **_judge_kwargs(args))
     target = out / "judged.jsonl"
     done = completed_ids(target)
     todo = [r for r in read_jsonl(source) if str(r["id"]) not in done]
     cache: dict = {}
     for start in range(0, len(todo), 64):
         batch = todo[start:start + 64]
-        _append(target, [{**r, "judge": args.judge, "scores": s} for r, s in zip(batch, judge_all(batch, judge, cache))])
+        append_jsonl(target, [{**r, "judge": args.judge, "scores": s}
+                              for r, s in zip(batch, judge_all(batch, judge, cache))])
     failures = getattr(judge, "failures", 0)
     log(f"judge ({args.judge}): {len(todo)} questions, {len(cache)} distinct answers judged, {failures} failures")
     return len(todo)
 
 
-def label_of(rec: dict, args: BuildDataArgs):
-    """The variant's label for one judged record (None when it cannot be labelled, e.g. every judging failed)."""
-    from gate.labels import certainty, hkb_label, kbm_accuracy_label, kbm_certainty_label, skb_label
+# ---------------------------------------------------------------- labels
 
-    if args.variant == "kbm-cert":
-        return {"search": kbm_certainty_label(rec["samples"], args.tau), "certainty": certainty(rec["samples"])}
-    scores = [s for s in rec.get("scores", []) if s is not None]
+
+def _scores(rec: dict) -> list[float]:
+    return [s for s in rec.get("scores", []) if s is not None]
+
+
+def _has_gold(rec: dict) -> bool:
+    return bool(rec.get("answers")) or rec.get("answer_eval") is not None
+
+
+def correct_alone(rec: dict, correct_score: float) -> bool | None:
+    """Did the VLM answer alone correctly: the majority of its judged samples score ≥ ``correct_score``."""
+    scores = _scores(rec)
+    return None if not scores else sum(s >= correct_score for s in scores) / len(scores) >= 0.5
+
+
+def label_records(variant: str, rec: dict, args: BuildDataArgs, contexts: dict | None = None) -> list[dict]:
+    """The labelled examples one question yields for a variant (none when it cannot be labelled). Binary labels are
+    bools whose True is the variant's positive verbaliser (search / relevant / pass)."""
+    from gate.context_data import section_text
+    from gate.labels import (
+        certainty,
+        hkb_label,
+        inspector_label,
+        kbm_accuracy_label,
+        kbm_certainty_label,
+        ret_label,
+        skb_label,
+        srt_label,
+    )
+
+    if variant == "kbm-cert":
+        return [{"search": kbm_certainty_label(rec["samples"], args.tau), "certainty": certainty(rec["samples"])}]
+    if not _has_gold(rec):
+        return []
+    if variant in ("mct", "inspector"):
+        hits, gold = rec["hits"], str(rec["entity_id"])
+        if variant == "mct":
+            docs = "\n".join(f"[{j + 1}] {section_text(h)}" for j, h in enumerate(hits))
+            return [{"consistent": [j + 1 for j, h in enumerate(hits) if str(h["entity_id"]) == gold],
+                     "context": docs}]
+        text_ok = None
+        if args.inspector_check_answer:
+            ctx = (contexts or {}).get(str(rec["id"]))
+            if ctx is None or ctx["doc_scores"][0] is None:
+                return []
+            text_ok = ctx["doc_scores"][0] >= args.correct_score
+        label = inspector_label(hits[0]["entity_id"], gold, str((rec.get("answers") or [""])[0]), text_ok)
+        return [{"pass": label["pass"] == "true", "inspector": label, "context": section_text(hits[0])}]
+    scores = _scores(rec)
     if not scores:
-        return None
-    if args.variant == "hkb":
-        return {"search": hkb_label(scores, args.epsilon)}
-    if args.variant == "skb":
-        return {"search_score": skb_label(scores)}
-    return {"search": kbm_accuracy_label([s >= args.correct_score for s in scores], args.tau)}
+        return []
+    if variant == "hkb":
+        return [{"search": hkb_label(scores, args.epsilon) == "true"}]
+    if variant == "skb":
+        return [{"search_score": skb_label(scores)}]
+    if variant == "kbm-acc":
+        return [{"search": kbm_accuracy_label([s >= args.correct_score for s in scores], args.tau)}]
+    alone = correct_alone(rec, args.correct_score)
+    if variant == "ret":
+        return [{"search": ret_label(alone) == "Ret"}]
+    ctx = (contexts or {}).get(str(rec["id"]))  # srt: one example per document that changes the answer
+    if ctx is None:
+        return []
+    out = []
+    for j, (hit, score) in enumerate(zip(ctx["hits"], ctx["doc_scores"])):
+        label = None if score is None else srt_label(alone, score >= args.correct_score)
+        if label is not None:
+            out.append({"id": f"{rec['id']}#d{j + 1}", "relevant": label == "Rel", "context": section_text(hit)})
+    return out
+
+
+LABEL_SOURCES = {"hkb": "judged", "skb": "judged", "kbm-acc": "judged", "kbm-cert": "samples", "ret": "judged",
+                 "srt": "judged", "mct": "retrieved", "inspector": "retrieved"}
+KEEP = ("id", "image", "image_path", "question", "answers", "answer_eval", "entity_id", "question_type", "split")
 
 
 def stage_label(args: BuildDataArgs, out: Path, log=print) -> int:
-    if args.variant not in VARIANTS:
-        raise ValueError(f"--variant must be one of {', '.join(VARIANTS)}, got {args.variant!r}")
-    source = out / ("samples.jsonl" if args.variant == "kbm-cert" else "judged.jsonl")
+    if args.variant not in LABEL_SOURCES:
+        raise ValueError(f"--variant must be one of {', '.join(LABEL_SOURCES)}, got {args.variant!r}")
+    source = out / f"{LABEL_SOURCES[args.variant]}.jsonl"
     if not source.is_file():
         raise ValueError(f"label: {source} does not exist (run the earlier stages first)")
+    contexts = None
+    if args.variant == "srt" or (args.variant == "inspector" and args.inspector_check_answer):
+        ctx_path = out / "contexts.jsonl"
+        if not ctx_path.is_file():
+            raise ValueError(f"label {args.variant}: {ctx_path} does not exist (run --stage context first)")
+        hits = {str(r["id"]): r["hits"] for r in read_jsonl(out / "retrieved.jsonl")}
+        contexts = {str(r["id"]): {**r, "hits": hits.get(str(r["id"]), [])} for r in read_jsonl(ctx_path)}
     target = out / f"labels-{args.variant}.jsonl"
     done = completed_ids(target)
-    rows, skipped = [], 0
+    rows, skipped, no_gold = [], 0, 0
     for rec in read_jsonl(source):
         if str(rec["id"]) in done:
             continue
-        label = label_of(rec, args)
-        if label is None:
+        labelled = label_records(args.variant, rec, args, contexts)
+        if not labelled:
+            no_gold += not _has_gold(rec)
             skipped += 1
             continue
-        rows.append({k: rec[k] for k in ("id", "image", "question") if k in rec} | {"variant": args.variant, **label})
-    _append(target, rows)
-    log(f"label ({args.variant}): {len(rows)} labelled, {skipped} without a usable judgement")
+        base = {k: rec[k] for k in KEEP if k in rec} | {"variant": args.variant}
+        rows += [base | lab for lab in labelled if str(lab.get("id", rec["id"])) not in done]
+    append_jsonl(target, rows)
+    log(f"label ({args.variant}): {len(rows)} examples, {skipped} questions without a label"
+        + (f" ({no_gold} have no gold answer: usable by kbm-cert only)" if no_gold else ""))
     return len(rows)
+
+
+def stage_render(args: BuildDataArgs, out: Path, log=print) -> int:
+    """labels-<variant>.jsonl → <variant>.<split>.jsonl: TRL conversational prompt–completion rows with an image."""
+    from gate.render import class_balance, format_balance, render_rows
+
+    source = out / f"labels-{args.variant}.jsonl"
+    if not source.is_file():
+        raise ValueError(f"render: {source} does not exist (run --stage label --variant {args.variant} first)")
+    by_split: dict[str, list[dict]] = {}
+    for rec in read_jsonl(source):
+        by_split.setdefault(rec.get("split") or "train", []).append(rec)
+    total = 0
+    for split, recs in sorted(by_split.items()):
+        rows = render_rows(args.variant, recs, verbalisers=args.verbalisers, max_per_class=args.max_per_class,
+                           seed=args.seed if split == "train" else None, balance=args.balance and split == "train")
+        write_jsonl_atomic(out / f"{args.variant}.{split}.jsonl", rows)
+        log(f"render ({args.variant}, {split}): {len(rows)} rows → {out / f'{args.variant}.{split}.jsonl'}; "
+            f"classes {format_balance(class_balance(rows))}")
+        total += len(rows)
+    return total
 
 
 def build(args: BuildDataArgs, log=print) -> int:
@@ -151,11 +238,19 @@ def build(args: BuildDataArgs, log=print) -> int:
         raise ValueError(f"--stage must be one of {', '.join(STAGES)}, got {args.stage!r}")
     if not args.out:
         raise ValueError("--out is required")
-    if args.samples <= 0 or args.batch_size <= 0:
-        raise ValueError("--samples and --batch_size must be positive")
+    if args.samples <= 0 or args.batch_size <= 0 or args.k <= 0:
+        raise ValueError("--samples, --batch_size and --k must be positive")
+    if args.stage in ("label", "render") and args.variant not in LABEL_SOURCES:
+        raise ValueError(f"--variant must be one of {', '.join(LABEL_SOURCES)}, got {args.variant!r}")
+    if args.stage in ("judge", "context"):
+        from gate.judges import make_judge
+
+        make_judge(args.judge, **_judge_kwargs(args))  # a bad judge name or missing URL fails before any model
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    return {"sample": stage_sample, "judge": stage_judge, "label": stage_label}[args.stage](args, out, log)
+    stages = {"sample": stage_sample, "judge": stage_judge, "retrieve": stage_retrieve, "context": stage_context,
+              "label": stage_label, "render": stage_render}
+    return stages[args.stage](args, out, log)
 
 
 def main(argv=None) -> None:

@@ -33,7 +33,7 @@ TINY_CONFIG = dict(
 )
 
 
-def build_tokenizer(corpus: list[str], vocab_size: int = 1024):
+def build_tokenizer(corpus: list[str], vocab_size: int = 1024, extra_tokens=()):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -43,7 +43,7 @@ def build_tokenizer(corpus: list[str], vocab_size: int = 1024):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(corpus, trainer)
-    tok.add_tokens(FORMAT_TOKENS)
+    tok.add_tokens(FORMAT_TOKENS + list(extra_tokens))
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None,
         additional_special_tokens=SPECIAL_TOKENS[1:], padding_side="left", chat_template=CHAT_TEMPLATE,
@@ -60,18 +60,20 @@ def build_processor(tokenizer, image_pixels: int = 112 * 112):
 
 
 def build_tiny_vlm(out: str | Path, corpus: list[str], seed: int = 0, vocab_size: int = 1024,
-                   image_pixels: int = 112 * 112) -> Path:
+                   image_pixels: int = 112 * 112, extra_tokens=(), vision_from: str | Path | None = None) -> Path:
     """Write a tiny Qwen2.5-VL (model + processor + tokenizer) to ``out`` atomically; returns ``out``.
 
     ``image_pixels``: images are resized to at least this many pixels (56 px toy images → 112 px: 8×8 patches of
-    14 px, 16 image tokens after the 2×2 merge), enough for a tiny ViT to tell shapes and patterns apart."""
+    14 px, 16 image tokens after the 2×2 merge), enough for a tiny ViT to tell shapes and patterns apart.
+    ``extra_tokens``: words that must be single tokens (a gate's verbalisers). ``vision_from``: a tiny VLM folder whose
+    trained vision tower (same architecture) is copied in, so the new model starts out seeing."""
     import torch
     from transformers import AutoModelForImageTextToText, Qwen2_5_VLConfig
 
     out = Path(out)
     if (out / "config.json").exists():
         return out
-    tokenizer = build_tokenizer(corpus, vocab_size)
+    tokenizer = build_tokenizer(corpus, vocab_size, extra_tokens)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     text = dict(TINY_CONFIG["text"], vocab_size=len(tokenizer), bos_token_id=ids["<|endoftext|>"],
                 eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
@@ -82,6 +84,11 @@ def build_tiny_vlm(out: str | Path, corpus: list[str], seed: int = 0, vocab_size
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForImageTextToText.from_config(config)
+    if vision_from is not None:
+        from rl.model import vision_tower
+
+        donor = AutoModelForImageTextToText.from_pretrained(str(vision_from))
+        vision_tower(model).load_state_dict(vision_tower(donor).state_dict())
     model.generation_config.eos_token_id = ids["<|im_end|>"]
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")

@@ -1,0 +1,145 @@
+"""The stages of gate data construction that need retrieval: what the index returns for each question, and what
+the VLM answers with each retrieved section in its context (MMKB's SRT labels, the Inspector's optional check).
+
+``retrieve`` → ``DIR/retrieved.jsonl``: per question the query used (the refiner's when ``--refiner`` is given, else
+the question), the gold entity's rank and the top-k hits with their section text.
+``context`` → ``DIR/contexts.jsonl``: per question, one greedy answer per retrieved section and its judged score.
+Both append per batch and skip question ids already written.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from retrieval.cli import require_file, require_index
+from retrieval.files import completed_ids, read_jsonl
+from retrieval.kb import check_images
+
+
+def append_jsonl(path: Path, records: list[dict]) -> None:
+    """Append records and flush: what is written survives an interruption."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as fh:
+        fh.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+        fh.flush()
+
+
+def load_questions(queries, images_root) -> tuple[list[dict], Path]:
+    """Question rows with ``image_path`` (absolute) added; every image must exist."""
+    require_file(queries, "queries")
+    root = Path(images_root or Path(queries).parent)
+    rows = list(read_jsonl(queries))
+    check_images(rows, root, queries)
+    return [{**r, "image_path": str((root / r["image"]).resolve())} for r in rows], root
+
+
+def resolve_alpha(alpha, refiner) -> float:
+    if alpha is not None:
+        return float(alpha)
+    index_spec = (refiner.spec.get("index") or {}) if refiner is not None else {}
+    if index_spec.get("alpha") is None:
+        raise ValueError("--alpha is required (no refiner with an index α was given)")
+    return float(index_spec["alpha"])
+
+
+def stage_retrieve(args, out: Path, log=print, index=None, refiner=None) -> int:
+    from PIL import Image
+    from tqdm import tqdm
+
+    manifest = require_index(args.index) if index is None else index.manifest
+    if args.refiner and refiner is None and not (Path(args.refiner) / "config.json").exists():
+        raise ValueError(f"--refiner: {args.refiner} has no config.json (an exported refiner folder)")
+    rows, _ = load_questions(args.queries, args.images_root)
+    kb_path = require_file(args.kb or manifest.get("kb_path"), "kb")
+    target = out / "retrieved.jsonl"
+    done = completed_ids(target)
+    todo = [r for r in rows if str(r["id"]) not in done]
+    log(f"retrieve: {len(done)} done, {len(todo)} to go, k = {args.k}")
+    if not todo:
+        return 0
+    if refiner is None and args.refiner:
+        from rl.refine import Refiner
+
+        refiner = Refiner.load(args.refiner)
+    alpha = resolve_alpha(args.alpha, refiner)
+    if index is None:
+        from retrieval import MultimodalIndex
+
+        index = MultimodalIndex.load(args.index)
+    kb = {r["entry_id"]: r for r in read_jsonl(kb_path)}
+    for start in tqdm(range(0, len(todo), args.batch_size), desc="retrieving"):
+        batch = todo[start:start + args.batch_size]
+        images = [Image.open(r["image_path"]).convert("RGB") for r in batch]
+        questions = [r["question"] for r in batch]
+        texts = refiner.refine(images, questions, batch_size=len(batch)) if refiner is not None else questions
+        image_emb, text_emb = index.encode_images(images), index.encode_texts(texts)
+        hits = index.search(image_emb, text_emb, alpha, args.k)
+        ranks = index.entity_ranks(image_emb, text_emb, [r["entity_id"] for r in batch], alpha)
+        append_jsonl(target, [{**r, "query": t, "alpha": alpha, "gold_rank": rank, "hits": [
+            {"entity_id": h.entity_id, "entry_id": h.entry_id, "score": round(h.score, 6),
+             "title": kb[h.entry_id]["title"], "section_title": kb[h.entry_id].get("section_title", ""),
+             "text": kb[h.entry_id]["text"]} for h in hs]} for r, t, hs, rank in zip(batch, texts, hits, ranks)])
+    return len(todo)
+
+
+def section_text(hit: dict) -> str:
+    """How a retrieved section is shown to a model: its title, section title and text."""
+    head = " - ".join(x for x in (hit.get("title"), hit.get("section_title")) if x)
+    return f"{head}: {hit['text']}" if head else hit["text"]
+
+
+def stage_context(args, out: Path, log=print, generate=None) -> int:
+    """One greedy answer per retrieved section (the section in the prompt), judged like the samples."""
+    from PIL import Image
+    from tqdm import tqdm
+
+    from gate.judges import make_judge
+    from gate.variants import spec, user_text
+
+    source = out / "retrieved.jsonl"
+    if not source.is_file():
+        raise ValueError(f"context: {source} does not exist (run --stage retrieve first)")
+    if not args.model and generate is None:
+        raise ValueError("--model is required for the context stage")
+    judge = make_judge(args.judge, **_judge_kwargs(args))
+    target = out / "contexts.jsonl"
+    done = completed_ids(target)
+    todo = [r for r in read_jsonl(source) if str(r["id"]) not in done]
+    log(f"context: {len(done)} done, {len(todo)} to go")
+    if generate is None and todo:
+        generate = vlm_answerer(args.model, args.max_new_tokens)
+    answer = spec("answer")
+    for start in tqdm(range(0, len(todo), args.batch_size), desc="answering with context", disable=not todo):
+        batch = todo[start:start + args.batch_size]
+        pairs = [(r, h) for r in batch for h in r["hits"]]
+        images = [Image.open(r["image_path"]).convert("RGB") for r, _ in pairs]
+        texts = generate(images, [user_text(answer, r["question"], section_text(h)) for r, h in pairs], False)
+        records, i = [], 0
+        for r in batch:
+            answers = [t.strip() for t in texts[i:i + len(r["hits"])]]
+            i += len(r["hits"])
+            scores = [judge.score(r["question"], a, r.get("answers") or [], r.get("answer_eval")) for a in answers]
+            records.append({"id": r["id"], "doc_answers": answers, "doc_scores": scores})
+        append_jsonl(target, records)
+    return len(todo)
+
+
+def _judge_kwargs(args) -> dict:
+    return dict(url=args.judge_url, model=args.judge_model, api_key_env=args.judge_key_env) \
+        if args.judge == "llm" else {}
+
+
+def vlm_answerer(model_path: str, max_new_tokens: int, temperature: float = 1.0):
+    """generate(images, user_texts, sample) with any AutoModelForImageTextToText VLM and the answer prompt."""
+    from gate.variants import spec
+    from rl.generate import generate_completions
+    from rl.model import load_model
+
+    model, processor = load_model(model_path)
+    prompt = {"system": spec("answer")["system"], "user_template": "{question}"}
+
+    def generate(images, texts, sample):
+        return generate_completions(model, processor, images, texts, prompt=prompt, batch_size=len(texts),
+                                    max_new_tokens=max_new_tokens, do_sample=sample, temperature=temperature)
+    return generate

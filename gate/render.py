@@ -1,0 +1,73 @@
+"""Labelled gate examples → TRL conversational prompt–completion rows with an image; class balance. Pure."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+from gate.variants import completion, messages, spec
+
+
+def label_value(variant: str, rec: dict):
+    """The label a labelled record carries for its variant (the key named in gate.variants)."""
+    s = spec(variant)
+    if variant == "inspector":
+        return rec["inspector"]
+    if variant == "answer":
+        return (rec.get("answers") or [""])[0]
+    return rec[s["label"]]
+
+
+def class_of(variant: str, rec: dict, verbalisers=None) -> str:
+    """The class an example counts in: the completion for binary and skb, pass/fail for the Inspector, the number
+    of consistent documents for mct."""
+    s = spec(variant, verbalisers)
+    value = label_value(variant, rec)
+    if variant == "inspector":
+        return "pass" if value.get("pass") == "true" else "fail"
+    if variant == "mct":
+        return f"{len(value)} consistent"
+    if variant == "answer":
+        return str(rec.get("question_type") or "answer")
+    return completion(s, value)
+
+
+def render_row(variant: str, rec: dict, verbalisers=None) -> dict:
+    s = spec(variant, verbalisers)
+    return {"id": str(rec["id"]), "prompt": messages(s, rec["question"], rec.get("context")),
+            "completion": [{"role": "assistant", "content": completion(s, label_value(variant, rec))}],
+            "image": rec["image_path"], "class": class_of(variant, rec, verbalisers), "question": rec["question"],
+            "context": rec.get("context")}
+
+
+def cap_classes(rows: list[dict], max_per_class: int | None, balance: bool, seed: int | None) -> list[dict]:
+    """At most ``max_per_class`` rows per class (``balance``: the smallest class's size), chosen with ``seed``;
+    input order is kept."""
+    counts = Counter(r["class"] for r in rows)
+    cap = min(counts.values()) if balance and counts else None
+    if max_per_class is not None:
+        cap = max_per_class if cap is None else min(cap, max_per_class)
+    if cap is None:
+        return rows
+    rng = np.random.default_rng(seed)
+    keep = set()
+    for cls in counts:
+        idx = [i for i, r in enumerate(rows) if r["class"] == cls]
+        keep.update(rng.permutation(idx)[:cap].tolist() if len(idx) > cap else idx)
+    return [r for i, r in enumerate(rows) if i in keep]
+
+
+def render_rows(variant: str, recs: list[dict], verbalisers=None, max_per_class: int | None = None,
+                seed: int | None = 0, balance: bool = False) -> list[dict]:
+    rows = [render_row(variant, r, verbalisers) for r in recs]
+    return cap_classes(rows, max_per_class, balance, seed)
+
+
+def class_balance(rows: list[dict]) -> dict[str, int]:
+    return dict(sorted(Counter(r["class"] for r in rows).items()))
+
+
+def format_balance(balance: dict[str, int]) -> str:
+    total = sum(balance.values()) or 1
+    return ", ".join(f"{k}: {v} ({100 * v / total:.1f} %)" for k, v in balance.items()) or "none"

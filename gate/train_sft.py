@@ -1,0 +1,167 @@
+"""Supervised fine-tuning of a gate (knowledge boundary, KBM, token system, Inspector) on rendered gate data.
+
+    accelerate launch gate/train_sft.py --config configs/sft/<variant>.yaml [--any_field value ...]
+
+Arguments are TRL's (SFTConfig, ModelConfig: LoRA through PEFT with ``use_peft``) plus GateArguments. The loop is
+TRL's SFTTrainer on a conversational prompt–completion dataset with one image per row (``gate.build_data --stage
+render``), loss on the completion only, vision tower frozen. Everything checkable is checked before a model loads:
+the variant, the files, the class balance (printed; an empty class is an error unless ``allow_single_class``), and
+that the verbalisers are single tokens of the model's tokenizer.
+
+Writes ``output_dir/final``: the merged model (LoRA folded in), its processor and ``gate.json`` (variant,
+verbalisers), loadable by ``gate.scoring.load_gate``; and, with ``eval_file``, ``output_dir/gate_eval.json``: the
+held-out accuracy of first-token scoring at the default threshold next to the majority-class baseline.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# run as a script (accelerate launch gate/train_sft.py): import the packages, not this folder's modules
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "gate"]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import json  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+
+
+@dataclass
+class GateArguments:
+    variant: str = field(default=None, metadata={"help": "hkb | skb | kbm-acc | kbm-cert | ret | srt | mct | "
+                                                         "inspector | answer"})
+    train_file: str = field(default=None, metadata={"help": "rendered rows (<variant>.train.jsonl)"})
+    eval_file: str = field(default=None, metadata={"help": "held-out rendered rows, scored after training"})
+    verbalisers: list[str] = field(default=None, metadata={"help": "the verbalisers the data was rendered with"})
+    freeze_vision_tower: bool = field(default=True, metadata={"help": "train no vision-tower parameter"})
+    allow_single_class: bool = field(default=False, metadata={"help": "train even if a class has no example"})
+    eval_batch_size: int = field(default=16, metadata={"help": "examples per forward pass when scoring eval_file"})
+
+
+def read_rows(path) -> list[dict]:
+    from retrieval.files import read_jsonl
+
+    rows = list(read_jsonl(path))
+    if not rows:
+        raise ValueError(f"{path} has no rows")
+    missing = [r.get("id") for r in rows if not Path(r.get("image") or "").is_file()]
+    if missing:
+        raise ValueError(f"{path}: {len(missing)} row(s) have no image file (first: {missing[:3]})")
+    return rows
+
+
+def check_balance(args: GateArguments, rows: list[dict], log=print) -> dict:
+    """Print the class balance; an empty class of a binary gate is an error unless allowed."""
+    from gate.render import class_balance, format_balance
+    from gate.variants import BINARY, completion, spec
+
+    balance = class_balance(rows)
+    log(f"{args.variant} training data: {len(rows)} rows; classes {format_balance(balance)}")
+    if args.variant in BINARY:
+        s = spec(args.variant, args.verbalisers)
+        expected = {completion(s, True) if args.variant != "inspector" else "pass",
+                    completion(s, False) if args.variant != "inspector" else "fail"}
+        empty = sorted(expected - set(balance))
+        unknown = sorted(set(balance) - expected)
+        if unknown:
+            raise ValueError(f"{args.train_file}: classes {unknown} are not verbalisers of {args.variant} "
+                             f"{sorted(expected)} (rendered with other --verbalisers?)")
+        if empty and not args.allow_single_class:
+            raise ValueError(f"{args.train_file}: class {empty} has no example; the gate would learn one answer "
+                             "(set allow_single_class to train anyway)")
+    return balance
+
+
+def validate(args: GateArguments, training_args, model_args) -> tuple[list[dict], list[dict] | None]:
+    from gate.variants import spec
+    from retrieval.cli import require_file
+
+    spec(args.variant, args.verbalisers)
+    require_file(args.train_file, "train_file")
+    if args.eval_file:
+        require_file(args.eval_file, "eval_file")
+    if not model_args.model_name_or_path:
+        raise ValueError("--model_name_or_path is required")
+    if getattr(training_args, "max_length", None) is not None:
+        print(f"note: max_length = {training_args.max_length} truncates image tokens; gate configs leave it unset")
+    rows = read_rows(args.train_file)
+    check_balance(args, rows)
+    return rows, read_rows(args.eval_file) if args.eval_file else None
+
+
+def save_final(final: Path, model, processor, info: dict) -> None:
+    """Model + processor + gate.json into a temporary sibling, then renamed: a crash leaves no half folder."""
+    import os
+    import shutil
+
+    from gate.scoring import GATE_FILE
+    from retrieval.files import write_json_atomic
+
+    tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    processor.save_pretrained(tmp)
+    write_json_atomic(tmp / GATE_FILE, info)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+
+
+def main(argv=None) -> dict:
+    from accelerate import PartialState
+    from datasets import Dataset, Image
+    from transformers import AutoProcessor
+    from trl import ModelConfig, SFTConfig, SFTTrainer, get_peft_config
+
+    from gate.scoring import evaluate_gate, evaluate_generated, verbaliser_ids
+    from gate.variants import BINARY, spec
+    from retrieval.cli import parse
+    from retrieval.files import write_json_atomic
+    from rl.model import freeze_vision_tower, load_model, trainable_parameters, vision_tower
+
+    args, training_args, model_args = parse((GateArguments, SFTConfig, ModelConfig), argv, description=__doc__)
+    rows, eval_rows = validate(args, training_args, model_args)
+    s = spec(args.variant, args.verbalisers)
+    processor = AutoProcessor.from_pretrained(model_args.model_name_or_path,
+                                              trust_remote_code=training_args.trust_remote_code)
+    if args.variant in BINARY or args.variant == "skb":
+        verbaliser_ids(processor.tokenizer, s)  # before the model loads
+    state = PartialState()
+    model, processor = load_model(model_args.model_name_or_path, model_args.dtype, device=str(state.device),
+                                  trust_remote_code=training_args.trust_remote_code,
+                                  attn_implementation=model_args.attn_implementation)
+    if args.freeze_vision_tower:
+        print(f"vision tower frozen ({freeze_vision_tower(model):,} parameters)")
+    data = Dataset.from_list([{"prompt": r["prompt"], "completion": r["completion"], "image": r["image"]}
+                              for r in rows]).cast_column("image", Image())
+    trainer = SFTTrainer(model=model, args=training_args, train_dataset=data, processing_class=processor,
+                         peft_config=get_peft_config(model_args))
+    if args.freeze_vision_tower and trainable_parameters(vision_tower(trainer.model)):
+        raise RuntimeError("vision-tower parameters are trainable despite freeze_vision_tower")
+    print(f"trainable parameters: {trainable_parameters(trainer.model):,}")
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+
+    result = {"log_history": trainer.state.log_history}
+    if not state.is_main_process:
+        return result
+    output_dir = Path(training_args.output_dir)
+    model = trainer.model.merge_and_unload() if hasattr(trainer.model, "merge_and_unload") else trainer.model
+    save_final(output_dir / "final", model, processor, {"variant": args.variant, "verbalisers": list(s["verbalisers"]),
+                                                        "base_model": model_args.model_name_or_path})
+    if eval_rows:
+        if args.variant in BINARY or args.variant == "skb":
+            metrics = evaluate_gate(model.eval(), processor, s, eval_rows, batch_size=args.eval_batch_size)
+            metrics = {k: v for k, v in metrics.items() if k not in ("scores", "truth")}
+        else:
+            metrics = evaluate_generated(model.eval(), processor, s, eval_rows, batch_size=args.eval_batch_size)
+        write_json_atomic(output_dir / "gate_eval.json", metrics)
+        print("held-out: " + json.dumps(metrics))
+        result["eval"] = metrics
+    return result
+
+
+if __name__ == "__main__":
+    from retrieval.cli import run
+
+    run(main)
