@@ -64,9 +64,9 @@ def stage_sample(args: BuildDataArgs, out: Path, log=print, generate=None) -> in
     from PIL import Image
     from tqdm import tqdm
 
+    rows, _ = load_questions(args.queries, args.images_root)
     if not args.model and generate is None:
         raise ValueError("--model is required for the sample stage")
-    rows, _ = load_questions(args.queries, args.images_root)
     target = out / "samples.jsonl"
     done = completed_ids(target)
     todo = [r for r in rows if str(r["id"]) not in done]

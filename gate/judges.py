@@ -9,13 +9,11 @@ variable and never logged; an unparseable reply is retried, then recorded as a f
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import time
 import urllib.error
-import urllib.request
 
+from gate.generator import chat, chat_url
 from gate.metrics import infoseek_match, normalize_answer, token_accuracy
 
 CORRECTNESS_SYSTEM = (
@@ -64,23 +62,16 @@ class LLMJudge:
                  timeout: float = 60.0, backoff: float = 1.0):
         if not url or not model:
             raise ValueError("the llm judge needs --judge_url (an OpenAI-compatible endpoint) and --judge_model")
-        self.url = url.rstrip("/") + ("" if url.rstrip("/").endswith("/chat/completions") else "/chat/completions")
+        self.url = chat_url(url)
         self.model, self.api_key_env = model, api_key_env
         self.retries, self.timeout, self.backoff = retries, timeout, backoff
         self.failures = 0
 
     def _ask(self, question: str, answer: str, golds) -> str:
-        body = {"model": self.model, "temperature": 0.0, "messages": [
-            {"role": "system", "content": CORRECTNESS_SYSTEM},
-            {"role": "user", "content": CORRECTNESS_USER.format(question=question, reference=" | ".join(map(str, golds)),
-                                                                answer=answer)}]}
-        headers = {"Content-Type": "application/json"}
-        key = os.environ.get(self.api_key_env)
-        if key:
-            headers["Authorization"] = f"Bearer {key}"
-        request = urllib.request.Request(self.url, data=json.dumps(body).encode(), headers=headers, method="POST")
-        with urllib.request.urlopen(request, timeout=self.timeout) as response:
-            return json.loads(response.read())["choices"][0]["message"]["content"]
+        messages = [{"role": "system", "content": CORRECTNESS_SYSTEM},
+                    {"role": "user", "content": CORRECTNESS_USER.format(
+                        question=question, reference=" | ".join(map(str, golds)), answer=answer)}]
+        return chat(self.url, self.model, messages, self.api_key_env, self.timeout)
 
     def score(self, question: str, answer: str, golds, answer_eval=None) -> float | None:
         for attempt in range(self.retries):

@@ -9,7 +9,8 @@ creature?"). A tiny VLM (the "answerer") is taught the attribute questions and t
 section, never the facts themselves — so it knows the attributes it can see (as well as its eyes allow: shape is the
 hardest), and must search for the rest. That is the knowledge boundary the gates learn.
 
-Writes OUT/questions.jsonl (train + test gate questions, with ``split``), OUT/answer.{train,test}.jsonl (the
+Writes OUT/questions.jsonl (train + test gate questions, with ``split``; the test ones also in
+OUT/questions.test.jsonl, the pipeline's toy queries), OUT/answer.{train,test}.jsonl (the
 answerer's SFT rows: attribute questions, and knowledge questions with the gold section as context) and
 OUT/toy-vlm/ (a tiny Qwen2.5-VL whose tokenizer has every gate verbaliser as one token, with the vision tower of
 ``--vision_from`` when given).
@@ -74,12 +75,19 @@ def toy_vlm_corpus(world: Path) -> list[str]:
     return texts + list(ATTRIBUTE_QUESTIONS.values()) * 20 + ["Context: Question:"] * 20
 
 
+def build_toy_vlm(out: Path, world: Path, vision_from=None) -> Path:
+    """A tiny Qwen2.5-VL whose tokenizer knows the world's words and has every gate verbaliser as one token."""
+    from gate.variants import VARIANTS
+    from rl.tiny_vlm import build_tiny_vlm
+
+    verbalisers = sorted({v for s in VARIANTS.values() for v in s["verbalisers"]})
+    return build_tiny_vlm(out, toy_vlm_corpus(world), extra_tokens=verbalisers, vision_from=vision_from)
+
+
 def build(args: GateToyArgs, log=print) -> dict:
     from gate.render import class_balance, format_balance, render_rows
-    from gate.variants import VARIANTS
     from retrieval.cli import require_file
     from retrieval.files import read_jsonl, write_jsonl_atomic
-    from rl.tiny_vlm import build_tiny_vlm
 
     world, out = Path(args.world), Path(args.out)
     for name in ("train.jsonl", "test.jsonl", "kb.jsonl"):
@@ -97,9 +105,8 @@ def build(args: GateToyArgs, log=print) -> dict:
         write_jsonl_atomic(out / f"answer.{split}.jsonl", rows)
         log(f"answerer {split}: {len(rows)} rows; {format_balance(class_balance(rows))}")
     write_jsonl_atomic(out / "questions.jsonl", questions)
-    verbalisers = sorted({v for s in VARIANTS.values() for v in s["verbalisers"]})
-    vlm = build_tiny_vlm(out / "toy-vlm", toy_vlm_corpus(world), extra_tokens=verbalisers,
-                         vision_from=args.vision_from)
+    write_jsonl_atomic(out / "questions.test.jsonl", [q for q in questions if q["split"] == "test"])
+    vlm = build_toy_vlm(out / "toy-vlm", world, args.vision_from)
     log(f"{len(questions)} gate questions → {out / 'questions.jsonl'}; toy VLM → {vlm}")
     return {"questions": len(questions), "vlm": str(vlm)}
 

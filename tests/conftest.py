@@ -1,6 +1,9 @@
 """Shared fixtures: offline settings and a tiny toy world + index, built once per test session."""
 
+import json
 import os
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -78,3 +81,56 @@ def config(tiny_world, tiny_index_dir, tiny_refiner, tmp_path):
         path.write_text(yaml.safe_dump(cfg))
         return ["--config", str(path)]
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_gate_vlm(tiny_world, tiny_refiner, tmp_path_factory):
+    """A tiny VLM whose tokenizer has every gate verbaliser as one token, seeing through the refiner's vision tower."""
+    from gate.toy import build_toy_vlm
+
+    return build_toy_vlm(tmp_path_factory.mktemp("gate") / "toy-vlm", tiny_world, vision_from=tiny_refiner)
+
+
+class Stub:
+    """A local OpenAI-compatible endpoint replying from a script, recording what it was sent."""
+
+    def __init__(self, replies, status: int = 200):
+        self.replies, self.requests, self.status = list(replies), [], status
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                stub.requests.append({"body": body, "auth": self.headers.get("Authorization")})
+                reply = stub.replies.pop(0) if stub.replies else "no score here"
+                data = json.dumps({"choices": [{"message": {"role": "assistant", "content": reply}}]}).encode()
+                self.send_response(stub.status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *a):
+                pass
+
+        self.server = HTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}/v1"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+
+
+@pytest.fixture()
+def stub():
+    """Start local OpenAI-compatible stub endpoints: stub(replies) → Stub (``status`` 200 unless set)."""
+    made = []
+
+    def make(replies, status: int = 200):
+        made.append(Stub(replies, status))
+        return made[-1]
+    yield make
+    for s in made:
+        s.close()
+
+

@@ -13,7 +13,7 @@ def canned(answers_by_question):
     """A stand-in generator: for each question, cycles through the given answers."""
     counters = {}
 
-    def generate(images, questions):
+    def generate(images, questions, sample):
         out = []
         for q in questions:
             i = counters.get(q, 0)
@@ -55,7 +55,7 @@ def test_sample_judge_label_pipeline(questions, tiny_world, tmp_path):
         build(BuildDataArgs(stage="label", out=str(tmp_path / "d"), variant=variant), **QUIET)
         labels[variant] = {r["id"]: r for r in map(json.loads, open(tmp_path / "d" / f"labels-{variant}.jsonl"))}
     # the model knows the first question: no search; it does not know the second: search
-    assert labels["hkb"][known["id"]]["search"] == "false" and labels["hkb"][unknown["id"]]["search"] == "true"
+    assert labels["hkb"][known["id"]]["search"] is False and labels["hkb"][unknown["id"]]["search"] is True
     assert labels["skb"][known["id"]]["search_score"] == 1.0 and labels["skb"][unknown["id"]]["search_score"] == 5.0
     assert labels["kbm-acc"][known["id"]]["search"] is False and labels["kbm-acc"][unknown["id"]]["search"] is True
     assert labels["kbm-cert"][known["id"]]["certainty"] == 1.0 and labels["kbm-cert"][known["id"]]["search"] is False
@@ -76,9 +76,104 @@ def test_sample_with_a_real_tiny_vlm(questions, tiny_world, tiny_refiner, tmp_pa
     (dict(stage="label", out="X", variant="odd"), "--variant"),
     (dict(stage="judge", out="X"), "run --stage sample first"),
     (dict(stage="sample", out="X", queries="/none.jsonl"), "--queries"),
-    (dict(stage="judge", out="X", judge="vibes"), "run --stage sample first"),
+    (dict(stage="judge", out="X", judge="vibes"), "unknown judge"),
+    (dict(stage="judge", out="X", judge="llm"), "--judge_url"),
+    (dict(stage="retrieve", out="X", queries="/none.jsonl", index="/none"), "--index"),
+    (dict(stage="label", out="X", variant="srt"), "run the earlier stages first"),
+    (dict(stage="render", out="X", variant="hkb"), "--stage label --variant hkb"),
+    (dict(stage="sample", out="X", k=0), "must be positive"),
 ])
 def test_bad_input(kw, match, tmp_path):
     kw = {**kw, "out": str(tmp_path / kw["out"])}
     with pytest.raises(ValueError, match=match):
         build(BuildDataArgs(**kw), **QUIET)
+
+
+def test_sample_and_judge_resume_after_an_interruption(questions, tiny_world, tmp_path):
+    path, picked = questions
+    calls = []
+
+    def dies_on_second_batch(images, texts, sample):
+        calls.append(len(texts))
+        if len(calls) == 2:
+            raise RuntimeError("killed")
+        return ["red"] * len(texts)
+    args = BuildDataArgs(stage="sample", queries=str(path), images_root=str(tiny_world), out=str(tmp_path / "d"),
+                         samples=3, batch_size=1)
+    with pytest.raises(RuntimeError):
+        stage_sample(args, tmp_path / "d", generate=dies_on_second_batch, **QUIET)
+    assert [json.loads(x)["id"] for x in open(tmp_path / "d" / "samples.jsonl")] == [picked[0]["id"]]
+    assert stage_sample(args, tmp_path / "d", generate=lambda i, t, s: ["blue"] * len(t), **QUIET) == 1
+    rows = [json.loads(x) for x in open(tmp_path / "d" / "samples.jsonl")]
+    assert [r["id"] for r in rows] == [p["id"] for p in picked] and rows[0]["samples"] == ["red"] * 3
+
+    import gate.judges as judges
+    real, seen = judges.judge_all, []
+
+    def judge_dies(batch, judge, cache):
+        seen.append(len(batch))
+        if len(seen) == 1:
+            raise RuntimeError("endpoint died")
+        return real(batch, judge, cache)
+    judges.judge_all = judge_dies
+    try:
+        with pytest.raises(RuntimeError):
+            build(BuildDataArgs(stage="judge", out=str(tmp_path / "d")), **QUIET)
+        assert not (tmp_path / "d" / "judged.jsonl").exists() or not open(tmp_path / "d" / "judged.jsonl").read()
+        assert build(BuildDataArgs(stage="judge", out=str(tmp_path / "d")), **QUIET) == 2
+        assert build(BuildDataArgs(stage="judge", out=str(tmp_path / "d")), **QUIET) == 0
+    finally:
+        judges.judge_all = real
+
+
+def test_retrieve_context_and_the_retrieval_labels(questions, tiny_world, tiny_index_dir, tiny_index, tmp_path):
+    path, picked = questions
+    out = tmp_path / "d"
+    common = dict(queries=str(path), images_root=str(tiny_world), out=str(out), samples=2, k=3, alpha=0.5)
+    gold = {p["question"]: p["answers"][0] for p in picked}
+    # alone: the first question right, the second wrong; with a section in context: right only for the gold section
+    stage_sample(BuildDataArgs(stage="sample", **common), out,
+                 generate=lambda i, t, s: [gold[t[0]] if t[0] == picked[0]["question"] else "no idea"] * len(t),
+                 **QUIET)
+    build(BuildDataArgs(stage="judge", out=str(out)), **QUIET)
+    from gate.context_data import stage_context, stage_retrieve
+
+    assert stage_retrieve(BuildDataArgs(stage="retrieve", index=str(tiny_index_dir), **common), out,
+                          index=tiny_index, **QUIET) == 2
+    retrieved = {r["id"]: r for r in map(json.loads, open(out / "retrieved.jsonl"))}
+    entity_of_text = {}
+    for r in retrieved.values():
+        assert len(r["hits"]) == 3 and r["query"] == r["question"] and r["alpha"] == 0.5
+        assert r["gold_rank"] is None or r["gold_rank"] >= 1
+        entity_of_text.update({h["text"]: h["entity_id"] for h in r["hits"]})
+    answers = {p["id"]: p for p in picked}
+
+    def reads_context(images, texts, sample):
+        out_ = []
+        for t in texts:
+            context, question = t[len("Context: "):].split("\nQuestion: ")
+            mine = [p for p in picked if p["question"] == question][0]
+            right = any(h["entity_id"] == mine["entity_id"] and h["text"] in context
+                        for h in retrieved[mine["id"]]["hits"])
+            out_.append(mine["answers"][0] if right else "no idea")
+        return out_
+    assert stage_context(BuildDataArgs(stage="context", **common), out, generate=reads_context, **QUIET) == 2
+    labels = {}
+    for variant in ("ret", "srt", "mct", "inspector"):
+        build(BuildDataArgs(stage="label", out=str(out), variant=variant), **QUIET)
+        labels[variant] = list(map(json.loads, open(out / f"labels-{variant}.jsonl")))
+    known, unknown = picked
+    assert {r["id"]: r["search"] for r in labels["ret"]} == {known["id"]: False, unknown["id"]: True}
+    for r in labels["srt"]:  # Rel only where the section turned the wrong answer right (the gold entity's)
+        qid, j = r["id"].split("#d")
+        hit = retrieved[qid]["hits"][int(j) - 1]
+        assert r["relevant"] == (qid == unknown["id"]) and (hit["entity_id"] == answers[qid]["entity_id"]) == \
+            (qid == unknown["id"])
+    for r in labels["mct"]:
+        hits = retrieved[r["id"]]["hits"]
+        assert r["consistent"] == [j + 1 for j, h in enumerate(hits) if h["entity_id"] == answers[r["id"]]["entity_id"]]
+    for r in labels["inspector"]:
+        assert r["pass"] == (retrieved[r["id"]]["hits"][0]["entity_id"] == answers[r["id"]]["entity_id"])
+    build(BuildDataArgs(stage="render", out=str(out), variant="inspector"), **QUIET)
+    rendered = list(map(json.loads, open(out / "inspector.test.jsonl")))
+    assert len(rendered) == 2 and all(r["prompt"][1]["content"].startswith("Context: ") for r in rendered)

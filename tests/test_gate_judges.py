@@ -1,8 +1,5 @@
 """Judges: exact and token on hand-computed cases; the LLM judge against a local OpenAI-compatible stub."""
 
-import json
-import threading
-from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
@@ -34,48 +31,6 @@ def test_unknown_judge_and_missing_endpoint():
         make_judge("vibes")
     with pytest.raises(ValueError, match="judge_url"):
         make_judge("llm", url="", model="m")
-
-
-class Stub:
-    """A local OpenAI-compatible endpoint replying from a script, recording what it was sent."""
-
-    def __init__(self, replies):
-        self.replies, self.requests = list(replies), []
-        stub = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                stub.requests.append({"body": body, "auth": self.headers.get("Authorization")})
-                reply = stub.replies.pop(0) if stub.replies else "no score here"
-                data = json.dumps({"choices": [{"message": {"role": "assistant", "content": reply}}]}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *a):
-                pass
-
-        self.server = HTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_port}/v1"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-
-
-@pytest.fixture()
-def stub():
-    made = []
-
-    def make(replies):
-        made.append(Stub(replies))
-        return made[-1]
-    yield make
-    for s in made:
-        s.close()
 
 
 def test_llm_judge_retries_then_scores(stub, monkeypatch, caplog):

@@ -1,0 +1,86 @@
+"""Answer generators for the pipeline's RAG path: a text LLM through transformers, or an OpenAI-compatible chat
+endpoint (key from an environment variable, never logged; bounded retries with backoff, then the question is
+recorded as failed — never given an empty answer). Each returns generate(images, questions, contexts) →
+[(answer or None, failure reason or None)]."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+
+RETRYABLE = (urllib.error.URLError, TimeoutError, ConnectionError, ValueError, KeyError, IndexError, TypeError)
+
+
+def chat_url(url: str) -> str:
+    url = url.rstrip("/")
+    return url if url.endswith("/chat/completions") else url + "/chat/completions"
+
+
+def chat(url: str, model: str, messages: list[dict], api_key_env: str = "OPENAI_API_KEY", timeout: float = 60.0,
+         temperature: float = 0.0, max_tokens: int | None = None) -> str:
+    """One chat completion from an OpenAI-compatible endpoint; the reply's text."""
+    body = {"model": model, "temperature": temperature, "messages": messages}
+    if max_tokens:
+        body["max_tokens"] = max_tokens
+    headers = {"Content-Type": "application/json"}
+    key = os.environ.get(api_key_env)
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    request = urllib.request.Request(chat_url(url), data=json.dumps(body).encode(), headers=headers, method="POST")
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        content = json.loads(response.read())["choices"][0]["message"]["content"]
+    if not isinstance(content, str):
+        raise ValueError("reply has no text content")
+    return content
+
+
+def endpoint_generator(url: str, model: str, prompt: dict, api_key_env: str, max_new_tokens: int,
+                       retries: int = 3, backoff: float = 1.0, timeout: float = 60.0):
+    def generate(images, questions, contexts):
+        out = []
+        for q, c in zip(questions, contexts):
+            messages = [{"role": "system", "content": prompt["system"]},
+                        {"role": "user", "content": prompt["user_template"].format(question=q, context=c)}]
+            answer, reason = None, None
+            for attempt in range(retries):
+                try:
+                    answer = chat(url, model, messages, api_key_env, timeout, max_tokens=max_new_tokens).strip()
+                except RETRYABLE as e:
+                    reason = type(e).__name__  # never the request: it carries the key
+                    if attempt + 1 < retries:
+                        time.sleep(backoff * (attempt + 1))
+                    continue
+                if answer:
+                    break
+                answer, reason = None, "empty reply"
+            out.append((answer, None if answer else f"generator failed after {retries} attempts: {reason}"))
+        return out
+    return generate
+
+
+def text_generator(name_or_path: str, prompt: dict, max_new_tokens: int, device: str = "cpu"):
+    """A causal LM with a chat template, batched greedy generation, left padding."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(name_or_path).to(device).eval()
+
+    def generate(images, questions, contexts):
+        texts = [tokenizer.apply_chat_template(
+            [{"role": "system", "content": prompt["system"]},
+             {"role": "user", "content": prompt["user_template"].format(question=q, context=c)}],
+            add_generation_prompt=True, tokenize=False) for q, c in zip(questions, contexts)]
+        batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+        with torch.no_grad():
+            ids = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id)
+        answers = tokenizer.batch_decode(ids[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+        return [(a.strip() or None, None if a.strip() else "empty answer") for a in answers]
+    return generate

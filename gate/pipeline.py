@@ -1,0 +1,183 @@
+"""The full KB-VQA pipeline: gate → refine → retrieve → rerank → inspect → generate, and its evaluation.
+
+    python -m gate.pipeline --config configs/pipeline/X.yaml --queries q.jsonl --out DIR
+
+Per question: the boundary gate (a trained hkb/skb/kbm/ret gate, or ``always`` / ``never``) decides whether to
+retrieve; without retrieval the VLM (``answerer``) answers alone. With retrieval: the refiner rewrites the question
+(``none`` = the question itself), the index returns the top-k entities' best sections, a reranker (optional) rescores
+them (β1) and the sections of the chosen article (β2), the Inspector (optional) passes or fails the selected
+section — PASS → the generator answers with it, FAIL → the Inspector's own answer (decoupled generation).
+
+With ``baselines: true`` (default) every question goes through both paths, so No RAG, All RAG, a random gate at the
+same retrieval ratio and the oracle gate come from the same run and table; ``baselines: false`` runs only the path
+the gate chose. Every stage is batched with its own progress bar; each finished question is appended to
+``predictions.jsonl`` (resumable: ids already there are skipped). Writes ``metrics.json``, ``metrics.md`` and
+``accuracy_vs_retrieval.png`` (the gate's threshold swept over one scoring pass, with the baselines).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from gate.context_data import append_jsonl
+from gate.stages import GENERATOR_PROMPTS, Stages, run_batch
+
+
+@dataclass
+class PipelineArgs:
+    queries: str = field(default=None, metadata={"help": "question JSONL"})
+    out: str = field(default=None, metadata={"help": "output folder (predictions.jsonl appended; resumable)"})
+    images_root: str = field(default=None, metadata={"help": "default: the queries file's folder"})
+    gate: str = field(default="always", metadata={"help": "always | never | trained boundary gate folder"})
+    gate_threshold: float = field(default=None, metadata={"help": "γ/τ (default 0.5) or ε for skb (default 3)"})
+    answerer: str = field(default=None, metadata={"help": "the VLM that answers without retrieval"})
+    refiner: str = field(default="none", metadata={"help": "exported refiner folder, or none"})
+    index: str = field(default=None, metadata={"help": "index directory"})
+    kb: str = field(default=None, metadata={"help": "KB JSONL (default: the one the index was built from)"})
+    alpha: float = field(default=None, metadata={"help": "α (default: the refiner's index α)"})
+    k: int = field(default=5, metadata={"help": "entities (sections) retrieved per question"})
+    reranker: str = field(default="none", metadata={"help": "none | tiny | CrossEncoder name/path | gate:<srt dir>"})
+    beta1: float = field(default=0.5, metadata={"help": "section stage: β·retrieval + (1−β)·reranker"})
+    beta2: float = field(default=0.5, metadata={"help": "within-article stage: β·text similarity + (1−β)·reranker"})
+    inspector: str = field(default="none", metadata={"help": "none | trained inspector gate folder"})
+    inspector_threshold: float = field(default=0.5, metadata={"help": "PASS when P(pass) ≥ this"})
+    generator: str = field(default=None, metadata={"help": "model path/name, or endpoint (generator_url)"})
+    generator_url: str = field(default=None, metadata={"help": "OpenAI-compatible base URL (generator: endpoint)"})
+    generator_model: str = field(default=None, metadata={"help": "model name at the endpoint"})
+    generator_key_env: str = field(default="OPENAI_API_KEY", metadata={"help": "env var holding the endpoint key"})
+    generator_retries: int = field(default=3, metadata={"help": "endpoint attempts per question"})
+    generator_backoff: float = field(default=1.0, metadata={"help": "endpoint backoff seconds (× attempt)"})
+    generator_prompt: str = field(default="infoseek", metadata={"help": "infoseek | evqa | toy"})
+    generator_image: bool = field(default=False, metadata={"help": "a VLM generator also sees the image"})
+    max_new_tokens: int = field(default=24, metadata={"help": "answer length"})
+    batch_size: int = field(default=32, metadata={"help": "questions per batch"})
+    baselines: bool = field(default=True, metadata={"help": "run both paths for every question (baselines)"})
+    limit: int = field(default=None, metadata={"help": "only the first N questions"})
+
+
+def validate(args: PipelineArgs) -> None:
+    """Every input checked before any model loads; each stage's model named when it is missing."""
+    from retrieval.cli import require_file, require_index
+
+    require_file(args.queries, "queries")
+    if not args.out:
+        raise ValueError("--out is required")
+    if args.batch_size <= 0 or args.k <= 0:
+        raise ValueError("--batch_size and --k must be positive")
+    if args.generator_prompt not in GENERATOR_PROMPTS:
+        raise ValueError(f"--generator_prompt must be one of {', '.join(GENERATOR_PROMPTS)}")
+    needs_rag = args.gate != "never" or args.baselines
+    needs_alone = args.gate != "always" or args.baselines
+    if needs_alone and not args.answerer:
+        raise ValueError("--answerer (the VLM that answers without retrieval) is required")
+    if needs_rag:
+        require_index(args.index)
+        if not args.generator and args.inspector == "none":
+            raise ValueError("--generator is required")
+    for stage, value in (("gate", args.gate), ("answerer", args.answerer), ("refiner", args.refiner),
+                         ("inspector", args.inspector), ("generator", args.generator),
+                         ("reranker", args.reranker[5:] if args.reranker.startswith("gate:") else None)):
+        if value in (None, "none", "always", "never", "endpoint") or not _looks_local(value):
+            continue
+        if not (Path(value) / "config.json").is_file():
+            raise ValueError(f"--{stage}: {value} is not a model folder (no config.json)")
+    if args.generator == "endpoint" and not (args.generator_url and args.generator_model):
+        raise ValueError("--generator endpoint needs --generator_url and --generator_model")
+
+
+def _looks_local(value: str) -> bool:
+    return value.startswith((".", "/", "~")) or Path(value).exists() or value.count("/") != 1
+
+
+def run(args: PipelineArgs, log=print, stages: Stages | None = None) -> dict:
+    from PIL import Image
+    from tqdm import tqdm
+
+    from retrieval.files import completed_ids, read_jsonl
+
+    validate(args)
+    rows = list(read_jsonl(args.queries))[:args.limit]
+    root = Path(args.images_root or Path(args.queries).parent)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    target = out / "predictions.jsonl"
+    done = completed_ids(target)
+    todo = [r for r in rows if str(r["id"]) not in done]
+    log(f"pipeline: {len(done)} of {len(rows)} questions already in {target}; {len(todo)} to go")
+    if todo:
+        stages = stages or Stages(args)  # every model loads (or fails, named) before the first question
+        names = ["gate", "answer alone", "refine", "retrieve", "rerank", "inspect", "generate"]
+        bars = {s: tqdm(total=len(todo), desc=f"{s:>12}", position=i, unit="q") for i, s in enumerate(names)}
+        for start in range(0, len(todo), args.batch_size):
+            batch = todo[start:start + args.batch_size]
+            present = [r for r in batch if (root / str(r.get("image"))).is_file()]
+            skipped = [{"id": r["id"], "skipped": f"image file missing: {root / str(r.get('image'))}"}
+                       for r in batch if r not in present]
+            images = [Image.open(root / r["image"]).convert("RGB") for r in present]
+            append_jsonl(target, skipped + (run_batch(stages, present, images, bars) if present else []))
+        for bar in bars.values():
+            bar.close()
+    ids = {str(r["id"]) for r in rows}
+    records = [r for r in read_jsonl(target) if str(r["id"]) in ids]
+    return report(records, out, args, log)
+
+
+def report(records: list[dict], out: Path, args: PipelineArgs, log=print) -> dict:
+    from gate.pipeline_metrics import format_table, summarize, threshold_curve
+    from retrieval.files import pyplot, save_figure, write_json_atomic, write_text_atomic
+
+    complete = [r for r in records if "skipped" not in r]
+    both = bool(complete) and all(r["alone"] is not None and r["rag"] is not None for r in complete)
+    metrics = summarize(records) if both else _summarize_chosen(records)
+    gate_scores = [r["gate"]["score"] for r in complete if r["gate"]["score"] is not None]
+    if both and gate_scores:
+        grid = np.linspace(1, 5, 21) if max(gate_scores) > 1 else np.linspace(0, 1, 21)
+        metrics["threshold_curve"] = threshold_curve(records, grid)
+    write_json_atomic(out / "metrics.json", metrics)
+    system = f"pipeline (gate: {Path(args.gate).name if args.gate not in ('always', 'never') else args.gate})"
+    table = format_table(metrics, system) if "accuracy" in metrics else "no answered questions"
+    write_text_atomic(out / "metrics.md", table + "\n")
+    if both:
+        plt = pyplot()
+        fig, ax = plt.subplots(figsize=(5.5, 4))
+        if "threshold_curve" in metrics:
+            c = metrics["threshold_curve"]
+            ax.plot([p["retrieval_ratio"] for p in c], [p["accuracy"] for p in c], marker=".", label="gate thresholds")
+        for name, b in metrics["baselines"].items():
+            ax.scatter([b["retrieval_ratio"]], [b["accuracy"]], label=name, zorder=3)
+        ax.scatter([metrics["retrieval_ratio"]], [metrics["accuracy"]], marker="*", s=150, label="this run", zorder=4)
+        ax.set_xlabel("retrieval ratio")
+        ax.set_ylabel("accuracy")
+        ax.legend(fontsize=7)
+        save_figure(fig, out / "accuracy_vs_retrieval.png")
+    log(table)
+    log(json.dumps({k: v for k, v in metrics.items() if k not in ("baselines", "threshold_curve")}, indent=1))
+    return metrics
+
+
+def _summarize_chosen(records: list[dict]) -> dict:
+    """Without baselines: accuracy and retrieval ratio of the chosen answers only."""
+    done = [r for r in records if "skipped" not in r]
+    if not done:
+        return {"n": 0, "skipped": len(records)}
+    return {"n": len(done), "skipped": len(records) - len(done), "accuracy": float(np.mean([r["correct"] for r in done])),
+            "retrieval_ratio": float(np.mean([r["gate"]["retrieve"] for r in done])), "baselines": {},
+            "latency_s": {s: float(np.mean([r["latency"].get(s, 0.0) for r in done]))
+                          for s in sorted({s for r in done for s in r["latency"]})}}
+
+
+def main(argv=None) -> None:
+    from retrieval.cli import parse
+
+    (args,) = parse((PipelineArgs,), argv, description=__doc__)
+    run(args)
+
+
+if __name__ == "__main__":
+    from retrieval.cli import run as run_cli
+
+    run_cli(main)

@@ -1,0 +1,110 @@
+"""End-to-end KB-VQA metrics from per-question pipeline records, and the gate baselines — pure functions.
+
+A record (one line of predictions.jsonl) carries both answers the pipeline can give — ``alone`` (the VLM without
+retrieval) and ``rag`` (refine → retrieve → rerank → inspect → generate) — with their correctness, the gate's score
+and decision. So one run gives the gate's system and every baseline of the knowledge-boundary papers on the same
+questions: No RAG, All RAG, a random gate at the same retrieval ratio (mean of 5 seeds) and the oracle gate
+(retrieve exactly where the VLM alone was wrong).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gate.metrics import harmonic_mean
+
+UNSEEN_SPLITS = ("unseen_question", "unseen_entity")
+
+
+def system_correct(records: list[dict], retrieve) -> np.ndarray:
+    """Correctness when the questions flagged in ``retrieve`` take the RAG answer and the others the VLM's own."""
+    alone = np.array([bool(r["alone"]["correct"]) for r in records])
+    rag = np.array([bool(r["rag"]["correct"]) for r in records])
+    return np.where(np.asarray(retrieve, dtype=bool), rag, alone)
+
+
+def baselines(records: list[dict], ratio: float, seeds: int = 5) -> dict[str, dict]:
+    """No RAG, All RAG, random gate at ``ratio`` (mean over seeds), oracle gate: accuracy and retrieval ratio."""
+    n = len(records)
+    if n == 0:
+        return {}
+    alone_ok = np.array([bool(r["alone"]["correct"]) for r in records])
+    out = {"No RAG": {"accuracy": float(alone_ok.mean()), "retrieval_ratio": 0.0},
+           "All RAG": {"accuracy": float(system_correct(records, np.ones(n)).mean()), "retrieval_ratio": 1.0}}
+    k = int(round(ratio * n))
+    accs = []
+    for seed in range(seeds):
+        pick = np.zeros(n, dtype=bool)
+        pick[np.random.default_rng(seed).permutation(n)[:k]] = True
+        accs.append(system_correct(records, pick).mean())
+    out["random gate"] = {"accuracy": float(np.mean(accs)), "retrieval_ratio": k / n}
+    oracle = ~alone_ok
+    out["oracle gate"] = {"accuracy": float(system_correct(records, oracle).mean()),
+                          "retrieval_ratio": float(oracle.mean())}
+    return out
+
+
+def split_accuracy(records: list[dict], correct: np.ndarray) -> dict[str, float]:
+    """Accuracy per ``split``; with both InfoSeek unseen splits, their harmonic mean as ``hm``."""
+    by: dict[str, list[bool]] = {}
+    for r, ok in zip(records, correct):
+        by.setdefault(str(r.get("split") or "all"), []).append(bool(ok))
+    out = {k: float(np.mean(v)) for k, v in sorted(by.items())}
+    if all(s in out for s in UNSEEN_SPLITS):
+        out["hm"] = harmonic_mean(*(out[s] for s in UNSEEN_SPLITS))
+    return out
+
+
+def inspector_confusion(records: list[dict]) -> dict[str, int] | None:
+    """Inspector routing against the oracle (was the selected section the gold entity's): counts of
+    pass/fail × right/wrong section, over questions that went through the Inspector."""
+    seen = [r for r in records if r["rag"].get("inspector") is not None]
+    if not seen:
+        return None
+    out = {"pass_right": 0, "pass_wrong": 0, "fail_right": 0, "fail_wrong": 0}
+    for r in seen:
+        key = ("pass" if r["rag"]["inspector"]["pass"] else "fail") + ("_right" if r["rag"]["section_right"] else "_wrong")
+        out[key] += 1
+    return out
+
+
+def summarize(records: list[dict], threshold_name: str = "threshold") -> dict:
+    """metrics.json: the system's accuracy, token accuracy, retrieval ratio, per split, latency per stage, the
+    Inspector's confusion matrix and the baselines."""
+    done = [r for r in records if "skipped" not in r]
+    if not done:
+        return {"n": 0, "skipped": len(records)}
+    retrieve = np.array([bool(r["gate"]["retrieve"]) for r in done])
+    correct = system_correct(done, retrieve)
+    token = np.where(retrieve, [r["rag"]["token_accuracy"] for r in done], [r["alone"]["token_accuracy"] for r in done])
+    stages = sorted({s for r in done for s in r.get("latency", {})})
+    latency = {s: float(np.mean([r["latency"][s] for r in done if s in r.get("latency", {})])) for s in stages}
+    failed = sum(bool(r["rag"].get("failed")) or bool(r["alone"].get("failed")) for r in done)
+    section_right = [r["rag"]["section_right"] for r in done if r["rag"].get("section_right") is not None]
+    return {"n": len(done), "skipped": len(records) - len(done), "failed": failed,
+            "accuracy": float(correct.mean()), "token_accuracy": float(np.mean(token)),
+            "retrieval_ratio": float(retrieve.mean()), "accuracy_by_split": split_accuracy(done, correct),
+            "section_right": float(np.mean(section_right)) if section_right else None,
+            "inspector_confusion": inspector_confusion(done), "latency_s": latency,
+            "baselines": baselines(done, float(retrieve.mean()))}
+
+
+def threshold_curve(records: list[dict], thresholds) -> list[dict]:
+    """Accuracy and retrieval ratio of the gate at each threshold on its score (retrieve when score ≥ threshold)."""
+    done = [r for r in records if "skipped" not in r and r["gate"].get("score") is not None]
+    scores = np.array([r["gate"]["score"] for r in done])
+    out = []
+    for t in thresholds:
+        retrieve = scores >= t
+        out.append({"threshold": float(t), "retrieval_ratio": float(retrieve.mean()) if len(done) else 0.0,
+                    "accuracy": float(system_correct(done, retrieve).mean()) if len(done) else 0.0})
+    return out
+
+
+def format_table(metrics: dict, system: str = "gated pipeline") -> str:
+    """Markdown: the system and its baselines, accuracy and retrieval ratio in %."""
+    lines = ["| system | accuracy | retrieval ratio |", "|---|---|---|",
+             f"| {system} | {100 * metrics['accuracy']:.1f} | {100 * metrics['retrieval_ratio']:.1f} |"]
+    for name, b in metrics.get("baselines", {}).items():
+        lines.append(f"| {name} | {100 * b['accuracy']:.1f} | {100 * b['retrieval_ratio']:.1f} |")
+    return "\n".join(lines)

@@ -1,0 +1,98 @@
+"""Reranking retrieved sections: a sentence-transformers CrossEncoder (real default BAAI/bge-reranker-v2-m3; ``tiny``
+= a seeded random tiny BERT cross-encoder built offline, for tests) or a trained ``srt`` gate (``gate:DIR``), whose
+P(Rel) is the reranker score. Final score = β·retrieval score + (1−β)·reranker score (the paper's β1 over sections of
+different articles, β2 within the chosen article); CrossEncoder logits are squashed with a sigmoid to [0, 1]."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+
+def combine(retrieval_scores, reranker_scores, beta: float) -> np.ndarray:
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"β must lie in [0, 1], got {beta}")
+    return beta * np.asarray(retrieval_scores, dtype=float) + (1 - beta) * np.asarray(reranker_scores, dtype=float)
+
+
+def build_tiny_cross_encoder(folder: Path) -> Path:
+    """A seeded random tiny BERT cross-encoder (one relevance logit) with the tiny text encoder's vocabulary."""
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
+
+    from retrieval.encoders import TINY_SEED, TINY_TEXT_CONFIG, _tiny_vocab
+
+    folder = Path(folder)
+    if (folder / "config.json").exists():
+        return folder
+    tmp = folder.with_name(folder.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer = BertTokenizerFast(vocab={w: i for i, w in enumerate(_tiny_vocab())}, do_lower_case=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(TINY_SEED)
+        model = BertForSequenceClassification(BertConfig(vocab_size=len(_tiny_vocab()), num_labels=1,
+                                                         **TINY_TEXT_CONFIG))
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    try:
+        os.replace(tmp, folder)
+    except OSError:  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+class CrossEncoderReranker:
+    def __init__(self, name: str, device: str = "cpu"):
+        from sentence_transformers import CrossEncoder
+
+        from retrieval.encoders import cache_dir
+
+        path = build_tiny_cross_encoder(cache_dir() / "tiny-cross-encoder") if name == "tiny" else name
+        self.name = name
+        self.model = CrossEncoder(str(path), device=device)
+
+    def score(self, images, queries: list[str], sections: list[list[str]]) -> list[np.ndarray]:
+        pairs = [(q, s) for q, secs in zip(queries, sections) for s in secs]
+        flat = np.asarray(self.model.predict(pairs, show_progress_bar=False), dtype=float) if pairs else np.zeros(0)
+        flat = 1.0 / (1.0 + np.exp(-flat))
+        out, i = [], 0
+        for secs in sections:
+            out.append(flat[i:i + len(secs)])
+            i += len(secs)
+        return out
+
+
+class SrtGateReranker:
+    """A trained srt gate: P(Rel | image, question, section) from its first token."""
+
+    def __init__(self, path: str):
+        from gate.scoring import load_gate
+
+        self.model, self.processor, self.spec = load_gate(path)
+        if self.spec["name"] != "srt":
+            raise ValueError(f"reranker gate:{path} is a {self.spec['name']} gate, not srt")
+        self.name = f"gate:{path}"
+
+    def score(self, images, queries: list[str], sections: list[list[str]]) -> list[np.ndarray]:
+        from gate.scoring import first_token_scores
+
+        flat_images = [im for im, secs in zip(images, sections) for _ in secs]
+        flat_q = [q for q, secs in zip(queries, sections) for _ in secs]
+        flat_s = [s for secs in sections for s in secs]
+        flat = first_token_scores(self.model, self.processor, self.spec, flat_images, flat_q, flat_s)
+        out, i = [], 0
+        for secs in sections:
+            out.append(flat[i:i + len(secs)])
+            i += len(secs)
+        return out
+
+
+def load_reranker(name: str | None):
+    if name in (None, "", "none"):
+        return None
+    if name.startswith("gate:"):
+        return SrtGateReranker(name[len("gate:"):])
+    return CrossEncoderReranker(name)

@@ -1,0 +1,272 @@
+"""The pipeline's stages: loading each stage's model (a failure names the stage), the RAG path
+(refine → retrieve → rerank → inspect → generate) and one batch through the gate and both answer paths, with
+per-stage latency."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from gate.context_data import section_text
+from gate.metrics import infoseek_match, token_accuracy
+
+BOUNDARY_VARIANTS = ("hkb", "skb", "kbm-acc", "kbm-cert", "ret")
+GENERATOR_PROMPTS = {
+    "infoseek": {"system": "You are a helpful assistant that answers questions about an image using a retrieved "
+                           "encyclopedia section. Answer with a short phrase only: an entity, a number or a date.",
+                 "user_template": "Context: {context}\nQuestion: {question}\nShort answer:"},
+    "evqa": {"system": "You are a helpful assistant that answers questions about an image using a retrieved "
+                       "encyclopedia section. Answer in a few words, without explanation.",
+             "user_template": "Context: {context}\nQuestion: {question}\nAnswer:"},
+    "toy": {"system": "Answer the question about the image with a short phrase.",  # the toy answerer's own prompt
+            "user_template": "Context: {context}\nQuestion: {question}"},
+}
+
+
+class Stages:
+    """The loaded models of every stage; a load failure names its stage."""
+
+    def __init__(self, args):
+        self.args = args
+        self.gate = self.gate_spec = self.answer = self.refiner = self.index = None
+        self.reranker = self.inspector = self.generate = None
+        self.kb: dict[str, dict] = {}
+        self.articles: dict[str, list[dict]] = {}
+        load = self._load
+        if args.gate not in ("always", "never"):
+            self.gate = load("gate", _load_boundary_gate, args.gate)
+        if args.answerer:
+            self.answer = load("answerer", _vlm_generate, args.answerer, args.max_new_tokens)
+        if args.index:
+            self._load_retrieval(load)
+        if args.inspector != "none":
+            self.inspector = load("inspector", _load_gate_of, args.inspector, "inspector")
+        if args.generator:
+            self.generate = load("generator", _load_generator, args)
+
+    def _load_retrieval(self, load) -> None:
+        from gate.rerank import load_reranker
+        from retrieval import MultimodalIndex
+        from retrieval.cli import require_index
+        from retrieval.files import read_jsonl
+
+        if self.args.refiner != "none":
+            from rl.refine import Refiner
+
+            self.refiner = load("refiner", Refiner.load, self.args.refiner)
+        self.index = load("index", MultimodalIndex.load, self.args.index)
+        manifest = require_index(self.args.index)
+        for e in read_jsonl(self.args.kb or manifest["kb_path"]):
+            self.kb[e["entry_id"]] = e
+            if all(e["text"] != x["text"] for x in self.articles.get(e["entity_id"], [])):
+                self.articles.setdefault(e["entity_id"], []).append(e)
+        self.reranker = load("reranker", load_reranker, self.args.reranker)
+
+    @staticmethod
+    def _load(stage: str, fn, *a):
+        try:
+            return fn(*a)
+        except (OSError, ValueError, KeyError) as e:
+            raise ValueError(f"{stage}: could not load ({type(e).__name__}: {e})") from e
+
+
+def _load_gate_of(path: str, *variants):
+    from gate.scoring import load_gate
+
+    model, processor, s = load_gate(path)
+    if s["name"] not in variants:
+        raise ValueError(f"{path} is a {s['name']} gate; expected {' or '.join(variants)}")
+    return model, processor, s
+
+
+def _load_boundary_gate(path: str):
+    return _load_gate_of(path, *BOUNDARY_VARIANTS)
+
+
+def _vlm_generate(path: str, max_new_tokens: int, prompt: dict | None = None):
+    """generate(images, questions, contexts) with a VLM: the answer prompt, or ``prompt`` with a context."""
+    from gate.variants import spec, user_text
+    from rl.generate import generate_completions
+    from rl.model import load_model
+
+    model, processor = load_model(path)
+    answer = spec("answer")
+
+    def generate(images, questions, contexts=None):
+        if contexts is None:
+            texts, p = questions, {"system": answer["system"], "user_template": "{question}"}
+        elif prompt is None:
+            texts = [user_text(answer, q, c) for q, c in zip(questions, contexts)]
+            p = {"system": answer["system"], "user_template": "{question}"}
+        else:
+            texts = [prompt["user_template"].format(question=q, context=c) for q, c in zip(questions, contexts)]
+            p = {"system": prompt["system"], "user_template": "{question}"}
+        out = generate_completions(model, processor, images, texts, prompt=p, batch_size=len(texts),
+                                   max_new_tokens=max_new_tokens)
+        return [t.strip() for t in out]
+    return generate
+
+
+def _load_generator(args):
+    from gate.generator import endpoint_generator, text_generator
+
+    prompt = GENERATOR_PROMPTS[args.generator_prompt]
+    if args.generator == "endpoint":
+        return endpoint_generator(args.generator_url, args.generator_model, prompt, args.generator_key_env,
+                                  args.max_new_tokens, retries=args.generator_retries, backoff=args.generator_backoff)
+    if args.generator_image:
+        vlm = _vlm_generate(args.generator, args.max_new_tokens, prompt)
+        return lambda images, questions, contexts: [(a, None) for a in vlm(images, questions, contexts)]
+    return text_generator(args.generator, prompt, args.max_new_tokens)
+
+
+# ---------------------------------------------------------------- running
+
+
+def golds_of(r: dict):
+    return r["answer_eval"] if r.get("answer_eval") is not None else (r.get("answers") or [])
+
+
+def judged(answer: str | None, r: dict, failed: str | None = None) -> dict:
+    """An answer with its InfoSeek-style correctness and token accuracy; a failed answer is wrong, and says why."""
+    if answer is None:
+        return {"answer": None, "correct": False, "token_accuracy": 0.0, "failed": failed or "no answer"}
+    return {"answer": answer, "correct": infoseek_match(answer, golds_of(r)),
+            "token_accuracy": token_accuracy(answer, r.get("answers") or [])}
+
+
+class Clock:
+    """Seconds per stage for one batch; per-question latency = batch seconds / questions in the stage."""
+
+    def __init__(self, bars: dict | None = None):
+        self.seconds: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+        self.bars = bars or {}
+
+    def time(self, stage: str, n: int, fn, *a, **kw):
+        t = time.perf_counter()
+        result = fn(*a, **kw)
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - t
+        self.counts[stage] = self.counts.get(stage, 0) + n
+        if stage in self.bars:
+            self.bars[stage].update(n)
+        return result
+
+    def per_question(self) -> dict[str, float]:
+        return {s: self.seconds[s] / max(1, self.counts[s]) for s in self.seconds}
+
+
+def choose_sections(st: Stages, images, questions, queries, text_emb, hits) -> list[tuple[dict, float]]:
+    """The selected section per question: the best article after reranking (β1), then the article's best section
+    (β2 over text similarity to the query and the reranker; text similarity alone without a reranker)."""
+    from gate.rerank import combine
+
+    args, index = st.args, st.index
+    template = index.manifest.get("text_template", "{title}. {section_title}. {text}")
+    entries = [[st.kb[h.entry_id] for h in hs] for hs in hits]
+    if st.reranker is not None:
+        rr = st.reranker.score(images, questions, [[section_text(e) for e in es] for es in entries])
+        best = [int(np.argmax(combine([h.score for h in hs], r, args.beta1))) for hs, r in zip(hits, rr)]
+    else:
+        best = [0] * len(hits)
+    chosen_articles = [st.articles[hs[b].entity_id] for hs, b in zip(hits, best)]
+    flat = [e for art in chosen_articles for e in art]
+    sims = index.encode_texts([template.format(**{"section_title": "", **e}) for e in flat]) if flat else None
+    rr2 = st.reranker.score(images, questions, [[section_text(e) for e in art] for art in chosen_articles]) \
+        if st.reranker is not None else None
+    out, i = [], 0
+    for q, art in enumerate(chosen_articles):
+        sim = sims[i:i + len(art)] @ text_emb[q]
+        i += len(art)
+        score = combine(sim, rr2[q], args.beta2) if rr2 is not None else sim
+        j = int(np.argmax(score))
+        out.append((art[j], float(hits[q][best[q]].score)))
+    return out
+
+
+def rag_path(st: Stages, batch: list[dict], images, clock: Clock) -> list[dict]:
+    """refine → retrieve → rerank → inspect → generate for a batch; one result dict per question."""
+    from gate.scoring import first_token_scores, generate_parsed
+
+    args, n = st.args, len(batch)
+    if not n:
+        return []
+    questions = [r["question"] for r in batch]
+    queries = clock.time("refine", n, st.refiner.refine, images, questions, batch_size=n) \
+        if st.refiner is not None else questions
+    alpha = args.alpha if args.alpha is not None else \
+        float(((st.refiner.spec.get("index") or {}) if st.refiner else {}).get("alpha") or 0.5)
+
+    def retrieve():
+        image_emb, text_emb = st.index.encode_images(images), st.index.encode_texts(queries)
+        hits = st.index.search(image_emb, text_emb, alpha, args.k)
+        ranks = st.index.entity_ranks(image_emb, text_emb, [str(r.get("entity_id")) for r in batch], alpha)
+        return text_emb, hits, ranks
+    text_emb, hits, ranks = clock.time("retrieve", n, retrieve)
+    chosen = clock.time("rerank", n, choose_sections, st, images, questions, queries, text_emb, hits)
+    contexts = [section_text(e) for e, _ in chosen]
+    verdicts = [None] * n
+    if st.inspector is not None:
+        model, processor, s = st.inspector
+
+        def inspect():
+            p = first_token_scores(model, processor, s, images, questions, contexts, batch_size=n)
+            fail = [i for i in range(n) if p[i] < args.inspector_threshold]
+            parsed = generate_parsed(model, processor, s, [images[i] for i in fail], [questions[i] for i in fail],
+                                     [contexts[i] for i in fail], batch_size=max(1, len(fail))) if fail else []
+            out = [{"pass": True, "p_pass": float(x), "answer": None} for x in p]
+            for i, res in zip(fail, parsed):
+                out[i] = {"pass": False, "p_pass": float(p[i]), "answer": (res or {}).get("answer")}
+            return out
+        verdicts = clock.time("inspect", n, inspect)
+    to_generate = [i for i in range(n) if verdicts[i] is None or verdicts[i]["pass"]]
+    generated = dict(zip(to_generate, clock.time(
+        "generate", len(to_generate), st.generate, [images[i] for i in to_generate],
+        [questions[i] for i in to_generate], [contexts[i] for i in to_generate]))) if to_generate else {}
+    results = []
+    for i, r in enumerate(batch):
+        if i in generated:
+            answer, reason = generated[i]
+        else:
+            answer = verdicts[i]["answer"]
+            reason = None if answer else "the Inspector failed the section and gave no parseable answer"
+        entry = chosen[i][0]
+        results.append({"query": queries[i], "retrieved": [h.entity_id for h in hits[i]], "gold_rank": ranks[i],
+                        "section": entry["entry_id"], "section_right": str(entry["entity_id"]) == str(r.get("entity_id")),
+                        "inspector": verdicts[i], **judged(answer, r, reason)})
+    return results
+
+
+def run_batch(st: Stages, batch: list[dict], images, bars: dict | None = None) -> list[dict]:
+    from gate.scoring import DEFAULT_THRESHOLDS, first_token_scores
+
+    args, n = st.args, len(batch)
+    clock = Clock(bars)
+    questions = [r["question"] for r in batch]
+    if st.gate is not None:
+        model, processor, s = st.gate
+        scores = clock.time("gate", n, first_token_scores, model, processor, s, images, questions, batch_size=n)
+        threshold = args.gate_threshold if args.gate_threshold is not None else DEFAULT_THRESHOLDS.get(s["name"], 0.5)
+        retrieve = [bool(x >= threshold) for x in scores]
+    else:
+        scores, retrieve = [None] * n, [args.gate == "always"] * n
+    alone_idx = [i for i in range(n) if args.baselines or not retrieve[i]]
+    rag_idx = [i for i in range(n) if args.baselines or retrieve[i]]
+    alone = dict(zip(alone_idx, clock.time("answer alone", len(alone_idx), st.answer,
+                                           [images[i] for i in alone_idx], [questions[i] for i in alone_idx])))\
+        if alone_idx else {}
+    rag = dict(zip(rag_idx, rag_path(st, [batch[i] for i in rag_idx], [images[i] for i in rag_idx], clock)))
+    latency = clock.per_question()
+    out = []
+    for i, r in enumerate(batch):
+        a = judged(alone[i], r) if i in alone else None
+        chosen = rag.get(i) if retrieve[i] else a
+        out.append({"id": r["id"], "split": r.get("split"), "question": r["question"], "answers": r.get("answers"),
+                    "entity_id": r.get("entity_id"), "question_type": r.get("question_type"),
+                    "gate": {"score": None if scores[i] is None else float(scores[i]), "retrieve": retrieve[i]},
+                    "alone": a, "rag": rag.get(i), "answer": chosen["answer"], "correct": chosen["correct"],
+                    "latency": latency})
+    return out
+
+

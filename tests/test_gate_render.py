@@ -1,0 +1,125 @@
+"""Gate variants as data: completions and their parsing round-trip, rendering, class balance and caps, and the
+labelled examples each variant draws from one question (pure functions)."""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gate.build_data import BuildDataArgs, label_records
+from gate.render import cap_classes, class_balance, render_rows
+from gate.variants import BINARY, VARIANTS, completion, messages, parse_completion, spec
+
+
+@pytest.mark.parametrize("variant,label,text", [
+    ("hkb", True, "true"), ("hkb", False, "false"), ("kbm-acc", True, "unknown"), ("kbm-cert", False, "known"),
+    ("ret", True, "Ret"), ("ret", False, "NoRet"), ("srt", True, "Rel"), ("srt", False, "NoRel"),
+    ("skb", 4.6, "5"), ("skb", 1.0, "1"), ("skb", 2.4, "2"),
+    ("inspector", {"pass": "true"}, '{"pass": "true"}'),
+    ("inspector", {"pass": "false", "answer": "salt marshes"}, '{"pass": "false", "answer": "salt marshes"}'),
+    ("mct", [1, 3], '{"consistent": [1, 3]}'), ("answer", "mossy caves", "mossy caves"),
+])
+def test_completion(variant, label, text):
+    assert completion(spec(variant), label) == text
+
+
+@given(st.sampled_from(BINARY), st.booleans())
+def test_binary_completion_parses_back(variant, label):
+    s = spec(variant)
+    parsed = parse_completion(s, completion(s, {"pass": "true" if label else "false", "answer": "x"}
+                                            if variant == "inspector" else label))
+    assert (parsed["pass"] if variant == "inspector" else parsed) is label
+
+
+@pytest.mark.parametrize("variant,text,expected", [
+    ("hkb", "  true ", True), ("hkb", "maybe", None), ("hkb", "", None), ("skb", "3.5 because", 3.5),
+    ("skb", "seven", None), ("inspector", 'sure: {"pass": "false", "answer": 7}', {"pass": False, "answer": None}),
+    ("inspector", '{"pass": "perhaps"}', None), ("inspector", "{broken", None), ("mct", '{"consistent": ["a"]}', None),
+])
+def test_parse_completion_tables(variant, text, expected):
+    assert parse_completion(spec(variant), text) == expected
+
+
+def test_verbalisers_can_be_replaced_but_not_to_duplicates():
+    assert completion(spec("hkb", ["Y", "N"]), True) == "Y"
+    with pytest.raises(ValueError, match="distinct"):
+        spec("hkb", ["Y", "Y"])
+    with pytest.raises(ValueError, match="unknown gate variant"):
+        spec("vibes")
+
+
+def test_context_variants_need_a_context():
+    with pytest.raises(ValueError, match="needs a context"):
+        messages(spec("srt"), "Where?")
+    user = messages(spec("inspector"), "Where?", "Holhol: lives in caves")[1]["content"]
+    assert user == "Context: Holhol: lives in caves\nQuestion: Where?"
+    block = messages(spec("hkb"), "Where?", with_image_block=True)[1]["content"]
+    assert block[0] == {"type": "image"} and block[1]["text"] == "Where?"
+
+
+def record(i, search, split="train"):
+    return {"id": f"q{i}", "question": "Where?", "image_path": "/x.png", "search": search, "split": split}
+
+
+def test_render_and_class_caps():
+    recs = [record(i, i % 4 != 0) for i in range(20)]  # 15 search, 5 not
+    rows = render_rows("hkb", recs)
+    assert class_balance(rows) == {"false": 5, "true": 15}
+    assert rows[0]["completion"] == [{"role": "assistant", "content": "false"}]
+    assert rows[0]["prompt"][0]["content"] == VARIANTS["hkb"]["system"]
+    balanced = render_rows("hkb", recs, balance=True, seed=1)
+    assert class_balance(balanced) == {"false": 5, "true": 5}
+    assert [r["id"] for r in balanced] == sorted((r["id"] for r in balanced), key=lambda x: int(x[1:]))  # order kept
+    capped = cap_classes(rows, 3, False, seed=0)
+    assert class_balance(capped) == {"false": 3, "true": 3}
+    assert render_rows("hkb", recs, max_per_class=3, seed=0) != render_rows("hkb", recs, max_per_class=3, seed=5)
+
+
+ARGS = BuildDataArgs(epsilon=3.0, tau=0.9, correct_score=4.0)
+HITS = [{"entity_id": "E1", "title": "Holhol", "section_title": "Habitat", "text": "lives in caves"},
+        {"entity_id": "E2", "title": "Kalo", "section_title": "Habitat", "text": "lives in reefs"}]
+
+
+def question(**kw):
+    return {"id": "q", "question": "Where?", "answers": ["caves"], "entity_id": "E1", "samples": ["caves"] * 4,
+            "scores": [5.0, 5.0, 5.0, 1.0], "hits": HITS, **kw}
+
+
+@pytest.mark.parametrize("variant,rec,expected", [
+    ("hkb", question(), {"search": False}),                                   # mean 4 ≥ ε: the model knows
+    ("hkb", question(scores=[1.0, 1.0, 5.0, 1.0]), {"search": True}),
+    ("skb", question(), {"search_score": 2.0}),
+    ("kbm-acc", question(), {"search": True}),                                # 3/4 correct < τ = 0.9
+    ("kbm-acc", question(scores=[5.0] * 4), {"search": False}),
+    ("ret", question(), {"search": False}),                                   # answered right alone: NoRet
+    ("ret", question(scores=[1.0, 1.0, 5.0, 1.0]), {"search": True}),
+    ("mct", question(), {"consistent": [1]}),
+    ("inspector", question(), {"pass": True}),
+    ("inspector", question(entity_id="E2", answers=["reefs"]), {"pass": False}),
+])
+def test_label_records(variant, rec, expected):
+    (got,) = label_records(variant, rec, ARGS)
+    assert {k: got[k] for k in expected} == expected
+
+
+def test_kbm_cert_needs_no_gold_answer_but_the_others_do():
+    rec = question(answers=[], samples=["caves", "caves", "reef", "caves"])
+    (got,) = label_records("kbm-cert", rec, ARGS)
+    assert got["search"] is True and 0 < got["certainty"] < 1
+    assert all(label_records(v, rec, ARGS) == [] for v in ("hkb", "skb", "kbm-acc", "ret", "inspector"))
+
+
+def test_srt_keeps_only_documents_that_change_the_answer():
+    contexts = {"q": {"doc_scores": [5.0, 1.0], "hits": HITS}}
+    wrong_alone = question(scores=[1.0] * 4)
+    assert [(r["id"], r["relevant"]) for r in label_records("srt", wrong_alone, ARGS, contexts)] == [("q#d1", True)]
+    right_alone = question(scores=[5.0] * 4)
+    assert [(r["id"], r["relevant"]) for r in label_records("srt", right_alone, ARGS, contexts)] == [("q#d2", False)]
+    assert label_records("srt", right_alone, ARGS, {"q": {"doc_scores": [5.0, 5.0], "hits": HITS}}) == []
+
+
+def test_inspector_answer_check():
+    args = BuildDataArgs(inspector_check_answer=True, correct_score=4.0)
+    ok, bad = {"q": {"doc_scores": [5.0, 1.0]}}, {"q": {"doc_scores": [2.0, 1.0]}}
+    assert label_records("inspector", question(), args, ok)[0]["pass"] is True
+    failed = label_records("inspector", question(), args, bad)[0]
+    assert failed["pass"] is False and failed["inspector"] == {"pass": "false", "answer": "caves"}

@@ -1,0 +1,91 @@
+"""First-token scoring against a model whose next-token logits the test sets, the verbaliser check, the threshold
+sweep, and evaluation of a real tiny gate."""
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from gate.scoring import decisions, first_token_scores, sweep, verbaliser_ids
+from gate.variants import spec
+
+
+@pytest.fixture(scope="module")
+def processor(tiny_gate_vlm):
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(str(tiny_gate_vlm))
+
+
+class SetLogits(torch.nn.Module):
+    """Returns the given logits at every position; records each batch's input ids."""
+
+    def __init__(self, vocab: int, values: dict[int, float], background: float = 5.0):
+        super().__init__()
+        self.row = torch.full((vocab,), background)
+        for i, v in values.items():
+            self.row[i] = v
+        self.seen = []
+
+    @property
+    def device(self):
+        return torch.device("cpu")
+
+    def forward(self, input_ids, **kwargs):
+        self.seen.append(input_ids)
+        return SimpleNamespace(logits=self.row.expand(input_ids.shape[0], input_ids.shape[1], -1).clone())
+
+
+@pytest.fixture()
+def images(tiny_world):
+    from PIL import Image
+
+    return [Image.open(p).convert("RGB") for p in sorted((tiny_world / "images").glob("*.png"))[:3]]
+
+
+def test_binary_score_is_the_positive_share_of_the_two_verbalisers(processor, images):
+    s = spec("hkb")
+    yes, no = verbaliser_ids(processor.tokenizer, s)
+    # other tokens are far more likely; only the two verbalisers count: P = e^log3 / (e^log3 + e^0) = 0.75
+    model = SetLogits(len(processor.tokenizer), {yes: math.log(3.0), no: 0.0}, background=8.0)
+    questions = ["Where does this creature live?", "What?", "What colour is this creature, exactly, please?"]
+    scores = first_token_scores(model, processor, s, images, questions, batch_size=3)
+    assert scores == pytest.approx([0.75] * 3, abs=1e-6)
+    ids = model.seen[0]
+    assert (ids[:, -1] != processor.tokenizer.pad_token_id).all()  # left padding: the last position is real
+    assert decisions(scores, 0.5).all() and not decisions(scores, 0.8).any()
+
+
+def test_skb_score_is_the_expected_digit(processor, images):
+    s = spec("skb")
+    digits = verbaliser_ids(processor.tokenizer, s)
+    model = SetLogits(len(processor.tokenizer), dict(zip(digits, np.log([1, 1, 1, 1, 4]))))
+    scores = first_token_scores(model, processor, s, images[:2], ["Where?", "What?"])
+    assert scores == pytest.approx([(1 + 2 + 3 + 4 + 5 * 4) / 8] * 2, abs=1e-5)
+
+
+def test_inspector_is_scored_after_its_json_prefix(processor, images):
+    s = spec("inspector")
+    yes, no = verbaliser_ids(processor.tokenizer, s)
+    model = SetLogits(len(processor.tokenizer), {yes: 0.0, no: math.log(4.0)})
+    scores = first_token_scores(model, processor, s, images[:1], ["Where?"], contexts=["Holhol: lives in caves"])
+    assert scores == pytest.approx([0.2], abs=1e-6)
+    text = processor.tokenizer.decode(model.seen[0][0])
+    assert text.endswith('<|im_start|>assistant\n{"pass": "') and "Context: Holhol: lives in caves" in text
+
+
+def test_verbalisers_that_are_not_single_tokens_are_named(tiny_refiner):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_refiner))  # its tokenizer splits "true" and "false"
+    with pytest.raises(ValueError, match=r"single tokens.*'true'"):
+        verbaliser_ids(tok, spec("hkb"))
+    assert len(verbaliser_ids(tok, spec("hkb", ["1", "0"]))) == 2
+
+
+def test_sweep_from_one_set_of_scores():
+    rows = sweep([0.1, 0.6, 0.9], [False, True, True], [0.0, 0.5, 1.0])
+    assert [r["positive_ratio"] for r in rows] == pytest.approx([1.0, 2 / 3, 0.0])
+    assert [r["accuracy"] for r in rows] == pytest.approx([2 / 3, 1.0, 1 / 3])

@@ -1,0 +1,79 @@
+"""gate/train_sft.py: two SFT steps per variant family on a tiny VLM (LoRA weights change, the vision tower does
+not), the saved gate loads for scoring, and bad configs fail before any model loads."""
+
+import json
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from gate.render import render_rows
+from retrieval.files import write_jsonl_atomic
+
+
+def gate_records(world, n=8):
+    images = sorted((world / "images").glob("*_test*.png"))[:n]
+    return [{"id": f"q{i}", "question": "Where does this creature live?", "image_path": str(p), "search": i % 2 == 0,
+             "relevant": i % 2 == 0, "inspector": {"pass": "true"} if i % 2 else {"pass": "false", "answer": "caves"},
+             "context": "Holhol - Habitat: The Holhol lives in the mossy caves.", "split": "train"}
+            for i, p in enumerate(images)]
+
+
+def sft_config(tmp_path, model, variant, rows, **overrides):
+    data = tmp_path / f"{variant}.jsonl"
+    write_jsonl_atomic(data, rows)
+    cfg = dict(variant=variant, train_file=str(data), eval_file=str(data), model_name_or_path=str(model),
+               use_peft=True, lora_r=4, lora_alpha=16, lora_target_modules=["q_proj", "k_proj", "v_proj"],
+               output_dir=str(tmp_path / variant), max_steps=2, per_device_train_batch_size=4, learning_rate=5e-2,
+               max_length=None, save_strategy="no", report_to="none", use_cpu=True, bf16=False,
+               gradient_checkpointing=False, dataloader_num_workers=0, disable_tqdm=True, logging_steps=1, seed=0)
+    cfg.update(overrides)
+    path = tmp_path / f"{variant}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return ["--config", str(path)]
+
+
+@pytest.mark.parametrize("variant", ["hkb", "srt", "inspector"])  # boundary, token system, Inspector
+def test_two_sft_steps_change_lora_weights_not_the_vision_tower(variant, tiny_world, tiny_gate_vlm, tmp_path):
+    from gate.scoring import load_gate
+    from gate.train_sft import main
+
+    rows = render_rows(variant, gate_records(tiny_world))
+    result = main(sft_config(tmp_path, tiny_gate_vlm, variant, rows))
+    base = load_file(str(tiny_gate_vlm / "model.safetensors"))
+    tuned = load_file(str(tmp_path / variant / "final" / "model.safetensors"))
+    assert base.keys() == tuned.keys()
+    changed = {k for k in base if not torch.equal(base[k], tuned[k])}
+    assert changed and all(any(p in k for p in ("q_proj", "k_proj", "v_proj")) for k in changed)
+    assert not any("visual" in k for k in changed)
+    assert json.loads((tmp_path / variant / "final" / "gate.json").read_text())["variant"] == variant
+    metrics = result["eval"]
+    assert metrics["n"] == len(rows) and 0.0 <= metrics["accuracy"] <= 1.0
+    model, processor, s = load_gate(tmp_path / variant / "final")
+    assert s["name"] == variant and not model.training
+
+
+@pytest.mark.parametrize("variant,overrides,rows_of,match", [
+    ("nope", {}, "hkb", "unknown gate variant"),
+    ("hkb", {"train_file": "/none.jsonl"}, "hkb", "--train_file"),
+    ("hkb", {}, "one-class", "has no example"),
+    ("hkb", {"verbalisers": ["Y", "N"]}, "hkb", "not verbalisers of hkb"),
+])
+def test_bad_configs_fail_before_a_model_loads(variant, overrides, rows_of, match, tiny_world, tmp_path):
+    from gate.train_sft import main
+
+    recs = gate_records(tiny_world)
+    if rows_of == "one-class":
+        recs = [{**r, "search": True} for r in recs]
+    argv = sft_config(tmp_path, "/no/such/model", variant, render_rows("hkb", recs), **overrides)
+    with pytest.raises(ValueError, match=match):
+        main(argv)
+
+
+def test_verbalisers_the_tokenizer_splits_are_refused(tiny_world, tiny_refiner, tmp_path):
+    from gate.train_sft import main
+
+    argv = sft_config(tmp_path, tiny_refiner, "hkb", render_rows("hkb", gate_records(tiny_world)))
+    with pytest.raises(ValueError, match="single tokens"):
+        main(argv)

@@ -1,0 +1,155 @@
+"""gate.pipeline on the toy world with tiny models for every stage: stages on and off, baselines, resume after an
+interruption, missing images, failing endpoints, and models that are missing."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from gate.pipeline import PipelineArgs, run
+from retrieval.files import read_jsonl, write_json_atomic, write_jsonl_atomic
+
+QUIET = dict(log=lambda *a: None)
+
+
+@pytest.fixture(scope="module")
+def gates(tiny_gate_vlm, tmp_path_factory):
+    """Untrained tiny gates (real models, random decisions) for the boundary, Inspector and srt stages."""
+    from gate.scoring import GATE_FILE
+
+    root = tmp_path_factory.mktemp("gates")
+    out = {}
+    for variant in ("hkb", "inspector", "srt"):
+        shutil.copytree(tiny_gate_vlm, root / variant)
+        write_json_atomic(root / variant / GATE_FILE, {"variant": variant})
+        out[variant] = str(root / variant)
+    return out
+
+
+@pytest.fixture()
+def queries(tiny_world, tmp_path):
+    from gate.toy import gate_questions
+
+    rows = gate_questions(list(read_jsonl(tiny_world / "test.jsonl")), 3, seed=0)  # 3 knowledge + 3 attribute
+    path = tmp_path / "q.jsonl"
+    write_jsonl_atomic(path, rows)
+    return path, rows
+
+
+def args_for(queries, tiny_world, tiny_index_dir, tiny_gate_vlm, tmp_path, **kw):
+    base = dict(queries=str(queries[0]), images_root=str(tiny_world), out=str(tmp_path / "out"), gate="always",
+                answerer=str(tiny_gate_vlm), refiner="none", index=str(tiny_index_dir), alpha=0.5, k=3,
+                generator=str(tiny_gate_vlm), generator_image=True, generator_prompt="toy", max_new_tokens=6,
+                batch_size=3)
+    return PipelineArgs(**{**base, **kw})
+
+
+@pytest.fixture()
+def make_args(queries, tiny_world, tiny_index_dir, tiny_gate_vlm, tmp_path):
+    return lambda **kw: args_for(queries, tiny_world, tiny_index_dir, tiny_gate_vlm, tmp_path, **kw)
+
+
+def tmp_path_of(args):
+    return Path(args.out)
+
+
+def predictions(args):
+    return list(read_jsonl(Path(args.out) / "predictions.jsonl"))
+
+
+def test_every_stage_on(make_args, gates, tiny_refiner, queries):
+    args = make_args(gate=gates["hkb"], refiner=str(tiny_refiner), reranker="tiny", inspector=gates["inspector"])
+    metrics = run(args, **QUIET)
+    recs = predictions(args)
+    assert [r["id"] for r in recs] == [q["id"] for q in queries[1]]
+    for r in recs:
+        assert 0.0 <= r["gate"]["score"] <= 1.0 and r["gate"]["retrieve"] == (r["gate"]["score"] >= 0.5)
+        rag = r["rag"]
+        assert len(rag["retrieved"]) == 3 and isinstance(rag["section_right"], bool)
+        assert rag["gold_rank"] is None or rag["gold_rank"] >= 1
+        assert 0.0 <= rag["inspector"]["p_pass"] <= 1.0
+        assert r["answer"] == (rag if r["gate"]["retrieve"] else r["alone"])["answer"]
+        assert {"gate", "answer alone", "refine", "retrieve", "rerank", "inspect"} <= set(r["latency"])
+    assert metrics["n"] == 6 and set(metrics["baselines"]) == {"No RAG", "All RAG", "random gate", "oracle gate"}
+    assert metrics["inspector_confusion"] is not None and sum(metrics["inspector_confusion"].values()) == 6
+    out = args.out
+    assert json.load(open(f"{out}/metrics.json"))["accuracy"] == pytest.approx(metrics["accuracy"])
+    assert open(f"{out}/metrics.md").read().startswith("| system | accuracy | retrieval ratio |")
+    assert (tmp_path_of(args) / "accuracy_vs_retrieval.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("gate,baseline", [("always", "All RAG"), ("never", "No RAG")])
+def test_always_and_never_equal_their_baselines(make_args, gate, baseline):
+    m = run(make_args(gate=gate), **QUIET)
+    assert m["retrieval_ratio"] == (1.0 if gate == "always" else 0.0)
+    assert m["accuracy"] == pytest.approx(m["baselines"][baseline]["accuracy"])
+
+
+def test_srt_gate_as_reranker_and_no_baselines(make_args, gates):
+    args = make_args(gate=gates["hkb"], reranker=f"gate:{gates['srt']}", baselines=False)
+    metrics = run(args, **QUIET)
+    for r in predictions(args):
+        assert (r["rag"] is not None) == r["gate"]["retrieve"] and (r["alone"] is not None) != r["gate"]["retrieve"]
+    assert metrics["baselines"] == {} and metrics["n"] == 6
+
+
+def test_endpoint_generator_answers_and_failures(make_args, queries, stub):
+    golds = [q["answers"][0] for q in queries[1]]
+    good = stub(golds)
+    m = run(make_args(generator="endpoint", generator_url=good.url, generator_model="m"), **QUIET)
+    assert m["accuracy"] == 1.0 and m["baselines"]["All RAG"]["accuracy"] == 1.0
+    assert good.requests[0]["body"]["messages"][1]["content"].startswith("Context: ")
+
+    down = stub([], status=500)
+    args = make_args(generator="endpoint", generator_url=down.url, generator_model="m", generator_retries=2,
+                     generator_backoff=0.0, out=str(tmp_path_of(make_args()).parent / "down"))
+    m = run(args, **QUIET)
+    assert len(down.requests) == 2 * 6 and m["accuracy"] == 0.0 and m["failed"] == 6
+    assert all(r["rag"]["answer"] is None and "generator failed after 2 attempts" in r["rag"]["failed"]
+               for r in predictions(args))
+
+
+def test_resume_after_an_interruption(make_args, monkeypatch):
+    import gate.pipeline as pipeline
+
+    real, calls = pipeline.run_batch, []
+
+    def flaky(*a, **kw):
+        calls.append(len(a[1]))
+        if len(calls) == 2:
+            raise RuntimeError("killed")
+        return real(*a, **kw)
+    monkeypatch.setattr(pipeline, "run_batch", flaky)
+    args = make_args()
+    with pytest.raises(RuntimeError):
+        run(args, **QUIET)
+    assert len(predictions(args)) == 3  # the first batch was written
+    run(args, **QUIET)
+    ids = [r["id"] for r in predictions(args)]
+    assert len(ids) == 6 == len(set(ids)) and calls == [3, 3, 3]
+
+
+def test_missing_image_is_skipped_and_the_run_goes_on(make_args, queries):
+    path, rows = queries
+    write_jsonl_atomic(path, rows + [{**rows[0], "id": "lost", "image": "images/none.png"}])
+    m = run(make_args(), **QUIET)
+    recs = {r["id"]: r for r in predictions(make_args())}
+    assert "image file missing" in recs["lost"]["skipped"] and m["n"] == 6 and m["skipped"] == 1
+
+
+@pytest.mark.parametrize("override,match", [
+    (dict(gate="/no/gate"), "--gate: /no/gate is not a model folder"),
+    (dict(answerer=None), "--answerer"),
+    (dict(inspector="/no/inspector"), "--inspector: /no/inspector"),
+    (dict(generator="endpoint"), "generator_url"),
+    (dict(generator_prompt="poem"), "--generator_prompt"),
+])
+def test_bad_input_is_named_before_models_load(make_args, override, match):
+    with pytest.raises(ValueError, match=match):
+        run(make_args(**override), **QUIET)
+
+
+def test_a_stage_that_fails_to_load_is_named(make_args, tiny_gate_vlm):
+    with pytest.raises(ValueError, match="inspector: could not load"):
+        run(make_args(inspector=str(tiny_gate_vlm)), **QUIET)  # a model folder, but not a trained gate

@@ -1,0 +1,72 @@
+"""End-to-end metrics and gate baselines on hand-computed records (pure)."""
+
+import pytest
+
+from gate.pipeline_metrics import baselines, format_table, split_accuracy, summarize, system_correct, threshold_curve
+
+
+def rec(alone, rag, retrieve, score=None, split="test", section_right=True, inspector=None, **kw):
+    return {"id": kw.get("id", "q"), "split": split, "gate": {"retrieve": retrieve, "score": score},
+            "alone": {"correct": alone, "token_accuracy": float(alone)},
+            "rag": {"correct": rag, "token_accuracy": float(rag), "section_right": section_right,
+                    "inspector": inspector}, "latency": {"gate": 0.1, "generate": 0.3}}
+
+
+# alone right on 0 and 1; RAG right on 1, 2 and 3; the gate retrieves for 2 and 3 (perfect) and for 1 (harmless)
+RECORDS = [rec(True, False, False, 0.2), rec(True, True, True, 0.6), rec(False, True, True, 0.9),
+           rec(False, True, True, 0.7), rec(False, False, False, 0.4)]
+
+
+def test_system_correct_mixes_the_two_paths():
+    assert system_correct(RECORDS, [r["gate"]["retrieve"] for r in RECORDS]).tolist() == [True, True, True, True,
+                                                                                           False]
+
+
+def test_baselines_hand_computed():
+    b = baselines(RECORDS, ratio=0.6)
+    assert b["No RAG"] == {"accuracy": 0.4, "retrieval_ratio": 0.0}
+    assert b["All RAG"] == {"accuracy": 0.6, "retrieval_ratio": 1.0}
+    # the oracle retrieves exactly where the VLM alone was wrong (2, 3, 4): right on 0, 1, 2, 3
+    assert b["oracle gate"] == {"accuracy": 0.8, "retrieval_ratio": 0.6}
+    assert b["random gate"]["retrieval_ratio"] == 0.6 and 0.4 <= b["random gate"]["accuracy"] <= 0.8
+
+
+def test_random_gate_averages_over_seeds():
+    # with alone always right and RAG always wrong, a random gate at ratio r scores exactly 1 − r whatever the seed
+    recs = [rec(True, False, False) for _ in range(10)]
+    assert baselines(recs, 0.3)["random gate"]["accuracy"] == pytest.approx(0.7)
+
+
+def test_summarize():
+    m = summarize(RECORDS + [{"id": "gone", "skipped": "image file missing"}])
+    assert m["n"] == 5 and m["skipped"] == 1
+    assert m["accuracy"] == pytest.approx(0.8) and m["retrieval_ratio"] == pytest.approx(0.6)
+    assert m["token_accuracy"] == pytest.approx(0.8)
+    assert m["latency_s"] == {"gate": pytest.approx(0.1), "generate": pytest.approx(0.3)}
+    assert m["inspector_confusion"] is None and m["section_right"] == 1.0
+    assert "| gated pipeline | 80.0 | 60.0 |" in format_table(m)
+
+
+def test_inspector_confusion_against_the_oracle():
+    recs = [rec(False, True, True, inspector={"pass": True}, section_right=True),
+            rec(False, False, True, inspector={"pass": True}, section_right=False),
+            rec(False, False, True, inspector={"pass": False}, section_right=False),
+            rec(False, False, True, inspector={"pass": False}, section_right=False)]
+    assert summarize(recs)["inspector_confusion"] == {"pass_right": 1, "pass_wrong": 1, "fail_right": 0,
+                                                     "fail_wrong": 2}
+
+
+def test_split_accuracy_with_the_infoseek_harmonic_mean():
+    recs = [rec(True, True, False, split="unseen_question"), rec(False, False, False, split="unseen_question"),
+            rec(True, True, False, split="unseen_entity"), rec(True, True, False, split="unseen_entity"),
+            rec(True, True, False, split="unseen_entity"), rec(False, False, False, split="unseen_entity")]
+    acc = split_accuracy(recs, system_correct(recs, [False] * 6))
+    assert acc["unseen_question"] == 0.5 and acc["unseen_entity"] == 0.75
+    assert acc["hm"] == pytest.approx(2 * 0.5 * 0.75 / 1.25)
+    assert "hm" not in split_accuracy(recs[:2], [True, False])
+
+
+def test_threshold_curve_sweeps_one_scoring_pass():
+    curve = threshold_curve(RECORDS, [0.0, 0.5, 0.8, 1.0])
+    assert [c["retrieval_ratio"] for c in curve] == pytest.approx([1.0, 0.6, 0.2, 0.0])
+    assert [c["accuracy"] for c in curve] == pytest.approx([0.6, 0.8, 0.6, 0.4])
