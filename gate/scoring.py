@@ -125,8 +125,9 @@ def true_labels(s: dict, rows: list[dict], threshold: float) -> tuple[np.ndarray
 
 def evaluate_gate(model, processor, s: dict, rows: list[dict], threshold: float | None = None,
                   batch_size: int = 16) -> dict:
-    """Held-out metrics of a gate on rendered rows: accuracy at the threshold, the positive ratio predicted and
-    true, the majority-class accuracy to beat, and (skb) the mean absolute error of the expected score."""
+    """Held-out metrics of a gate on rendered rows: accuracy and balanced accuracy (mean recall of the two classes)
+    at the threshold, the positive ratio predicted and true, the majority-class accuracy to beat, and (skb) the mean
+    absolute error of the expected score."""
     from PIL import Image
 
     threshold = DEFAULT_THRESHOLDS.get(s["name"], 0.5) if threshold is None else threshold
@@ -137,7 +138,9 @@ def evaluate_gate(model, processor, s: dict, rows: list[dict], threshold: float 
     scores = first_token_scores(model, processor, s, images, questions, contexts, batch_size)
     d = decisions(scores, threshold)
     majority = max(truth.mean(), 1 - truth.mean()) if len(truth) else 0.0
+    recalls = [float((d[truth == c] == c).mean()) for c in (True, False) if (truth == c).any()]
     out = {"variant": s["name"], "n": len(rows), "threshold": threshold, "accuracy": float((d == truth).mean()),
+           "balanced_accuracy": float(np.mean(recalls)) if recalls else 0.0,
            "majority_baseline": float(majority), "predicted_positive_ratio": float(d.mean()),
            "true_positive_ratio": float(truth.mean())}
     if values is not None:

@@ -257,11 +257,16 @@ def run_batch(st: Stages, batch: list[dict], images, bars: dict | None = None) -
                                            [images[i] for i in alone_idx], [questions[i] for i in alone_idx])))\
         if alone_idx else {}
     rag = dict(zip(rag_idx, rag_path(st, [batch[i] for i in rag_idx], [images[i] for i in rag_idx], clock)))
-    latency = clock.per_question()
+    per_question = clock.per_question()
     out = []
     for i, r in enumerate(batch):
         a = judged(alone[i], r) if i in alone else None
         chosen = rag.get(i) if retrieve[i] else a
+        went = {"gate"} | ({"answer alone"} if i in alone else set())
+        if i in rag:
+            verdict = rag[i]["inspector"]
+            went |= {"refine", "retrieve", "rerank", "inspect"} | ({"generate"} if not verdict or verdict["pass"] else set())
+        latency = {s: v for s, v in per_question.items() if s in went}  # summed over questions = stage seconds
         out.append({"id": r["id"], "split": r.get("split"), "question": r["question"], "answers": r.get("answers"),
                     "entity_id": r.get("entity_id"), "question_type": r.get("question_type"),
                     "gate": {"score": None if scores[i] is None else float(scores[i]), "retrieve": retrieve[i]},
