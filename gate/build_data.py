@@ -36,6 +36,7 @@ class BuildDataArgs:
     model: str = field(default=None, metadata={"help": "sample/context: VLM path or name"})
     samples: int = field(default=30, metadata={"help": "sample: answers per question (R)"})
     temperature: float = field(default=1.0, metadata={"help": "sample: sampling temperature"})
+    backend: str = field(default="hf", metadata={"help": "sample/context: hf | vllm (when vLLM is installed)"})
     max_new_tokens: int = field(default=32, metadata={"help": "sample/context: answer length"})
     batch_size: int = field(default=8, metadata={"help": "questions per batch"})
     judge: str = field(default="exact", metadata={"help": "judge/context: exact | token | llm"})
@@ -72,7 +73,7 @@ def stage_sample(args: BuildDataArgs, out: Path, log=print, generate=None) -> in
     todo = [r for r in rows if str(r["id"]) not in done]
     log(f"sample: {len(done)} done, {len(todo)} to go, R = {args.samples}")
     if generate is None and todo:
-        generate = vlm_answerer(args.model, args.max_new_tokens, args.temperature)
+        generate = vlm_answerer(args.model, args.max_new_tokens, args.temperature, backend=args.backend)
     for start in tqdm(range(0, len(todo), args.batch_size), desc="sampling", disable=not todo):
         batch = todo[start:start + args.batch_size]
         images = [Image.open(r["image_path"]).convert("RGB") for r in batch for _ in range(args.samples)]
@@ -240,6 +241,8 @@ def build(args: BuildDataArgs, log=print) -> int:
         raise ValueError("--out is required")
     if args.samples <= 0 or args.batch_size <= 0 or args.k <= 0:
         raise ValueError("--samples, --batch_size and --k must be positive")
+    if args.backend not in ("hf", "vllm"):
+        raise ValueError(f"--backend must be hf or vllm, got {args.backend!r}")
     if args.stage in ("label", "render") and args.variant not in LABEL_SOURCES:
         raise ValueError(f"--variant must be one of {', '.join(LABEL_SOURCES)}, got {args.variant!r}")
     if args.stage in ("judge", "context"):

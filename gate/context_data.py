@@ -108,7 +108,7 @@ def stage_context(args, out: Path, log=print, generate=None) -> int:
     todo = [r for r in read_jsonl(source) if str(r["id"]) not in done]
     log(f"context: {len(done)} done, {len(todo)} to go")
     if generate is None and todo:
-        generate = vlm_answerer(args.model, args.max_new_tokens)
+        generate = vlm_answerer(args.model, args.max_new_tokens, backend=args.backend)
     answer = spec("answer")
     for start in tqdm(range(0, len(todo), args.batch_size), desc="answering with context", disable=not todo):
         batch = todo[start:start + args.batch_size]
@@ -130,14 +130,24 @@ def _judge_kwargs(args) -> dict:
         if args.judge == "llm" else {}
 
 
-def vlm_answerer(model_path: str, max_new_tokens: int, temperature: float = 1.0):
-    """generate(images, user_texts, sample) with any AutoModelForImageTextToText VLM and the answer prompt."""
+def vlm_answerer(model_path: str, max_new_tokens: int, temperature: float = 1.0, backend: str = "hf"):
+    """generate(images, user_texts, sample) with any AutoModelForImageTextToText VLM and the answer prompt; with
+    ``backend="vllm"`` through a vLLM engine (when vLLM is installed)."""
     from gate.variants import spec
-    from rl.generate import generate_completions
+    from rl.generate import generate_completions, generate_vllm, load_vllm
+
+    prompt = {"system": spec("answer")["system"], "user_template": "{question}"}
+    if backend == "vllm":
+        from transformers import AutoProcessor
+
+        llm, processor = load_vllm(model_path), AutoProcessor.from_pretrained(model_path)
+        return lambda images, texts, sample: generate_vllm(llm, processor, images, texts, prompt, max_new_tokens,
+                                                           do_sample=sample, temperature=temperature)
+    if backend != "hf":
+        raise ValueError(f"--backend must be hf or vllm, got {backend!r}")
     from rl.model import load_model
 
     model, processor = load_model(model_path)
-    prompt = {"system": spec("answer")["system"], "user_template": "{question}"}
 
     def generate(images, texts, sample):
         return generate_completions(model, processor, images, texts, prompt=prompt, batch_size=len(texts),

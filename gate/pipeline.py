@@ -138,7 +138,7 @@ def report(records: list[dict], out: Path, args: PipelineArgs, log=print) -> dic
         grid = np.linspace(1, 5, 21) if max(gate_scores) > 1 else np.linspace(0, 1, 21)
         metrics["threshold_curve"] = threshold_curve(records, grid)
     write_json_atomic(out / "metrics.json", metrics)
-    system = f"pipeline (gate: {Path(args.gate).name if args.gate not in ('always', 'never') else args.gate})"
+    system = f"pipeline (gate: {gate_name(args.gate)})"
     table = format_table(metrics, system) if "accuracy" in metrics else "no answered questions"
     write_text_atomic(out / "metrics.md", table + "\n")
     if both:
@@ -157,6 +157,14 @@ def report(records: list[dict], out: Path, args: PipelineArgs, log=print) -> dic
     log(table)
     log(json.dumps({k: v for k, v in metrics.items() if k not in ("baselines", "threshold_curve")}, indent=1))
     return metrics
+
+
+def gate_name(gate: str) -> str:
+    """always / never, or the trained gate's variant and folder."""
+    info = Path(gate) / "gate.json"
+    if gate in ("always", "never") or not info.is_file():
+        return gate
+    return f"{json.loads(info.read_text())['variant']}, {gate}"
 
 
 def _summarize_chosen(records: list[dict]) -> dict:

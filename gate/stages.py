@@ -33,6 +33,7 @@ class Stages:
         self.reranker = self.inspector = self.generate = None
         self.kb: dict[str, dict] = {}
         self.articles: dict[str, list[dict]] = {}
+        self.section_emb: dict[str, np.ndarray] = {}
         load = self._load
         if args.gate not in ("always", "never"):
             self.gate = load("gate", _load_boundary_gate, args.gate)
@@ -56,6 +57,7 @@ class Stages:
 
             self.refiner = load("refiner", Refiner.load, self.args.refiner)
         self.index = load("index", MultimodalIndex.load, self.args.index)
+        load("index encoders", lambda: (self.index.image_encoder, self.index.text_encoder))  # now, not mid-run
         manifest = require_index(self.args.index)
         for e in read_jsonl(self.args.kb or manifest["kb_path"]):
             self.kb[e["entry_id"]] = e
@@ -172,7 +174,11 @@ def choose_sections(st: Stages, images, questions, queries, text_emb, hits) -> l
         best = [0] * len(hits)
     chosen_articles = [st.articles[hs[b].entity_id] for hs, b in zip(hits, best)]
     flat = [e for art in chosen_articles for e in art]
-    sims = index.encode_texts([template.format(**{"section_title": "", **e}) for e in flat]) if flat else None
+    new = list({e["entry_id"]: e for e in flat if e["entry_id"] not in st.section_emb}.values())
+    if new:  # each section is embedded once per run
+        emb = index.encode_texts([template.format(**{"section_title": "", **e}) for e in new])
+        st.section_emb.update({e["entry_id"]: v for e, v in zip(new, emb)})
+    sims = np.stack([st.section_emb[e["entry_id"]] for e in flat]) if flat else None
     rr2 = st.reranker.score(images, questions, [[section_text(e) for e in art] for art in chosen_articles]) \
         if st.reranker is not None else None
     out, i = [], 0

@@ -27,3 +27,25 @@ def generate_completions(model, processor, images: list, questions: list[str], p
                                  pad_token_id=processor.tokenizer.pad_token_id)
         out += processor.batch_decode(ids[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
     return out
+
+
+def load_vllm(path: str, flag: str = "--backend"):
+    """A vLLM engine for an image-text model, or a clear error when vLLM is not installed."""
+    try:
+        from vllm import LLM
+    except ImportError:
+        raise ValueError(f"{flag} vllm needs vLLM, which is not installed (pip install vllm); or use {flag} hf") from None
+    return LLM(model=str(path), limit_mm_per_prompt={"image": 1})
+
+
+def generate_vllm(llm, processor, images: list, questions: list[str], prompt: str | dict, max_new_tokens: int,
+                  do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0) -> list[str]:
+    """The same prompts as generate_completions, through a vLLM engine (one completion per input)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature if do_sample else 0.0,
+                            top_p=top_p if do_sample else 1.0)
+    prompts = [{"prompt": processor.apply_chat_template(prompt_messages(q, prompt, with_image_block=True),
+                                                        add_generation_prompt=True, tokenize=False),
+                "multi_modal_data": {"image": img}} for img, q in zip(images, questions)]
+    return [o.outputs[0].text for o in llm.generate(prompts, params)]

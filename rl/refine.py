@@ -54,15 +54,12 @@ class Refiner:
             raise ValueError(f"--model: {path} has no config.json (export a checkpoint with python -m rl.export)")
         spec = load_spec(path)
         if backend == "vllm":
-            try:
-                from vllm import LLM
-            except ImportError:
-                raise ValueError("--backend vllm needs vLLM, which is not installed (pip install vllm); "
-                                 "or use --backend hf") from None
             from transformers import AutoProcessor
 
-            return cls(None, AutoProcessor.from_pretrained(str(path)), spec, "vllm",
-                       LLM(model=str(path), limit_mm_per_prompt={"image": 1}))
+            from rl.generate import load_vllm
+
+            llm = load_vllm(path)
+            return cls(None, AutoProcessor.from_pretrained(str(path)), spec, "vllm", llm)
         import torch
 
         from rl.model import load_model
@@ -83,17 +80,11 @@ class Refiner:
                                     temperature=gen["temperature"], top_p=gen["top_p"], progress=progress)
 
     def _generate_vllm(self, images, questions, sample):
-        from vllm import SamplingParams
-
-        from rl.prompts import prompt_messages
+        from rl.generate import generate_vllm
 
         gen = self.spec["generation"]
-        params = SamplingParams(max_tokens=gen["max_new_tokens"], temperature=gen["temperature"] if sample else 0.0,
-                                top_p=gen["top_p"] if sample else 1.0)
-        prompts = [{"prompt": self.processor.apply_chat_template(
-                        prompt_messages(q, self.spec["prompt"], with_image_block=True), add_generation_prompt=True,
-                        tokenize=False), "multi_modal_data": {"image": img}} for img, q in zip(images, questions)]
-        return [o.outputs[0].text for o in self.llm.generate(prompts, params)]
+        return generate_vllm(self.llm, self.processor, images, questions, self.spec["prompt"], gen["max_new_tokens"],
+                             do_sample=sample, temperature=gen["temperature"], top_p=gen["top_p"])
 
     def refine_with_outputs(self, images, questions, **kw) -> list[dict]:
         raw = self.generate(images, questions, **kw)

@@ -177,3 +177,13 @@ def test_retrieve_context_and_the_retrieval_labels(questions, tiny_world, tiny_i
     build(BuildDataArgs(stage="render", out=str(out), variant="inspector"), **QUIET)
     rendered = list(map(json.loads, open(out / "inspector.test.jsonl")))
     assert len(rendered) == 2 and all(r["prompt"][1]["content"].startswith("Context: ") for r in rendered)
+
+
+def test_vllm_sampling_backend_without_vllm_is_a_clear_error(questions, tiny_world, tiny_gate_vlm, tmp_path):
+    path, _ = questions
+    args = BuildDataArgs(stage="sample", queries=str(path), images_root=str(tiny_world), model=str(tiny_gate_vlm),
+                         out=str(tmp_path / "d"), backend="vllm")
+    with pytest.raises(ValueError, match="needs vLLM"):
+        build(args, **QUIET)
+    with pytest.raises(ValueError, match="--backend must be"):
+        build(BuildDataArgs(stage="sample", out=str(tmp_path / "d"), backend="tgi"), **QUIET)
