@@ -18,6 +18,12 @@ def combine(retrieval_scores, reranker_scores, beta: float) -> np.ndarray:
     return beta * np.asarray(retrieval_scores, dtype=float) + (1 - beta) * np.asarray(reranker_scores, dtype=float)
 
 
+def unflatten(flat: np.ndarray, sections: list[list]) -> list[np.ndarray]:
+    """Scores of all (question, section) pairs back into one array per question."""
+    bounds = np.cumsum([0] + [len(secs) for secs in sections])
+    return [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+
+
 def build_tiny_cross_encoder(folder: Path) -> Path:
     """A seeded random tiny BERT cross-encoder (one relevance logit) with the tiny text encoder's vocabulary."""
     import torch
@@ -57,12 +63,7 @@ class CrossEncoderReranker:
     def score(self, images, queries: list[str], sections: list[list[str]]) -> list[np.ndarray]:
         pairs = [(q, s) for q, secs in zip(queries, sections) for s in secs]
         flat = np.asarray(self.model.predict(pairs, show_progress_bar=False), dtype=float) if pairs else np.zeros(0)
-        flat = 1.0 / (1.0 + np.exp(-flat))
-        out, i = [], 0
-        for secs in sections:
-            out.append(flat[i:i + len(secs)])
-            i += len(secs)
-        return out
+        return unflatten(1.0 / (1.0 + np.exp(-flat)), sections)
 
 
 class SrtGateReranker:
@@ -82,12 +83,8 @@ class SrtGateReranker:
         flat_images = [im for im, secs in zip(images, sections) for _ in secs]
         flat_q = [q for q, secs in zip(queries, sections) for _ in secs]
         flat_s = [s for secs in sections for s in secs]
-        flat = first_token_scores(self.model, self.processor, self.spec, flat_images, flat_q, flat_s)
-        out, i = [], 0
-        for secs in sections:
-            out.append(flat[i:i + len(secs)])
-            i += len(secs)
-        return out
+        return unflatten(first_token_scores(self.model, self.processor, self.spec, flat_images, flat_q, flat_s),
+                         sections)
 
 
 def load_reranker(name: str | None):

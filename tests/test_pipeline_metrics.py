@@ -70,3 +70,15 @@ def test_threshold_curve_sweeps_one_scoring_pass():
     curve = threshold_curve(RECORDS, [0.0, 0.5, 0.8, 1.0])
     assert [c["retrieval_ratio"] for c in curve] == pytest.approx([1.0, 0.6, 0.2, 0.0])
     assert [c["accuracy"] for c in curve] == pytest.approx([0.6, 0.8, 0.6, 0.4])
+
+
+def test_rerank_score_is_the_beta_mix():
+    import numpy as np
+
+    from gate.rerank import combine, unflatten
+
+    assert combine([1.0, 0.0], [0.0, 1.0], 0.25).tolist() == pytest.approx([0.25, 0.75])
+    with pytest.raises(ValueError, match="β"):
+        combine([1.0], [0.0], 1.5)
+    parts = unflatten(np.arange(5.0), [["a", "b"], [], ["c", "d", "e"]])
+    assert [p.tolist() for p in parts] == [[0.0, 1.0], [], [2.0, 3.0, 4.0]]
