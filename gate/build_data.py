@@ -58,10 +58,13 @@ class BuildDataArgs:
     verbalisers: list[str] = field(default=None, metadata={"help": "render: replace the variant's verbalisers"})
     max_per_class: int = field(default=None, metadata={"help": "render: cap per class (train split)"})
     balance: bool = field(default=False, metadata={"help": "render: cap every train class at the smallest's size"})
-    seed: int = field(default=0, metadata={"help": "render: seed for capping / shuffling the train split"})
+    seed: int = field(default=0, metadata={"help": "sample: sampling seed (per batch); render: seed for capping"})
 
 
 def stage_sample(args: BuildDataArgs, out: Path, log=print, generate=None) -> int:
+    import zlib
+
+    import torch
     from PIL import Image
     from tqdm import tqdm
 
@@ -77,6 +80,7 @@ def stage_sample(args: BuildDataArgs, out: Path, log=print, generate=None) -> in
     for start in tqdm(range(0, len(todo), args.batch_size), desc="sampling", disable=not todo):
         batch = todo[start:start + args.batch_size]
         images = [Image.open(r["image_path"]).convert("RGB") for r in batch for _ in range(args.samples)]
+        torch.manual_seed(args.seed + zlib.crc32(str(batch[0]["id"]).encode()))  # same samples on a rerun
         texts = generate(images, [r["question"] for r in batch for _ in range(args.samples)], True)
         append_jsonl(target, [{**r, "samples": [t.strip() for t in texts[i * args.samples:(i + 1) * args.samples]]}
                               for i, r in enumerate(batch)])
