@@ -118,7 +118,7 @@ def main(argv=None) -> dict:
     from gate.variants import BINARY, spec
     from retrieval.cli import parse
     from retrieval.files import write_json_atomic
-    from rl.model import freeze_vision_tower, load_model, trainable_parameters, vision_tower
+    from rl.model import exclude_vision_tower, freeze_vision_tower, load_model, trainable_parameters, vision_tower
 
     args, training_args, model_args = parse((GateArguments, SFTConfig, ModelConfig), argv, description=__doc__)
     rows, eval_rows = validate(args, training_args, model_args)
@@ -135,8 +135,11 @@ def main(argv=None) -> dict:
         print(f"vision tower frozen ({freeze_vision_tower(model):,} parameters)")
     data = Dataset.from_list([{"prompt": r["prompt"], "completion": r["completion"], "image": r["image"]}
                               for r in rows]).cast_column("image", Image())
+    peft_config = get_peft_config(model_args)
+    if args.freeze_vision_tower:
+        peft_config = exclude_vision_tower(model, peft_config)
     trainer = SFTTrainer(model=model, args=training_args, train_dataset=data, processing_class=processor,
-                         peft_config=get_peft_config(model_args))
+                         peft_config=peft_config)
     if args.freeze_vision_tower and trainable_parameters(vision_tower(trainer.model)):
         raise RuntimeError("vision-tower parameters are trainable despite freeze_vision_tower")
     print(f"trainable parameters: {trainable_parameters(trainer.model):,}")

@@ -53,3 +53,20 @@ def load_model(name_or_path: str, dtype: str | None = None, device: str = "cpu",
     processor = AutoProcessor.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     processor.tokenizer.padding_side = "left"
     return model, processor
+
+
+def exclude_vision_tower(model, peft_config):
+    """LoRA never targets the (frozen) vision tower, even when its layers share names with the language model's
+    (Qwen2.5-VL's vision MLPs have gate_proj / up_proj / down_proj too)."""
+    if peft_config is None:
+        return None
+    import re
+
+    tower = vision_tower(model)
+    name = next(n for n, m in model.named_modules() if m is tower)
+    pattern = rf"{re.escape(name)}(\..*)?"
+    existing = peft_config.exclude_modules
+    if existing:
+        pattern = "|".join([pattern] + ([existing] if isinstance(existing, str) else [re.escape(e) for e in existing]))
+    peft_config.exclude_modules = pattern
+    return peft_config

@@ -119,7 +119,7 @@ def main(argv=None) -> dict:
     from retrieval.index import MultimodalIndex
     from rewards import FormatReward, RetrievalReward, parse_tiers
     from rl.data import question_dataset
-    from rl.model import freeze_vision_tower, load_model, trainable_parameters, vision_tower
+    from rl.model import exclude_vision_tower, freeze_vision_tower, load_model, trainable_parameters, vision_tower
     from rl.monitor import RefinerMonitor, TimedReward, setup_wandb
     from rl.run_record import write_run_record
 
@@ -156,8 +156,11 @@ def main(argv=None) -> dict:
     ret = TimedReward(retrieval)
     monitor = RefinerMonitor(retrieval, fmt, [fmt, ret], args.log_table_steps, training_args.output_dir)
     setup_wandb(training_args.output_dir, training_args.report_to)
+    peft_config = get_peft_config(model_args)
+    if args.freeze_vision_tower:
+        peft_config = exclude_vision_tower(model, peft_config)
     trainer = GRPOTrainer(model=model, reward_funcs=[fmt, ret], args=training_args, train_dataset=train_data,
-                          eval_dataset=eval_data, processing_class=processor, peft_config=get_peft_config(model_args),
+                          eval_dataset=eval_data, processing_class=processor, peft_config=peft_config,
                           callbacks=[monitor])
     if args.freeze_vision_tower:
         leaked = trainable_parameters(vision_tower(trainer.model))

@@ -34,18 +34,25 @@ def sft_config(tmp_path, model, variant, rows, **overrides):
     return ["--config", str(path)]
 
 
-@pytest.mark.parametrize("variant", ["hkb", "srt", "inspector"])  # boundary, token system, Inspector
-def test_two_sft_steps_change_lora_weights_not_the_vision_tower(variant, tiny_world, tiny_gate_vlm, tmp_path):
+ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+# boundary, token system, Inspector; the vision tower's MLPs share names with the language model's (gate/up/down)
+@pytest.mark.parametrize("variant,targets", [("hkb", ["q_proj", "k_proj", "v_proj"]), ("srt", ALL_LINEAR),
+                                             ("inspector", ["q_proj", "k_proj", "v_proj"])])
+def test_two_sft_steps_change_lora_weights_not_the_vision_tower(variant, targets, tiny_world, tiny_gate_vlm,
+                                                                tmp_path):
     from gate.scoring import load_gate
     from gate.train_sft import main
 
     rows = render_rows(variant, gate_records(tiny_world))
-    result = main(sft_config(tmp_path, tiny_gate_vlm, variant, rows))
+    result = main(sft_config(tmp_path, tiny_gate_vlm, variant, rows, lora_target_modules=targets))
     base = load_file(str(tiny_gate_vlm / "model.safetensors"))
     tuned = load_file(str(tmp_path / variant / "final" / "model.safetensors"))
     assert base.keys() == tuned.keys()
     changed = {k for k in base if not torch.equal(base[k], tuned[k])}
-    assert changed and all(any(p in k for p in ("q_proj", "k_proj", "v_proj")) for k in changed)
+    assert changed and all(any(p in k for p in targets) for k in changed)
+    assert {p for p in targets if any(p in k for k in changed)} == set(targets)
     assert not any("visual" in k for k in changed)
     assert json.loads((tmp_path / variant / "final" / "gate.json").read_text())["variant"] == variant
     metrics = result["eval"]
