@@ -93,6 +93,26 @@ def _looks_local(value: str) -> bool:
     return value.startswith((".", "/", "~")) or Path(value).exists() or value.count("/") != 1
 
 
+RESUME_FREE = ("out", "batch_size", "limit", "generator_retries", "generator_backoff")
+
+
+def check_same_config(out: Path, args: PipelineArgs) -> None:
+    """A folder resumes only the run that started it: predictions from other settings are never mixed in."""
+    from dataclasses import asdict
+
+    from retrieval.files import write_json_atomic
+
+    current = {k: v for k, v in asdict(args).items() if k not in RESUME_FREE}
+    path = out / "pipeline_config.json"
+    if path.is_file():
+        before = json.loads(path.read_text())
+        changed = sorted(k for k in set(before) | set(current) if before.get(k) != current.get(k))
+        if changed and (out / "predictions.jsonl").is_file():
+            raise ValueError(f"--out {out} holds predictions made with other settings ({', '.join(changed)}); "
+                             "use another --out, or delete it to start over")
+    write_json_atomic(path, current)
+
+
 def run(args: PipelineArgs, log=print, stages: Stages | None = None) -> dict:
     from PIL import Image
     from tqdm import tqdm
@@ -104,6 +124,7 @@ def run(args: PipelineArgs, log=print, stages: Stages | None = None) -> dict:
     root = Path(args.images_root or Path(args.queries).parent)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    check_same_config(out, args)
     target = out / "predictions.jsonl"
     done = completed_ids(target)
     todo = [r for r in rows if str(r["id"]) not in done]

@@ -181,3 +181,10 @@ def test_text_llm_generator(make_args, tiny_text_llm):
         rag = r["rag"]
         assert (rag["answer"] is None and rag["failed"] == "empty answer" and not rag["correct"]) or \
             (rag["answer"] and rag["answer"] == rag["answer"].strip())
+
+
+def test_a_folder_resumes_only_its_own_settings(make_args):
+    run(make_args(gate="never"), **QUIET)
+    with pytest.raises(ValueError, match=r"other settings \(gate\)"):
+        run(make_args(gate="always"), **QUIET)
+    assert run(make_args(gate="never", batch_size=2), **QUIET)["n"] == 6  # batch size may change on resume
