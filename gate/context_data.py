@@ -73,9 +73,7 @@ def stage_retrieve(args, out: Path, log=print, index=None, refiner=None) -> int:
         images = [Image.open(r["image_path"]).convert("RGB") for r in batch]
         questions = [r["question"] for r in batch]
         texts = refiner.refine(images, questions, batch_size=len(batch)) if refiner is not None else questions
-        image_emb, text_emb = index.encode_images(images), index.encode_texts(texts)
-        hits = index.search(image_emb, text_emb, alpha, args.k)
-        ranks = index.entity_ranks(image_emb, text_emb, [r["entity_id"] for r in batch], alpha)
+        hits, ranks = index.search_and_rank(images, texts, [r["entity_id"] for r in batch], alpha, args.k)
         append_jsonl(target, [{**r, "query": t, "alpha": alpha, "gold_rank": rank, "hits": [
             {"entity_id": h.entity_id, "entry_id": h.entry_id, "score": round(h.score, 6),
              "title": kb[h.entry_id]["title"], "section_title": kb[h.entry_id].get("section_title", ""),

@@ -205,9 +205,9 @@ def rag_path(st: Stages, batch: list[dict], images, clock: Clock) -> list[dict]:
         float(((st.refiner.spec.get("index") or {}) if st.refiner else {}).get("alpha") or 0.5)
 
     def retrieve():
-        image_emb, text_emb = st.index.encode_images(images), st.index.encode_texts(queries)
-        hits = st.index.search(image_emb, text_emb, alpha, args.k)
-        ranks = st.index.entity_ranks(image_emb, text_emb, [str(r.get("entity_id")) for r in batch], alpha)
+        text_emb = st.index.encode_texts(queries)
+        hits, ranks = st.index.search_and_rank(images, text_emb, [str(r.get("entity_id")) for r in batch], alpha,
+                                               args.k)
         return text_emb, hits, ranks
     text_emb, hits, ranks = clock.time("retrieve", n, retrieve)
     chosen = clock.time("rerank", n, choose_sections, st, images, questions, queries, text_emb, hits)

@@ -270,9 +270,20 @@ class MultimodalIndex:
         ``images``: PIL images or an (n, image_dim) array of precomputed embeddings; ``texts``: strings or embeddings.
         """
         alpha, k = check_alpha(alpha), check_k(k)
-        ranked = self.rank(self._as_image_emb(images), self._as_text_emb(texts), alpha, k)
-        return [[Hit(str(self.entity_names[e]), self.entry_ids[r], float(s))
-                 for e, r, s in zip(rk.entities, rk.rows, rk.scores)] for rk in ranked]
+        return [self._hits(rk, k) for rk in self.rank(self._as_image_emb(images), self._as_text_emb(texts), alpha, k)]
+
+    def search_and_rank(self, images, texts, entity_ids: Sequence[str], alpha: float, k: int,
+                        depth: int = 200) -> tuple[list[list[Hit]], list[int | None]]:
+        """``search(…, k)`` and ``entity_ranks(…, depth)`` from one ranking pass (at depth max(k, depth))."""
+        alpha, k, depth = check_alpha(alpha), check_k(k), check_k(depth, "depth")
+        ranked = self.rank(self._as_image_emb(images), self._as_text_emb(texts), alpha, max(k, depth))
+        return ([self._hits(rk, k) for rk in ranked],
+                ranks_of([Ranked(rk.entities[:depth], rk.rows[:depth], rk.scores[:depth]) for rk in ranked],
+                         [self.entity_index.get(e, -1) for e in entity_ids]))
+
+    def _hits(self, ranked: Ranked, k: int) -> list[Hit]:
+        return [Hit(str(self.entity_names[e]), self.entry_ids[r], float(s))
+                for e, r, s in zip(ranked.entities[:k], ranked.rows[:k], ranked.scores[:k])]
 
     def entity_ranks(self, images, texts, entity_ids: Sequence[str], alpha: float,
                      depth: int = 200) -> list[int | None]:

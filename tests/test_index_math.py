@@ -69,6 +69,20 @@ def test_entity_ranks_property(alpha, seed, depth):
             assert ranks[q] <= depth
 
 
+@pytest.mark.parametrize("k,depth", [(5, 200), (25, 10), (3, 3)])
+def test_search_and_rank_equals_search_and_entity_ranks(k, depth):
+    idx, *_ = make_index(60, 3, seed=4)
+    rng = np.random.default_rng(5)
+    qv, qt = rng.normal(size=(6, 8)).astype(np.float32), rng.normal(size=(6, 12)).astype(np.float32)
+    gold = [f"ent{i * 9}" for i in range(6)]
+    hits, ranks = idx.search_and_rank(qv, qt, gold, alpha=0.4, k=k, depth=depth)
+    alone = idx.search(qv, qt, alpha=0.4, k=k)
+    for h, a in zip(hits, alone):
+        np.testing.assert_allclose([x.score for x in h], [x.score for x in a], atol=1e-6)
+        assert len(h) == k
+    assert ranks == idx.entity_ranks(qv, qt, gold, alpha=0.4, depth=depth)
+
+
 def test_rank_beyond_depth_is_none_and_unknown_entity_is_none():
     idx, *_ = make_index(50, 2)
     rng = np.random.default_rng(3)
