@@ -128,13 +128,14 @@ def _judge_kwargs(args) -> dict:
         if args.judge == "llm" else {}
 
 
-def vlm_answerer(model_path: str, max_new_tokens: int, temperature: float = 1.0, backend: str = "hf"):
-    """generate(images, user_texts, sample) with any AutoModelForImageTextToText VLM and the answer prompt; with
-    ``backend="vllm"`` through a vLLM engine (when vLLM is installed)."""
+def vlm_answerer(model_path: str, max_new_tokens: int, temperature: float = 1.0, backend: str = "hf",
+                 system: str | None = None):
+    """generate(images, user_texts, sample) with any AutoModelForImageTextToText VLM and the answer prompt (or
+    ``system``); with ``backend="vllm"`` through a vLLM engine (when vLLM is installed)."""
     from gate.variants import spec
     from rl.generate import generate_completions, generate_vllm, load_vllm
 
-    prompt = {"system": spec("answer")["system"], "user_template": "{question}"}
+    prompt = {"system": system or spec("answer")["system"], "user_template": "{question}"}
     if backend == "vllm":
         from transformers import AutoProcessor
 

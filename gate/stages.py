@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from gate.context_data import section_text
+from gate.context_data import resolve_alpha, section_text, vlm_answerer
 from gate.metrics import infoseek_match, token_accuracy
 
 BOUNDARY_VARIANTS = ("hkb", "skb", "kbm-acc", "kbm-cert", "ret")
@@ -29,16 +29,21 @@ class Stages:
 
     def __init__(self, args):
         self.args = args
-        self.gate = self.gate_spec = self.answer = self.refiner = self.index = None
+        self.gate = self.answer = self.refiner = self.index = None
+        self.gate_threshold = self.alpha = None
         self.reranker = self.inspector = self.generate = None
         self.kb: dict[str, dict] = {}
         self.articles: dict[str, list[dict]] = {}
         self.section_emb: dict[str, np.ndarray] = {}
         load = self._load
         if args.gate not in ("always", "never"):
+            from gate.scoring import DEFAULT_THRESHOLDS
+
             self.gate = load("gate", _load_boundary_gate, args.gate)
+            self.gate_threshold = args.gate_threshold if args.gate_threshold is not None else \
+                DEFAULT_THRESHOLDS.get(self.gate[2]["name"], 0.5)
         if args.answerer:
-            self.answer = load("answerer", _vlm_generate, args.answerer, args.max_new_tokens)
+            self.answer = load("answerer", _answer_alone, args.answerer, args.max_new_tokens)
         if args.index:
             self._load_retrieval(load)
         if args.inspector != "none":
@@ -56,6 +61,7 @@ class Stages:
             from rl.refine import Refiner
 
             self.refiner = load("refiner", Refiner.load, self.args.refiner)
+        self.alpha = resolve_alpha(self.args.alpha, self.refiner)
         self.index = load("index", MultimodalIndex.load, self.args.index)
         load("index encoders", lambda: (self.index.image_encoder, self.index.text_encoder))  # now, not mid-run
         manifest = require_index(self.args.index)
@@ -86,28 +92,10 @@ def _load_boundary_gate(path: str):
     return _load_gate_of(path, *BOUNDARY_VARIANTS)
 
 
-def _vlm_generate(path: str, max_new_tokens: int, prompt: dict | None = None):
-    """generate(images, questions, contexts) with a VLM: the answer prompt, or ``prompt`` with a context."""
-    from gate.variants import spec, user_text
-    from rl.generate import generate_completions
-    from rl.model import load_model
-
-    model, processor = load_model(path)
-    answer = spec("answer")
-
-    def generate(images, questions, contexts=None):
-        if contexts is None:
-            texts, p = questions, {"system": answer["system"], "user_template": "{question}"}
-        elif prompt is None:
-            texts = [user_text(answer, q, c) for q, c in zip(questions, contexts)]
-            p = {"system": answer["system"], "user_template": "{question}"}
-        else:
-            texts = [prompt["user_template"].format(question=q, context=c) for q, c in zip(questions, contexts)]
-            p = {"system": prompt["system"], "user_template": "{question}"}
-        out = generate_completions(model, processor, images, texts, prompt=p, batch_size=len(texts),
-                                   max_new_tokens=max_new_tokens)
-        return [t.strip() for t in out]
-    return generate
+def _answer_alone(path: str, max_new_tokens: int):
+    """answer(images, questions) → the VLM's greedy answers without retrieval."""
+    generate = vlm_answerer(path, max_new_tokens)
+    return lambda images, questions: [t.strip() for t in generate(images, questions, False)]
 
 
 def _load_generator(args):
@@ -118,8 +106,12 @@ def _load_generator(args):
         return endpoint_generator(args.generator_url, args.generator_model, prompt, args.generator_key_env,
                                   args.max_new_tokens, retries=args.generator_retries, backoff=args.generator_backoff)
     if args.generator_image:
-        vlm = _vlm_generate(args.generator, args.max_new_tokens, prompt)
-        return lambda images, questions, contexts: [(a, None) for a in vlm(images, questions, contexts)]
+        vlm = vlm_answerer(args.generator, args.max_new_tokens, system=prompt["system"])
+
+        def generate(images, questions, contexts):
+            texts = [prompt["user_template"].format(question=q, context=c) for q, c in zip(questions, contexts)]
+            return [(a.strip() or None, None if a.strip() else "empty answer") for a in vlm(images, texts, False)]
+        return generate
     return text_generator(args.generator, prompt, args.max_new_tokens)
 
 
@@ -159,7 +151,7 @@ class Clock:
         return {s: self.seconds[s] / max(1, self.counts[s]) for s in self.seconds}
 
 
-def choose_sections(st: Stages, images, questions, queries, text_emb, hits) -> list[tuple[dict, float]]:
+def choose_sections(st: Stages, images, questions, text_emb, hits) -> list[dict]:
     """The selected section per question: the best article after reranking (β1), then the article's best section
     (β2 over text similarity to the query and the reranker; text similarity alone without a reranker)."""
     from gate.rerank import combine
@@ -187,7 +179,7 @@ def choose_sections(st: Stages, images, questions, queries, text_emb, hits) -> l
         i += len(art)
         score = combine(sim, rr2[q], args.beta2) if rr2 is not None else sim
         j = int(np.argmax(score))
-        out.append((art[j], float(hits[q][best[q]].score)))
+        out.append(art[j])
     return out
 
 
@@ -201,17 +193,15 @@ def rag_path(st: Stages, batch: list[dict], images, clock: Clock) -> list[dict]:
     questions = [r["question"] for r in batch]
     queries = clock.time("refine", n, st.refiner.refine, images, questions, batch_size=n) \
         if st.refiner is not None else questions
-    alpha = args.alpha if args.alpha is not None else \
-        float(((st.refiner.spec.get("index") or {}) if st.refiner else {}).get("alpha") or 0.5)
 
     def retrieve():
         text_emb = st.index.encode_texts(queries)
-        hits, ranks = st.index.search_and_rank(images, text_emb, [str(r.get("entity_id")) for r in batch], alpha,
+        hits, ranks = st.index.search_and_rank(images, text_emb, [str(r.get("entity_id")) for r in batch], st.alpha,
                                                args.k)
         return text_emb, hits, ranks
     text_emb, hits, ranks = clock.time("retrieve", n, retrieve)
-    chosen = clock.time("rerank", n, choose_sections, st, images, questions, queries, text_emb, hits)
-    contexts = [section_text(e) for e, _ in chosen]
+    chosen = clock.time("rerank", n, choose_sections, st, images, questions, text_emb, hits)
+    contexts = [section_text(e) for e in chosen]
     verdicts = [None] * n
     if st.inspector is not None:
         model, processor, s = st.inspector
@@ -237,7 +227,7 @@ def rag_path(st: Stages, batch: list[dict], images, clock: Clock) -> list[dict]:
         else:
             answer = verdicts[i]["answer"]
             reason = None if answer else "the Inspector failed the section and gave no parseable answer"
-        entry = chosen[i][0]
+        entry = chosen[i]
         results.append({"query": queries[i], "retrieved": [h.entity_id for h in hits[i]], "gold_rank": ranks[i],
                         "section": entry["entry_id"], "section_right": str(entry["entity_id"]) == str(r.get("entity_id")),
                         "inspector": verdicts[i], **judged(answer, r, reason)})
@@ -245,7 +235,7 @@ def rag_path(st: Stages, batch: list[dict], images, clock: Clock) -> list[dict]:
 
 
 def run_batch(st: Stages, batch: list[dict], images, bars: dict | None = None) -> list[dict]:
-    from gate.scoring import DEFAULT_THRESHOLDS, first_token_scores
+    from gate.scoring import first_token_scores
 
     args, n = st.args, len(batch)
     clock = Clock(bars)
@@ -253,8 +243,7 @@ def run_batch(st: Stages, batch: list[dict], images, bars: dict | None = None) -
     if st.gate is not None:
         model, processor, s = st.gate
         scores = clock.time("gate", n, first_token_scores, model, processor, s, images, questions, batch_size=n)
-        threshold = args.gate_threshold if args.gate_threshold is not None else DEFAULT_THRESHOLDS.get(s["name"], 0.5)
-        retrieve = [bool(x >= threshold) for x in scores]
+        retrieve = [bool(x >= st.gate_threshold) for x in scores]
     else:
         scores, retrieve = [None] * n, [args.gate == "always"] * n
     alone_idx = [i for i in range(n) if args.baselines or not retrieve[i]]
