@@ -37,6 +37,25 @@ def chat(url: str, model: str, messages: list[dict], api_key_env: str = "OPENAI_
     return content
 
 
+def ask_with_retries(ask, read, retries: int, backoff: float, bad_reply: str):
+    """(value, None) for the first reply that ``read`` accepts (not None), else (None, why the last attempt failed):
+    the exception's type name — never the request, which carries the key — or ``bad_reply``. Waits backoff × attempt
+    between attempts."""
+    reason = None
+    for attempt in range(retries):
+        try:
+            value = read(ask())
+        except RETRYABLE as e:
+            value, reason = None, type(e).__name__
+        else:
+            reason = bad_reply
+        if value is not None:
+            return value, None
+        if attempt + 1 < retries:
+            time.sleep(backoff * (attempt + 1))
+    return None, reason
+
+
 def endpoint_generator(url: str, model: str, prompt: dict, api_key_env: str, max_new_tokens: int,
                        retries: int = 3, backoff: float = 1.0, timeout: float = 60.0):
     def generate(images, questions, contexts):
@@ -44,18 +63,9 @@ def endpoint_generator(url: str, model: str, prompt: dict, api_key_env: str, max
         for q, c in zip(questions, contexts):
             messages = [{"role": "system", "content": prompt["system"]},
                         {"role": "user", "content": prompt["user_template"].format(question=q, context=c)}]
-            answer, reason = None, None
-            for attempt in range(retries):
-                try:
-                    answer = chat(url, model, messages, api_key_env, timeout, max_tokens=max_new_tokens).strip()
-                except RETRYABLE as e:
-                    reason = type(e).__name__  # never the request: it carries the key
-                    if attempt + 1 < retries:
-                        time.sleep(backoff * (attempt + 1))
-                    continue
-                if answer:
-                    break
-                answer, reason = None, "empty reply"
+            answer, reason = ask_with_retries(
+                lambda m=messages: chat(url, model, m, api_key_env, timeout, max_tokens=max_new_tokens),
+                lambda text: text.strip() or None, retries, backoff, "empty reply")
             out.append((answer, None if answer else f"generator failed after {retries} attempts: {reason}"))
         return out
     return generate

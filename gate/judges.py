@@ -10,10 +10,8 @@ variable and never logged; an unparseable reply is retried, then recorded as a f
 from __future__ import annotations
 
 import re
-import time
-import urllib.error
 
-from gate.generator import chat, chat_url
+from gate.generator import ask_with_retries, chat, chat_url
 from gate.metrics import infoseek_match, normalize_answer, token_accuracy
 
 CORRECTNESS_SYSTEM = (
@@ -74,21 +72,12 @@ class LLMJudge:
         return chat(self.url, self.model, messages, self.api_key_env, self.timeout)
 
     def score(self, question: str, answer: str, golds, answer_eval=None) -> float | None:
-        for attempt in range(self.retries):
-            try:
-                value = parse_score(self._ask(question, answer, golds))
-            except (urllib.error.URLError, TimeoutError, ValueError, KeyError, IndexError, TypeError) as e:
-                value = None
-                reason = type(e).__name__  # never the request (it carries the key)
-            else:
-                reason = "unparseable reply"
-            if value is not None:
-                return value
-            if attempt + 1 < self.retries:
-                time.sleep(self.backoff * (attempt + 1))
-        self.failures += 1
-        self.last_failure = reason
-        return None
+        value, reason = ask_with_retries(lambda: self._ask(question, answer, golds), parse_score, self.retries,
+                                         self.backoff, "unparseable reply")
+        if value is None:
+            self.failures += 1
+            self.last_failure = reason
+        return value
 
 
 def make_judge(name: str, **kwargs):
