@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gate.context_data import _judge_kwargs, append_jsonl, load_questions, stage_context, stage_retrieve, vlm_answerer
-from retrieval.files import completed_ids, read_jsonl, write_jsonl_atomic
+from gate.context_data import _judge_kwargs, load_questions, stage_context, stage_retrieve, vlm_answerer
+from retrieval.files import append_jsonl, completed_ids, read_jsonl, write_jsonl_atomic
 
 STAGES = ("sample", "judge", "retrieve", "context", "label", "render")
 

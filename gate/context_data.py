@@ -9,20 +9,11 @@ Both append per batch and skip question ids already written.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from retrieval.cli import require_file, require_index
-from retrieval.files import completed_ids, read_jsonl
+from retrieval.files import append_jsonl, completed_ids, read_jsonl
 from retrieval.kb import check_images
-
-
-def append_jsonl(path: Path, records: list[dict]) -> None:
-    """Append records and flush: what is written survives an interruption."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as fh:
-        fh.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
-        fh.flush()
 
 
 def load_questions(queries, images_root) -> tuple[list[dict], Path]:

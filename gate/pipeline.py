@@ -23,7 +23,6 @@ from pathlib import Path
 
 import numpy as np
 
-from gate.context_data import append_jsonl
 from gate.stages import GENERATOR_PROMPTS, Stages, run_batch
 
 
@@ -117,7 +116,7 @@ def run(args: PipelineArgs, log=print, stages: Stages | None = None) -> dict:
     from PIL import Image
     from tqdm import tqdm
 
-    from retrieval.files import completed_ids, read_jsonl
+    from retrieval.files import append_jsonl, completed_ids, read_jsonl
 
     validate(args)
     rows = list(read_jsonl(args.queries))[:args.limit]

@@ -59,6 +59,15 @@ def read_jsonl(path: str | Path) -> Iterator[dict]:
             yield rec
 
 
+def append_jsonl(path: str | Path, records: list[dict]) -> None:
+    """Append records and flush: a resumable job's finished work survives an interruption (``completed_ids``)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as fh:
+        fh.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+        fh.flush()
+
+
 def completed_ids(out: Path) -> set[str]:
     """Ids already written to ``out``; a last line cut short by a crash is dropped (atomically) first."""
     if not out.exists():

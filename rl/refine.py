@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from retrieval.cli import require_file
-from retrieval.files import completed_ids, read_jsonl
+from retrieval.files import append_jsonl, completed_ids, read_jsonl
 from retrieval.kb import check_images
 from rewards.format import parse_query
 from rl.prompts import prompt_spec
@@ -132,15 +132,13 @@ def refine_file(args: RefineArgs, log=print, refiner: Refiner | None = None) -> 
     if not todo:
         return 0
     refiner = refiner or Refiner.load(args.model, backend=args.backend)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "a") as fh, tqdm(total=len(todo), desc="refining", unit="q") as bar:
+    with tqdm(total=len(todo), desc="refining", unit="q") as bar:
         for start in range(0, len(todo), args.batch_size):
             batch = todo[start:start + args.batch_size]
             images = [Image.open(root / r["image"]).convert("RGB") for r in batch]
             results = refiner.refine_with_outputs(images, [r["question"] for r in batch], batch_size=args.batch_size,
                                                   sample=args.sample)
-            fh.writelines(json.dumps({**r, **res}, ensure_ascii=False) + "\n" for r, res in zip(batch, results))
-            fh.flush()
+            append_jsonl(out, [{**r, **res} for r, res in zip(batch, results)])
             bar.update(len(batch))
     return len(todo)
 
