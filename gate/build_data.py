@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gate.context_data import _judge_kwargs, load_questions, stage_context, stage_retrieve, vlm_answerer
+from gate.context_data import load_questions, stage_context, stage_retrieve, vlm_answerer
 from retrieval.files import append_jsonl, completed_ids, read_jsonl, write_jsonl_atomic
 
 STAGES = ("sample", "judge", "retrieve", "context", "label", "render")
@@ -88,12 +88,12 @@ def stage_sample(args: BuildDataArgs, out: Path, log=print, generate=None) -> in
 
 
 def stage_judge(args: BuildDataArgs, out: Path, log=print) -> int:
-    from gate.judges import judge_all, make_judge
+    from gate.judges import judge_all, judge_from_args
 
     source = out / "samples.jsonl"
     if not source.is_file():
         raise ValueError(f"judge: {source} does not exist (run --stage sample first)")
-    judge = make_judge(args.judge, **_judge_kwargs(args))
+    judge = judge_from_args(args)
     target = out / "judged.jsonl"
     done = completed_ids(target)
     todo = [r for r in read_jsonl(source) if str(r["id"]) not in done]
@@ -250,9 +250,9 @@ def build(args: BuildDataArgs, log=print) -> int:
     if args.stage in ("label", "render") and args.variant not in LABEL_SOURCES:
         raise ValueError(f"--variant must be one of {', '.join(LABEL_SOURCES)}, got {args.variant!r}")
     if args.stage in ("judge", "context"):
-        from gate.judges import make_judge
+        from gate.judges import judge_from_args
 
-        make_judge(args.judge, **_judge_kwargs(args))  # a bad judge name or missing URL fails before any model
+        judge_from_args(args)  # a bad judge name or missing URL fails before any model
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stages = {"sample": stage_sample, "judge": stage_judge, "retrieve": stage_retrieve, "context": stage_context,

@@ -83,7 +83,7 @@ def stage_context(args, out: Path, log=print, generate=None) -> int:
     from PIL import Image
     from tqdm import tqdm
 
-    from gate.judges import make_judge
+    from gate.judges import judge_from_args
     from gate.variants import spec, user_text
 
     source = out / "retrieved.jsonl"
@@ -91,7 +91,7 @@ def stage_context(args, out: Path, log=print, generate=None) -> int:
         raise ValueError(f"context: {source} does not exist (run --stage retrieve first)")
     if not args.model and generate is None:
         raise ValueError("--model is required for the context stage")
-    judge = make_judge(args.judge, **_judge_kwargs(args))
+    judge = judge_from_args(args)
     target = out / "contexts.jsonl"
     done = completed_ids(target)
     todo = [r for r in read_jsonl(source) if str(r["id"]) not in done]
@@ -112,11 +112,6 @@ def stage_context(args, out: Path, log=print, generate=None) -> int:
             records.append({"id": r["id"], "doc_answers": answers, "doc_scores": scores})
         append_jsonl(target, records)
     return len(todo)
-
-
-def _judge_kwargs(args) -> dict:
-    return dict(url=args.judge_url, model=args.judge_model, api_key_env=args.judge_key_env) \
-        if args.judge == "llm" else {}
 
 
 def vlm_answerer(model_path: str, max_new_tokens: int, temperature: float = 1.0, backend: str = "hf",

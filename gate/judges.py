@@ -87,6 +87,13 @@ def make_judge(name: str, **kwargs):
     return judges[name](**kwargs) if name == "llm" else judges[name]()
 
 
+def judge_from_args(args):
+    """The judge a data-construction config names (``judge``, and for ``llm`` its URL, model and key variable)."""
+    kwargs = dict(url=args.judge_url, model=args.judge_model, api_key_env=args.judge_key_env) \
+        if args.judge == "llm" else {}
+    return make_judge(args.judge, **kwargs)
+
+
 def judge_all(records: list[dict], judge, cache: dict | None = None) -> list[list[float | None]]:
     """Scores for each record's ``samples``, judging each distinct (question id, normalised answer) once.
 

@@ -57,12 +57,17 @@ def test_rewards_match_direct_ranking(tiny_index, batch):
     assert {"retrieval/hit@1", "retrieval/hit@200", "retrieval/miss_rate", "retrieval/query_tokens"} <= set(logged)
 
 
+def record_calls(monkeypatch, obj, name, note):
+    """Wrap obj.name so that every call first passes its argument to ``note``."""
+    real = getattr(obj, name)
+    monkeypatch.setattr(obj, name, lambda x: note(x) or real(x))
+
+
 def test_images_are_encoded_once_per_question(tiny_index, batch, monkeypatch):
     rows, images = batch
     reward = RetrievalReward(tiny_index, alpha=0.3)
     calls = []
-    real = tiny_index.encode_images
-    monkeypatch.setattr(tiny_index, "encode_images", lambda ims: calls.append(len(ims)) or real(ims))
+    record_calls(monkeypatch, tiny_index, "encode_images", lambda ims: calls.append(len(ims)))
     completions = [format_completion("red star")] * (len(rows) * G)
     first, _ = trl_call(reward, rows, completions, images)
     second, _ = trl_call(reward, rows, completions, images)
@@ -74,8 +79,8 @@ def test_one_text_batch_and_one_search_per_call(tiny_index, batch, monkeypatch):
     rows, images = batch
     reward = RetrievalReward(tiny_index, alpha=0.3)
     texts, searches = [], []
-    real_t, real_s = tiny_index.encode_texts, tiny_index.faiss.search
-    monkeypatch.setattr(tiny_index, "encode_texts", lambda t: texts.append(len(t)) or real_t(t))
+    real_s = tiny_index.faiss.search
+    record_calls(monkeypatch, tiny_index, "encode_texts", lambda t: texts.append(len(t)))
     monkeypatch.setattr(tiny_index, "faiss", type("F", (), {"search": lambda self, q, k: searches.append(len(q)) or
                                                             real_s(q, k), "ntotal": tiny_index.faiss.ntotal})())
     trl_call(reward, rows, [format_completion(f"q {i}") for i in range(len(rows) * G)], images)
@@ -86,8 +91,7 @@ def test_repeated_queries_are_encoded_once(tiny_index, batch, monkeypatch):
     rows, images = batch
     reward = RetrievalReward(tiny_index, alpha=0.3)
     texts = []
-    real_t = tiny_index.encode_texts
-    monkeypatch.setattr(tiny_index, "encode_texts", lambda t: texts.append(list(t)) or real_t(t))
+    record_calls(monkeypatch, tiny_index, "encode_texts", lambda t: texts.append(list(t)))
     completions = [format_completion(f"q {i % 3}") for i in range(len(rows) * G)]
     first, _ = trl_call(reward, rows, completions, images)
     second, _ = trl_call(reward, rows, completions, images)
