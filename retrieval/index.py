@@ -21,11 +21,14 @@ from typing import NamedTuple
 import numpy as np
 
 from retrieval.encoders import ImageEncoder, TextEncoder, l2_normalize
+from retrieval.placement import configure_threads, index_to_device, log, outside_zero3_init, resolve_device
 
 INDEX_FILE = "index.faiss"
 ROWS_FILE = "rows.parquet"
 MANIFEST_FILE = "manifest.json"
 SKIPPED_FILE = "skipped.jsonl"
+FAISS_GPU_MAX_K = 2048  # FAISS on a GPU refuses k above this
+RANK_METHODS = ("auto", "exact", "search")
 
 
 class Hit(NamedTuple):
@@ -111,18 +114,6 @@ def _read_faiss(path: Path):
         return faiss.read_index(str(path))
 
 
-def _to_gpu_if_available(index):
-    """Shard the index over the visible GPUs with fp16 storage when faiss-gpu and a GPU are present."""
-    import faiss
-
-    if not hasattr(faiss, "get_num_gpus") or faiss.get_num_gpus() == 0:
-        return index
-    co = faiss.GpuMultipleClonerOptions()
-    co.useFloat16 = True
-    co.shard = True
-    return faiss.index_cpu_to_all_gpus(index, co=co)
-
-
 @dataclass
 class Ranked:
     """Per query: unique entity indices in rank order, their best row and its score."""
@@ -135,15 +126,20 @@ class Ranked:
 class MultimodalIndex:
     def __init__(self, faiss_index, entry_ids: list[str], entity_ids: list[str], manifest: dict,
                  image_encoder=None, text_encoder=None, device: str | None = None, path: Path | None = None,
-                 titles: list[str] | None = None):
+                 titles: list[str] | None = None, rank_method: str = "auto", search_device: str = "cpu"):
+        if rank_method not in RANK_METHODS:
+            raise ValueError(f"rank_method must be one of {', '.join(RANK_METHODS)}, got {rank_method!r}")
         self.faiss = faiss_index
+        self.search_device = search_device  # where self.faiss lives: "cpu" or "cuda:N"
+        self.rank_method = rank_method
+        self._exact = None
         self.entry_ids = entry_ids
         self.entity_names, self.row_entity = np.unique(np.asarray(entity_ids, dtype=object), return_inverse=True)
         self.entity_titles = dict(zip(entity_ids, titles)) if titles is not None else {}
         self.entity_index = {e: i for i, e in enumerate(self.entity_names)}
         self.manifest = manifest
         self.path = path
-        self.device = device
+        self.device = resolve_device(device)
         self.image_dim = int(manifest["image_dim"])
         self.text_dim = int(manifest["text_dim"])
         self._image_encoder = image_encoder
@@ -154,11 +150,17 @@ class MultimodalIndex:
 
     @classmethod
     def load(cls, path, image_encoder=None, text_encoder=None, device: str | None = None,
-             query_prompt: str | None = None, nprobe: int = 32) -> MultimodalIndex:
-        """Load an index directory. Encoders default to the manifest's and are built on first use.
+             query_prompt: str | None = None, nprobe: int = 32, rank_method: str = "auto",
+             search_device: str | None = None, threads: int | None = None) -> MultimodalIndex:
+        """Load an index directory for this process (the policy of retrieval.placement, logged in one line).
 
-        ``image_encoder`` / ``text_encoder`` may be a name or an already-built encoder; a name different from the
-        manifest's is an error that states both.
+        ``device``: where this process's replica and encoders live ("cpu", "cuda:N"; None → ``cuda:LOCAL_RANK``
+        when CUDA is available, else cpu). ``search_device``: where the FAISS index for top-k search lives (default:
+        ``device``; the trainer keeps it on the CPU, memory-mapped, since its reward ranks on the exact replica).
+        ``rank_method``: "exact" (Flat indexes: matmul + segment max over all rows), "search" (FAISS top-k with a
+        growing depth), "auto" (exact on a GPU; on a CPU as well — see benchmarks/reward_scale.py).
+        Encoders default to the manifest's and are built on first use; a name different from the manifest's is an
+        error that states both.
         """
         import faiss
         import pyarrow.parquet as pq
@@ -177,7 +179,10 @@ class MultimodalIndex:
         ivf = faiss.try_extract_index_ivf(index) if hasattr(faiss, "try_extract_index_ivf") else None
         if ivf is not None:
             ivf.nprobe = min(nprobe, ivf.nlist)
-        index = _to_gpu_if_available(index)
+        device = resolve_device(device)
+        threads = configure_threads(threads)
+        cpu_index = index
+        index, search_device = index_to_device(index, resolve_device(search_device or device))
         rows = pq.read_table(path / ROWS_FILE).to_pydict()
         if len(rows["entry_id"]) != index.ntotal:
             raise ValueError(f"{path}: {ROWS_FILE} has {len(rows['entry_id'])} rows but the FAISS index has "
@@ -185,22 +190,31 @@ class MultimodalIndex:
         self = cls(index, rows["entry_id"], rows["entity_id"], manifest,
                    image_encoder=image_encoder if not isinstance(image_encoder, str) else None,
                    text_encoder=text_encoder if not isinstance(text_encoder, str) else None,
-                   device=device, path=path, titles=rows.get("title"))
+                   device=device, path=path, titles=rows.get("title"), rank_method=rank_method,
+                   search_device=search_device)
         self.query_prompt = query_prompt
+        self._faiss_cpu = cpu_index
+        log.info("index %s: %d rows × %d dims, %d entities; FAISS %s on %s (%s), exact ranks: %s on %s; "
+                 "%d FAISS/torch threads", path, len(self), index.d, self.num_entities, type(index).__name__,
+                 search_device, "memory-mapped" if search_device == "cpu" else "fp16 replica",
+                 "yes" if self.uses_exact_ranks else "no (approximate index: search with a growing depth)",
+                 device, threads)
         return self
 
     @property
     def image_encoder(self) -> ImageEncoder:
         if self._image_encoder is None:
-            self._image_encoder = ImageEncoder(self.manifest["image_encoder"], device=self.device)
+            with outside_zero3_init():
+                self._image_encoder = ImageEncoder(self.manifest["image_encoder"], device=self.device)
         return self._image_encoder
 
     @property
     def text_encoder(self) -> TextEncoder:
         if self._text_encoder is None:
-            self._text_encoder = TextEncoder(self.manifest["text_encoder"], device=self.device,
-                                             query_prompt=getattr(self, "query_prompt", None),
-                                             trust_remote_code=self.manifest.get("trust_remote_code", False))
+            with outside_zero3_init():
+                self._text_encoder = TextEncoder(self.manifest["text_encoder"], device=self.device,
+                                                 query_prompt=getattr(self, "query_prompt", None),
+                                                 trust_remote_code=self.manifest.get("trust_remote_code", False))
         return self._text_encoder
 
     def __len__(self) -> int:
@@ -212,6 +226,40 @@ class MultimodalIndex:
 
     def has_entity(self, entity_id: str) -> bool:
         return entity_id in self.entity_index
+
+    @property
+    def uses_exact_ranks(self) -> bool:
+        from retrieval.exact import flat_storage
+
+        if self.rank_method == "search":
+            return False
+        exact_possible = flat_storage(self._cpu_faiss()) is not None
+        if self.rank_method == "exact" and not exact_possible:
+            raise ValueError(f"rank_method 'exact' needs a Flat / SQfp16 / SQbf16 index; {self.path} is "
+                             f"{self.manifest.get('factory', type(self.faiss).__name__)}")
+        return exact_possible
+
+    def _cpu_faiss(self):
+        """The index as loaded on the CPU (memory-mapped when possible), wherever the search copy lives."""
+        cpu = getattr(self, "_faiss_cpu", None)
+        if cpu is not None:
+            return cpu
+        if self.search_device == "cpu":
+            return self.faiss
+        import faiss
+
+        return faiss.index_gpu_to_cpu(self.faiss)
+
+    @property
+    def exact(self):
+        """The exact ranker's replica of the rows on this process's device (built on first use)."""
+        if self._exact is None:
+            from retrieval.exact import ExactRanker
+
+            self._exact = ExactRanker.from_faiss(self._cpu_faiss(), self.row_entity, self.num_entities, self.device)
+            log.info("exact ranks: %d rows replicated on %s (%s, %.2f GB)", len(self), self.device,
+                     str(self._exact.rows.dtype).replace("torch.", ""), self._exact.nbytes / 1e9)
+        return self._exact
 
     # ---------------------------------------------------------------- encoding
 
@@ -246,7 +294,8 @@ class MultimodalIndex:
         n_total, want = self.faiss.ntotal, min(depth, self.num_entities)
         out: list[Ranked | None] = [None] * len(q)
         pending = np.arange(len(q))
-        k_rows = min(n_total, depth * min(self.max_rows_per_entity, 4))
+        k_max = n_total if self.search_device == "cpu" else min(n_total, FAISS_GPU_MAX_K)
+        k_rows = min(k_max, depth * min(self.max_rows_per_entity, 4))
         while len(pending):
             scores, rows = self.faiss.search(q[pending], k_rows)
             still = []
@@ -256,12 +305,12 @@ class MultimodalIndex:
                 ents = self.row_entity[r]
                 _, first = np.unique(ents, return_index=True)
                 first = np.sort(first)[:depth]
-                if len(first) < want and k_rows < n_total:
+                if len(first) < want and k_rows < k_max:
                     still.append(qi)
                     continue
                 out[qi] = Ranked(ents[first], r[first], s[first] * norms[qi])
             pending = np.asarray(still, dtype=int)
-            k_rows = min(n_total, k_rows * 4)
+            k_rows = min(k_max, k_rows * 4)
         return out
 
     def search(self, images, texts, alpha: float, k: int) -> list[list[Hit]]:
@@ -289,8 +338,12 @@ class MultimodalIndex:
                      depth: int = 200) -> list[int | None]:
         """1-based rank of each gold entity among unique entities; ``None`` when deeper than ``depth``."""
         alpha, depth = check_alpha(alpha), check_k(depth, "depth")
-        ranked = self.rank(self._as_image_emb(images), self._as_text_emb(texts), alpha, depth)
-        return ranks_of(ranked, [self.entity_index.get(e, -1) for e in entity_ids])
+        image_emb, text_emb = self._as_image_emb(images), self._as_text_emb(texts)
+        gold = [self.entity_index.get(e, -1) for e in entity_ids]
+        if self.uses_exact_ranks:
+            q, _ = query_vectors(image_emb, text_emb, alpha)
+            return [r if r is not None and r <= depth else None for r in self.exact.ranks(q, gold)]
+        return ranks_of(self.rank(image_emb, text_emb, alpha, depth), gold)
 
 
 def ranks_of(ranked: list[Ranked], gold: Sequence[int]) -> list[int | None]:

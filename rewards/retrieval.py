@@ -1,13 +1,19 @@
 """The retrieval reward: rank of the gold entity for each refined query, mapped through the rank tiers.
 
-One call receives TRL's whole generation slice (every dataset column repeated per generation). It parses every
-completion, encodes all valid queries in one batch, takes the query-image embeddings from a cache keyed by the
-question ``id`` (each image is encoded once per run), and ranks every query in one index search. Query texts are
+One call receives TRL's whole generation slice on this rank (every dataset column repeated per generation). It
+parses every completion, encodes all valid queries in one batch, takes the query-image embeddings from a cache keyed
+by the image itself — its ``image_path`` column, else a hash of its pixels; never a question id or a position, which
+can collide across splits — and ranks every query in one pass (exact entity ranks on a Flat index). Query texts are
 cached too: a group of generations often repeats a query, and only unseen texts are encoded (in one batch).
+
+Metrics go through TRL's ``log_metric`` one value per completion (hit@k, parse, …) or per hit (its rank): TRL ≥ 1.16
+sums (value, count) pairs over the union of names on all ranks, so every logged figure is the exact mean over all
+completions of the step on all ranks, including a rank that had no hit.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import numpy as np
@@ -37,26 +43,26 @@ class RetrievalReward:
             raise ValueError(f"the unparseable-completion reward must be finite, got {unparseable}")
         self.max_query_tokens = max_query_tokens
         self.question_field = question_field
-        self.image_cache: dict[str, np.ndarray] = {}
+        self.image_cache: dict[str, np.ndarray] = {}  # image key (path or pixel hash) → embedding
         self.text_cache: dict[str, np.ndarray] = {}
         self.text_cache_size = 200_000
         self.last: list[dict] = []  # the latest call's per-completion details (for tables)
-        self.images: dict[str, object] = {}  # the latest call's images by question id (for tables)
+        self.images: dict[str, object] = {}  # the latest call's images by image key (for tables)
 
     # ------------------------------------------------------------------ image embeddings
 
-    def image_embeddings(self, ids: list[str], images: list) -> np.ndarray:
-        """Embeddings for the images of these question ids, encoding (in one batch) only those not cached."""
+    def image_embeddings(self, keys: list[str], images: list) -> np.ndarray:
+        """Embeddings for these images (by image key), encoding (in one batch) only those not cached."""
         missing = {}
-        for qid, img in zip(ids, images):
-            if qid not in self.image_cache and qid not in missing:
+        for key, img in zip(keys, images):
+            if key not in self.image_cache and key not in missing:
                 if img is None:
-                    raise ValueError(f"question {qid!r} has no image to encode")
-                missing[qid] = img
+                    raise ValueError(f"image {key!r} is not in the cache and no image was passed to encode")
+                missing[key] = img
         if missing:
             emb = self.index.encode_images(list(missing.values()))
             self.image_cache.update(zip(missing, emb))
-        return np.stack([self.image_cache[q] for q in ids])
+        return np.stack([self.image_cache[k] for k in keys])
 
     def text_embeddings(self, texts: list[str]) -> np.ndarray:
         """Embeddings of query texts; the unseen ones are encoded in one batch and cached."""
@@ -69,12 +75,12 @@ class RetrievalReward:
 
     # ------------------------------------------------------------------ the reward
 
-    def score(self, queries: list[str | None], entity_ids: list[str], ids: list[str], images: list) -> list:
+    def score(self, queries: list[str | None], entity_ids: list[str], keys: list[str], images: list) -> list:
         """Rank of the gold entity for each query (None for a miss or an unparseable query)."""
         valid = [i for i, q in enumerate(queries) if q is not None]
         ranks: list[int | None] = [None] * len(queries)
         if valid:
-            img = self.image_embeddings([ids[i] for i in valid], [images[i] for i in valid])
+            img = self.image_embeddings([keys[i] for i in valid], [images[i] for i in valid])
             txt = self.text_embeddings([queries[i] for i in valid])
             found = self.index.entity_ranks(img, txt, [entity_ids[i] for i in valid], alpha=self.alpha,
                                             depth=self.depth)
@@ -82,8 +88,8 @@ class RetrievalReward:
                 ranks[i] = r
         return ranks
 
-    def __call__(self, prompts=None, completions=None, entity_id=None, id=None, image=None, log_metric=None,
-                 **kwargs) -> list[float]:
+    def __call__(self, prompts=None, completions=None, entity_id=None, id=None, image=None, image_path=None,
+                 log_metric=None, **kwargs) -> list[float]:
         completions = completions or []
         n = len(completions)
         if entity_id is None or len(entity_id) != n:
@@ -91,40 +97,64 @@ class RetrievalReward:
         images = image if image is not None else kwargs.get("images")
         if images is not None and len(images) == n and isinstance(images[0], (list, tuple)):
             images = [x[0] if x else None for x in images]
-        ids = [str(x) for x in (id if id is not None else range(n))]
-        if id is None and images is None:
-            raise ValueError("the retrieval reward needs an 'image' (or 'id' with a warm cache) per completion")
+        if image_path is None and images is None:
+            raise ValueError("the retrieval reward needs an 'image' or 'image_path' column per completion")
         images = images if images is not None else [None] * n
+        keys = image_keys(image_path, images)
+        ids = [str(x) for x in id] if id is not None else keys
         queries = [parse_query(completion_text(c), self.max_query_tokens) for c in completions]
-        ranks = self.score(queries, [str(e) for e in entity_id], ids, images)
+        ranks = self.score(queries, [str(e) for e in entity_id], keys, images)
         rewards = [self.unparseable if q is None else rank_reward(r, self.tiers, self.miss)
                    for q, r in zip(queries, ranks)]
         rewards = [r if math.isfinite(r) else self.miss for r in rewards]
         questions = kwargs.get(self.question_field)
-        self.last = [dict(query=q, rank=r, reward=w, entity_id=str(e), id=i,
+        self.last = [dict(query=q, rank=r, reward=w, entity_id=str(e), id=i, image_key=k,
                           question=None if questions is None else questions[j])
-                     for j, (q, r, w, e, i) in enumerate(zip(queries, ranks, rewards, entity_id, ids))]
-        self.images = dict(zip(ids, images))
+                     for j, (q, r, w, e, i, k) in enumerate(zip(queries, ranks, rewards, entity_id, ids, keys))]
+        self.images = dict(zip(keys, images))
         if log_metric is not None:
-            for name, value in batch_metrics(queries, ranks, questions).items():
-                log_metric(name, value)
+            for name, values in completion_metrics(queries, ranks, questions).items():
+                for value in values:
+                    log_metric(name, value)
         return rewards
+
+
+def image_keys(paths: list | None, images: list) -> list[str]:
+    """The cache key of each completion's image: its path when the dataset has an ``image_path`` column, else a hash
+    of its pixels (the same picture gives the same key wherever it comes from)."""
+    if paths is not None:
+        return [f"path:{p}" for p in paths]
+    seen: dict[int, str] = {}  # TRL repeats a prompt's image per generation: hash each object once
+    keys = []
+    for img in images:
+        if img is None:
+            raise ValueError("a completion has neither an image nor an image_path")
+        if id(img) not in seen:
+            h = hashlib.blake2b(img.tobytes(), digest_size=16)
+            h.update(f"{img.mode}{img.size}".encode())
+            seen[id(img)] = f"pixels:{h.hexdigest()}"
+        keys.append(seen[id(img)])
+    return keys
+
+
+def completion_metrics(queries: list[str | None], ranks: list[int | None], questions: list[str] | None = None,
+                       ks=HIT_KS) -> dict[str, list[float]]:
+    """Per-completion values whose mean is each metric: hit@k and miss (1/0 per completion), the rank of each hit,
+    parse (1/0), the length of each parsed query, same-as-question (1/0). A name with no value is left out."""
+    hits = [r for r in ranks if r is not None]
+    out = {f"retrieval/hit@{k}": [float(r is not None and r <= k) for r in ranks] for k in ks}
+    out["retrieval/miss_rate"] = [float(r is None) for r in ranks]
+    out["retrieval/mean_hit_rank"] = [float(r) for r in hits]
+    out["retrieval/parse_rate"] = [float(q is not None) for q in queries]
+    out["retrieval/query_tokens"] = [float(query_tokens(q)) for q in queries if q is not None]
+    if questions is not None:
+        out["retrieval/same_as_question"] = [float(q is not None and q.strip() == str(orig).strip())
+                                             for q, orig in zip(queries, questions)]
+    return {name: values for name, values in out.items() if values}
 
 
 def batch_metrics(queries: list[str | None], ranks: list[int | None], questions: list[str] | None = None,
                   ks=HIT_KS) -> dict[str, float]:
-    """hit@k, miss rate, mean rank of hits, parse rate, mean query length, rate of queries equal to the question."""
-    n = max(len(queries), 1)
-    hits = [r for r in ranks if r is not None]
-    out = {f"retrieval/hit@{k}": sum(1 for r in hits if r <= k) / n for k in ks}
-    out["retrieval/miss_rate"] = 1 - len(hits) / n
-    if hits:
-        out["retrieval/mean_hit_rank"] = float(np.mean(hits))
-    parsed = [q for q in queries if q is not None]
-    out["retrieval/parse_rate"] = len(parsed) / n
-    if parsed:
-        out["retrieval/query_tokens"] = float(np.mean([query_tokens(q) for q in parsed]))
-    if questions is not None:
-        same = sum(1 for q, orig in zip(queries, questions) if q is not None and q.strip() == str(orig).strip())
-        out["retrieval/same_as_question"] = same / n
-    return out
+    """hit@k, miss rate, mean rank of hits, parse rate, mean query length, rate of queries equal to the question:
+    the means of ``completion_metrics``."""
+    return {name: float(np.mean(values)) for name, values in completion_metrics(queries, ranks, questions, ks).items()}

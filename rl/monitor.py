@@ -74,10 +74,11 @@ class RefinerMonitor(TrainerCallback):
         rows = []
         for i, rec in enumerate(last[: self.max_rows]):
             top = []
-            if rec["query"] is not None and rec["id"] in self.retrieval.image_cache:
+            if rec["query"] is not None and rec["image_key"] in self.retrieval.image_cache:
                 import numpy as np
 
-                hits = self.retrieval.index.search(np.stack([self.retrieval.image_cache[rec["id"]]]), [rec["query"]],
+                hits = self.retrieval.index.search(np.stack([self.retrieval.image_cache[rec["image_key"]]]),
+                                                   [rec["query"]],
                                                    alpha=self.retrieval.alpha, k=3)[0]
                 top = [self.retrieval.index.entity_titles.get(h.entity_id) or h.entity_id for h in hits]
             f = fmt[i] if i < len(fmt) else None
@@ -103,7 +104,7 @@ class RefinerMonitor(TrainerCallback):
                 "format_reward", "retrieval_reward", "total_reward"]
         table = wandb.Table(columns=cols)
         for r in rows:
-            img = self.retrieval.images.get(r["id"])
+            img = self.retrieval.images.get(r["image_key"])
             table.add_data(step, wandb.Image(img) if img is not None else None, r.get("question") or "",
                            r["query"] or "", r["gold_title"], -1 if r["rank"] is None else r["rank"],
                            ", ".join(r["top3"]), r["format_reward"], r["retrieval_reward"], r["total_reward"])

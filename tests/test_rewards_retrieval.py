@@ -22,8 +22,8 @@ def trl_call(reward, rows, completions, images, **extra):
                  completion_ids=[[1, 2]] * len(completions), id=rep([r["id"] for r in rows]),
                  entity_id=rep([r["entity_id"] for r in rows]), question=rep([r["question"] for r in rows]),
                  answers=rep([r["answers"] for r in rows]), image=rep(images), trainer_state=None,
-                 log_extra=lambda *a: None, log_metric=lambda k, v: logged.__setitem__(k, v), **extra)
-    return out, logged
+                 log_extra=lambda *a: None, log_metric=lambda k, v: logged.setdefault(k, []).append(v), **extra)
+    return out, {k: float(np.mean(v)) for k, v in logged.items()}
 
 
 @pytest.fixture()
@@ -75,16 +75,34 @@ def test_images_are_encoded_once_per_question(tiny_index, batch, monkeypatch):
     assert first == second
 
 
-def test_one_text_batch_and_one_search_per_call(tiny_index, batch, monkeypatch):
+def test_one_text_batch_and_one_ranking_pass_per_call(tiny_index, batch, monkeypatch):
     rows, images = batch
     reward = RetrievalReward(tiny_index, alpha=0.3)
-    texts, searches = [], []
-    real_s = tiny_index.faiss.search
+    texts, passes = [], []
     record_calls(monkeypatch, tiny_index, "encode_texts", lambda t: texts.append(len(t)))
-    monkeypatch.setattr(tiny_index, "faiss", type("F", (), {"search": lambda self, q, k: searches.append(len(q)) or
-                                                            real_s(q, k), "ntotal": tiny_index.faiss.ntotal})())
+    assert tiny_index.uses_exact_ranks  # a Flat index: exact ranks, no FAISS search in the reward
+    real = tiny_index.exact.ranks
+    monkeypatch.setattr(tiny_index.exact, "ranks", lambda q, g: passes.append(len(q)) or real(q, g))
+    monkeypatch.setattr(tiny_index.faiss, "search", lambda *a: pytest.fail("FAISS searched"), raising=False)
     trl_call(reward, rows, [format_completion(f"q {i}") for i in range(len(rows) * G)], images)
-    assert texts == [len(rows) * G] and searches == [len(rows) * G]
+    assert texts == [len(rows) * G] and passes == [len(rows) * G]
+
+
+def test_image_cache_is_keyed_by_the_image_not_the_question_id(tiny_index, batch, tiny_world):
+    """Two splits can both have a question 'q-0': the second must not reuse the first's image embedding."""
+    rows, images = batch
+    reward = RetrievalReward(tiny_index, alpha=1.0)  # α = 1: the rank depends on the image only
+    clash = [dict(r, id="q-0") for r in rows[:2]]
+    out_a, _ = trl_call(reward, clash[:1], [format_completion("x")] * G, images[:1])
+    out_b, _ = trl_call(reward, clash[1:], [format_completion("x")] * G, images[1:2])
+    fresh = RetrievalReward(tiny_index, alpha=1.0)
+    alone, _ = trl_call(fresh, clash[1:], [format_completion("x")] * G, images[1:2])
+    assert out_b == alone and len(reward.image_cache) == 2
+    # with an image_path column, the path is the key; without one, equal pixels share a key
+    paths = RetrievalReward(tiny_index, alpha=1.0)
+    trl_call(paths, rows[:1], [format_completion("x")] * G, images[:1], image_path=[str(rows[0]["image"])] * G)
+    assert list(paths.image_cache) == [f"path:{rows[0]['image']}"]
+    assert len(set(reward.image_cache)) == 2 and all(k.startswith("pixels:") for k in reward.image_cache)
 
 
 def test_repeated_queries_are_encoded_once(tiny_index, batch, monkeypatch):
@@ -114,6 +132,21 @@ def test_bad_settings_are_refused(tiny_index):
         RetrievalReward(tiny_index, alpha=0.5, unparseable=float("nan"))
     with pytest.raises(ValueError, match="entity_id"):
         RetrievalReward(tiny_index, alpha=0.5)(prompts=[1], completions=["x"])
+
+
+def test_metrics_are_logged_per_completion_so_ranks_pool_exactly():
+    """TRL sums (value, count) over ranks: per-completion values make the pooled figure the mean over all
+    completions; per-rank means would weight a rank's mean hit rank the same whatever its number of hits."""
+    from rewards.retrieval import completion_metrics
+
+    rank_a = completion_metrics(["q"] * 4, [1, 3, 5, 7], None)
+    rank_b = completion_metrics(["q"] * 4, [None, None, None, 41], None)
+    rank_c = completion_metrics(["q"] * 4, [None] * 4, None)  # no hit at all on this rank
+    pooled = {k: [x for d in (rank_a, rank_b, rank_c) for x in d.get(k, [])] for k in rank_a}
+    assert "retrieval/mean_hit_rank" not in rank_c
+    assert np.mean(pooled["retrieval/mean_hit_rank"]) == pytest.approx((1 + 3 + 5 + 7 + 41) / 5)
+    assert np.mean(pooled["retrieval/hit@5"]) == pytest.approx(3 / 12)
+    assert np.mean(pooled["retrieval/miss_rate"]) == pytest.approx(7 / 12)
 
 
 def test_batch_metrics_table():

@@ -1,0 +1,218 @@
+"""Exact gold-entity ranks (matmul + segment max) against a numpy brute force, the FAISS k cap on a GPU, and the
+per-process placement policy (one device, never all GPUs; HNSW stays on the CPU; encoders outside ZeRO-3 init)."""
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from retrieval import placement
+from retrieval.encoders import l2_normalize
+from retrieval.exact import ExactRanker, flat_storage, rows_view
+from retrieval.index import FAISS_GPU_MAX_K, MultimodalIndex, build_faiss_index, query_vectors
+
+
+def make(counts, di=6, dt=10, seed=0, factory="Flat", rank_method="auto"):
+    rng = np.random.default_rng(seed)
+    entity_ids = [f"ent{e:05d}" for e, c in enumerate(counts) for _ in range(c)]
+    v = l2_normalize(rng.normal(size=(len(entity_ids), di)))
+    t = l2_normalize(rng.normal(size=(len(entity_ids), dt)))
+    rows = np.concatenate([v, t], 1).astype(np.float32)
+    manifest = {"image_dim": di, "text_dim": dt, "image_encoder": "x", "text_encoder": "y"}
+    index = MultimodalIndex(build_faiss_index(rows, factory), [f"row{i}" for i in range(len(rows))], entity_ids,
+                            manifest, device="cpu", rank_method=rank_method)
+    return index, rows, entity_ids
+
+
+def brute_force_bounds(rows, entity_ids, q, gold, eps=1e-5):
+    """(strictly better + 1, tied-or-better) by numpy, for one query vector."""
+    scores = rows @ q
+    best = {}
+    for e, s in zip(entity_ids, scores):
+        best[e] = max(best.get(e, -np.inf), float(s))
+    g = best[gold]
+    return (sum(s > g + eps for s in best.values()) + 1, sum(s >= g - eps for s in best.values()))
+
+
+def queries(n, di=6, dt=10, seed=1, alpha=0.4):
+    rng = np.random.default_rng(seed)
+    return query_vectors(rng.normal(size=(n, di)), rng.normal(size=(n, dt)), alpha)[0]
+
+
+def test_one_entity_owns_more_rows_than_the_gpu_k_cap_allows_at_depth():
+    """3,000 rows for one entity (≫ 2048 / depth 200); the exact ranks equal the brute force for every query."""
+    counts = [3000] + [1] * 300 + [3] * 100
+    index, rows, ents = make(counts, seed=3)
+    q = queries(40, seed=4)
+    gold = [ents[int(i)] for i in np.random.default_rng(5).integers(0, len(ents), 40)]
+    assert index.uses_exact_ranks
+    ranks = index.exact.ranks(q, [index.entity_index[g] for g in gold])
+    for qi, g, r in zip(q, gold, ranks):
+        lo, hi = brute_force_bounds(rows, ents, qi, g)
+        assert lo <= r <= hi
+
+
+def test_exact_and_search_agree_within_depth_on_the_cpu():
+    index, rows, ents = make([1, 2, 5, 40] * 30, seed=7)
+    search, *_ = make([1, 2, 5, 40] * 30, seed=7, rank_method="search")
+    rng = np.random.default_rng(8)
+    v, t = rng.normal(size=(25, 6)).astype(np.float32), rng.normal(size=(25, 10)).astype(np.float32)
+    gold = [ents[int(i)] for i in rng.integers(0, len(ents), 25)]
+    assert index.uses_exact_ranks and not search.uses_exact_ranks
+    assert index.entity_ranks(v, t, gold, alpha=0.6, depth=50) == search.entity_ranks(v, t, gold, alpha=0.6, depth=50)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), alpha=st.floats(0, 1), chunk=st.integers(1, 50), block=st.integers(4, 400))
+def test_exact_ranks_do_not_depend_on_chunking(seed, alpha, chunk, block):
+    """Row chunks and query blocks change how the work is cut, never the ranks."""
+    counts = np.random.default_rng(seed).integers(1, 6, size=30)
+    index, rows, ents = make(counts, seed=seed % 5)
+    q = queries(7, seed=seed, alpha=alpha)
+    gold = list(np.random.default_rng(seed + 1).integers(0, index.num_entities, 7)) + [-1]
+    q = np.concatenate([q, q[:1]])
+    whole = ExactRanker(torch.from_numpy(rows), index.row_entity, index.num_entities).ranks(q, gold)
+    cut = ExactRanker(torch.from_numpy(rows), index.row_entity, index.num_entities, chunk_rows=chunk,
+                      block_bytes=block * 4 * index.num_entities // 30).ranks(q, gold)
+    assert whole == cut and whole[-1] is None  # an unknown gold entity has no rank
+    for qi, g, r in zip(q, gold[:-1], whole):
+        lo, hi = brute_force_bounds(rows, ents, qi, index.entity_names[g])
+        assert lo <= r <= hi
+
+
+def test_ties_go_to_the_gold_entity():
+    """Two entities with identical rows: both rank 1 (strictly-above count), as the old bounds allow."""
+    index, rows, ents = make([1, 1, 1], seed=0)
+    rows[1] = rows[0]
+    ranker = ExactRanker(torch.from_numpy(rows), index.row_entity, 3)
+    assert ranker.ranks(np.repeat(rows[:1], 2, 0), [0, 1]) == [1, 1]
+
+
+@pytest.mark.parametrize("factory,storage", [("Flat", "fp32"), ("SQfp16", "fp16"), ("SQbf16", "bf16"),
+                                             ("HNSW8,Flat", None)])
+def test_rows_view_shares_the_index_memory(factory, storage, tmp_path):
+    import faiss
+
+    rows = l2_normalize(np.random.default_rng(0).normal(size=(300, 16)))
+    index = build_faiss_index(rows, factory)
+    faiss.write_index(index, str(tmp_path / "i.faiss"))
+    mapped = faiss.read_index(str(tmp_path / "i.faiss"), faiss.IO_FLAG_MMAP_IFC) if storage else index
+    assert flat_storage(mapped) == storage
+    if storage is None:
+        with pytest.raises(ValueError, match="exact ranks need a Flat"):
+            rows_view(mapped)
+        return
+    view = rows_view(mapped)
+    np.testing.assert_allclose(view.float().numpy(), rows, atol={"fp32": 0, "fp16": 1e-3, "bf16": 1e-2}[storage])
+    assert view.dtype == {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[storage]
+
+
+def test_a_16_bit_replica_ranks_like_fp32_up_to_near_ties():
+    """What a GPU replica holds (fp16 rows), run here on the CPU by the same code."""
+    index, rows, ents = make([2, 3, 1] * 60, seed=11)
+    q = queries(30, seed=12)
+    gold = list(np.random.default_rng(13).integers(0, index.num_entities, 30))
+    half = ExactRanker(torch.from_numpy(rows).half(), index.row_entity, index.num_entities).ranks(q, gold)
+    for qi, g, r in zip(q, gold, half):
+        lo, hi = brute_force_bounds(rows, ents, qi, index.entity_names[g], eps=2e-3)
+        assert lo <= r <= hi
+
+
+class FakeFaissIndex:
+    """Wraps a CPU index, records the k of every search."""
+
+    def __init__(self, inner):
+        self.inner, self.ks, self.ntotal, self.d = inner, [], inner.ntotal, inner.d
+
+    def search(self, q, k):
+        self.ks.append(k)
+        assert k <= FAISS_GPU_MAX_K, f"FAISS-GPU refuses k = {k}"
+        return self.inner.search(q, k)
+
+
+def test_search_on_a_gpu_index_never_asks_for_more_than_2048_rows():
+    counts = [3000] + [1] * 300
+    index, rows, ents = make(counts, seed=2, rank_method="search")
+    index.faiss, index.search_device = FakeFaissIndex(index.faiss), "cuda:0"  # what index_to_device returns on GPU
+    rng = np.random.default_rng(0)
+    v, t = rng.normal(size=(5, 6)).astype(np.float32), rng.normal(size=(5, 10)).astype(np.float32)
+    ranks = index.entity_ranks(v, t, ["ent00001"] * 5, alpha=0.5, depth=200)
+    assert max(index.faiss.ks) == FAISS_GPU_MAX_K and len(ranks) == 5
+
+
+def test_placement_puts_one_replica_on_this_ranks_gpu(monkeypatch, caplog):
+    import faiss
+
+    calls = []
+    monkeypatch.setattr(faiss, "get_num_gpus", lambda: 8, raising=False)
+    monkeypatch.setattr(faiss, "StandardGpuResources", lambda: "res", raising=False)
+    monkeypatch.setattr(faiss, "GpuClonerOptions", lambda: type("O", (), {})(), raising=False)
+    monkeypatch.setattr(faiss, "index_cpu_to_gpu", lambda res, dev, idx, co: calls.append((dev, co.useFloat16)) or
+                        "gpu-index", raising=False)
+    monkeypatch.setattr(faiss, "index_cpu_to_all_gpus", lambda *a, **k: pytest.fail("all GPUs"), raising=False)
+    flat = build_faiss_index(np.eye(4, dtype=np.float32), "Flat")
+    assert placement.index_to_device(flat, "cuda:3") == ("gpu-index", "cuda:3") and calls == [(3, True)]
+    assert placement.index_to_device(flat, "cpu") == (flat, "cpu")
+    hnsw = build_faiss_index(np.eye(4, dtype=np.float32), "HNSW4,Flat")
+    with caplog.at_level(logging.WARNING, logger="refine_rl.placement"):
+        assert placement.index_to_device(hnsw, "cuda:3") == (hnsw, "cpu")
+    assert "cannot live on a GPU" in caplog.text and len(calls) == 1
+
+
+@pytest.mark.parametrize("env,cuda,expected", [({"LOCAL_RANK": "5"}, 8, "cuda:5"), ({}, 8, "cuda:0"),
+                                               ({"LOCAL_RANK": "3"}, 0, "cpu")])
+def test_process_device_is_this_ranks_gpu(monkeypatch, env, cuda, expected):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: cuda)
+    assert placement.process_device() == expected
+    assert placement.resolve_device("cuda") == f"cuda:{env.get('LOCAL_RANK', 0)}"
+    with pytest.raises(ValueError, match="device must be"):
+        placement.resolve_device("gpu")
+
+
+@pytest.mark.parametrize("cores,procs,threads", [(2, 1, 2), (2, 2, 1), (192, 8, 24), (4, 8, 1)])
+def test_threads_per_process(cores, procs, threads):
+    assert placement.threads_per_process(cores, procs) == threads
+
+
+class ZeRO3Config:
+    """What accelerate registers with transformers under ``zero3_init_flag: true`` (deepspeed is not installed here)."""
+
+    config = {"zero_optimization": {"stage": 3}}
+
+    def is_zero3(self):
+        return True
+
+
+def test_encoders_load_outside_zero3_partitioned_init():
+    """With a ZeRO-3 config registered, from_pretrained partitions the encoder (here, without deepspeed, it fails
+    trying); inside outside_zero3_init it loads whole, and the registration is back afterwards."""
+    from transformers.integrations.deepspeed import (
+        is_deepspeed_zero3_enabled,
+        set_hf_deepspeed_config,
+        unset_hf_deepspeed_config,
+    )
+
+    from retrieval.encoders import text_encoder
+
+    text_encoder("tiny", device="cpu")  # build the tiny model's folder first, outside the ZeRO-3 registration
+    cfg = ZeRO3Config()
+    set_hf_deepspeed_config(cfg)
+    try:
+        assert is_deepspeed_zero3_enabled()
+        with pytest.raises(Exception, match="deepspeed"):
+            text_encoder("tiny", device="cpu")
+        with placement.outside_zero3_init():
+            assert not is_deepspeed_zero3_enabled()
+            enc = text_encoder("tiny", device="cpu")
+        assert is_deepspeed_zero3_enabled()
+    finally:
+        unset_hf_deepspeed_config()
+    assert all(p.numel() > 0 for p in enc.model.parameters())
+    assert enc.encode(["a query"]).shape == (1, enc.dim)
