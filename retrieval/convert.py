@@ -4,7 +4,7 @@
         [--image_map url_to_file.json | --image_dir DIR_OF_<md5(url)>.jpg]
     python -m retrieval.convert --format infoseek --input infoseek_val.jsonl --withkb infoseek_val_withkb.jsonl \
         --out questions.jsonl [--image_pattern "{image_id}.jpg"]
-    python -m retrieval.convert --format evqa-questions --input test.csv --out questions.jsonl \
+    python -m retrieval.convert --format evqa-questions --input test.csv --split test --out questions.jsonl \
         [--image_pattern "{dataset_name}/{image_id}.jpg"] [--include_two_hop] [--all_images]
 
 Rows that cannot be converted (an image with no local file, a question without an entity) are listed in
@@ -34,6 +34,8 @@ class ConvertArgs:
     image_pattern: str = field(default=None, metadata={"help": "questions: image path pattern over the row's fields"})
     include_two_hop: bool = field(default=False, metadata={"help": "evqa-questions: keep 2-hop questions"})
     all_images: bool = field(default=False, metadata={"help": "evqa-questions: one record per image, not per question"})
+    split: str = field(default=None, metadata={"help": "evqa-questions: the CSV's split (train, val, test); "
+                                                        "question ids are evqa-<split>-<row>"})
 
 
 def convert(args: ConvertArgs, log=print) -> int:
@@ -60,8 +62,10 @@ def convert(args: ConvertArgs, log=print) -> int:
         records = infoseek_questions(read_jsonl(args.input), read_jsonl(args.withkb),
                                      args.image_pattern or "{image_id}.jpg", skipped)
     else:
+        if not args.split:
+            raise ValueError("evqa-questions needs --split (train, val or test): question ids carry it")
         records = evqa_questions(read_csv_rows(args.input), args.image_pattern or "{dataset_name}/{image_id}.jpg",
-                                 include_two_hop=args.include_two_hop, all_images=args.all_images)
+                                 include_two_hop=args.include_two_hop, all_images=args.all_images, split=args.split)
     n = write_jsonl_atomic(args.out, records)
     if skipped:
         write_jsonl_atomic(f"{args.out}.skipped.jsonl", skipped)

@@ -107,3 +107,18 @@ def save_figure(fig, path: str | Path, dpi: int = 120) -> None:
     with atomic_path(path, suffix=".png") as tmp:
         fig.savefig(tmp, dpi=dpi, format="png")
     pyplot().close(fig)
+
+
+def check_unique_ids(rows: Iterable[dict], source: str | Path, key: str = "id", shown: int = 10) -> None:
+    """Raise a ValueError naming the duplicated ``key`` values (the first ``shown``) and ``source``."""
+    seen: set[str] = set()
+    dupes: dict[str, None] = {}  # ordered set: first duplicates first
+    for rec in rows:
+        value = str(rec.get(key))
+        if value in seen:
+            dupes[value] = None
+        seen.add(value)
+    if dupes:
+        names = ", ".join(list(dupes)[:shown]) + (" …" if len(dupes) > shown else "")
+        raise ValueError(f"{source}: {len(dupes)} {key} value(s) occur more than once: {names} "
+                         f"({key}s must be unique)")

@@ -3,7 +3,8 @@
 KB entry (one per ⟨image, section⟩ pair):
     {"entry_id", "entity_id", "title", "section_title", "text", "image"}    image: path relative to an images root
 Question:
-    {"id", "image", "question", "entity_id", "answers": [...], optional "answer_eval", "question_type", "split"}
+    {"id", "image", "question", "entity_id", "answers": [...], optional "answer_eval", "question_type", "split",
+     "upstream_id"}
 
 Converters are pure functions from parsed upstream rows to canonical records; ``retrieval.convert`` is the CLI.
 """
@@ -111,12 +112,17 @@ def infoseek_questions(rows: Iterable[dict], withkb: Iterable[dict], image_patte
 
 
 def evqa_questions(rows: Iterable[dict], image_pattern: str = "{dataset_name}/{image_id}.jpg",
-                   include_two_hop: bool = False, all_images: bool = False, id_prefix: str = "evqa") -> Iterator[dict]:
-    """E-VQA CSV rows → question records.
+                   include_two_hop: bool = False, all_images: bool = False, id_prefix: str = "evqa", *,
+                   split: str) -> Iterator[dict]:
+    """E-VQA CSV rows (one CSV = one ``split``) → question records.
 
+    Ids are ``{id_prefix}-{split}-{i}`` (``…-{j}`` per image with ``all_images``), i the CSV row index, so the
+    train, val and test files never collide; ``upstream_id`` keeps the reference code's ``E-VQA_{i}``.
     ``answer`` alternatives are separated by ``|``; parts of a multi-answer by ``&&`` (kept in ``answer_parts``).
     2-hop rows are excluded unless ``include_two_hop``. One record per question (first image) unless ``all_images``.
     """
+    if not split or not str(split).strip() or any(c.isspace() for c in str(split)):
+        raise ValueError(f"evqa_questions: split must name the CSV's split (train, val, test), got {split!r}")
     for i, r in enumerate(rows):
         qtype = r.get("question_type", "")
         if qtype == "2_hop" and not include_two_hop:
@@ -128,13 +134,13 @@ def evqa_questions(rows: Iterable[dict], image_pattern: str = "{dataset_name}/{i
             image_ids = image_ids[:1]
         for j, image_id in enumerate(image_ids):
             fields = {**r, "image_id": image_id}
-            qid = f"{id_prefix}-{i}" if not all_images else f"{id_prefix}-{i}-{j}"
+            qid = f"{id_prefix}-{split}-{i}" if not all_images else f"{id_prefix}-{split}-{i}-{j}"
             yield question_record(
                 qid, image_pattern.format(**fields), r["question"], r.get("wikipedia_url"),
                 alternatives,
                 answer_parts=parts if any(len(p) > 1 for p in parts) else None,
-                question_type=qtype or None, split=r.get("encyclopedic_vqa_split") or r.get("split"),
-                evidence_section_id=r.get("evidence_section_id") or None,
+                question_type=qtype or None, split=r.get("encyclopedic_vqa_split") or r.get("split") or split,
+                evidence_section_id=r.get("evidence_section_id") or None, upstream_id=f"E-VQA_{i}",
             )
 
 
@@ -150,3 +156,22 @@ def check_images(rows: list[dict], root: str | Path, source: str | Path) -> None
     if missing:
         shown = ", ".join(f"{qid} → {path}" for qid, path in missing[:5]) + (" …" if len(missing) > 5 else "")
         raise ValueError(f"{len(missing)} question(s) in {source} have no image file: {shown}")
+
+
+def load_image(path: str | Path):
+    """(RGB PIL image, None) when the file decodes, else (None, why not: missing, unreadable or corrupt)."""
+    from PIL import Image
+
+    path = Path(path)
+    if not path.is_file():
+        return None, f"image file missing: {path}"
+    try:
+        with Image.open(path) as im:
+            return im.convert("RGB"), None
+    except Exception as e:  # PIL raises OSError, SyntaxError, ValueError, DecompressionBombError, …
+        return None, f"image unreadable: {path} ({type(e).__name__}: {e})"
+
+
+def image_problem(path: str | Path) -> str | None:
+    """Why the image at ``path`` cannot be used, or None when it decodes."""
+    return load_image(path)[1]

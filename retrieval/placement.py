@@ -52,6 +52,8 @@ def resolve_device(device: str | None) -> str:
     if device in (None, "auto"):
         return process_device()
     device = str(device)
+    if device.startswith("cpu"):  # accelerate's MULTI_CPU state reports "cpu:0"
+        return "cpu"
     if device == "cuda":
         return f"cuda:{local_rank()}"
     if device != "cpu" and not device.startswith("cuda:"):

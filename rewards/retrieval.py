@@ -32,7 +32,8 @@ class RetrievalReward:
 
     def __init__(self, index: MultimodalIndex, alpha: float, depth: int = 200, tiers=None,
                  miss: float = DEFAULT_MISS, unparseable: float | None = None,
-                 max_query_tokens: int | None = MAX_QUERY_TOKENS, question_field: str = "question"):
+                 max_query_tokens: int | None = MAX_QUERY_TOKENS, question_field: str = "question",
+                 completions_log=None):
         self.index = index
         self.alpha = check_alpha(alpha)
         self.depth = check_k(depth, "depth")
@@ -48,6 +49,8 @@ class RetrievalReward:
         self.text_cache_size = 200_000
         self.last: list[dict] = []  # the latest call's per-completion details (for tables)
         self.images: dict[str, object] = {}  # the latest call's images by image key (for tables)
+        self.completions_log = completions_log  # a JSONL file every scored completion is appended to, or None
+        self.mode = lambda: "train"  # the trainer sets this to tell evaluation calls apart
 
     # ------------------------------------------------------------------ image embeddings
 
@@ -112,6 +115,13 @@ class RetrievalReward:
                           question=None if questions is None else questions[j])
                      for j, (q, r, w, e, i, k) in enumerate(zip(queries, ranks, rewards, entity_id, ids, keys))]
         self.images = dict(zip(keys, images))
+        if self.completions_log is not None:
+            from retrieval.files import append_jsonl
+
+            state = kwargs.get("trainer_state")
+            step = None if state is None else state.global_step + 1
+            append_jsonl(self.completions_log, [{"step": step, "mode": self.mode(), **{k: v for k, v in r.items()
+                                                 if k != "question"}} for r in self.last])
         if log_metric is not None:
             for name, values in completion_metrics(queries, ranks, questions).items():
                 for value in values:

@@ -5,8 +5,9 @@
 
 Runs baseline retrieval with the original question, buckets questions by the gold entity's rank, samples each
 bucket (seeded), writes the sample with ``baseline_rank``, and prints and plots the bucket histogram. A bucket with
-too few questions is filled as far as possible and reported. A question whose gold entity is not in the index is
-refused with a list (it would otherwise be rewarded as a permanent miss).
+too few questions is filled as far as possible and reported. A question whose gold entity is not in the index (it
+would otherwise be rewarded as a permanent miss) or whose image is missing or unreadable is left out and listed in
+``<out>.skipped.jsonl``. A question file with duplicate ids is refused.
 """
 
 from __future__ import annotations
@@ -17,31 +18,62 @@ from pathlib import Path
 import numpy as np
 
 from retrieval.cli import require_file, require_index
-from retrieval.files import pyplot, read_jsonl, save_figure, write_json_atomic, write_jsonl_atomic
+from retrieval.files import check_unique_ids, pyplot, read_jsonl, save_figure, write_json_atomic, write_jsonl_atomic
 from retrieval.index import check_alpha
-from retrieval.kb import check_images
+from retrieval.kb import image_problem, load_image
 from rl.prompts import prompt_messages
+
+NOT_IN_INDEX = "gold entity not in the index"
+
+
+def image_path_of(rec: dict, root: Path) -> str:
+    """The question's image as an absolute path string (the key of the reward's image-embedding cache)."""
+    return str((root / str(rec.get("image"))).resolve())
+
+
+def verify_images(rows: list[dict], root: Path, limit: int | None = None) -> tuple[list[dict], list[dict]]:
+    """(usable rows with ``image_path`` added, at most ``limit`` of them; bad ones as {id, image, reason})."""
+    from tqdm import tqdm
+
+    good, bad = [], []
+    for rec in tqdm(rows, desc="verifying images", total=min(limit or len(rows), len(rows))):
+        path = image_path_of(rec, root)
+        reason = image_problem(path)
+        if reason:
+            bad.append({"id": str(rec.get("id")), "image": rec.get("image"), "reason": reason})
+        else:
+            good.append({**rec, "image_path": path})
+        if limit and len(good) >= limit:
+            break
+    return good, bad
 
 
 def question_dataset(path: str | Path, images_root: str | Path | None = None, prompt: str = "wikiseeker",
-                     limit: int | None = None):
+                     limit: int | None = None, bad_images_dir: str | Path | None = None, log=print):
     """Question JSONL → a TRL-ready ``datasets.Dataset``: conversational ``prompt`` plus ``image`` and the columns
-    the rewards read (``id``, ``entity_id``, ``question``)."""
+    the rewards read (``id``, ``entity_id``, ``question``, ``image_path`` = the absolute image path string).
+
+    Duplicate ids are refused. Every image is decoded once; a question whose image is missing, unreadable or corrupt
+    is left out, counted in one printed line and, when ``bad_images_dir`` is given, listed (id, image, reason) in
+    ``<bad_images_dir>/<file stem>.bad_images.jsonl``. ``limit`` keeps the first ``limit`` usable questions.
+    """
     from datasets import Dataset, Image
 
     path = Path(path)
     root = Path(images_root or path.parent)
-    rows = []
-    for rec in read_jsonl(path):
-        image = root / str(rec.get("image"))
-        if not image.is_file():
-            raise ValueError(f"{path}: question {rec.get('id')!r} has no image file at {image}")
-        rows.append({"prompt": prompt_messages(rec["question"], prompt), "image": str(image), "id": str(rec["id"]),
-                     "entity_id": str(rec["entity_id"]), "question": rec["question"]})
-        if limit and len(rows) >= limit:
-            break
-    if not rows:
-        raise ValueError(f"{path} holds no questions")
+    records = list(read_jsonl(path))
+    check_unique_ids(records, path)
+    good, bad = verify_images(records, root, limit)
+    if bad_images_dir is not None:
+        write_jsonl_atomic(Path(bad_images_dir) / f"{path.stem}.bad_images.jsonl", bad)
+    if bad:
+        where = f", listed in {Path(bad_images_dir) / f'{path.stem}.bad_images.jsonl'}" if bad_images_dir else ""
+        log(f"{path}: left out {len(bad)} question(s) whose image is missing or unreadable{where}")
+    if not good:
+        raise ValueError(f"{path} holds no question with a usable image" + (f" ({len(bad)} bad)" if bad else ""))
+    rows = [{"prompt": prompt_messages(rec["question"], prompt), "image": rec["image_path"], "id": str(rec["id"]),
+             "entity_id": str(rec["entity_id"]), "question": rec["question"], "image_path": rec["image_path"]}
+            for rec in good]
     return Dataset.from_list(rows).cast_column("image", Image())
 
 
@@ -110,10 +142,33 @@ def stratified_sample(ranks: list[int | None], strata, seed: int) -> tuple[list[
     return sorted(chosen), report
 
 
-def build_rl_data(args: RLDataArgs, log=print) -> dict:
-    from PIL import Image
+def skip_record(rec: dict, reason: str) -> dict:
+    return {"id": str(rec.get("id")), "entity_id": rec.get("entity_id"), "image": rec.get("image"), "reason": reason}
+
+
+def baseline_ranks(index, rows: list[dict], root: Path, args: RLDataArgs) -> tuple[list[dict], list, list[dict]]:
+    """Rank each question's gold entity with the original question: (ranked rows, their ranks, skip records for
+    questions whose image is missing or unreadable)."""
     from tqdm import tqdm
 
+    kept, ranks, skipped = [], [], []
+    for start in tqdm(range(0, len(rows), args.batch_size), desc="baseline retrieval"):
+        batch, images = [], []
+        for rec in rows[start:start + args.batch_size]:
+            image, reason = load_image(root / str(rec.get("image")))
+            if reason:
+                skipped.append(skip_record(rec, reason))
+            else:
+                batch.append(rec)
+                images.append(image)
+        if batch:
+            ranks += index.entity_ranks(images, [r["question"] for r in batch], [str(r["entity_id"]) for r in batch],
+                                        alpha=args.alpha, depth=args.depth)
+            kept += batch
+    return kept, ranks, skipped
+
+
+def build_rl_data(args: RLDataArgs, log=print) -> dict:
     from retrieval.index import MultimodalIndex
 
     require_file(args.queries, "queries")
@@ -125,27 +180,32 @@ def build_rl_data(args: RLDataArgs, log=print) -> dict:
         raise ValueError("--out is required")
     strata = parse_strata(args.strata)
     root = Path(args.images_root or Path(args.queries).parent)
-    index = MultimodalIndex.load(args.index)
     rows = list(read_jsonl(args.queries))
-    unknown = [r.get("id") for r in rows if not index.has_entity(str(r.get("entity_id")))]
-    if unknown:
-        shown = ", ".join(map(str, unknown[:20])) + (" …" if len(unknown) > 20 else "")
-        raise ValueError(f"{len(unknown)} question(s) have a gold entity that is not in the index: {shown}")
-    check_images(rows, root, args.queries)
-    ranks: list[int | None] = []
-    for start in tqdm(range(0, len(rows), args.batch_size), desc="baseline retrieval"):
-        batch = rows[start:start + args.batch_size]
-        images = [Image.open(root / r["image"]).convert("RGB") for r in batch]
-        ranks += index.entity_ranks(images, [r["question"] for r in batch], [str(r["entity_id"]) for r in batch],
-                                    alpha=args.alpha, depth=args.depth)
+    check_unique_ids(rows, args.queries)
+    index = MultimodalIndex.load(args.index)
+    known, skipped = [], []
+    for rec in rows:
+        if index.has_entity(str(rec.get("entity_id"))):
+            known.append(rec)
+        else:
+            skipped.append(skip_record(rec, NOT_IN_INDEX))
+    kept, ranks, bad_images = baseline_ranks(index, known, root, args)
+    skipped += bad_images
+    skipped_path = f"{args.out}.skipped.jsonl"
+    write_jsonl_atomic(skipped_path, skipped)
+    if skipped:
+        log(f"left out {len(skipped)} of {len(rows)} question(s) ({len(skipped) - len(bad_images)} with the "
+            f"{NOT_IN_INDEX}, {len(bad_images)} with a missing or unreadable image), listed in {skipped_path}")
+    if not kept:
+        raise ValueError(f"{args.queries}: no question is usable (all {len(rows)} listed in {skipped_path})")
     chosen, report = stratified_sample(ranks, strata, args.seed)
-    write_jsonl_atomic(args.out, ({**rows[i], "baseline_rank": ranks[i]} for i in chosen))
+    write_jsonl_atomic(args.out, ({**kept[i], "baseline_rank": ranks[i]} for i in chosen))
     for name, rep in report.items():
         note = "" if rep["taken"] == rep["wanted"] else f"   (only {rep['available']} available)"
         log(f"{name:>8}: {rep['taken']:6d} of {rep['wanted']:6d}{note}")
     log(f"wrote {len(chosen)} questions to {args.out}")
     summary = {"alpha": args.alpha, "depth": args.depth, "seed": args.seed, "buckets": report,
-               "questions": len(rows), "sampled": len(chosen)}
+               "questions": len(rows), "skipped": len(skipped), "sampled": len(chosen)}
     write_json_atomic(f"{args.out}.buckets.json", summary)
     _plot(report, f"{args.out}.buckets.png")
     return summary

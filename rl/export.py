@@ -24,6 +24,7 @@ from pathlib import Path
 
 from retrieval.files import write_json_atomic
 from rewards.format import PARSER_VERSION
+from rl.image_budget import apply_image_budget
 from rl.run_record import RUN_RECORD, find_run_record
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -150,9 +151,10 @@ def export(args: ExportArgs, log=print) -> Path:
 
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
+    budget = record.get("image_budget")
     try:
         model.save_pretrained(tmp, max_shard_size=args.max_shard_size)
-        processor.save_pretrained(tmp)
+        apply_image_budget(processor, budget).save_pretrained(tmp)  # the training budget, for HF and vLLM alike
         gen = record["generation"]
         model.generation_config.update(do_sample=True, temperature=gen["temperature"], top_p=gen["top_p"],
                                        max_new_tokens=gen["max_new_tokens"])
@@ -161,7 +163,7 @@ def export(args: ExportArgs, log=print) -> Path:
             "prompt": record["prompt"], "user_template": record["prompt"]["user_template"],
             "output_format": "<think>…</think><answer>{\"query\": \"…\"}</answer>", "parser_version": PARSER_VERSION,
             "index": record["index"], "generation": gen, "training_step": step, "held_out_metrics": metrics,
-            "source_checkpoint": str(ckpt.resolve()), "dtype": args.dtype,
+            "source_checkpoint": str(ckpt.resolve()), "dtype": args.dtype, "image_budget": budget,
         })
         result = subprocess.run([sys.executable, "-m", "rl.export", "--verify", str(tmp)], capture_output=True,
                                 text=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
@@ -173,9 +175,16 @@ def export(args: ExportArgs, log=print) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log(f"exported to {out}; verified in a fresh process: {result.stdout.strip().splitlines()[-1]}")
-    log(f"serve it with: vllm serve {out.resolve()} --served-model-name refiner --dtype "
-        f"{DTYPES[args.dtype]} --limit-mm-per-prompt '{{\"image\": 1}}'")
+    log(f"serve it with: {vllm_serve_command(out.resolve(), DTYPES[args.dtype], budget)}")
     return out
+
+
+def vllm_serve_command(folder, dtype: str, budget: dict | None) -> str:
+    """The ``vllm serve`` command for an exported folder, with the training image budget."""
+    cmd = f"vllm serve {folder} --served-model-name refiner --dtype {dtype} --limit-mm-per-prompt '{{\"image\": 1}}'"
+    if budget:
+        cmd += f" --mm-processor-kwargs '{json.dumps(budget)}'"
+    return cmd
 
 
 def main(argv=None) -> None:

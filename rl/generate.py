@@ -29,13 +29,15 @@ def generate_completions(model, processor, images: list, questions: list[str], p
     return out
 
 
-def load_vllm(path: str, flag: str = "--backend"):
-    """A vLLM engine for an image-text model, or a clear error when vLLM is not installed."""
+def load_vllm(path: str, flag: str = "--backend", image_budget: dict | None = None):
+    """A vLLM engine for an image-text model (its processor given the same pixel budget as training), or a clear error
+    when vLLM is not installed."""
     try:
         from vllm import LLM
     except ImportError:
         raise ValueError(f"{flag} vllm needs vLLM, which is not installed (pip install vllm); or use {flag} hf") from None
-    return LLM(model=str(path), limit_mm_per_prompt={"image": 1})
+    kwargs = {"mm_processor_kwargs": dict(image_budget)} if image_budget else {}
+    return LLM(model=str(path), limit_mm_per_prompt={"image": 1}, **kwargs)
 
 
 def generate_vllm(llm, processor, images: list, questions: list[str], prompt: str | dict, max_new_tokens: int,

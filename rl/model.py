@@ -30,15 +30,40 @@ def vision_tower(model):
     raise ValueError(f"cannot find the vision tower of {type(base).__name__}")
 
 
+def numel(p) -> int:
+    """A parameter's full size, also under DeepSpeed ZeRO-3 (whose partitioned parameters have numel() 0)."""
+    return int(getattr(p, "ds_numel", p.numel()))
+
+
 def freeze_vision_tower(model) -> int:
     """Freeze the vision tower; returns how many parameters were frozen."""
     tower = vision_tower(model)
     tower.requires_grad_(False)
-    return sum(p.numel() for p in tower.parameters())
+    return sum(numel(p) for p in tower.parameters())
 
 
 def trainable_parameters(module) -> int:
-    return sum(p.numel() for p in module.parameters() if p.requires_grad)
+    return sum(numel(p) for p in module.parameters() if p.requires_grad)
+
+
+def trainable_names(module) -> list[str]:
+    """Names of parameters with requires_grad: the frozen-tower check (sizes are 0 under ZeRO-3, flags are not)."""
+    return [n for n, p in module.named_parameters() if p.requires_grad]
+
+
+def master_dtype(requested: str | None, use_peft: bool, deepspeed: bool) -> tuple[str | None, str]:
+    """The dtype to load trainable weights in, and why.
+
+    Full fine-tuning outside DeepSpeed with 16-bit weights cannot move them at the paper's lr 1e-6 (bf16 keeps 8
+    significant bits: an update 1e-6 × a weight of 0.02 rounds away). So weights load in fp32 (the optimizer's master
+    copy) and the forward runs under bf16 autocast (``bf16: true``). DeepSpeed keeps fp32 masters itself, and LoRA
+    trains fp32 adapters beside frozen 16-bit weights: those keep the requested dtype."""
+    if requested in ("bfloat16", "bf16", "float16", "fp16") and not use_peft and not deepspeed:
+        return "float32", (f"full fine-tuning outside DeepSpeed: fp32 master weights (dtype {requested} asked for; "
+                           "16-bit weights would not take lr-1e-6 updates), 16-bit compute through autocast")
+    why = "DeepSpeed keeps fp32 master weights" if deepspeed else "LoRA adapters train in fp32" if use_peft else \
+        "as configured"
+    return requested, f"weights in {requested or 'auto'} ({why})"
 
 
 def load_model(name_or_path: str, dtype: str | None = None, device: str = "cpu", trust_remote_code: bool = False,

@@ -34,7 +34,8 @@ def load_spec(path: Path) -> dict:
         return json.loads((path / "refiner.json").read_text())
     rec = find_run_record(path)
     if rec is not None:
-        return {"prompt": rec["prompt"], "generation": rec["generation"], "index": rec["index"]}
+        return {"prompt": rec["prompt"], "generation": rec["generation"], "index": rec["index"],
+                "image_budget": rec.get("image_budget")}
     return {"prompt": prompt_spec("wikiseeker"), "generation": {"temperature": 1.0, "top_p": 1.0,
                                                                  "max_new_tokens": 256}}
 
@@ -52,21 +53,23 @@ class Refiner:
             raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         if not (path / "config.json").exists():
             raise ValueError(f"--model: {path} has no config.json (export a checkpoint with python -m rl.export)")
+        from rl.image_budget import apply_image_budget
+
         spec = load_spec(path)
+        budget = spec.get("image_budget")  # the pixel budget the refiner was trained with, on both backends
         if backend == "vllm":
             from transformers import AutoProcessor
 
             from rl.generate import load_vllm
 
-            llm = load_vllm(path)
-            return cls(None, AutoProcessor.from_pretrained(str(path)), spec, "vllm", llm)
-        import torch
-
+            llm = load_vllm(path, image_budget=budget)
+            return cls(None, apply_image_budget(AutoProcessor.from_pretrained(str(path)), budget), spec, "vllm", llm)
+        from retrieval.placement import resolve_device
         from rl.model import load_model
 
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = resolve_device(device)
         model, processor = load_model(str(path), dtype, device=device)
-        return cls(model.to(device), processor, spec)
+        return cls(model.to(device), apply_image_budget(processor, budget), spec)
 
     def generate(self, images: list, questions: list[str], batch_size: int = 16, sample: bool = False,
                  progress: bool = False) -> list[str]:

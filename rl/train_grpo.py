@@ -52,15 +52,23 @@ class RefinerArguments:
     warm_start_learning_rate: float = field(default=1e-3, metadata={"help": "warm start learning rate"})
     warm_start_shift: float = field(default=0.5, metadata={"help": "share of warm-start examples with a shifted colour"})
     learning_table: bool = field(default=False, metadata={"help": "print/write the toy-world learning table at the end"})
+    min_pixels: int = field(default=4 * 28 * 28, metadata={"help": "image budget: fewest pixels an image is resized to "
+                                                                  "(training, vLLM, export, refine)"})
+    max_pixels: int = field(default=1024 * 28 * 28, metadata={"help": "image budget: most pixels an image is resized "
+                                                                     "to (Qwen2.5-VL: ≤ max_pixels/28² image tokens)"})
+    completions_log: bool = field(default=False, metadata={"help": "append every completion this rank scores to "
+                                                                   "completions.rank<R>.jsonl in the output dir"})
 
 
 def validate(args: RefinerArguments, training_args, model_args, num_processes: int) -> None:
     """Settings that need no files: fail before anything loads, naming the setting."""
     from retrieval.index import check_alpha, check_k
     from rewards.rank import parse_tiers, validate_tiers
+    from rl.image_budget import check_budget
     from rl.prompts import check_prompt
 
     check_alpha(args.alpha)
+    check_budget(args.min_pixels, args.max_pixels)
     check_k(args.depth, "depth")
     check_prompt(args.prompt)
     validate_tiers(parse_tiers(args.reward_tiers), args.miss_reward)
@@ -113,13 +121,30 @@ def prepare_embedded_default(args: RefinerArguments, model_args, output_dir: Pat
 
 def main(argv=None) -> dict:
     from accelerate import PartialState
+    from accelerate.utils import DistributedType
+    from transformers.integrations import is_deepspeed_zero3_enabled
     from trl import GRPOConfig, GRPOTrainer, ModelConfig, get_peft_config
 
     from retrieval.cli import parse
     from retrieval.index import MultimodalIndex
     from rewards import FormatReward, RetrievalReward, parse_tiers
     from rl.data import question_dataset
-    from rl.model import exclude_vision_tower, freeze_vision_tower, load_model, trainable_parameters, vision_tower
+    from rl.image_budget import (
+        apply_image_budget,
+        check_budget,
+        check_image_tokens,
+        check_same_image_tokens,
+        vllm_model_folder,
+    )
+    from rl.model import (
+        exclude_vision_tower,
+        freeze_vision_tower,
+        load_model,
+        master_dtype,
+        trainable_names,
+        trainable_parameters,
+        vision_tower,
+    )
     from rl.monitor import RefinerMonitor, TimedReward, setup_wandb
     from rl.run_record import write_run_record
 
@@ -129,29 +154,63 @@ def main(argv=None) -> dict:
         print(f"no --config given: running the embedded default ({DEFAULT_CONFIG.relative_to(ROOT)})")
         argv = ["--config", str(DEFAULT_CONFIG), *argv]
     args, training_args, model_args = parse((RefinerArguments, GRPOConfig, ModelConfig), argv, description=__doc__)
-    state = PartialState()
+    # the first accelerate state of the process: under torchrun on CPUs it must know use_cpu, or every process
+    # believes it is alone
+    state = PartialState(cpu=training_args.use_cpu)
     validate(args, training_args, model_args, state.num_processes)
+    budget = check_budget(args.min_pixels, args.max_pixels)
+    deepspeed = state.distributed_type == DistributedType.DEEPSPEED or bool(training_args.deepspeed)
+    load_dtype, precision = master_dtype(model_args.dtype, model_args.use_peft, deepspeed)
+    print(f"rank {state.process_index}/{state.num_processes} on {state.device} ({state.distributed_type}); "
+          f"{precision}; mixed precision: {'bf16' if training_args.bf16 else 'fp16' if training_args.fp16 else 'no'}")
     output_dir = Path(training_args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     with state.main_process_first():
         model_path = prepare_embedded_default(args, model_args, output_dir)
     validate_files(args)
     if state.is_main_process:
-        write_run_record(output_dir, args, training_args, model_path)
+        write_run_record(output_dir, args, training_args, model_path, budget, precision)
 
-    model, processor = load_model(model_path, model_args.dtype, device=str(state.device),
+    model, processor = load_model(model_path, load_dtype, device=str(state.device),
                                   trust_remote_code=training_args.trust_remote_code,
                                   attn_implementation=model_args.attn_implementation)
+    apply_image_budget(processor, budget)
+    zero3 = is_deepspeed_zero3_enabled()
+    tokens = check_image_tokens(model, processor, budget, run_vision=not zero3)
+    print(f"image budget {budget}: a {tokens['probe_size']} probe image → {tokens['image_tokens']} image tokens "
+          f"(processor and model agree)")
+    if training_args.use_vllm:
+        # TRL's vLLM loads model.name_or_path with its own image processor: give it the policy with our budget
+        folder = output_dir / "vllm-model"
+        with state.main_process_first():
+            if state.is_main_process:
+                vllm_model_folder(model_path, processor, folder)
+        check_same_image_tokens(processor, folder, budget)
+        model.name_or_path = model.config._name_or_path = str(folder)
+        print(f"vLLM ({training_args.vllm_mode}) loads {folder}: the policy's files with the training image budget"
+              + ("; serve it with: trl vllm-serve --model " + str(folder) if training_args.vllm_mode == "server"
+                 else ""))
     if args.freeze_vision_tower:
         frozen = freeze_vision_tower(model)
         print(f"vision tower frozen ({frozen:,} parameters)")
-    index = MultimodalIndex.load(args.index, device="cpu" if training_args.use_cpu else None)
-    train_data = question_dataset(args.train_file, args.images_root, args.prompt)
-    eval_data = question_dataset(args.eval_file, args.images_root, args.prompt, args.eval_limit) if args.eval_file else None
+    # one replica of the index per process: exact ranks on this rank's device, FAISS top-k (tables) memory-mapped
+    index = MultimodalIndex.load(args.index, device=str(state.device), search_device="cpu")
+    index.image_encoder, index.text_encoder  # noqa: B018  load now, on this device, outside ZeRO-3 init
+    if index.uses_exact_ranks:
+        index.exact  # noqa: B018
+    print(f"index: {len(index):,} rows, encoders and exact ranks on {index.device} "
+          f"(exact: {index.uses_exact_ranks}), FAISS top-k on {index.search_device}")
+    bad_images_dir = output_dir if state.is_main_process else None
+    train_data = question_dataset(args.train_file, args.images_root, args.prompt, bad_images_dir=bad_images_dir)
+    eval_data = question_dataset(args.eval_file, args.images_root, args.prompt, args.eval_limit,
+                                 bad_images_dir=bad_images_dir) if args.eval_file else None
+    warn_absent_entities(index, train_data, "train_file")
 
     retrieval = RetrievalReward(index, args.alpha, depth=args.depth, tiers=parse_tiers(args.reward_tiers),
                                 miss=args.miss_reward, unparseable=args.unparseable_retrieval_reward,
-                                max_query_tokens=args.max_query_tokens)
+                                max_query_tokens=args.max_query_tokens,
+                                completions_log=output_dir / f"completions.rank{state.process_index}.jsonl"
+                                if args.completions_log else None)
     fmt = TimedReward(FormatReward(args.format_valid_reward, args.format_invalid_reward, args.max_query_tokens))
     ret = TimedReward(retrieval)
     monitor = RefinerMonitor(retrieval, fmt, [fmt, ret], args.log_table_steps, training_args.output_dir)
@@ -162,19 +221,30 @@ def main(argv=None) -> dict:
     trainer = GRPOTrainer(model=model, reward_funcs=[fmt, ret], args=training_args, train_dataset=train_data,
                           eval_dataset=eval_data, processing_class=processor, peft_config=peft_config,
                           callbacks=[monitor])
+    retrieval.mode = lambda: "train" if trainer.model.training else "eval"
     if args.freeze_vision_tower:
-        leaked = trainable_parameters(vision_tower(trainer.model))
+        leaked = trainable_names(vision_tower(trainer.model))
         if leaked:
-            raise RuntimeError(f"{leaked} vision-tower parameters are trainable despite freeze_vision_tower")
+            raise RuntimeError(f"{len(leaked)} vision-tower parameters are trainable despite freeze_vision_tower: "
+                               f"{', '.join(leaked[:5])}")
     print(f"trainable parameters: {trainable_parameters(trainer.model):,}")
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    trainer.save_model(str(output_dir / "final"))
+    trainer.save_model(str(output_dir / "final"))  # gathers ZeRO-3 shards (zero3_save_16bit_model) on rank 0
     if state.is_main_process:
         processor.save_pretrained(str(output_dir / "final"))
     result = {"reward_time": getattr(monitor, "summary", {}), "log_history": trainer.state.log_history}
     if args.learning_table and state.is_main_process:
         result["learning"] = learning_table(args, index, model_path, trainer, processor, output_dir, t_start)
     return result
+
+
+def warn_absent_entities(index, data, name: str) -> None:
+    """Questions whose gold entity is not in the index can only miss (constant reward, no gradient): say so."""
+    absent = sorted({e for e in data["entity_id"] if not index.has_entity(e)})
+    if absent:
+        shown = ", ".join(absent[:5]) + (" …" if len(absent) > 5 else "")
+        print(f"warning: {name}: {len(absent)} gold entities are not in the index (their questions always miss): "
+              f"{shown}; python -m rl.data drops such questions")
 
 
 def learning_table(args, index, warm_path, trainer, processor, output_dir: Path, t_start: float) -> dict:

@@ -75,7 +75,7 @@ def config(tiny_world, tiny_index_dir, tiny_refiner, tmp_path):
             gradient_checkpointing=False, seed=0, num_generations=4, per_device_train_batch_size=8,
             gradient_accumulation_steps=1, max_steps=2, learning_rate=1e-3, temperature=1.0,
             max_completion_length=40, logging_steps=1, save_strategy="no", report_to="none", log_table_steps=1,
-            dataloader_num_workers=0, disable_tqdm=True)
+            dataloader_num_workers=0, disable_tqdm=True, min_pixels=112 * 112, max_pixels=112 * 112)
         cfg.update(overrides)
         path = tmp_path / f"cfg-{len(list(tmp_path.glob('cfg-*')))}.yaml"
         path.write_text(yaml.safe_dump(cfg))

@@ -99,10 +99,12 @@ def test_evqa_questions(tmp_path, two_hop, all_images, expected):
         evqa_row(question="Hop?", question_type="2_hop"),
     ])
     n = convert(ConvertArgs(format="evqa-questions", input=str(tmp_path / "q.csv"), out=str(tmp_path / "q.jsonl"),
-                            include_two_hop=two_hop, all_images=all_images), log=lambda *a: None)
+                            include_two_hop=two_hop, all_images=all_images, split="val"), log=lambda *a: None)
     rows = [json.loads(x) for x in open(tmp_path / "q.jsonl")]
     assert n == len(rows) == expected
     first = rows[0]
+    assert first["id"] == ("evqa-val-0-0" if all_images else "evqa-val-0") and first["upstream_id"] == "E-VQA_0"
+    assert [r["upstream_id"] for r in rows][-1] == ("E-VQA_2" if two_hop else "E-VQA_1")  # the CSV row, 2-hop or not
     assert first["answers"] == ["Europe", "European continent"] and first["image"] == "inaturalist/111.jpg"
     assert first["entity_id"] == "https://en.wikipedia.org/wiki/X" and first["split"] == "test"
     multi = next(r for r in rows if r["question_type"] == "multi_answer")
@@ -111,8 +113,27 @@ def test_evqa_questions(tmp_path, two_hop, all_images, expected):
 
 
 def test_evqa_pure_function_keeps_order_and_ids():
-    rows = list(evqa_questions([evqa_row(question=f"q{i}") for i in range(3)]))
+    rows = list(evqa_questions([evqa_row(question=f"q{i}") for i in range(3)], split="train"))
     assert [r["question"] for r in rows] == ["q0", "q1", "q2"] and len({r["id"] for r in rows}) == 3
+
+
+def test_evqa_ids_are_unique_across_splits_and_keep_the_upstream_row_name():
+    csv_rows = [evqa_row(question="Hop?", question_type="2_hop"), evqa_row(), evqa_row()]
+    by_split = {s: list(evqa_questions(csv_rows, split=s)) for s in ("train", "val", "test")}
+    assert [r["id"] for r in by_split["train"]] == ["evqa-train-1", "evqa-train-2"]
+    assert [r["upstream_id"] for r in by_split["test"]] == ["E-VQA_1", "E-VQA_2"]  # row index counts 2-hop rows
+    ids = [r["id"] for rows in by_split.values() for r in rows]
+    assert len(ids) == len(set(ids)) == 6
+    for bad in ("", " ", "my split", None):
+        with pytest.raises(ValueError, match="split must name"):
+            list(evqa_questions(csv_rows, split=bad))
+
+
+def test_evqa_questions_cli_needs_a_split(tmp_path):
+    write_csv(tmp_path / "q.csv", [evqa_row()])
+    with pytest.raises(ValueError, match="--split"):
+        convert(ConvertArgs(format="evqa-questions", input=str(tmp_path / "q.csv"), out=str(tmp_path / "q.jsonl")))
+    assert not (tmp_path / "q.jsonl").exists()
 
 
 @pytest.mark.parametrize("args,match", [
@@ -138,3 +159,16 @@ def test_check_images_names_the_missing_files(tmp_path):
     with pytest.raises(ValueError, match=r"1 question\(s\) in q.jsonl have no image file: b → .*gone.png"):
         check_images(rows, tmp_path, "q.jsonl")
     check_images(rows[:1], tmp_path, "q.jsonl")
+
+
+def test_image_problem_names_missing_and_corrupt_images(tmp_path):
+    from PIL import Image
+
+    from retrieval.kb import image_problem, load_image
+
+    Image.new("L", (4, 3)).save(tmp_path / "ok.png")
+    (tmp_path / "bad.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
+    image, reason = load_image(tmp_path / "ok.png")
+    assert reason is None and image.mode == "RGB" and image.size == (4, 3)
+    assert image_problem(tmp_path / "gone.png") == f"image file missing: {tmp_path / 'gone.png'}"
+    assert image_problem(tmp_path / "bad.jpg").startswith(f"image unreadable: {tmp_path / 'bad.jpg'} (")

@@ -78,3 +78,37 @@ def test_exported_refiner_loads_and_refines(config, tiny_world, tmp_path):
 
     queries = refiner.refine([Image.open(tiny_world / r["image"]) for r in rows], [r["question"] for r in rows])
     assert len(queries) == 4 and all(q.startswith(r["question"]) for q, r in zip(queries, rows))
+
+
+def test_the_training_image_budget_reaches_export_refine_and_vllm(config, tiny_world, tmp_path, monkeypatch):
+    """Trained with max_pixels 64·28², the exported folder, refiner.json, rl.refine (HF and the vLLM arguments) and
+    the printed `vllm serve` command all carry it: an oversized image becomes at most 64 image tokens."""
+    from PIL import Image
+
+    import rl.generate
+
+    budget = {"min_pixels": 112 * 112, "max_pixels": 64 * 28 * 28}  # toy images still seen at 112 px, as trained
+    tg.main(config(max_steps=1, save_strategy="steps", save_steps=1, **budget))
+    printed = []
+    folder = export(ExportArgs(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "serve"), dtype="fp32"),
+                    log=printed.append)
+    assert json.loads((folder / "refiner.json").read_text())["image_budget"] == budget
+    assert f"--mm-processor-kwargs '{json.dumps(budget)}'" in printed[-1]
+    refiner = Refiner.load(folder)
+    seen = []
+    pad = refiner.model.config.image_token_id
+    refiner.model.register_forward_pre_hook(lambda m, a, kw: seen.append(int((kw["input_ids"] == pad).sum(-1).max()))
+                                            if kw.get("input_ids") is not None and kw["input_ids"].shape[1] > 1
+                                            else None, with_kwargs=True)
+    big = Image.open(tiny_world / json.loads(open(tiny_world / "test.jsonl").readline())["image"]).resize((900, 700))
+    refiner.refine([big], ["Where does it live?"])
+    assert seen and 0 < max(seen) <= 64
+    unbudgeted = Refiner.load(folder)
+    unbudgeted.processor.image_processor.size = {"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 1280}
+    from rl.image_budget import image_token_count
+
+    assert image_token_count(unbudgeted.processor, big)[0] > 64 >= image_token_count(refiner.processor, big)[0]
+    calls = []
+    monkeypatch.setattr(rl.generate, "load_vllm", lambda path, image_budget=None, **k: calls.append(image_budget))
+    Refiner.load(folder, backend="vllm")
+    assert calls == [budget]

@@ -5,7 +5,16 @@ from pathlib import Path
 
 import pytest
 
-from rl.data import RLDataArgs, bucket_of, build_rl_data, parse_strata, question_dataset, stratified_sample
+from retrieval.files import check_unique_ids
+from rl.data import (
+    NOT_IN_INDEX,
+    RLDataArgs,
+    bucket_of,
+    build_rl_data,
+    parse_strata,
+    question_dataset,
+    stratified_sample,
+)
 from rl.toy import COLOUR_SHIFT, attribute_stats, learning_row, warm_start_rows
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -35,21 +44,78 @@ def test_stratified_sample_fills_what_it_can_and_is_seeded():
     assert stratified_sample(ranks, strata, seed=0)[0] == chosen
 
 
-def test_build_rl_data_refuses_unknown_entities(tiny_world, tiny_index_dir, tmp_path):
-    rows = [json.loads(x) for x in open(tiny_world / "train.jsonl")][:4]
-    rows[1]["entity_id"] = "E9999"
-    (tmp_path / "q.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(ValueError, match="not in the index: .*-train"):
-        build_rl_data(RLDataArgs(queries=str(tmp_path / "q.jsonl"), index=str(tiny_index_dir), alpha=0.5,
-                                 out=str(tmp_path / "o.jsonl"), images_root=str(tiny_world)), log=lambda *a: None)
-    assert not (tmp_path / "o.jsonl").exists()
+def write_rows(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
 
 
-def test_build_rl_data_writes_buckets(tiny_world, tiny_index_dir, tmp_path, monkeypatch, encoders):
+@pytest.fixture
+def shared_encoders(monkeypatch, encoders):
+    """MultimodalIndex.load reuses the session's tiny encoders."""
     import retrieval.index as ri
 
     real = ri.MultimodalIndex.load
     monkeypatch.setattr(ri.MultimodalIndex, "load", lambda p, **k: real(p, *encoders))
+
+
+def test_build_rl_data_skips_unknown_entities_and_bad_images(tiny_world, tiny_index_dir, tmp_path, shared_encoders):
+    rows = [json.loads(x) for x in open(tiny_world / "train.jsonl")][:6]
+    rows[1]["entity_id"] = "E9999"
+    rows[2]["image"] = "images/gone.png"
+    (tmp_path / "broken.png").write_bytes(b"not a png")
+    rows[3]["image"] = str(tmp_path / "broken.png")
+    out = tmp_path / "o.jsonl"
+    lines = []
+    summary = build_rl_data(RLDataArgs(queries=str(write_rows(tmp_path / "q.jsonl", rows)), index=str(tiny_index_dir),
+                                       alpha=0.5, strata="1-1000:100,miss:100", out=str(out), depth=1000,
+                                       images_root=str(tiny_world)), log=lines.append)
+    skipped = {r["id"]: r for r in map(json.loads, open(f"{out}.skipped.jsonl"))}
+    assert set(skipped) == {rows[i]["id"] for i in (1, 2, 3)}
+    assert skipped[rows[1]["id"]] == {"id": rows[1]["id"], "entity_id": "E9999", "image": rows[1]["image"],
+                                      "reason": NOT_IN_INDEX}
+    assert skipped[rows[2]["id"]]["reason"].startswith("image file missing: ") and "gone.png" in \
+        skipped[rows[2]["id"]]["reason"]
+    assert skipped[rows[3]["id"]]["reason"].startswith("image unreadable: ")
+    written = [json.loads(x) for x in open(out)]
+    assert [r["id"] for r in written] == [rows[i]["id"] for i in (0, 4, 5)]
+    assert all(isinstance(r["baseline_rank"], int) for r in written)
+    assert summary["skipped"] == 3 and summary["sampled"] == 3 and summary["questions"] == 6
+    assert any("left out 3 of 6" in line and "1 with the gold entity not in the index" in line for line in lines)
+
+
+def test_build_rl_data_writes_an_empty_skip_list_and_refuses_when_nothing_is_usable(tiny_world, tiny_index_dir,
+                                                                                    tmp_path, shared_encoders):
+    rows = [json.loads(x) for x in open(tiny_world / "train.jsonl")][:2]
+    args = dict(index=str(tiny_index_dir), alpha=0.5, images_root=str(tiny_world), out=str(tmp_path / "o.jsonl"))
+    build_rl_data(RLDataArgs(queries=str(write_rows(tmp_path / "q.jsonl", rows)), **args), log=lambda *a: None)
+    assert (tmp_path / "o.jsonl.skipped.jsonl").read_text() == ""
+    bad = [{**r, "entity_id": "E9999"} for r in rows]
+    with pytest.raises(ValueError, match="no question is usable"):
+        build_rl_data(RLDataArgs(queries=str(write_rows(tmp_path / "bad.jsonl", bad)), **args), log=lambda *a: None)
+    assert len((tmp_path / "o.jsonl.skipped.jsonl").read_text().splitlines()) == 2
+
+
+def test_build_rl_data_refuses_duplicate_ids(tiny_world, tiny_index_dir, tmp_path):
+    rows = [json.loads(x) for x in open(tiny_world / "train.jsonl")][:3]
+    rows[2]["id"] = rows[0]["id"]
+    queries = write_rows(tmp_path / "q.jsonl", rows)
+    with pytest.raises(ValueError, match=f"q.jsonl: 1 id value.*: {rows[0]['id']} "):
+        build_rl_data(RLDataArgs(queries=str(queries), index=str(tiny_index_dir), alpha=0.5,
+                                 out=str(tmp_path / "o.jsonl"), images_root=str(tiny_world)), log=lambda *a: None)
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_check_unique_ids_names_the_first_ten_duplicates_and_the_source():
+    check_unique_ids([{"id": "a"}, {"id": "b"}], "q.jsonl")
+    rows = [{"id": f"q{i}"} for i in range(12)] * 2 + [{"id": "z"}]
+    with pytest.raises(ValueError, match=r"^q.jsonl: 12 id value\(s\) occur more than once: q0, q1, .*q9 …") as e:
+        check_unique_ids(rows, "q.jsonl")
+    assert "q10" not in str(e.value) and ", z" not in str(e.value)
+    with pytest.raises(ValueError, match="entry_id value"):
+        check_unique_ids([{"entry_id": 1}, {"entry_id": "1"}], "kb.jsonl", key="entry_id")
+
+
+def test_build_rl_data_writes_buckets(tiny_world, tiny_index_dir, tmp_path, shared_encoders):
     out = tmp_path / "rl.jsonl"
     summary = build_rl_data(RLDataArgs(queries=str(tiny_world / "train.jsonl"), index=str(tiny_index_dir), alpha=0.5,
                                        strata="1-5:3,6-24:100", out=str(out), seed=1), log=lambda *a: None)
@@ -62,16 +128,64 @@ def test_build_rl_data_writes_buckets(tiny_world, tiny_index_dir, tmp_path, monk
 
 def test_question_dataset_has_the_columns_trl_and_the_rewards_read(tiny_world):
     ds = question_dataset(tiny_world / "test.jsonl", prompt="toy", limit=5)
-    assert len(ds) == 5 and {"prompt", "image", "id", "entity_id", "question"} <= set(ds.column_names)
+    assert len(ds) == 5 and {"prompt", "image", "id", "entity_id", "question", "image_path"} <= set(ds.column_names)
     row = ds[0]
+    first = json.loads(open(tiny_world / "test.jsonl").readline())
     assert row["image"].size == (56, 56) and row["prompt"][-1] == {"role": "user", "content": row["question"]}
+    assert row["image_path"] == str((tiny_world / first["image"]).resolve()) and Path(row["image_path"]).is_absolute()
 
 
-def test_question_dataset_names_a_missing_image(tmp_path):
-    (tmp_path / "q.jsonl").write_text(json.dumps({"id": "q1", "image": "nope.png", "question": "?",
-                                                  "entity_id": "E1", "answers": []}) + "\n")
-    with pytest.raises(ValueError, match="'q1' has no image file"):
-        question_dataset(tmp_path / "q.jsonl")
+def test_question_dataset_leaves_out_bad_images_and_lists_them(tiny_world, tmp_path):
+    rows = [json.loads(x) for x in open(tiny_world / "test.jsonl")][:4]
+    rows[1]["image"] = "images/gone.png"
+    (tmp_path / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n truncated")
+    rows[2]["image"] = str(tmp_path / "broken.png")
+    queries = write_rows(tmp_path / "q.jsonl", rows)
+    lines = []
+    ds = question_dataset(queries, images_root=tiny_world, prompt="toy", bad_images_dir=tmp_path / "run", log=lines.append)
+    assert ds["id"] == [rows[0]["id"], rows[3]["id"]]
+    bad = [json.loads(x) for x in open(tmp_path / "run" / "q.bad_images.jsonl")]
+    assert [(b["id"], b["image"]) for b in bad] == [(rows[1]["id"], "images/gone.png"), (rows[2]["id"], rows[2]["image"])]
+    assert bad[0]["reason"].startswith("image file missing") and bad[1]["reason"].startswith("image unreadable")
+    assert len(lines) == 1 and "left out 2 question(s)" in lines[0] and "q.bad_images.jsonl" in lines[0]
+    lines.clear()
+    assert len(question_dataset(queries, images_root=tiny_world, prompt="toy", limit=1, log=lines.append)) == 1
+    assert lines == [] and not (tmp_path / "q.bad_images.jsonl").exists()  # stopped before the bad ones; no file
+
+
+def test_question_dataset_refuses_when_no_image_is_usable(tmp_path):
+    queries = write_rows(tmp_path / "q.jsonl", [{"id": "q1", "image": "nope.png", "question": "?", "entity_id": "E1",
+                                                 "answers": []}])
+    with pytest.raises(ValueError, match=r"q.jsonl holds no question with a usable image \(1 bad\)"):
+        question_dataset(queries, log=lambda *a: None)
+
+
+def test_question_dataset_refuses_duplicate_ids(tiny_world, tmp_path):
+    rows = [json.loads(x) for x in open(tiny_world / "test.jsonl")][:3]
+    rows[1]["id"] = rows[2]["id"] = "dup"
+    with pytest.raises(ValueError, match=r"q.jsonl: 1 id value\(s\) occur more than once: dup "):
+        question_dataset(write_rows(tmp_path / "q.jsonl", rows), images_root=tiny_world)
+
+
+def test_a_zero_count_bucket_takes_nothing():
+    strata = parse_strata("1-5:0,6-10:2,miss:1")
+    assert strata[0] == ("1-5", 1, 5, 0)
+    chosen, report = stratified_sample([1, 2, 7, 8, 9, None], strata, seed=0)
+    assert report["1-5"] == {"available": 2, "wanted": 0, "taken": 0}
+    assert not {0, 1} & set(chosen) and len(chosen) == 3 and 5 in chosen
+
+
+@pytest.mark.parametrize("name,queries,alpha,strata", [
+    ("infoseek", "data/infoseek/train.jsonl", 0.63, "1-5:0,6-10:500,11-20:1000,21-200:2500,miss:3000"),
+    ("evqa", "data/evqa/train.jsonl", 0.59, "1-5:500,6-10:1000,11-20:1000,21-200:2500,miss:2000"),
+])
+def test_rl_data_configs_carry_the_papers_strata(name, queries, alpha, strata):
+    from retrieval.cli import parse
+
+    (args,) = parse((RLDataArgs,), ["--config", str(CONFIGS / "grpo" / f"rl_data_{name}.yaml")])
+    assert (args.queries, args.alpha, args.strata, args.seed) == (queries, alpha, strata, 0)
+    assert args.index == f"indexes/{name}" and args.out == f"data/{name}/rl_train.jsonl"
+    assert sum(count for *_, count in parse_strata(args.strata)) == 7000
 
 
 @pytest.mark.parametrize("query,expected", [

@@ -93,3 +93,74 @@ def test_held_out_eval_selects_the_best_checkpoint(config, tiny_world, tmp_path)
     state = json.loads((tmp_path / "run" / "checkpoint-2" / "trainer_state.json").read_text())
     assert state["best_metric"] == pytest.approx(max(h["eval_retrieval/hit@1"] for h in evals))
     assert state["best_model_checkpoint"].endswith(("checkpoint-1", "checkpoint-2"))
+
+
+@pytest.mark.parametrize("requested,peft,deepspeed,loaded", [
+    ("bfloat16", False, False, "float32"), ("float16", False, False, "float32"), ("bfloat16", True, False, "bfloat16"),
+    ("bfloat16", False, True, "bfloat16"), ("float32", False, False, "float32"), (None, False, False, None),
+])
+def test_master_weights_dtype(requested, peft, deepspeed, loaded):
+    from rl.model import master_dtype
+
+    dtype, why = master_dtype(requested, peft, deepspeed)
+    assert dtype == loaded and why
+
+
+def changed_share(before, after):
+    """Share of text-model weight elements that changed."""
+    keys = [k for k in before if "visual" not in k]
+    changed = sum(int((before[k].float() != after[k].float()).sum()) for k in keys)
+    return changed / sum(before[k].numel() for k in keys)
+
+
+def test_one_step_at_lr_1e6_moves_full_finetuned_weights_in_the_real_precision(config, tiny_refiner, tmp_path,
+                                                                              monkeypatch):
+    """The real configs' precision (dtype bfloat16, bf16 autocast) without DeepSpeed or LoRA: fp32 master weights, so
+    one step at the paper's lr 1e-6 changes them; loaded in bf16 as asked (the old behaviour) almost nothing moves."""
+    import rl.model
+
+    run = dict(dtype="bfloat16", bf16=True, learning_rate=1e-6, max_steps=1, lr_scheduler_type="constant")
+    tg.main(config(**run, output_dir=str(tmp_path / "fp32")))
+    before = weights(tiny_refiner)
+    after = weights(tmp_path / "fp32" / "final")
+    assert all(v.dtype == torch.float32 for v in after.values())
+    moved = changed_share(before, after)
+    monkeypatch.setattr(rl.model, "master_dtype", lambda requested, *a: (requested, "as asked"))
+    tg.main(config(**run, output_dir=str(tmp_path / "bf16")))
+    after_bf16 = weights(tmp_path / "bf16" / "final")
+    stuck = changed_share({k: v.to(torch.bfloat16) for k, v in before.items()}, after_bf16)
+    assert moved > 0.5 and stuck < 0.1, (moved, stuck)
+
+
+def test_vllm_loads_the_policy_with_the_training_image_budget(config, tiny_refiner, tmp_path, monkeypatch):
+    """With use_vllm, TRL builds LLM(model=model.name_or_path) and lets vLLM process the raw images itself: the
+    entry point points name_or_path at a folder whose processor has the training budget (vLLM cannot run here, so
+    the trainer is stopped at construction and the folder checked on the HF side)."""
+    import trl
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from rl.image_budget import image_token_count, probe_image
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_trainer(model, processing_class, args, **kw):
+        seen.update(path=model.name_or_path, use_vllm=args.use_vllm, processor=processing_class)
+        raise Stop
+
+    monkeypatch.setattr(trl, "GRPOTrainer", fake_trainer)
+    budget = dict(min_pixels=112 * 112, max_pixels=32 * 28 * 28)
+    with pytest.raises(Stop):
+        tg.main(config(use_vllm=True, vllm_mode="colocate", **budget))
+    folder = tmp_path / "run" / "vllm-model"
+    assert seen["path"] == str(folder) and seen["use_vllm"]
+    assert (folder / "model.safetensors").is_symlink()  # weights linked, not copied
+    vllm_side = AutoProcessor.from_pretrained(str(folder))
+    assert dict(vllm_side.image_processor.size) == {"shortest_edge": 112 * 112, "longest_edge": 32 * 28 * 28}
+    big = probe_image(budget)
+    assert image_token_count(vllm_side, big)[0] == image_token_count(seen["processor"], big)[0] <= 32
+    assert image_token_count(AutoProcessor.from_pretrained(str(tiny_refiner)), probe_image(None))[0] != \
+        image_token_count(vllm_side, probe_image(None))[0]  # the base folder's processor would have disagreed
+    AutoModelForImageTextToText.from_pretrained(str(folder))  # the linked folder loads as a model

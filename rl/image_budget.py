@@ -1,0 +1,175 @@
+"""One pixel budget for every place the refiner sees an image: the training processor, vLLM rollouts, ``rl.refine``,
+the export (``refiner.json``) and ``vllm serve``.
+
+Qwen2-VL-family processors resize an image so that its area lies in [min_pixels, max_pixels] (both rounded to the
+patch·merge grid), then emit one ``<|image_pad|>`` token per merged patch: at most max_pixels / (patch·merge)² image
+tokens. Unset, ``max_pixels`` is 12.8 M pixels: a large OVEN / GLDv2 photo becomes up to ~16k tokens, repeated for every
+generation of a group. vLLM runs its own processor from the model folder, so the same numbers must reach it
+(``mm_processor_kwargs``), or its prompt and the trainer's forward pass disagree on the number of image tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+PAPER_MAX_PIXELS = 1024 * 28 * 28  # ≤ 1024 image tokens for Qwen2.5-VL (patch 14, merge 2)
+PAPER_MIN_PIXELS = 4 * 28 * 28
+
+
+def check_budget(min_pixels: int | None, max_pixels: int | None) -> dict | None:
+    """``{"min_pixels", "max_pixels"}`` or None when neither is set; refuses nonsense, naming the setting."""
+    if min_pixels is None and max_pixels is None:
+        return None
+    for name, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)):
+        if v is None or isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"--{name} must be a positive integer (pixels) when an image budget is set, got {v!r}")
+    if min_pixels > max_pixels:
+        raise ValueError(f"--min_pixels ({min_pixels}) is larger than --max_pixels ({max_pixels})")
+    return {"min_pixels": int(min_pixels), "max_pixels": int(max_pixels)}
+
+
+def _grid(image_processor) -> tuple[int, int]:
+    return int(getattr(image_processor, "patch_size", 14)), int(getattr(image_processor, "merge_size", 2))
+
+
+def max_image_tokens(budget: dict, image_processor) -> int:
+    """The most image tokens an image can become under ``budget`` with this processor's patch and merge sizes."""
+    patch, merge = _grid(image_processor)
+    return max(1, math.floor(budget["max_pixels"] / (patch * merge) ** 2))
+
+
+def apply_image_budget(processor, budget: dict | None):
+    """Set the budget on a processor's image processor (in place; returns the processor). ``None`` leaves it."""
+    if budget is None:
+        return processor
+    ip = getattr(processor, "image_processor", None)
+    size = getattr(ip, "size", None)
+    if ip is None or size is None or "longest_edge" not in dict(size):
+        raise ValueError(f"an image budget (min_pixels / max_pixels) needs a Qwen2-VL-style image processor with a "
+                         f"pixel range; {type(ip).__name__} has none")
+    ip.size = {"shortest_edge": budget["min_pixels"], "longest_edge": budget["max_pixels"]}
+    for name in ("min_pixels", "max_pixels"):  # older processors keep copies as attributes
+        if hasattr(ip, name):
+            setattr(ip, name, budget[name])
+    return processor
+
+
+def processor_budget(processor) -> dict:
+    size = dict(processor.image_processor.size)
+    return {"min_pixels": int(size["shortest_edge"]), "max_pixels": int(size["longest_edge"])}
+
+
+def image_token_count(processor, image) -> tuple[int, tuple[int, int, int], dict]:
+    """Image tokens the processor puts in the prompt for ``image``, its (t, h, w) patch grid, and the batch."""
+    pad = getattr(processor, "image_token", "<|image_pad|>")
+    pad_id = processor.tokenizer.convert_tokens_to_ids(pad)
+    text = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text",
+                                          "text": "?"}]}], add_generation_prompt=True, tokenize=False)
+    batch = processor(text=[text], images=[image], return_tensors="pt")
+    grid = tuple(int(x) for x in batch["image_grid_thw"][0])
+    return int((batch["input_ids"][0] == pad_id).sum()), grid, batch
+
+
+def probe_image(budget: dict | None, scale: float = 2.0):
+    """A grey image larger than the budget (or 1024² without one), to check that the budget holds."""
+    from PIL import Image
+
+    side = int(math.sqrt(budget["max_pixels"]) * scale) if budget else 1024
+    return Image.new("RGB", (side + 37, side), (120, 130, 140))
+
+
+def check_image_tokens(model, processor, budget: dict | None, run_vision: bool = True) -> dict:
+    """Start-up check that the processor and the model agree on image tokens, and that the budget holds.
+
+    Patch, merge and temporal sizes of the processor must equal the model's vision config; the number of
+    ``<|image_pad|>`` tokens for a probe image larger than the budget must equal grid/merge² (what the model's vision
+    tower returns, checked by a forward pass when ``run_vision``: skip it under ZeRO-3, whose parameters are
+    partitioned) and stay within max_pixels/(patch·merge)². Returns what it measured; raises ValueError otherwise.
+    """
+    import torch
+
+    ip = processor.image_processor
+    vc = getattr(model.config, "vision_config", None)
+    if vc is None:
+        raise ValueError(f"{type(model).__name__} has no vision_config: not an image-text model")
+    pairs = {"patch_size": ("patch_size", "patch_size"), "merge_size": ("merge_size", "spatial_merge_size"),
+             "temporal_patch_size": ("temporal_patch_size", "temporal_patch_size")}
+    for label, (p_name, m_name) in pairs.items():
+        p, m = getattr(ip, p_name, None), getattr(vc, m_name, None)
+        if p is not None and m is not None and int(p) != int(m):
+            raise ValueError(f"image processor and model disagree on {label}: processor {p}, model {m}")
+    image = probe_image(budget)
+    tokens, grid, batch = image_token_count(processor, image)
+    merge = int(getattr(vc, "spatial_merge_size", 2))
+    expected = grid[0] * grid[1] * grid[2] // merge ** 2
+    if tokens != expected:
+        raise ValueError(f"the processor put {tokens} image tokens for a {image.size} probe image but the model's "
+                         f"vision tower returns grid {grid} / merge {merge}² = {expected} (image-token expansion "
+                         "mismatch)")
+    out = {"probe_size": list(image.size), "image_tokens": tokens, "grid_thw": list(grid)}
+    if budget is not None:
+        cap = max_image_tokens(budget, ip)
+        if tokens > cap:
+            raise ValueError(f"image budget not applied: a {image.size} probe image became {tokens} image tokens, "
+                             f"more than max_pixels {budget['max_pixels']} allows ({cap})")
+        out["max_image_tokens"] = cap
+    if run_vision:
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        with torch.no_grad():
+            dtype = next(base.parameters()).dtype
+            feats = base.get_image_features(batch["pixel_values"].to(base.device, dtype),
+                                            batch["image_grid_thw"].to(base.device))
+        feats = getattr(feats, "pooler_output", feats)
+        n = sum(len(f) for f in feats) if isinstance(feats, (list, tuple)) else int(feats.shape[0])
+        if n != tokens:
+            raise ValueError(f"the model's vision tower returned {n} image embeddings for the probe image, the "
+                             f"processor put {tokens} image tokens")
+        out["vision_tokens"] = n
+    return out
+
+
+def model_files(name_or_path: str) -> Path:
+    """The local folder of a model: the path itself, or its snapshot in the Hugging Face cache (already downloaded
+    by from_pretrained; nothing is fetched here)."""
+    path = Path(name_or_path)
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(name_or_path, local_files_only=True))
+
+
+def vllm_model_folder(name_or_path: str, processor, out: str | Path) -> Path:
+    """A folder vLLM can load the policy from with the training image budget: every file of the model linked (no
+    copy of the weights), the processor files written from ``processor`` (budget included). TRL's colocated vLLM
+    builds ``LLM(model=model.name_or_path)`` and runs its own image processor on the raw images, while the prompt
+    token ids come from the trainer's processor: both must expand an image to the same number of tokens.
+    Written to a temporary sibling and renamed (a crash leaves no half folder)."""
+    import os
+    import shutil
+
+    src, out = model_files(name_or_path), Path(out)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    processor.save_pretrained(tmp)
+    for f in src.iterdir():
+        if f.is_file() and not (tmp / f.name).exists():
+            (tmp / f.name).symlink_to(f.resolve())
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out
+
+
+def check_same_image_tokens(processor, folder: str | Path, budget: dict | None) -> int:
+    """The processor vLLM will load from ``folder`` expands a probe image to as many tokens as the trainer's."""
+    from transformers import AutoProcessor
+
+    image = probe_image(budget)
+    ours = image_token_count(processor, image)[0]
+    theirs = image_token_count(AutoProcessor.from_pretrained(str(folder)), image)[0]
+    if ours != theirs:
+        raise ValueError(f"the processor in {folder} (what vLLM loads) expands a {image.size} image to {theirs} image "
+                         f"tokens, the trainer's processor to {ours}: their pixel budgets differ")
+    return ours

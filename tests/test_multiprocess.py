@@ -1,0 +1,99 @@
+"""rl/train_grpo.py as two CPU processes over gloo (torchrun; `accelerate launch --cpu` would start only one):
+it finishes, each rank scores only its own completions, the logged retrieval metrics are the exact means over both
+ranks' completions (also on steps where one rank has no hit at all), eval and checkpoints run, one final model."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def two_process_run(tiny_world, tiny_index_dir, tiny_refiner, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ddp")
+    rows = [json.loads(x) for x in open(tiny_world / "train.jsonl")]
+    # two ordinary questions and two whose gold entity is not in the index: those can never hit, so a rank that
+    # draws one has no hit at all in that step
+    train = rows[:2] + [dict(r, id=f"ghost-{i}", entity_id=f"GHOST{i}") for i, r in enumerate(rows[2:4])]
+    (tmp / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train))
+    cfg = dict(index=str(tiny_index_dir), train_file=str(tmp / "train.jsonl"), images_root=str(tiny_world),
+               eval_file=str(tiny_world / "val.jsonl"), eval_limit=4, alpha=0.5, prompt="toy", depth=8,
+               model_name_or_path=str(tiny_refiner), output_dir=str(tmp / "run"), use_cpu=True, bf16=False,
+               gradient_checkpointing=False, seed=0, num_generations=4, per_device_train_batch_size=4,
+               per_device_eval_batch_size=4, gradient_accumulation_steps=1, max_steps=6, learning_rate=1e-3,
+               temperature=1.0, max_completion_length=40, logging_steps=1, eval_strategy="steps", eval_steps=3,
+               save_strategy="steps", save_steps=3, report_to="none", log_table_steps=0, completions_log=True,
+               dataloader_num_workers=0, disable_tqdm=True, min_pixels=112 * 112, max_pixels=112 * 112)
+    (tmp / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "WANDB_MODE": "disabled"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(free_port()), str(ROOT / "rl" / "train_grpo.py"), "--config", str(tmp / "cfg.yaml")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return tmp / "run", proc.stdout + proc.stderr
+
+
+def completions(run, rank):
+    return [json.loads(x) for x in open(run / f"completions.rank{rank}.jsonl")]
+
+
+def test_both_processes_train_as_one_job(two_process_run):
+    run, output = two_process_run
+    assert "rank 0/2 on cpu:0 (DistributedType.MULTI_CPU)" in output and "rank 1/2 on cpu" in output
+    assert "4 prompts × 4 generations = 16 completions" not in output
+    assert "2 prompts × 4 generations = 8 completions per optimizer step" in output
+    assert (run / "final" / "model.safetensors").exists() and not (run / "final" / "final").exists()
+    assert {p.name for p in run.glob("checkpoint-*")} == {"checkpoint-3", "checkpoint-6"}
+    state = json.loads((run / "checkpoint-6" / "trainer_state.json").read_text())
+    assert sum("eval_retrieval/hit@1" in h for h in state["log_history"]) == 2
+
+
+def test_each_rank_scores_only_its_own_completions(two_process_run):
+    run, _ = two_process_run
+    by_rank = [completions(run, r) for r in (0, 1)]
+    for step in range(1, 7):
+        ids = [[c["id"] for c in recs if c["step"] == step and c["mode"] == "train"] for recs in by_rank]
+        assert len(ids[0]) == len(ids[1]) == 4  # one prompt × 4 generations per rank
+        assert len(set(ids[0])) == len(set(ids[1])) == 1 and set(ids[0]) != set(ids[1])
+
+
+def test_logged_metrics_are_exact_over_both_ranks(two_process_run):
+    run, _ = two_process_run
+    state = json.loads((run / "checkpoint-6" / "trainer_state.json").read_text())
+    logged = {h["step"]: h for h in state["log_history"] if "retrieval/hit@1" in h}
+    pooled = defaultdict(list)
+    for rank in (0, 1):
+        for c in completions(run, rank):
+            if c["mode"] == "train":
+                pooled[c["step"]].append((rank, c))
+    one_rank_without_hits = 0
+    for step, recs in pooled.items():
+        ranks = [c["rank"] for _, c in recs]
+        hits_per_rank = [sum(c["rank"] is not None for r, c in recs if r == k) for k in (0, 1)]
+        one_rank_without_hits += min(hits_per_rank) == 0 < max(hits_per_rank)
+        for k in (1, 5):
+            expected = np.mean([r is not None and r <= k for r in ranks])
+            assert logged[step][f"retrieval/hit@{k}"] == pytest.approx(expected, abs=1e-6), (step, k)
+        assert logged[step]["retrieval/miss_rate"] == pytest.approx(np.mean([r is None for r in ranks]), abs=1e-6)
+        hits = [r for r in ranks if r is not None]
+        if hits:
+            assert logged[step]["retrieval/mean_hit_rank"] == pytest.approx(np.mean(hits), abs=1e-4)
+        else:
+            assert "retrieval/mean_hit_rank" not in logged[step]
+    assert one_rank_without_hits >= 1
