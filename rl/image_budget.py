@@ -11,6 +11,7 @@ generation of a group. vLLM runs its own processor from the model folder, so the
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 
 PAPER_MAX_PIXELS = 1024 * 28 * 28  # ≤ 1024 image tokens for Qwen2.5-VL (patch 14, merge 2)
@@ -173,3 +174,33 @@ def check_same_image_tokens(processor, folder: str | Path, budget: dict | None) 
         raise ValueError(f"the processor in {folder} (what vLLM loads) expands a {image.size} image to {theirs} image "
                          f"tokens, the trainer's processor to {ours}: their pixel budgets differ")
     return ours
+
+
+@dataclass
+class FolderArgs:
+    model: str = field(default=None, metadata={"help": "the policy: a model folder or hub name (cached)"})
+    out: str = field(default=None, metadata={"help": "folder to write (the trainer writes <output_dir>/vllm-model)"})
+    min_pixels: int = field(default=PAPER_MIN_PIXELS, metadata={"help": "image budget: fewest pixels"})
+    max_pixels: int = field(default=PAPER_MAX_PIXELS, metadata={"help": "image budget: most pixels"})
+
+
+def main(argv=None) -> None:
+    """python -m rl.image_budget --model M --out DIR [--min_pixels N --max_pixels N]: the model folder for
+    `trl vllm-serve --model DIR`, with the training pixel budget in its processor."""
+    from transformers import AutoProcessor
+
+    from retrieval.cli import parse
+
+    (args,) = parse((FolderArgs,), argv, description=main.__doc__)
+    if not args.model or not args.out:
+        raise ValueError("--model and --out are required")
+    budget = check_budget(args.min_pixels, args.max_pixels)
+    processor = apply_image_budget(AutoProcessor.from_pretrained(args.model), budget)
+    folder = vllm_model_folder(args.model, processor, args.out)
+    print(f"wrote {folder} (image budget {budget}); serve it with: trl vllm-serve --model {folder}")
+
+
+if __name__ == "__main__":
+    from retrieval.cli import run
+
+    run(main)

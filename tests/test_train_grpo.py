@@ -164,3 +164,17 @@ def test_vllm_loads_the_policy_with_the_training_image_budget(config, tiny_refin
     assert image_token_count(AutoProcessor.from_pretrained(str(tiny_refiner)), probe_image(None))[0] != \
         image_token_count(vllm_side, probe_image(None))[0]  # the base folder's processor would have disagreed
     AutoModelForImageTextToText.from_pretrained(str(folder))  # the linked folder loads as a model
+
+
+def test_vllm_serve_folder_cli(tiny_refiner, tmp_path, capsys):
+    from transformers import AutoProcessor
+
+    from rl.image_budget import main as folder_main
+
+    folder_main(["--model", str(tiny_refiner), "--out", str(tmp_path / "v"), "--min_pixels", "3136",
+                 "--max_pixels", "50176"])
+    assert dict(AutoProcessor.from_pretrained(str(tmp_path / "v")).image_processor.size) == {
+        "shortest_edge": 3136, "longest_edge": 50176}
+    assert "trl vllm-serve --model" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="max_pixels"):
+        folder_main(["--model", str(tiny_refiner), "--out", str(tmp_path / "w"), "--max_pixels", "0"])
