@@ -241,7 +241,7 @@ class TextEncoder:
         """Encode texts; queries get ``query_prompt`` prepended when one is set (KB rows never do)."""
         if not texts:
             return np.zeros((0, self.dim), dtype=np.float32)
-        prompt = self.query_prompt if is_query else None
+        prompt = (self.query_prompt or "") if is_query else ""  # "" never lets a model default prompt slip in
         emb = self.model.encode(list(texts), batch_size=self.batch_size, prompt=prompt,
                                 convert_to_numpy=True, normalize_embeddings=True, show_progress_bar=False)
         return l2_normalize(emb)
