@@ -15,7 +15,7 @@ from retrieval.exact import ExactRanker, flat_storage, rows_view
 from retrieval.index import FAISS_GPU_MAX_K, MultimodalIndex, build_faiss_index, query_vectors
 
 
-def make(counts, di=6, dt=10, seed=0, factory="Flat", rank_method="auto"):
+def make(counts, di=6, dt=10, seed=0, factory="Flat", rank_method="exact"):
     rng = np.random.default_rng(seed)
     entity_ids = [f"ent{e:05d}" for e, c in enumerate(counts) for _ in range(c)]
     v = l2_normalize(rng.normal(size=(len(entity_ids), di)))
@@ -53,6 +53,19 @@ def test_one_entity_owns_more_rows_than_the_gpu_k_cap_allows_at_depth():
     for qi, g, r in zip(q, gold, ranks):
         lo, hi = brute_force_bounds(rows, ents, qi, g)
         assert lo <= r <= hi
+
+
+def test_auto_ranks_exactly_on_a_gpu_and_with_faiss_on_a_cpu():
+    """benchmarks/reward_scale.py: the same ranks, FAISS Flat faster on a CPU; no k cap with the exact ranker on a GPU."""
+    index, *_ = make([1, 2, 3] * 10, rank_method="auto")
+    assert not index.uses_exact_ranks
+    index.device = "cuda:0"
+    assert index.uses_exact_ranks
+    hnsw, *_ = make([1, 2] * 20, factory="HNSW8,Flat", rank_method="auto")
+    hnsw.device = "cuda:0"
+    assert not hnsw.uses_exact_ranks
+    with pytest.raises(ValueError, match="exact' needs a Flat"):
+        make([1, 2] * 20, factory="HNSW8,Flat", rank_method="exact")[0].uses_exact_ranks  # noqa: B018
 
 
 def test_exact_and_search_agree_within_depth_on_the_cpu():

@@ -309,7 +309,7 @@ def test_retrieval_reward_at_1024_plus_1024_matches_a_numpy_brute_force(real_tex
     entity_ids = [f"ent{e:03d}" for e in range(n_ent) for _ in range(per_ent)]
     manifest = {"image_dim": 1024, "text_dim": 1024, "image_encoder": images_enc.name, "text_encoder": enc.name}
     index = MultimodalIndex(build_faiss_index(rows, "Flat"), [f"row{i}" for i in range(len(rows))], entity_ids,
-                            manifest, image_encoder=images_enc, text_encoder=enc, device="cpu")
+                            manifest, image_encoder=images_enc, text_encoder=enc, device="cpu", rank_method="exact")
     assert index.uses_exact_ranks and len(index) == 3000 and rows.shape[1] == 2048
 
     gold = [int(e) for e in rng.choice(n_ent, size=6, replace=False)]

@@ -75,15 +75,22 @@ def test_images_are_encoded_once_per_question(tiny_index, batch, monkeypatch):
     assert first == second
 
 
-def test_one_text_batch_and_one_ranking_pass_per_call(tiny_index, batch, monkeypatch):
+@pytest.mark.parametrize("method", ["exact", "search"])
+def test_one_text_batch_and_one_ranking_pass_per_call(tiny_index, batch, monkeypatch, method):
     rows, images = batch
+    monkeypatch.setattr(tiny_index, "rank_method", method)
     reward = RetrievalReward(tiny_index, alpha=0.3)
     texts, passes = [], []
     record_calls(monkeypatch, tiny_index, "encode_texts", lambda t: texts.append(len(t)))
-    assert tiny_index.uses_exact_ranks  # a Flat index: exact ranks, no FAISS search in the reward
-    real = tiny_index.exact.ranks
-    monkeypatch.setattr(tiny_index.exact, "ranks", lambda q, g: passes.append(len(q)) or real(q, g))
-    monkeypatch.setattr(tiny_index.faiss, "search", lambda *a: pytest.fail("FAISS searched"), raising=False)
+    if method == "exact":  # a GPU's path: no FAISS search in the reward
+        real = tiny_index.exact.ranks
+        monkeypatch.setattr(tiny_index.exact, "ranks", lambda q, g: passes.append(len(q)) or real(q, g))
+        monkeypatch.setattr(tiny_index.faiss, "search", lambda *a: pytest.fail("FAISS searched"), raising=False)
+    else:  # a CPU's path (faster there): one FAISS search for every query of the call
+        real_s = tiny_index.faiss.search
+        monkeypatch.setattr(tiny_index, "faiss", type("F", (), {
+            "search": lambda self, q, k: passes.append(len(q)) or real_s(q, k), "ntotal": tiny_index.faiss.ntotal,
+            "d": tiny_index.faiss.d})())
     trl_call(reward, rows, [format_completion(f"q {i}") for i in range(len(rows) * G)], images)
     assert texts == [len(rows) * G] and passes == [len(rows) * G]
 
