@@ -58,17 +58,23 @@ def stage_retrieve(args, out: Path, log=print, index=None, refiner=None) -> int:
         from retrieval import MultimodalIndex
 
         index = MultimodalIndex.load(args.index)
-    kb = {r["entry_id"]: r for r in read_jsonl(kb_path)}
+    from retrieval.articles import open_store
+
+    store = open_store(kb_path, getattr(args, "articles", None), log)
     for start in tqdm(range(0, len(todo), args.batch_size), desc="retrieving"):
         batch = todo[start:start + args.batch_size]
         images = [Image.open(r["image_path"]).convert("RGB") for r in batch]
         questions = [r["question"] for r in batch]
         texts = refiner.refine(images, questions, batch_size=len(batch)) if refiner is not None else questions
         hits, ranks = index.search_and_rank(images, texts, [r["entity_id"] for r in batch], alpha, args.k)
+        entries = [[store.entry(h.entry_id) for h in hs] for hs in hits]
+        if any(e is None for es in entries for e in es):
+            raise ValueError(f"article store {store.path} lacks entries the index returned: it was built from another "
+                             f"KB than {kb_path}")
         append_jsonl(target, [{**r, "query": t, "alpha": alpha, "gold_rank": rank, "hits": [
             {"entity_id": h.entity_id, "entry_id": h.entry_id, "score": round(h.score, 6),
-             "title": kb[h.entry_id]["title"], "section_title": kb[h.entry_id].get("section_title", ""),
-             "text": kb[h.entry_id]["text"]} for h in hs]} for r, t, hs, rank in zip(batch, texts, hits, ranks)])
+             "title": e.get("title", ""), "section_title": e.get("section_title", ""), "text": e.get("text", "")}
+            for h, e in zip(hs, es)]} for r, t, hs, es, rank in zip(batch, texts, hits, entries, ranks)])
     return len(todo)
 
 

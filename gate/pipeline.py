@@ -37,6 +37,8 @@ class PipelineArgs:
     refiner: str = field(default="none", metadata={"help": "exported refiner folder, or none"})
     index: str = field(default=None, metadata={"help": "index directory"})
     kb: str = field(default=None, metadata={"help": "KB JSONL (default: the one the index was built from)"})
+    articles: str = field(default=None, metadata={"help": "article store (default: <kb>.articles.sqlite beside the KB, "
+                                                           "built from the KB rows when missing)"})
     alpha: float = field(default=None, metadata={"help": "α (default: the refiner's index α)"})
     k: int = field(default=5, metadata={"help": "entities (sections) retrieved per question"})
     reranker: str = field(default="none", metadata={"help": "none | tiny | CrossEncoder name/path | gate:<srt dir>"})

@@ -32,8 +32,7 @@ class Stages:
         self.gate = self.answer = self.refiner = self.index = None
         self.gate_threshold = self.alpha = None
         self.reranker = self.inspector = self.generate = None
-        self.kb: dict[str, dict] = {}
-        self.articles: dict[str, list[dict]] = {}
+        self.store = None  # retrieval.articles.ArticleStore: index rows and every section of every article, on disk
         self.section_emb: dict[str, np.ndarray] = {}
         load = self._load
         if args.gate not in ("always", "never"):
@@ -54,8 +53,8 @@ class Stages:
     def _load_retrieval(self, load) -> None:
         from gate.rerank import load_reranker
         from retrieval import MultimodalIndex
+        from retrieval.articles import open_store
         from retrieval.cli import require_index
-        from retrieval.files import read_jsonl
 
         if self.args.refiner != "none":
             from rl.refine import Refiner
@@ -65,10 +64,7 @@ class Stages:
         self.index = load("index", MultimodalIndex.load, self.args.index)
         load("index encoders", lambda: (self.index.image_encoder, self.index.text_encoder))  # now, not mid-run
         manifest = require_index(self.args.index)
-        for e in read_jsonl(self.args.kb or manifest["kb_path"]):
-            self.kb[e["entry_id"]] = e
-            if all(e["text"] != x["text"] for x in self.articles.get(e["entity_id"], [])):
-                self.articles.setdefault(e["entity_id"], []).append(e)
+        self.store = load("article store", open_store, self.args.kb or manifest["kb_path"], self.args.articles)
         self.reranker = load("reranker", load_reranker, self.args.reranker)
 
     @staticmethod
@@ -151,20 +147,34 @@ class Clock:
         return {s: self.seconds[s] / max(1, self.counts[s]) for s in self.seconds}
 
 
+SKIPPED_SECTIONS = ("external links", "references")  # as EchoSight: no evidence there
+
+
+def article_sections(st: Stages, entity_id: str) -> list[dict]:
+    """Every section of an article from the store (not only those paired with an image in the index)."""
+    return st.store.sections(entity_id, skip_titles=SKIPPED_SECTIONS) or \
+        st.store.sections(entity_id)  # an article of references only still has something to show
+
+
 def choose_sections(st: Stages, images, questions, text_emb, hits) -> list[dict]:
     """The selected section per question: the best article after reranking (β1), then the article's best section
-    (β2 over text similarity to the query and the reranker; text similarity alone without a reranker)."""
+    among all its sections in the article store (β2 over text similarity to the query and the reranker; text
+    similarity alone without a reranker)."""
     from gate.rerank import combine
 
     args, index = st.args, st.index
     template = index.manifest.get("text_template", "{title}. {section_title}. {text}")
-    entries = [[st.kb[h.entry_id] for h in hs] for hs in hits]
+    entries = [[st.store.entry(h.entry_id) for h in hs] for hs in hits]
+    missing = [h.entry_id for hs, es in zip(hits, entries) for h, e in zip(hs, es) if e is None]
+    if missing:
+        raise ValueError(f"article store {st.store.path} has no entry {missing[0]!r} ({len(missing)} missing): it was "
+                         "built from another KB than the index")
     if st.reranker is not None:
         rr = st.reranker.score(images, questions, [[section_text(e) for e in es] for es in entries])
         best = [int(np.argmax(combine([h.score for h in hs], r, args.beta1))) for hs, r in zip(hits, rr)]
     else:
         best = [0] * len(hits)
-    chosen_articles = [st.articles[hs[b].entity_id] for hs, b in zip(hits, best)]
+    chosen_articles = [article_sections(st, hs[b].entity_id) for hs, b in zip(hits, best)]
     flat = [e for art in chosen_articles for e in art]
     new = list({e["entry_id"]: e for e in flat if e["entry_id"] not in st.section_emb}.values())
     if new:  # each section is embedded once per run

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from retrieval.articles import store_from_kb_rows, store_path_for
 from retrieval.files import file_fingerprint, write_json_atomic, write_jsonl_atomic
 
 COLOURS = {
@@ -219,6 +220,7 @@ def generate(args: ToyWorldArgs, log=print) -> dict:
                     attributes={a: e[a] for a in ATTRIBUTES}))
     write_jsonl_atomic(out / "entities.jsonl", entities)
     write_jsonl_atomic(out / "kb.jsonl", kb)
+    store_from_kb_rows(kb, store_path_for(out / "kb.jsonl"))  # the same canonical path as a converted KB
     for split, rows in questions.items():
         write_jsonl_atomic(out / f"{split}.jsonl", rows)
     world = {"settings": settings, "entities": len(entities), "kb_rows": len(kb),

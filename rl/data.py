@@ -185,7 +185,9 @@ def build_rl_data(args: RLDataArgs, log=print) -> dict:
     index = MultimodalIndex.load(args.index)
     known, skipped = [], []
     for rec in rows:
-        if index.has_entity(str(rec.get("entity_id"))):
+        if isinstance(rec.get("entity_id"), list):
+            skipped.append(skip_record(rec, "2-hop question (one gold entity per hop; the reward ranks one)"))
+        elif index.has_entity(str(rec.get("entity_id"))):
             known.append(rec)
         else:
             skipped.append(skip_record(rec, NOT_IN_INDEX))
