@@ -16,6 +16,8 @@ KBs (index rows to ``--out``, every section of every article to ``--articles``, 
     python -m retrieval.convert --format wiki6m --input Wiki6M_ver_1_0.jsonl --images_root IMAGES --out kb.jsonl
     python -m retrieval.convert --format articles --input kb.jsonl --out kb.articles.sqlite
     python -m retrieval.convert --format qid-map --input Wiki6M_ver_1_0.jsonl --out qid2url.tsv
+    python -m retrieval.convert --format qid-map --input infoseek_test.csv --withkb infoseek_val_withkb.jsonl \
+        --out qid2url.tsv          (EchoSight's CSV joined with the withkb file: the URLs of its 100K KB)
 
 Every row not converted is listed with its reason in ``<out>.skipped.jsonl``; nothing is dropped silently.
 """
@@ -39,6 +41,7 @@ from retrieval.upstream_kb import (
     evqa_article,
     image_resolver,
     iter_evqa_kb,
+    qid_map_from_echosight,
     qid_map_from_wiki6m,
     read_entity_map,
     remap_entity,
@@ -233,9 +236,16 @@ def convert(args: ConvertArgs, log=print) -> int:
             f"{counts['entries']} index rows")
         return counts["entries"]
     if args.format == "qid-map":
+        if args.input.endswith(".csv"):
+            if not args.withkb:
+                raise ValueError("qid-map from an EchoSight CSV needs --withkb (the InfoSeek *_withkb.jsonl file)")
+            pairs = qid_map_from_echosight(read_csv_rows(args.input),
+                                           rows_by_id(read_jsonl(args.withkb), "entity_id", args.withkb))
+        else:
+            pairs = qid_map_from_wiki6m(read_jsonl(args.input))
         n = 0
         with atomic_path(args.out) as tmp, open(tmp, "w") as f:
-            for qid, url in qid_map_from_wiki6m(tqdm(read_jsonl(args.input), desc="qid-map", unit="row")):
+            for qid, url in tqdm(pairs, desc="qid-map", unit="pair"):
                 f.write(f"{qid}\t{url}\n")
                 n += 1
         log(f"wrote {n} QID → URL pairs to {args.out}")

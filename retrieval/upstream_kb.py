@@ -218,6 +218,17 @@ def qid_map_from_wiki6m(rows: Iterable[dict]) -> Iterator[tuple[str, str]]:
             yield str(r["wikidata_id"]), wiki6m_url(r["wikipedia_title"])
 
 
+def qid_map_from_echosight(csv_rows: Iterable[dict], withkb: dict[str, dict]) -> Iterator[tuple[str, str]]:
+    """(QID, URL) by joining EchoSight's InfoSeek CSV (``data_id`` → ``wikipedia_url``, a key of its 100K KB) with
+    InfoSeek's ``*_withkb.jsonl`` (``data_id`` → ``entity_id``); each QID once."""
+    seen = set()
+    for r in csv_rows:
+        known = withkb.get(str(r.get("data_id") or ""))
+        if known and r.get("wikipedia_url") and known["entity_id"] not in seen:
+            seen.add(known["entity_id"])
+            yield str(known["entity_id"]), str(r["wikipedia_url"]).split("|")[0].strip()
+
+
 def remap_entity(entity, mapping: dict[str, str], kb_keys: dict[str, str] | None = None):
     """A question's entity through the QID → URL map; with ``kb_keys`` ({canonical_url: KB key}) the URL becomes the
     KB's own spelling of it. Lists (2-hop) map element-wise; an unmapped id is returned unchanged."""

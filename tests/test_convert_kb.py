@@ -238,3 +238,63 @@ def test_canonical_url_ignores_scheme_escapes_and_spaces(title):
     variants = [url, url.replace("https://", "http://"), "http://en.wikipedia.org/wiki/" + urllib.parse.quote(title),
                 url.replace("en.wikipedia", "en.m.wikipedia")]
     assert len({canonical_url(v) for v in variants}) == 1
+
+
+def test_qid_map_from_echosight_csv_joined_with_withkb(tmp_path):
+    with open(tmp_path / "infoseek_test.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["data_id", "wikipedia_url", "question_type"])
+        w.writeheader()
+        w.writerow({"data_id": "infoseek_val_1", "wikipedia_url": "https://en.wikipedia.org/wiki/Paris",
+                    "question_type": "infoseek"})
+        w.writerow({"data_id": "infoseek_val_2", "wikipedia_url": "https://en.wikipedia.org/wiki/Paris",
+                    "question_type": "infoseek"})  # same entity again: once
+        w.writerow({"data_id": "infoseek_val_9", "wikipedia_url": "https://en.wikipedia.org/wiki/Nowhere",
+                    "question_type": "infoseek"})  # no withkb row: no pair
+    (tmp_path / "withkb.jsonl").write_text(
+        '{"data_id": "infoseek_val_2", "entity_id": "Q90", "entity_text": "Paris"}\n'
+        '{"data_id": "infoseek_val_1", "entity_id": "Q90", "entity_text": "Paris"}\n')
+    n = convert(ConvertArgs(format="qid-map", input=str(tmp_path / "infoseek_test.csv"),
+                            withkb=str(tmp_path / "withkb.jsonl"), out=str(tmp_path / "m.tsv")), log=quiet)
+    assert n == 1 and (tmp_path / "m.tsv").read_text() == "Q90\thttps://en.wikipedia.org/wiki/Paris\n"
+    with pytest.raises(ValueError, match="--withkb"):
+        convert(ConvertArgs(format="qid-map", input=str(tmp_path / "infoseek_test.csv"), out=str(tmp_path / "x.tsv")))
+
+
+def test_fetch_images_names_files_by_url_hash_resumes_and_lists_failures(tmp_path):
+    import functools
+    import http.server
+    import threading
+
+    from retrieval.fetch_images import FetchArgs, fetch_images, file_name
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "a.jpg").write_bytes(b"\xff\xd8 jpeg bytes")
+    (site / "b.png").write_bytes(b"\x89PNG bytes")
+    (site / "page.html").write_text("<html></html>")
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+    handler = functools.partial(Quiet, directory=str(site))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        urls = [f"{base}/a.jpg", f"{base}/b.png", f"{base}/gone.jpg", f"{base}/page.html"]
+        kb = {ZORVAK: {**EVQA_KB[ZORVAK], "image_urls": urls + [f"{base}/a.jpg"]}}  # a repeated URL: once
+        (tmp_path / "kb.json").write_text(json.dumps(kb))
+        args = FetchArgs(kb=str(tmp_path / "kb.json"), out=str(tmp_path / "imgs"), workers=2, timeout=5)
+        first = fetch_images(args, log=quiet)
+        assert first == {"fetched": 2, "failed": 2, "already there": 0}
+        assert (tmp_path / "imgs" / file_name(urls[0])).read_bytes() == b"\xff\xd8 jpeg bytes"
+        assert file_name(urls[1]) == f"{url_hash(urls[1])}.png"
+        failed = {r["url"]: r["reason"] for r in read_jsonl(tmp_path / "imgs" / "failed.jsonl")}
+        assert set(failed) == {urls[2], urls[3]} and "404" in failed[urls[2]] and "text/html" in failed[urls[3]]
+        assert fetch_images(args, log=quiet) == {"fetched": 0, "failed": 0, "already there": 4}  # resumed: nothing new
+        # the folder is what the KB converter's --image_dir reads
+        n = convert(ConvertArgs(format="evqa-kb", input=str(tmp_path / "kb.json"), image_dir=str(tmp_path / "imgs"),
+                                out=str(tmp_path / "kb.jsonl")), log=quiet)
+        assert n == 3  # a.jpg twice (two image slots) and b.png
+    finally:
+        server.shutdown()
