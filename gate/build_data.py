@@ -155,7 +155,8 @@ def label_records(variant: str, rec: dict, args: BuildDataArgs, contexts: dict |
             if ctx is None or ctx["doc_scores"][0] is None:
                 return []
             text_ok = ctx["doc_scores"][0] >= args.correct_score
-        label = inspector_label(hits[0]["entity_id"], gold, str((rec.get("answers") or [""])[0]), text_ok)
+        label = inspector_label(hits[0]["entity_id"], gold, str((rec.get("answers") or [""])[0]), text_ok,
+                                top_section=hits[0].get("section"), gold_section=rec.get("evidence_section_id"))
         return [{"pass": label["pass"] == "true", "inspector": label, "context": section_text(hits[0])}]
     scores = _scores(rec)
     if not scores:
@@ -182,7 +183,8 @@ def label_records(variant: str, rec: dict, args: BuildDataArgs, contexts: dict |
 
 LABEL_SOURCES = {"hkb": "judged", "skb": "judged", "kbm-acc": "judged", "kbm-cert": "samples", "ret": "judged",
                  "srt": "judged", "mct": "retrieved", "inspector": "retrieved"}
-KEEP = ("id", "image", "image_path", "question", "answers", "answer_eval", "entity_id", "question_type", "split")
+KEEP = ("id", "image", "image_path", "question", "answers", "answer_eval", "entity_id", "question_type", "split",
+        "evidence_section_id")
 
 
 def stage_label(args: BuildDataArgs, out: Path, log=print) -> int:

@@ -73,7 +73,7 @@ def stage_retrieve(args, out: Path, log=print, index=None, refiner=None) -> int:
                              f"KB than {kb_path}")
         append_jsonl(target, [{**r, "query": t, "alpha": alpha, "gold_rank": rank, "hits": [
             {"entity_id": h.entity_id, "entry_id": h.entry_id, "score": round(h.score, 6),
-             "title": e.get("title", ""), "section_title": e.get("section_title", ""), "text": e.get("text", "")}
+             "title": e["title"], "section_title": e["section_title"], "text": e["text"], "section": e["section"]}
             for h, e in zip(hs, es)]} for r, t, hs, es, rank in zip(batch, texts, hits, entries, ranks)])
     return len(todo)
 

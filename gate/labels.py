@@ -87,10 +87,22 @@ def srt_label(correct_without: bool, correct_with_document: bool) -> str | None:
 # ---------------------------------------------------------------- Inspector (WikiSeeker)
 
 
+def is_gold_section(entity, section, gold_entity, gold_section=None) -> bool:
+    """The section is the evidence: the gold entity's article and, when the data names the evidence section
+    (E-VQA's ``evidence_section_id``) and the section's index is known, that very section."""
+    if str(entity) != str(gold_entity):
+        return False
+    if gold_section is None or section is None or isinstance(gold_section, list):
+        return True
+    return int(section) == int(gold_section)
+
+
 def inspector_label(top_entity: str, gold_entity: str, gold_answer: str,
-                    text_only_correct: bool | None = None) -> dict:
-    """PASS when the top retrieved section belongs to the gold entity (and, when given, a text-only answer with that
-    context was judged correct); otherwise FAIL with the gold answer as the Inspector's own answer."""
-    if str(top_entity) == str(gold_entity) and text_only_correct is not False:
+                    text_only_correct: bool | None = None, top_section: int | None = None,
+                    gold_section: int | None = None) -> dict:
+    """PASS when the context is the gold section — the gold entity's, and its evidence section when the data has one
+    (``is_gold_section``) — and, when given, a text-only answer with that context was judged correct (the paper's
+    proxy); otherwise FAIL with the gold answer as the Inspector's own answer."""
+    if is_gold_section(top_entity, top_section, gold_entity, gold_section) and text_only_correct is not False:
         return {"pass": "true"}
     return {"pass": "false", "answer": gold_answer}

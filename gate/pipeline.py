@@ -42,8 +42,10 @@ class PipelineArgs:
     alpha: float = field(default=None, metadata={"help": "α (default: the refiner's index α)"})
     k: int = field(default=5, metadata={"help": "entities (sections) retrieved per question"})
     reranker: str = field(default="none", metadata={"help": "none | tiny | CrossEncoder name/path | gate:<srt dir>"})
-    beta1: float = field(default=0.5, metadata={"help": "section stage: β·retrieval + (1−β)·reranker"})
-    beta2: float = field(default=0.5, metadata={"help": "within-article stage: β·text similarity + (1−β)·reranker"})
+    beta1: float = field(default=0.6, metadata={"help": "section stage: β1·retrieval + (1−β1)·reranker (WikiSeeker: "
+                                                        "0.6 E-VQA, 0.8 InfoSeek)"})
+    beta2: float = field(default=0.2, metadata={"help": "within the chosen article: (1−β2)·text similarity + "
+                                                        "β2·text reranker (WikiSeeker: 0.2)"})
     inspector: str = field(default="none", metadata={"help": "none | trained inspector gate folder"})
     inspector_threshold: float = field(default=0.5, metadata={"help": "PASS when P(pass) ≥ this"})
     generator: str = field(default=None, metadata={"help": "model path/name, or endpoint (generator_url)"})

@@ -1,7 +1,8 @@
 """Reranking retrieved sections: a sentence-transformers CrossEncoder (real default BAAI/bge-reranker-v2-m3; ``tiny``
 = a seeded random tiny BERT cross-encoder built offline, for tests) or a trained ``srt`` gate (``gate:DIR``), whose
-P(Rel) is the reranker score. Final score = β·retrieval score + (1−β)·reranker score (the paper's β1 over sections of
-different articles, β2 within the chosen article); CrossEncoder logits are squashed with a sigmoid to [0, 1]."""
+P(Rel) is the reranker score. WikiSeeker's two stages: over the retrieved sections of different articles
+β1·retrieval score + (1−β1)·reranker score (``combine``); within the chosen article (1−β2)·first-stage score +
+β2·text-reranker score (``within_article``). CrossEncoder logits are squashed with a sigmoid to [0, 1]."""
 
 from __future__ import annotations
 
@@ -13,9 +14,15 @@ import numpy as np
 
 
 def combine(retrieval_scores, reranker_scores, beta: float) -> np.ndarray:
+    """β·retrieval + (1−β)·reranker: the section stage with β = β1 (β1 = 1 keeps the retrieval order)."""
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"β must lie in [0, 1], got {beta}")
     return beta * np.asarray(retrieval_scores, dtype=float) + (1 - beta) * np.asarray(reranker_scores, dtype=float)
+
+
+def within_article(first_stage_scores, reranker_scores, beta2: float) -> np.ndarray:
+    """(1−β2)·first-stage + β2·text reranker: the paper's within-article stage (β2 = 0 keeps the first stage)."""
+    return combine(first_stage_scores, reranker_scores, 1.0 - beta2)
 
 
 def unflatten(flat: np.ndarray, sections: list[list]) -> list[np.ndarray]:

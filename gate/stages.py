@@ -160,7 +160,7 @@ def choose_sections(st: Stages, images, questions, text_emb, hits) -> list[dict]
     """The selected section per question: the best article after reranking (β1), then the article's best section
     among all its sections in the article store (β2 over text similarity to the query and the reranker; text
     similarity alone without a reranker)."""
-    from gate.rerank import combine
+    from gate.rerank import combine, within_article
 
     args, index = st.args, st.index
     template = index.manifest.get("text_template", "{title}. {section_title}. {text}")
@@ -187,7 +187,7 @@ def choose_sections(st: Stages, images, questions, text_emb, hits) -> list[dict]
     for q, art in enumerate(chosen_articles):
         sim = sims[i:i + len(art)] @ text_emb[q]
         i += len(art)
-        score = combine(sim, rr2[q], args.beta2) if rr2 is not None else sim
+        score = within_article(sim, rr2[q], args.beta2) if rr2 is not None else sim
         j = int(np.argmax(score))
         out.append(art[j])
     return out
@@ -195,6 +195,7 @@ def choose_sections(st: Stages, images, questions, text_emb, hits) -> list[dict]
 
 def rag_path(st: Stages, batch: list[dict], images, clock: Clock) -> list[dict]:
     """refine → retrieve → rerank → inspect → generate for a batch; one result dict per question."""
+    from gate.labels import is_gold_section
     from gate.scoring import first_token_scores, generate_parsed
 
     args, n = st.args, len(batch)
@@ -239,7 +240,9 @@ def rag_path(st: Stages, batch: list[dict], images, clock: Clock) -> list[dict]:
             reason = None if answer else "the Inspector failed the section and gave no parseable answer"
         entry = chosen[i]
         results.append({"query": queries[i], "retrieved": [h.entity_id for h in hits[i]], "gold_rank": ranks[i],
-                        "section": entry["entry_id"], "section_right": str(entry["entity_id"]) == str(r.get("entity_id")),
+                        "section": entry["entry_id"],
+                        "section_right": is_gold_section(entry["entity_id"], entry.get("section"), r.get("entity_id"),
+                                                         r.get("evidence_section_id")),
                         "inspector": verdicts[i], **judged(answer, r, reason)})
     return results
 

@@ -1,0 +1,42 @@
+"""WikiSeeker's two rerank stages: β1 weights the retrieval score over sections of different articles, β2 weights
+the text reranker within the chosen article (the side the paper gives it)."""
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gate.rerank import combine, within_article
+
+scores = st.lists(st.floats(0, 1), min_size=1, max_size=8)
+
+
+@given(scores, st.data())
+def test_beta_extremes_reproduce_one_stage_exactly(first, data):
+    reranker = data.draw(st.lists(st.floats(0, 1), min_size=len(first), max_size=len(first)))
+    assert combine(first, reranker, 1.0).tolist() == first            # β1 = 1: the retrieval scores alone
+    assert within_article(first, reranker, 0.0).tolist() == first     # β2 = 0: the first stage alone
+    assert within_article(first, reranker, 1.0).tolist() == reranker  # β2 = 1: the text reranker alone
+
+
+def test_beta2_weights_the_text_reranker_side():
+    first, reranker = [1.0, 0.0], [0.0, 1.0]
+    # the paper's β2 = 0.2: 0.8·first + 0.2·reranker, so the first stage's pick wins
+    assert within_article(first, reranker, 0.2).tolist() == pytest.approx([0.8, 0.2])
+    assert int(np.argmax(within_article(first, reranker, 0.2))) == 0
+    assert int(np.argmax(within_article(first, reranker, 0.8))) == 1
+    # β1 = 0.6 (E-VQA): 0.6·retrieval + 0.4·reranker
+    assert combine(first, reranker, 0.6).tolist() == pytest.approx([0.6, 0.4])
+    with pytest.raises(ValueError, match="β"):
+        within_article(first, reranker, -0.1)
+
+
+def test_real_configs_carry_the_paper_betas():
+    from pathlib import Path
+
+    import yaml
+
+    root = Path(__file__).resolve().parents[1] / "configs" / "pipeline"
+    evqa = yaml.safe_load((root / "evqa.yaml").read_text())
+    infoseek = yaml.safe_load((root / "infoseek.yaml").read_text())
+    assert (evqa["beta1"], evqa["beta2"], infoseek["beta1"], infoseek["beta2"]) == (0.6, 0.2, 0.8, 0.2)
