@@ -67,7 +67,7 @@ def _prompt_texts(processor, s: dict, questions, contexts, with_prefix: bool) ->
 
 def first_token_scores(model, processor, s: dict, images, questions, contexts=None, batch_size: int = 16) -> np.ndarray:
     """Binary variants: P(positive verbaliser) per example; skb: the expected digit 1–5. Left padding keeps the next
-    token's logits at the last position."""
+    token's logits at the last position, and only that position's logits are computed (``logits_to_keep=1``)."""
     import torch
 
     ids = verbaliser_ids(processor.tokenizer, s)
@@ -78,7 +78,7 @@ def first_token_scores(model, processor, s: dict, images, questions, contexts=No
         for i in range(0, len(texts), batch_size):
             batch = processor(text=texts[i:i + batch_size], images=images[i:i + batch_size], return_tensors="pt",
                               padding=True).to(model.device)
-            logits = model(**batch).logits[:, -1, :].float()
+            logits = model(**batch, logits_to_keep=1).logits[:, -1, :].float()  # no vocab × positions tensor
             probs = torch.softmax(logits[:, ids], dim=-1).cpu().numpy()
             out.append(probs @ np.arange(1, 6) if s["name"] == "skb" else probs[:, 0])
     return np.concatenate(out) if out else np.zeros(0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 DTYPES = {"auto": "auto", "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
@@ -75,6 +77,12 @@ def load_model(name_or_path: str, dtype: str | None = None, device: str = "cpu",
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     model = AutoModelForImageTextToText.from_pretrained(name_or_path, **kwargs)
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    if not is_deepspeed_zero3_enabled():  # under ZeRO-3 the parameters are partitioned; DeepSpeed places them
+        model.to(torch.device(device))
+    logging.getLogger("refine_rl.model").info("%s on %s in %s", name_or_path, device,
+                                              str(kwargs["dtype"]).replace("torch.", ""))
     processor = AutoProcessor.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     processor.tokenizer.padding_side = "left"
     return model, processor

@@ -1,0 +1,55 @@
+"""Device and dtype plumbing of the stages' model loader, and first-token scoring that computes only the last
+position's logits (logits_to_keep=1) yet gives the same probabilities as the full forward pass."""
+
+import numpy as np
+import pytest
+import torch
+
+
+def test_load_model_places_the_model_in_the_requested_dtype(tiny_gate_vlm):
+    from rl.model import load_model
+
+    model, _ = load_model(str(tiny_gate_vlm), dtype="bf16", device="cpu")
+    dtypes = {p.dtype for p in model.parameters()}
+    devices = {p.device.type for p in model.parameters()}
+    assert dtypes == {torch.bfloat16} and devices == {"cpu"}
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        load_model(str(tiny_gate_vlm), dtype="int3")
+
+
+def test_first_token_scores_keep_only_the_last_position(tiny_gate_vlm, tiny_world, monkeypatch):
+    from PIL import Image
+
+    from gate.scoring import first_token_scores
+    from gate.variants import spec
+    from retrieval.files import read_jsonl
+    from rl.model import load_model
+
+    model, processor = load_model(str(tiny_gate_vlm), device="cpu")
+    rows = list(read_jsonl(tiny_world / "test.jsonl"))[:4]
+    images = [Image.open(tiny_world / r["image"]).convert("RGB") for r in rows]
+    questions = [r["question"] for r in rows]
+    s = spec("ret")
+    seen = []
+    forward = type(model).forward
+
+    def spy(self, *a, **kw):
+        out = forward(self, *a, **kw)
+        seen.append(out.logits.shape[1])
+        return out
+
+    monkeypatch.setattr(type(model), "forward", spy)
+    kept = first_token_scores(model, processor, s, images, questions, batch_size=2)
+    assert seen and set(seen) == {1}  # one position of logits per example, never the whole sequence
+    monkeypatch.undo()
+    # the same probabilities from the full forward pass (every position's logits)
+    from gate.scoring import _prompt_texts, verbaliser_ids
+
+    ids = verbaliser_ids(processor.tokenizer, s)
+    texts = _prompt_texts(processor, s, questions, None, with_prefix=True)
+    with torch.no_grad():
+        batch = processor(text=texts, images=images, return_tensors="pt", padding=True)
+        full = model(**batch).logits
+    assert full.shape[1] > 1
+    probs = torch.softmax(full[:, -1, ids].float(), dim=-1)[:, 0].numpy()
+    np.testing.assert_allclose(kept, probs, atol=1e-5)
