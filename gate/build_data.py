@@ -51,7 +51,7 @@ class BuildDataArgs:
     variant: str = field(default=None, metadata={"help": "label/render: hkb | skb | kbm-acc | kbm-cert | ret | srt | "
                                                          "mct | inspector"})
     epsilon: float = field(default=3.0, metadata={"help": "label hkb: search needed when mean score < ε"})
-    tau: float = field(default=0.9, metadata={"help": "label kbm-*: threshold τ"})
+    tau: float = field(default=0.9, metadata={"help": "label kbm-*: the label threshold τ on sampled accuracy / certainty (not the scoring threshold γ, which is gate_threshold at inference)"})
     correct_score: float = field(default=4.0, metadata={"help": "label: a judged score ≥ this is a correct answer"})
     inspector_check_answer: bool = field(default=False, metadata={
         "help": "label inspector: PASS also needs the answer with the top section to be judged correct"})

@@ -32,7 +32,7 @@ class PipelineArgs:
     out: str = field(default=None, metadata={"help": "output folder (predictions.jsonl appended; resumable)"})
     images_root: str = field(default=None, metadata={"help": "default: the queries file's folder"})
     gate: str = field(default="always", metadata={"help": "always | never | trained boundary gate folder"})
-    gate_threshold: float = field(default=None, metadata={"help": "γ/τ (default 0.5) or ε for skb (default 3)"})
+    gate_threshold: float = field(default=None, metadata={"help": "scoring threshold γ on the gate's probability (default 0.5; the KBM label threshold τ is a separate build_data setting) or ε for skb (default 3)"})
     answerer: str = field(default=None, metadata={"help": "the VLM that answers without retrieval"})
     refiner: str = field(default="none", metadata={"help": "exported refiner folder, or none"})
     index: str = field(default=None, metadata={"help": "index directory"})

@@ -4,7 +4,7 @@
 
 One function for every binary gate (``first_token_scores``): the logits of the next token after the prompt (and the
 variant's completion prefix, e.g. the Inspector's ``{"pass": "``), softmax over the verbaliser tokens — the same as
-renormalising their probabilities — and the positive one's share, compared with a threshold γ (τ for KBM); for
+renormalising their probabilities — and the positive one's share, compared with the scoring threshold γ (a probability; KBM's τ only builds labels); for
 ``skb`` the expected value over the digit tokens 1–5, compared with ε. Verbalisers must be single tokens in the
 model's tokenizer (``verbaliser_ids`` says which is not). The Inspector's FAIL answer and ``mct`` come from
 generate-and-parse (``generate_parsed``). One scoring pass gives the threshold sweep: CSV + a PNG of positive
@@ -22,7 +22,7 @@ import numpy as np
 from gate.variants import BINARY, messages, parse_completion, spec
 
 GATE_FILE = "gate.json"
-DEFAULT_THRESHOLDS = {"skb": 3.0}  # γ = τ = 0.5 for the binary gates
+DEFAULT_THRESHOLDS = {"skb": 3.0}  # γ = 0.5 for the binary gates (KBM's τ = 0.9 labels data only)
 
 
 def verbaliser_ids(tokenizer, s: dict) -> list[int]:
@@ -175,7 +175,7 @@ class ScoringArgs:
     model: str = field(default=None, metadata={"help": "trained gate folder (train_sft output_dir/final)"})
     data: str = field(default=None, metadata={"help": "rendered rows (gate.build_data --stage render)"})
     out: str = field(default=None, metadata={"help": "folder for scores.jsonl, metrics.json, sweep.csv, sweep.png"})
-    threshold: float = field(default=None, metadata={"help": "γ / τ (binary, default 0.5) or ε (skb, default 3)"})
+    threshold: float = field(default=None, metadata={"help": "scoring threshold γ (binary, default 0.5) or ε (skb, default 3)"})
     batch_size: int = field(default=16, metadata={"help": "examples per forward pass"})
 
 
