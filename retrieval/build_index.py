@@ -1,12 +1,24 @@
-"""Build a multimodal FAISS index from a KB JSONL, streaming and resumable.
+"""Build a multimodal FAISS index from a KB JSONL: streaming, resumable, on one process or many.
 
-    python -m retrieval.build_index --kb kb.jsonl --images-root DIR --out INDEX_DIR \
-        [--image-encoder …] [--text-encoder …] [--factory Flat|HNSW32,Flat|IVF…] [--shard-size N]
+    python -m retrieval.build_index --config configs/retrieval/build_index_toy.yaml
+    accelerate launch --num_processes 8 retrieval/build_index.py --config configs/retrieval/build_index_evqa.yaml
 
-The KB is read line by line and encoded shard by shard; each finished shard is written atomically to
-``INDEX_DIR/build/``. Killed and started again with the same arguments, the build skips finished shards and
-produces the same index. Rows with a missing/unreadable image, empty text or no entity id are skipped and listed
-in ``skipped.jsonl``; a duplicate ``entry_id`` is an error before any encoding starts.
+What every process does (each prints one line saying so):
+1. scans the KB (retrieval.kb_scan: byte offsets, rows that cannot be indexed, which rows embed the same text); a
+   duplicate entry_id is an error before any model loads;
+2. takes its share of the unfinished work, round-robin over processes: text shards (``shard_size`` distinct texts in
+   order of first appearance: a section shared by several images is embedded once per build, never with the query
+   instruction) and image shards (``shard_size`` KB rows: images decoded and preprocessed by ``workers`` DataLoader
+   processes, embedded by the image tower); both encoders sit on this process's device (``cuda:LOCAL_RANK`` or
+   ``cpu``, fp16 image tower / bf16 text model on a GPU); every finished shard is written atomically to OUT/build/;
+3. waits for the others (one barrier); process 0 then assembles: rows in KB order, each ``concat[image embedding,
+   its text's embedding]``, added to FAISS shard by shard (rows.parquet streamed alongside), the manifest last.
+
+Killed at any point and started again with any number of processes, the build skips finished shards and produces the
+same index — same rows in the same order, the same vectors — as a one-process build. Rows with a missing or corrupt
+image, empty text or no entity id are skipped and listed in ``skipped.jsonl``. The manifest records what query time
+must repeat: the text encoder's maximum sequence length (longer texts are truncated by its tokenizer, special tokens
+kept) and its query instruction (``auto``: the model's own query prompt), the image processor.
 """
 
 from __future__ import annotations
@@ -15,13 +27,16 @@ import json
 import shutil
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 
+from retrieval.build_shards import encode_image_shards, encode_text_shard, shard_paths, work_items
 from retrieval.cli import require_file
 from retrieval.encoders import check_image_encoder_name, check_text_encoder_name, image_encoder, text_encoder
-from retrieval.files import atomic_path, file_fingerprint, read_jsonl, write_json_atomic, write_jsonl_atomic
+from retrieval.files import atomic_path, file_fingerprint, write_json_atomic, write_jsonl_atomic
 from retrieval.index import (
     INDEX_FILE,
     MANIFEST_FILE,
@@ -31,7 +46,7 @@ from retrieval.index import (
     check_factory,
     check_k,
 )
-from retrieval.kb import entry_text
+from retrieval.kb_scan import KBScan, scan_kb
 
 
 @dataclass
@@ -39,22 +54,36 @@ class BuildArgs:
     kb: str = field(default=None, metadata={"help": "KB JSONL (one entry per ⟨image, section⟩ pair)"})
     out: str = field(default=None, metadata={"help": "index directory to write"})
     images_root: str = field(default=None, metadata={"help": "folder image paths resolve against (default: the KB's folder)"})
-    image_encoder: str = field(default="EVA02-E-14-plus@laion2b_s9b_b144k", metadata={"help": "open_clip name[@tag], hf-hub:…, local-dir:…, or tiny"})
+    image_encoder: str = field(default="EVA02-E-14-plus@laion2b_s9b_b144k", metadata={"help": "open_clip name[@tag], hf:org/repo (transformers, e.g. hf:BAAI/EVA-CLIP-8B), hf-hub:…, local-dir:…, or tiny"})
+    image_processor: str = field(default=None, metadata={"help": "hf: encoders only: the transformers image processor to use (default: the model's own; EVA-CLIP-8B: openai/clip-vit-large-patch14)"})
     text_encoder: str = field(default="Qwen/Qwen3-Embedding-0.6B", metadata={"help": "sentence-transformers name/path, minilm, or tiny"})
-    factory: str = field(default="Flat", metadata={"help": "FAISS index factory string (inner product)"})
-    shard_size: int = field(default=4096, metadata={"help": "KB rows per resumable shard"})
-    batch_size: int = field(default=64, metadata={"help": "encoder batch size"})
+    text_max_seq_length: int = field(default=None, metadata={"help": "tokens per text for the text encoder, KB rows and queries alike (default: the model's own); longer texts are truncated, special tokens kept"})
+    query_instruction: str = field(default="auto", metadata={"help": "instruction put before every query at query time, never before KB rows: auto (the text model's own query prompt, e.g. Qwen3-Embedding's), none, or the text itself"})
+    factory: str = field(default="Flat", metadata={"help": "FAISS index factory string (inner product): Flat (fp32), SQfp16 (fp16 Flat), HNSW32,Flat, IVF4096,Flat, IVF4096,SQfp16, …"})
+    shard_size: int = field(default=4096, metadata={"help": "KB rows per image shard and distinct texts per text shard (the unit of resumption and of work per process)"})
+    batch_size: int = field(default=64, metadata={"help": "image encoder batch size"})
+    text_batch_size: int = field(default=None, metadata={"help": "text encoder batch size (default: batch_size)"})
+    workers: int = field(default=None, metadata={"help": "DataLoader processes decoding images, per build process (default: usable cores ÷ build processes on this node; 0 decodes in the main process)"})
     text_template: str = field(default="{title}. {section_title}. {text}", metadata={"help": "text embedded per KB row"})
-    device: str = field(default=None, metadata={"help": "cuda / cpu (default: cuda when available)"})
-    trust_remote_code: bool = field(default=False, metadata={"help": "allow remote code for the text encoder"})
+    device: str = field(default=None, metadata={"help": "cuda / cuda:N / cpu (default: this process's own: cuda:LOCAL_RANK when CUDA is available, else cpu)"})
+    trust_remote_code: bool = field(default=False, metadata={"help": "allow remote code in the encoders' repositories (EVA-CLIP-8B needs it)"})
     overwrite: bool = field(default=False, metadata={"help": "discard an existing or partial index in --out"})
+    dist_timeout_minutes: int = field(default=1440, metadata={"help": "how long a process that finished its shards waits for the others at the barrier"})
 
 
 def _settings(args: BuildArgs, fingerprint: str) -> dict:
     """What must match for a partial build to be resumed or a finished one to be reused."""
-    return dict(kb_fingerprint=fingerprint, image_encoder=args.image_encoder, text_encoder=args.text_encoder,
-                factory=args.factory, shard_size=args.shard_size, batch_size=args.batch_size,
-                text_template=args.text_template)
+    return dict(kb_fingerprint=fingerprint, image_encoder=args.image_encoder, image_processor=args.image_processor,
+                text_encoder=args.text_encoder, text_max_seq_length=args.text_max_seq_length, factory=args.factory,
+                shard_size=args.shard_size, batch_size=args.batch_size, text_batch_size=_text_batch(args),
+                text_template=args.text_template, trust_remote_code=args.trust_remote_code)
+
+
+IDENTITY_IGNORES = ("shard_size", "batch_size", "text_batch_size")  # a finished index is reused whatever these were
+
+
+def _text_batch(args: BuildArgs) -> int:
+    return args.text_batch_size or args.batch_size
 
 
 def validate(args: BuildArgs) -> None:
@@ -64,6 +93,14 @@ def validate(args: BuildArgs) -> None:
         raise ValueError("--out: an index directory is required")
     check_k(args.shard_size, "shard_size")
     check_k(args.batch_size, "batch_size")
+    if args.text_batch_size is not None:
+        check_k(args.text_batch_size, "text_batch_size")
+    if args.text_max_seq_length is not None:
+        check_k(args.text_max_seq_length, "text_max_seq_length")
+    if args.workers is not None and (not isinstance(args.workers, int) or args.workers < 0):
+        raise ValueError(f"workers must be a non-negative integer, got {args.workers!r}")
+    if args.image_processor and not args.image_encoder.startswith("hf:"):
+        raise ValueError(f"--image_processor applies to hf: image encoders only, not {args.image_encoder!r}")
     check_factory(args.factory)
     check_image_encoder_name(args.image_encoder)
     check_text_encoder_name(args.text_encoder)
@@ -72,93 +109,51 @@ def validate(args: BuildArgs) -> None:
         raise ValueError(f"--images_root: folder {root} does not exist")
 
 
-def scan_kb(path: str | Path) -> int:
-    """Count KB rows; a duplicate entry_id (or a row without one) is an error naming it."""
-    seen: dict[str, int] = {}
-    n = 0
-    for n, rec in enumerate(read_jsonl(path), 1):
-        eid = rec.get("entry_id")
-        if eid is None:
-            raise ValueError(f"{path}: row {n} has no entry_id")
-        eid = str(eid)
-        if eid in seen:
-            raise ValueError(f"{path}: duplicate entry_id {eid!r} (rows {seen[eid]} and {n})")
-        seen[eid] = n
-    return n
+class Processes:
+    """This process's place in the build: rank, count, and a barrier (a no-op for one process)."""
+
+    def __init__(self, state=None):
+        self.state = state
+        self.rank = state.process_index if state is not None else 0
+        self.count = state.num_processes if state is not None else 1
+
+    def barrier(self) -> None:
+        if self.state is not None and self.count > 1:
+            self.state.wait_for_everyone()
 
 
-def _load_image(root: Path, rel) -> tuple[object, str | None]:
-    from PIL import Image
-
-    if not rel:
-        return None, "no image path"
-    path = root / rel
-    if not path.is_file():
-        return None, f"missing image {path}"
-    try:
-        with Image.open(path) as im:
-            return im.convert("RGB"), None
-    except Exception as e:  # PIL raises many types for corrupt files
-        return None, f"unreadable image {path}: {type(e).__name__}"
+# --------------------------------------------------------------------------- the build
 
 
-def _encode_shard(records: list[dict], root: Path, img_enc, txt_enc, args: BuildArgs):
-    """Encode one shard's rows in batches; returns (embeddings, entry_ids, entity_ids, titles, skipped)."""
-    embs, entry_ids, entity_ids, titles, skipped = [], [], [], [], []
-    for start in range(0, len(records), args.batch_size):
-        images, texts = [], []
-        for rec in records[start:start + args.batch_size]:
-            text = entry_text(rec, args.text_template) if str(rec.get("text") or "").strip() else ""
-            reason = None
-            if rec.get("entity_id") in (None, ""):
-                reason = "no entity_id"
-            elif not text:
-                reason = "empty text"
-            img = None
-            if reason is None:
-                img, reason = _load_image(root, rec.get("image"))
-            if reason is not None:
-                skipped.append({"entry_id": str(rec["entry_id"]), "reason": reason})
-                continue
-            images.append(img)
-            texts.append(text)
-            entry_ids.append(str(rec["entry_id"]))
-            entity_ids.append(str(rec["entity_id"]))
-            titles.append(str(rec.get("title") or ""))
-        if images:
-            embs.append(np.concatenate([img_enc.encode(images), txt_enc.encode(texts)], axis=1))
-    dim = img_enc.dim + txt_enc.dim
-    emb = np.concatenate(embs) if embs else np.zeros((0, dim), np.float32)
-    return emb.astype(np.float32), entry_ids, entity_ids, titles, skipped
-
-
-def _shard_paths(build_dir: Path, i: int) -> tuple[Path, Path]:
-    return build_dir / f"shard-{i:06d}.npy", build_dir / f"shard-{i:06d}.json"
-
-
-def build_index(args: BuildArgs, log=print, encoders=None) -> dict:
-    """Build (or resume, or reuse) the index described by ``args``; returns the manifest.
+def build_index(args: BuildArgs, log=print, encoders=None, state=None) -> dict | None:
+    """Build (or resume, or reuse) the index described by ``args``; returns the manifest (None on processes other
+    than the first of a multi-process build, which leave the assembly to it).
 
     ``encoders``: an already-built (image, text) encoder pair whose names match ``args`` (saves a reload).
+    ``state``: an accelerate ``PartialState`` of a multi-process build (None: this process builds alone).
     """
-    from tqdm import tqdm
+    from retrieval.placement import configure_threads, resolve_device, threads_per_process
 
+    procs = Processes(state)
     validate(args)
     out, kb = Path(args.out), Path(args.kb)
+    if args.overwrite and out.exists() and procs.rank == 0:
+        shutil.rmtree(out)
+    procs.barrier()
     root = Path(args.images_root or kb.parent)
-    n_rows = scan_kb(kb)
-    if n_rows == 0:
+    scan = scan_kb(kb, args.text_template)
+    if scan.rows == 0:
         raise ValueError(f"--kb: {kb} has no rows")
     settings = _settings(args, file_fingerprint(kb))
     build_dir = out / "build"
     manifest_path, state_path = out / MANIFEST_FILE, build_dir / "state.json"
-
-    if args.overwrite and out.exists():
-        shutil.rmtree(out)
     if manifest_path.exists():
         manifest = json.loads(manifest_path.read_text())
-        if all(manifest.get(k) == v for k, v in settings.items() if k != "shard_size" and k != "batch_size"):
+        built = manifest.get("build", manifest)
+        if all(built.get(k) == v for k, v in settings.items() if k not in IDENTITY_IGNORES):
             log(f"index in {out} is already built from this KB with these settings; nothing to do")
+            if manifest.get("query_instruction_setting", "auto") != args.query_instruction and procs.rank == 0:
+                manifest = _change_query_instruction(manifest_path, manifest, args, log)
             return manifest
         raise ValueError(f"{out} holds an index built with other settings or another KB; "
                          "pass --overwrite to replace it or choose another --out")
@@ -166,103 +161,182 @@ def build_index(args: BuildArgs, log=print, encoders=None) -> dict:
         previous = json.loads(state_path.read_text())
         if previous != settings:
             diff = sorted(k for k in settings if previous.get(k) != settings[k])
-            raise ValueError(f"{build_dir} holds a partial build with different {', '.join(diff)}; "
+            raise ValueError(f"{build_dir} holds a partial build with different {', '.join(diff) or 'settings'}; "
                              "pass --overwrite to start again")
         log(f"resuming the partial build in {build_dir}")
-    build_dir.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(state_path, settings)
+    items = work_items(scan, args.shard_size)
+    pending = [(kind, i) for kind, i in items if not shard_paths(build_dir, kind, i)[1].exists()]
+    procs.barrier()  # every process has listed the same pending shards before any is written
+    if procs.rank == 0:
+        build_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(state_path, settings)
+    mine = pending[procs.rank::procs.count]
 
+    device = resolve_device(args.device if args.device or state is None else str(state.device))
+    threads = configure_threads()
+    workers = threads_per_process() if args.workers is None else args.workers
+    my_text = [i for kind, i in mine if kind == "text"]
+    my_images = [i for kind, i in mine if kind == "image"]
+    log(f"process {procs.rank}/{procs.count} on {device}: {scan.rows:,} KB rows, {scan.texts:,} distinct texts "
+        f"({len(scan.problems):,} rows without text or entity); {len(pending)} of {len(items)} shards to do, "
+        f"mine: {len(my_text)} text + {len(my_images)} image shards; {workers} decoding workers, {threads} threads")
+    t0 = time.time()
+    img_enc = txt_enc = None
     if encoders is not None:
         img_enc, txt_enc = encoders
         if (img_enc.name, txt_enc.name) != (args.image_encoder, args.text_encoder):
             raise ValueError(f"encoders {img_enc.name!r}/{txt_enc.name!r} given for a build that names "
                              f"{args.image_encoder!r}/{args.text_encoder!r}")
-    else:
-        img_enc = image_encoder(args.image_encoder, device=args.device, batch_size=args.batch_size)
-        txt_enc = text_encoder(args.text_encoder, device=args.device, batch_size=args.batch_size,
-                               trust_remote_code=args.trust_remote_code)
-    check_factory(args.factory, img_enc.dim + txt_enc.dim)
+        from retrieval.encoders import resolve_query_prompt
 
-    n_shards = (n_rows + args.shard_size - 1) // args.shard_size
-    t0 = time.time()
-    with tqdm(total=n_rows, unit="row", desc="encoding KB", smoothing=0.1) as bar:
-        shard: list[dict] = []
-        i = 0
-        for rec in read_jsonl(kb):
-            shard.append(rec)
-            if len(shard) == args.shard_size:
-                _finish_shard(build_dir, i, shard, root, img_enc, txt_enc, args)
-                bar.update(len(shard))
-                shard, i = [], i + 1
-        if shard:
-            _finish_shard(build_dir, i, shard, root, img_enc, txt_enc, args)
-            bar.update(len(shard))
+        if txt_enc.query_prompt != resolve_query_prompt(args.query_instruction, txt_enc.model.prompts):
+            raise ValueError(f"the text encoder given has query instruction {txt_enc.query_prompt!r}; the build "
+                             f"asks for {args.query_instruction!r}")
+    if my_text:
+        from tqdm import tqdm
 
-    entry_ids, entity_ids, titles, skipped = [], [], [], []
-    for i in range(n_shards):
-        meta = json.loads(_shard_paths(build_dir, i)[1].read_text())
-        entry_ids += meta["entry_ids"]
-        entity_ids += meta["entity_ids"]
-        titles += meta["titles"]
-        skipped += meta["skipped"]
-    if not entry_ids:
-        write_jsonl_atomic(out / SKIPPED_FILE, skipped)
-        raise ValueError(f"every row of {kb} was skipped; see the reasons in {out / SKIPPED_FILE}")
-
-    def shards():  # one shard in memory at a time: the index is the only thing that grows with the KB
-        return (np.load(_shard_paths(build_dir, i)[0], allow_pickle=False) for i in range(n_shards))
-
-    index = build_faiss_index_from_chunks(shards, args.factory, img_enc.dim + txt_enc.dim)
-    rows_table = {"entry_id": entry_ids, "entity_id": entity_ids, "title": titles}
-    manifest = _write_index(out, index, rows_table, skipped, settings, args, img_enc, txt_enc, kb)
+        if txt_enc is None:
+            txt_enc = text_encoder(args.text_encoder, device=device, batch_size=_text_batch(args),
+                                   query_prompt=args.query_instruction, trust_remote_code=args.trust_remote_code,
+                                   max_seq_length=args.text_max_seq_length)
+        for j in tqdm(my_text, desc="encoding texts", unit="shard"):
+            encode_text_shard(j, scan, txt_enc, args, build_dir)
+    if my_images:
+        if img_enc is None:
+            img_enc = image_encoder(args.image_encoder, device=device, batch_size=args.batch_size,
+                                    image_processor=args.image_processor, trust_remote_code=args.trust_remote_code)
+        timing = encode_image_shards(my_images, scan, root, img_enc, args, build_dir, workers, log)
+        log(f"process {procs.rank}: images encoded in {timing['total_s']:.1f}s, the encoder waited for decoded "
+            f"images {100 * timing['waited_s'] / max(timing['total_s'], 1e-9):.0f}% of it "
+            f"({workers} decoding workers)")
+    procs.barrier()
+    if procs.rank != 0:
+        log(f"process {procs.rank}: my shards are done; process 0 assembles the index")
+        return None
+    missing = [f"{kind}-{i:06d}" for kind, i in items if not shard_paths(build_dir, kind, i)[1].exists()]
+    if missing:
+        raise ValueError(f"{len(missing)} shard(s) are missing after every process finished ({', '.join(missing[:5])}"
+                         f"…); start the build again to encode them")
+    manifest = _assemble(out, build_dir, scan, items, settings, args, log)
     shutil.rmtree(build_dir, ignore_errors=True)
-    log(f"built {out}: {manifest['rows']} rows, {manifest['entities']} entities, {len(skipped)} skipped, "
-        f"{time.time() - t0:.1f}s")
+    log(f"built {out}: {manifest['rows']} rows, {manifest['entities']} entities, {manifest['skipped']} skipped, "
+        f"{manifest['texts_encoded']:,} texts encoded for {manifest['text_rows']:,} rows, {time.time() - t0:.1f}s")
     return manifest
 
 
-def _finish_shard(build_dir, i, records, root, img_enc, txt_enc, args) -> None:
-    npy, meta_path = _shard_paths(build_dir, i)
-    if meta_path.exists():  # finished before an interruption
-        return
-    emb, entry_ids, entity_ids, titles, skipped = _encode_shard(records, root, img_enc, txt_enc, args)
-    with atomic_path(npy, suffix=".npy") as tmp:
-        np.save(tmp, emb, allow_pickle=False)
-    write_json_atomic(meta_path, {"entry_ids": entry_ids, "entity_ids": entity_ids, "titles": titles,
-                                  "skipped": skipped})
+def _change_query_instruction(manifest_path: Path, manifest: dict, args: BuildArgs, log) -> dict:
+    """A query-time setting: KB rows never carry the instruction, so changing it rewrites the manifest only."""
+    from retrieval.encoders import resolve_query_prompt
+
+    if args.query_instruction == "auto":  # the model's own prompt: read from the model (on the CPU, once)
+        resolved = text_encoder(args.text_encoder, device="cpu", query_prompt="auto",
+                                trust_remote_code=args.trust_remote_code).query_prompt
+    else:
+        resolved = resolve_query_prompt(args.query_instruction, {})
+    log(f"query instruction: {manifest.get('query_instruction')!r} → {resolved!r} (no vector changes: KB rows "
+        "never carry it)")
+    manifest = {**manifest, "query_instruction": resolved, "query_instruction_setting": args.query_instruction}
+    write_json_atomic(manifest_path, manifest)
+    return manifest
 
 
-def _write_index(out: Path, index, rows_table: dict, skipped, settings, args, img_enc, txt_enc, kb) -> dict:
+def _assemble(out: Path, build_dir: Path, scan: KBScan, items, settings: dict, args: BuildArgs, log) -> dict:
+    """Process 0: the FAISS index from the shards (rows in KB order), rows.parquet, skipped.jsonl, the manifest."""
     import faiss
-    import open_clip
     import pyarrow as pa
     import pyarrow.parquet as pq
-    import sentence_transformers
 
+    text_metas = [json.loads(shard_paths(build_dir, k, i)[1].read_text()) for k, i in items if k == "text"]
+    image_shards = [i for k, i in items if k == "image"]
+    S = args.shard_size
+
+    @lru_cache(maxsize=8)  # rows of one image shard draw their texts from one or two text shards
+    def text_shard(j: int) -> np.ndarray:
+        return np.load(shard_paths(build_dir, "text", j)[0], allow_pickle=False)
+
+    def vectors(i: int) -> np.ndarray:
+        img = np.load(shard_paths(build_dir, "image", i)[0], allow_pickle=False)
+        tid = scan.text_id[np.asarray(json.loads(shard_paths(build_dir, "image", i)[1].read_text())["rows"], dtype=np.int64)]
+        txt = np.empty((len(tid), text_dim), np.float32)
+        for j in np.unique(tid // S):
+            sel = tid // S == j
+            txt[sel] = text_shard(int(j))[tid[sel] % S]
+        return np.concatenate([img, txt], axis=1)
+
+    text_dim = int(np.load(shard_paths(build_dir, "text", 0)[0], mmap_mode="r").shape[1]) if text_metas else 0
+    image_dim = int(np.load(shard_paths(build_dir, "image", 0)[0], mmap_mode="r").shape[1])
+    entities, skipped, used_texts, n_rows, image_devices = set(), [], set(), 0, set()
+    schema = pa.schema([("entry_id", pa.string()), ("entity_id", pa.string()), ("title", pa.string())])
+    with atomic_path(out / ROWS_FILE) as tmp, pq.ParquetWriter(tmp, schema) as writer:
+        for i in image_shards:
+            meta = json.loads(shard_paths(build_dir, "image", i)[1].read_text())
+            writer.write_table(pa.table({"entry_id": meta["entry_ids"], "entity_id": meta["entity_ids"],
+                                         "title": meta["titles"]}, schema=schema))
+            entities.update(meta["entity_ids"])
+            skipped += meta["skipped"]
+            used_texts.update(scan.text_id[np.asarray(meta["rows"], dtype=np.int64)].tolist())
+            n_rows += len(meta["rows"])
+            image_devices.add(meta["encoded_on"])
+        if n_rows == 0:
+            write_jsonl_atomic(out / SKIPPED_FILE, skipped)
+            raise ValueError(f"every row of {args.kb} was skipped; see the reasons in {out / SKIPPED_FILE}")
+        index = build_faiss_index_from_chunks(lambda: (vectors(i) for i in image_shards), args.factory,
+                                              image_dim + text_dim)
     with atomic_path(out / INDEX_FILE) as tmp:
         faiss.write_index(index, str(tmp))
-    with atomic_path(out / ROWS_FILE) as tmp:
-        pq.write_table(pa.table(rows_table), tmp)
     write_jsonl_atomic(out / SKIPPED_FILE, skipped)
+    first_text = text_metas[0]
+    for m in text_metas[1:]:
+        if (m["max_seq_length"], m["query_instruction"]) != (first_text["max_seq_length"], first_text["query_instruction"]):
+            raise ValueError("text shards were encoded with different max_seq_length or query instruction; "
+                             "start again with --overwrite")
     manifest = {
         **settings,
-        "image_dim": img_enc.dim, "text_dim": txt_enc.dim, "dim": img_enc.dim + txt_enc.dim,
-        "rows": int(index.ntotal), "entities": len(set(rows_table["entity_id"])), "skipped": len(skipped),
-        "kb_path": str(kb.resolve()), "images_root": str(Path(args.images_root or kb.parent).resolve()),
-        "trust_remote_code": args.trust_remote_code,
-        "versions": {"faiss": faiss.__version__, "open_clip": open_clip.__version__,
-                     "sentence_transformers": sentence_transformers.__version__},
+        "build": settings,
+        "text_max_seq_length": first_text["max_seq_length"],
+        "query_instruction": first_text["query_instruction"], "query_instruction_setting": args.query_instruction,
+        "image_processor": (args.image_processor or args.image_encoder[len("hf:"):])
+        if args.image_encoder.startswith("hf:") else None,
+        "image_dim": image_dim, "text_dim": text_dim, "dim": image_dim + text_dim,
+        "rows": int(index.ntotal), "entities": len(entities), "skipped": len(skipped),
+        "text_rows": n_rows, "texts_encoded": sum(m["texts"] for m in text_metas), "texts_used": len(used_texts),
+        "texts_truncated": sum(m["truncated"] for m in text_metas),
+        "encoded_on": {"image": sorted(image_devices), "text": sorted({m["encoded_on"] for m in text_metas})},
+        "kb_path": str(Path(args.kb).resolve()), "images_root": str(Path(args.images_root or Path(args.kb).parent).resolve()),
+        "versions": _versions(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     write_json_atomic(out / MANIFEST_FILE, manifest)  # written last: its presence means the index is complete
+    log(f"assembled {manifest['rows']:,} rows × {manifest['dim']} dims ({args.factory}); text encoder max "
+        f"{manifest['text_max_seq_length']} tokens ({manifest['texts_truncated']:,} texts truncated), query "
+        f"instruction {manifest['query_instruction']!r}")
     return manifest
 
 
+def _versions() -> dict:
+    import faiss
+    import open_clip
+    import sentence_transformers
+    import torch
+    import transformers
+
+    return {"faiss": faiss.__version__, "open_clip": open_clip.__version__, "torch": torch.__version__,
+            "sentence_transformers": sentence_transformers.__version__, "transformers": transformers.__version__}
+
+
 def main(argv=None) -> None:
+    import torch
+    from accelerate import PartialState
+
     from retrieval.cli import parse
 
     (args,) = parse((BuildArgs,), argv, description=__doc__)
-    build_index(args)
+    validate(args)
+    cpu = (args.device or "").startswith("cpu") or not torch.cuda.is_available()
+    # the first accelerate state of the process: under torchrun on CPUs it must know cpu=True, or every process
+    # believes it is alone; the timeout bounds how long a process that finished early waits for the others
+    state = PartialState(cpu=cpu, timeout=timedelta(minutes=args.dist_timeout_minutes))
+    build_index(args, state=state)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,11 @@ image side (open_clip)
     ``EVA02-E-14-plus@laion2b_s9b_b144k``  any open_clip model name, optionally ``@pretrained-tag``
     ``hf-hub:org/repo``               an open_clip model on the Hugging Face hub
     ``local-dir:/path``               an open_clip model saved in a local folder
+image side (transformers)
+    ``hf:org/repo`` or ``hf:/path``   a CLIP-style transformers model: the image tower only, its pooled (projected)
+                                      features; ``CLIPVisionModelWithProjection`` for ``clip`` checkpoints, else
+                                      ``AutoModel`` (EVA-CLIP-8B: ``hf:BAAI/EVA-CLIP-8B``, remote code, only with
+                                      ``trust_remote_code``); its image processor from the model folder or named
 
 text side (sentence-transformers)
     ``tiny``                          a seeded, randomly initialised tiny BERT built offline
@@ -16,7 +21,10 @@ text side (sentence-transformers)
 Every encoder returns L2-normalised float32 numpy arrays and encodes in batches on an explicit device (default:
 this process's own, ``cuda:LOCAL_RANK`` or ``cpu``, see retrieval.placement): the image tower in fp16 on a GPU, the
 text model in bf16 on a GPU, fp32 on the CPU; each logs its device and dtype once. Only the vision tower of a CLIP
-model is kept. ``check_*_name`` validate a name without loading any model.
+model is kept. An image encoder's ``preprocess`` (PIL image → tensor) runs in DataLoader workers
+(retrieval.image_data) and ``encode_pixels`` takes the stacked batch. The text encoder's maximum sequence length is
+explicit (long texts are truncated by its tokenizer, special tokens kept), and its query instruction is applied to
+queries only, never to KB rows. ``check_*_name`` validate a name without loading any model.
 """
 
 from __future__ import annotations
@@ -53,6 +61,11 @@ def check_image_encoder_name(name: str) -> str:
         raise ValueError(f"image encoder name must be a non-empty string, got {name!r}")
     if name == "tiny" or name.startswith("hf-hub:"):
         return name
+    if name.startswith("hf:"):
+        target = name[len("hf:"):]
+        if not target or (target.startswith((".", "/")) and not Path(target).is_dir()):
+            raise ValueError(f"image encoder {name!r}: expected hf:org/repo or hf:/a/local/folder that exists")
+        return name
     if name.startswith("local-dir:"):
         path = Path(name[len("local-dir:"):])
         if not path.is_dir():
@@ -63,7 +76,7 @@ def check_image_encoder_name(name: str) -> str:
     model, _, tag = name.partition("@")
     if model not in open_clip.list_models():
         raise ValueError(
-            f"unknown image encoder {name!r}: expected 'tiny', 'hf-hub:…', 'local-dir:…' or an open_clip "
+            f"unknown image encoder {name!r}: expected 'tiny', 'hf:…', 'hf-hub:…', 'local-dir:…' or an open_clip "
             f"model name such as EVA02-E-14-plus@laion2b_s9b_b144k"
         )
     if tag and tag not in open_clip.list_pretrained_tags_by_model(model) and not Path(tag).is_file():
@@ -128,25 +141,117 @@ class ImageEncoder:
         del model
         self.model = tower.to(self.device, self.dtype).eval().requires_grad_(False)
         self.preprocess = preprocess
-        with torch.no_grad():
-            probe = preprocess(_blank_image()).unsqueeze(0).to(self.device, self.dtype)
-            self.dim = int(self.model(probe).shape[-1])
+        self.dim = int(self.encode_pixels(preprocess(_blank_image()).unsqueeze(0)).shape[-1])
         log.info("image encoder %s: vision tower only, %s, %s, %d-d", name, self.device,
                  str(self.dtype).replace("torch.", ""), self.dim)
 
-    def encode(self, images) -> np.ndarray:
-        """Encode a list of PIL images."""
+    def encode_pixels(self, x) -> np.ndarray:
+        """Embeddings of a batch of preprocessed images (``preprocess`` outputs, stacked), L2-normalised float32."""
         import torch
 
-        out = []
-        for start in range(0, len(images), self.batch_size):
-            batch = [self.preprocess(img.convert("RGB")) for img in images[start:start + self.batch_size]]
-            x = torch.stack(batch).to(self.device, self.dtype)
-            with torch.no_grad():
-                out.append(self.model(x).float().cpu().numpy())
-        if not out:
-            return np.zeros((0, self.dim), dtype=np.float32)
-        return l2_normalize(np.concatenate(out))
+        with torch.no_grad():
+            out = self.model(x.to(self.device, self.dtype)).float().cpu().numpy()
+        return l2_normalize(out)
+
+    def encode(self, images) -> np.ndarray:
+        """Encode a list of PIL images (preprocessed here, in this process)."""
+        return encode_in_batches(self, images)
+
+
+def encode_in_batches(encoder, images) -> np.ndarray:
+    import torch
+
+    out = [encoder.encode_pixels(torch.stack([encoder.preprocess(img.convert("RGB"))
+                                              for img in images[s:s + encoder.batch_size]]))
+           for s in range(0, len(images), encoder.batch_size)]
+    return np.concatenate(out) if out else np.zeros((0, encoder.dim), dtype=np.float32)
+
+
+class HFPreprocess:
+    """PIL image → pixel tensor with a transformers image processor (picklable, for DataLoader workers)."""
+
+    def __init__(self, processor):
+        self.processor = processor
+
+    def __call__(self, img):
+        return self.processor(images=img.convert("RGB"), return_tensors="pt")["pixel_values"][0]
+
+
+class HFImageEncoder:
+    """The image tower of a CLIP-style transformers model → its pooled, projected features, L2-normalised float32.
+
+    ``clip`` checkpoints load as ``CLIPVisionModelWithProjection`` (the text tower's weights are never loaded); other
+    models (EVA-CLIP-8B's remote code, SigLIP, …) load through ``AutoModel`` and are asked for image features by
+    ``get_image_features`` or ``encode_image``; their text tower is dropped after loading. Remote code runs only when
+    ``trust_remote_code`` is set. The image processor is the model folder's own, or ``image_processor`` (EVA-CLIP-8B
+    ships none: its model card preprocesses with ``openai/clip-vit-large-patch14``'s).
+    """
+
+    TEXT_PARTS = ("text_model", "text_projection")  # EVA-CLIP-8B's and CLIP's names (EchoSight deletes the same)
+
+    def __init__(self, name: str, device: str | None = None, batch_size: int = 64, image_processor: str | None = None,
+                 trust_remote_code: bool = False):
+        import torch
+        from transformers import AutoConfig, AutoImageProcessor, AutoModel, CLIPVisionModelWithProjection
+
+        from retrieval.placement import log, resolve_device
+
+        self.name = check_image_encoder_name(name)
+        path = name[len("hf:"):]
+        self.device = resolve_device(device)
+        self.batch_size = batch_size
+        self.dtype = torch.float16 if self.device.startswith("cuda") else torch.float32
+        try:
+            config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        except ValueError as e:
+            if "trust_remote_code" not in str(e):
+                raise
+            raise ValueError(f"image encoder {name!r} is defined by remote code in its repository; set "
+                             "trust_remote_code: true to run it") from None
+        remote = "AutoModel" in (getattr(config, "auto_map", None) or {})
+        if remote and not trust_remote_code:  # EVA-CLIP-8B: model_type "clip", but its own EvaCLIPModel code
+            raise ValueError(f"image encoder {name!r} is defined by remote code in its repository "
+                             f"({config.auto_map['AutoModel']}); set trust_remote_code: true to run it")
+        if config.model_type == "clip" and not remote:
+            from transformers.utils import logging as hf_logging
+
+            verbosity = hf_logging.get_verbosity()
+            hf_logging.set_verbosity_error()  # the text tower's weights are left out on purpose: no load report
+            try:
+                model = CLIPVisionModelWithProjection.from_pretrained(path, dtype=self.dtype)
+            finally:
+                hf_logging.set_verbosity(verbosity)
+            self._features = lambda pixel_values: model(pixel_values=pixel_values).image_embeds
+        else:
+            model = AutoModel.from_pretrained(path, dtype=self.dtype, trust_remote_code=trust_remote_code)
+            for part in self.TEXT_PARTS:  # the text tower is not used; free it before moving to the device
+                if isinstance(getattr(model, part, None), torch.nn.Module):
+                    setattr(model, part, None)
+            method = getattr(model, "get_image_features", None) or getattr(model, "encode_image", None)
+            if method is None:
+                raise ValueError(f"image encoder {name!r}: {type(model).__name__} has neither get_image_features "
+                                 "nor encode_image")
+            self._features = method
+        self.model = model.to(self.device).eval().requires_grad_(False)
+        self.image_processor = image_processor or path
+        self.preprocess = HFPreprocess(AutoImageProcessor.from_pretrained(self.image_processor))
+        self.dim = int(self.encode_pixels(self.preprocess(_blank_image())[None]).shape[-1])
+        log.info("image encoder %s: %s image tower only, %s, %s, %d-d, image processor %s", name,
+                 type(model).__name__, self.device, str(self.dtype).replace("torch.", ""), self.dim,
+                 self.image_processor)
+
+    def encode_pixels(self, x) -> np.ndarray:
+        import torch
+
+        with torch.no_grad():
+            out = self._features(pixel_values=x.to(self.device, self.dtype))
+        if not isinstance(out, torch.Tensor):  # transformers 5: a ModelOutput whose pooler_output is projected
+            out = getattr(out, "image_embeds", None) if getattr(out, "image_embeds", None) is not None \
+                else out.pooler_output
+        return l2_normalize(out.float().cpu().numpy())
+
+    def encode(self, images) -> np.ndarray:
+        return encode_in_batches(self, images)
 
 
 def _blank_image():
@@ -215,10 +320,16 @@ def minilm_path() -> Path:
 
 
 class TextEncoder:
-    """sentence-transformers model → L2-normalised float32 embeddings."""
+    """sentence-transformers model → L2-normalised float32 embeddings.
+
+    ``max_seq_length``: tokens per text (None: the model's own setting); longer texts are truncated by the tokenizer,
+    which keeps the special tokens a model's pooling needs (Qwen3-Embedding pools the ``<|endoftext|>`` it appends).
+    ``query_prompt``: the instruction put before every query (``auto``: the model's own ``query`` prompt when it
+    defines one, as Qwen3-Embedding does; ``None``/``none``: no instruction). KB rows never get one.
+    """
 
     def __init__(self, name: str, device: str | None = None, batch_size: int = 128,
-                 query_prompt: str | None = None, trust_remote_code: bool = False):
+                 query_prompt: str | None = None, trust_remote_code: bool = False, max_seq_length: int | None = None):
         import torch
         from sentence_transformers import SentenceTransformer
 
@@ -227,15 +338,21 @@ class TextEncoder:
         self.name = check_text_encoder_name(name)
         self.device = resolve_device(device)
         self.batch_size = batch_size
-        self.query_prompt = query_prompt
         path = {"tiny": _tiny_text_folder, "minilm": minilm_path}.get(name, lambda: name)()
         self.dtype = torch.bfloat16 if self.device.startswith("cuda") else torch.float32
         self.model = SentenceTransformer(str(path), device=self.device, trust_remote_code=trust_remote_code,
                                          model_kwargs={"dtype": self.dtype})
         self.model.requires_grad_(False)
+        if max_seq_length is not None:
+            if int(max_seq_length) <= 0:
+                raise ValueError(f"text encoder max_seq_length must be positive, got {max_seq_length}")
+            self.model.max_seq_length = int(max_seq_length)
+        self.max_seq_length = self.model.max_seq_length
+        self.query_prompt = resolve_query_prompt(query_prompt, self.model.prompts)
         self.dim = int(self.model.get_embedding_dimension())
-        log.info("text encoder %s: %s, %s, %d-d, query instruction: %s", name, self.device,
-                 str(self.dtype).replace("torch.", ""), self.dim, repr(query_prompt) if query_prompt else "none")
+        log.info("text encoder %s: %s, %s, %d-d, max %s tokens, query instruction: %s", name, self.device,
+                 str(self.dtype).replace("torch.", ""), self.dim, self.max_seq_length,
+                 repr(self.query_prompt) if self.query_prompt else "none")
 
     def encode(self, texts: list[str], is_query: bool = False) -> np.ndarray:
         """Encode texts; queries get ``query_prompt`` prepended when one is set (KB rows never do)."""
@@ -247,11 +364,26 @@ class TextEncoder:
         return l2_normalize(emb)
 
 
-def image_encoder(name: str, device: str | None = None, batch_size: int = 64) -> ImageEncoder:
+def resolve_query_prompt(setting: str | None, model_prompts: dict | None) -> str | None:
+    """The query instruction a setting means: ``auto`` → the model's ``query`` prompt (or none), ``none``/""/None →
+    none, anything else is the instruction itself."""
+    if setting is None or setting in ("", "none"):
+        return None
+    if setting == "auto":
+        return (model_prompts or {}).get("query") or None
+    return str(setting)
+
+
+def image_encoder(name: str, device: str | None = None, batch_size: int = 64, image_processor: str | None = None,
+                  trust_remote_code: bool = False):
+    """An image encoder by name: ``hf:…`` through transformers, anything else through open_clip."""
+    if name.startswith("hf:"):
+        return HFImageEncoder(name, device=device, batch_size=batch_size, image_processor=image_processor,
+                              trust_remote_code=trust_remote_code)
     return ImageEncoder(name, device=device, batch_size=batch_size)
 
 
 def text_encoder(name: str, device: str | None = None, batch_size: int = 128, query_prompt: str | None = None,
-                 trust_remote_code: bool = False) -> TextEncoder:
+                 trust_remote_code: bool = False, max_seq_length: int | None = None) -> TextEncoder:
     return TextEncoder(name, device=device, batch_size=batch_size, query_prompt=query_prompt,
-                       trust_remote_code=trust_remote_code)
+                       trust_remote_code=trust_remote_code, max_seq_length=max_seq_length)

@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from retrieval.encoders import ImageEncoder, TextEncoder, l2_normalize
+from retrieval.encoders import ImageEncoder, TextEncoder, image_encoder, l2_normalize, resolve_query_prompt
 from retrieval.placement import configure_threads, index_to_device, log, outside_zero3_init, resolve_device
 
 INDEX_FILE = "index.faiss"
@@ -150,7 +150,7 @@ class MultimodalIndex:
 
     @classmethod
     def load(cls, path, image_encoder=None, text_encoder=None, device: str | None = None,
-             query_prompt: str | None = None, nprobe: int = 32, rank_method: str = "auto",
+             query_instruction: str | None = None, nprobe: int = 32, rank_method: str = "auto",
              search_device: str | None = None, threads: int | None = None) -> MultimodalIndex:
         """Load an index directory for this process (the policy of retrieval.placement, logged in one line).
 
@@ -160,8 +160,10 @@ class MultimodalIndex:
         ``rank_method``: "exact" (Flat indexes: matmul + segment max over all rows), "search" (FAISS top-k with a
         growing depth), "auto" (exact on a GPU, search on a CPU where FAISS Flat is faster for the same ranks within
         depth — benchmarks/reward_scale.py).
-        Encoders default to the manifest's and are built on first use; a name different from the manifest's is an
-        error that states both.
+        Encoders default to the manifest's and are built on first use, with the manifest's text length, image
+        processor and query instruction (so the reward, evaluation and the pipeline encode a query alike); a name
+        different from the manifest's is an error that states both. ``query_instruction`` overrides the manifest's
+        (``none``: no instruction).
         """
         import faiss
         import pyarrow.parquet as pq
@@ -176,6 +178,15 @@ class MultimodalIndex:
             if name is not None and name != manifest[f"{side}_encoder"]:
                 raise ValueError(f"index {path} was built with {side} encoder {manifest[f'{side}_encoder']!r}, "
                                  f"but {name!r} was requested")
+        instruction = manifest.get("query_instruction") if query_instruction is None else \
+            resolve_query_prompt(query_instruction, {})
+        if text_encoder is not None and not isinstance(text_encoder, str):
+            for what, theirs, ours in (("query instruction", text_encoder.query_prompt, instruction),
+                                       ("max_seq_length", text_encoder.max_seq_length,
+                                        manifest.get("text_max_seq_length", text_encoder.max_seq_length))):
+                if theirs != ours:
+                    raise ValueError(f"index {path} encodes queries with {what} {ours!r}, but the text encoder "
+                                     f"given has {theirs!r}")
         index = _read_faiss(path / INDEX_FILE)
         ivf = faiss.try_extract_index_ivf(index) if hasattr(faiss, "try_extract_index_ivf") else None
         if ivf is not None:
@@ -193,7 +204,7 @@ class MultimodalIndex:
                    text_encoder=text_encoder if not isinstance(text_encoder, str) else None,
                    device=device, path=path, titles=rows.get("title"), rank_method=rank_method,
                    search_device=search_device)
-        self.query_prompt = query_prompt
+        self.query_instruction = instruction
         self._faiss_cpu = cpu_index
         log.info("index %s: %d rows × %d dims, %d entities; FAISS %s on %s (%s), exact ranks: %s on %s; "
                  "%d FAISS/torch threads", path, len(self), index.d, self.num_entities, type(index).__name__,
@@ -206,7 +217,9 @@ class MultimodalIndex:
     def image_encoder(self) -> ImageEncoder:
         if self._image_encoder is None:
             with outside_zero3_init():
-                self._image_encoder = ImageEncoder(self.manifest["image_encoder"], device=self.device)
+                self._image_encoder = image_encoder(self.manifest["image_encoder"], device=self.device,
+                                                    image_processor=self.manifest.get("image_processor"),
+                                                    trust_remote_code=self.manifest.get("trust_remote_code", False))
         return self._image_encoder
 
     @property
@@ -214,8 +227,9 @@ class MultimodalIndex:
         if self._text_encoder is None:
             with outside_zero3_init():
                 self._text_encoder = TextEncoder(self.manifest["text_encoder"], device=self.device,
-                                                 query_prompt=getattr(self, "query_prompt", None),
-                                                 trust_remote_code=self.manifest.get("trust_remote_code", False))
+                                                 query_prompt=getattr(self, "query_instruction", None),
+                                                 trust_remote_code=self.manifest.get("trust_remote_code", False),
+                                                 max_seq_length=self.manifest.get("text_max_seq_length"))
         return self._text_encoder
 
     def __len__(self) -> int:
@@ -272,7 +286,34 @@ class MultimodalIndex:
         return self.image_encoder.encode(list(images))
 
     def encode_texts(self, texts: Sequence[str]) -> np.ndarray:
+        """Query texts (with the index's query instruction, if any)."""
         return self.text_encoder.encode(list(texts), is_query=True)
+
+    def encode_documents(self, texts: Sequence[str]) -> np.ndarray:
+        """KB-side texts (sections), encoded as the build encoded its rows: never with the query instruction."""
+        return self.text_encoder.encode(list(texts), is_query=False)
+
+    def encode_image_files(self, paths: Sequence, workers: int = 0, log=None) -> tuple[np.ndarray, dict[int, str]]:
+        """Embeddings of image files, decoded and preprocessed by ``workers`` DataLoader processes in batches (never
+        every image in memory at once). Returns (embeddings of the decodable ones in order, {position: why not})."""
+        from tqdm import tqdm
+
+        from retrieval.image_data import ImageFiles, Waits, batches_of, loader, timed
+
+        enc = self.image_encoder
+        data = loader(ImageFiles(paths, enc.preprocess), batches_of(range(len(paths)), enc.batch_size), workers,
+                      pin_memory=self.device.startswith("cuda"))
+        out, failed, waits = [], {}, Waits()
+        with tqdm(total=len(paths), desc="encoding query images", unit="img", disable=len(paths) < 256) as bar:
+            for batch in timed(data, waits):
+                if batch["pixels"] is not None:
+                    out.append(enc.encode_pixels(batch["pixels"]))
+                failed.update((it["i"], it["problem"]) for it in batch["failed"])
+                bar.update(len(batch["i"]) + len(batch["failed"]))
+        if log is not None:
+            log(f"query images: {len(paths) - len(failed)} encoded, {workers} decoding workers, the encoder waited "
+                f"for data {100 * waits.share:.0f}% of {waits.total:.1f}s")
+        return (np.concatenate(out) if out else np.zeros((0, enc.dim), np.float32)), failed
 
     def _as_image_emb(self, images) -> np.ndarray:
         if isinstance(images, np.ndarray):

@@ -53,10 +53,10 @@ def test_bad_rows_are_skipped_and_listed(tiny_world, tmp_path, encoders):
                               image_encoder="tiny", text_encoder="tiny", shard_size=5), encoders=encoders, **QUIET)
     skipped = {r["entry_id"]: r["reason"] for r in map(json.loads, open(out / "skipped.jsonl"))}
     assert m["rows"] == 8 and m["skipped"] == 4
-    assert "missing image" in skipped[kb[1]["entry_id"]]
+    assert "image file missing" in skipped[kb[1]["entry_id"]]
     assert skipped[kb[2]["entry_id"]] == "empty text"
     assert skipped[kb[3]["entry_id"]] == "no entity_id"
-    assert "unreadable image" in skipped[kb[4]["entry_id"]]
+    assert "image unreadable" in skipped[kb[4]["entry_id"]]
 
 
 def test_duplicate_entry_id_fails_before_encoding(tiny_world, tmp_path, monkeypatch):
@@ -82,36 +82,55 @@ def test_invalid_settings_fail_before_models_load(tiny_world, tmp_path, monkeypa
         build_index(args_for(tiny_world, tmp_path / "o", **{field: value}), **QUIET)
 
 
-def test_resume_after_kill_gives_the_same_index(tiny_world, tiny_index_dir, tmp_path, encoders, monkeypatch):
-    out = tmp_path / "idx"
-    real = bi._encode_shard
-    calls = []
-
-    def dying(records, *a, **k):
-        if len(calls) == 2:
-            raise KeyboardInterrupt("killed")
-        calls.append(len(records))
-        return real(records, *a, **k)
-
-    monkeypatch.setattr(bi, "_encode_shard", dying)
-    with pytest.raises(KeyboardInterrupt):
-        build_index(args_for(tiny_world, out, shard_size=32), encoders=encoders, **QUIET)
-    assert not (out / "manifest.json").exists() and len(list((out / "build").glob("shard-*.json"))) == 2
-
-    resumed = []
-    monkeypatch.setattr(bi, "_encode_shard", lambda records, *a, **k: resumed.append(1) or real(records, *a, **k))
-    build_index(args_for(tiny_world, out, shard_size=32), encoders=encoders, **QUIET)
-    n_shards = -(-sum(1 for _ in open(tiny_world / "kb.jsonl")) // 32)
-    assert len(resumed) == n_shards - 2  # finished shards were not encoded again
-    np.testing.assert_allclose(vectors(out), vectors(tiny_index_dir), atol=1e-6)
+def rows_table(index_dir):
     import pyarrow.parquet as pq
 
-    assert pq.read_table(out / "rows.parquet").to_pydict() == pq.read_table(tiny_index_dir / "rows.parquet").to_pydict()
+    return pq.read_table(index_dir / "rows.parquet").to_pydict()
+
+
+def die_after(monkeypatch, n: int, at: str = "save"):
+    """Interrupt the build after ``n`` shards are saved (``at="assemble"``: when the index is assembled)."""
+    import retrieval.build_shards as bs
+
+    real = bs.save_shard
+    saved = []
+
+    def dying(*a, **k):
+        if len(saved) == n:
+            raise KeyboardInterrupt("killed")
+        saved.append(a[1:3])
+        return real(*a, **k)
+
+    monkeypatch.setattr(bs, "save_shard", dying)
+    if at == "assemble":
+        monkeypatch.setattr(bi, "_assemble", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt("killed")))
+    return saved
+
+
+@pytest.mark.parametrize("killed_after", [0, 1, 3, "assemble"])
+def test_resume_after_kill_gives_the_same_index(tiny_world, tiny_index_dir, tmp_path, encoders, monkeypatch,
+                                               killed_after):
+    """Killed before any shard, after a text shard, among the image shards, or while assembling: the resumed build
+    encodes only what is missing and equals the uninterrupted one (tiny_index_dir, another shard size)."""
+    out = tmp_path / "idx"
+    n = 10**6 if killed_after == "assemble" else killed_after
+    with monkeypatch.context() as m:
+        die_after(m, n, at="assemble" if killed_after == "assemble" else "save")
+        with pytest.raises(KeyboardInterrupt):
+            build_index(args_for(tiny_world, out, shard_size=20), encoders=encoders, **QUIET)
+    assert not (out / "manifest.json").exists()
+    done = {p.stem for p in (out / "build").glob("*-*.json")}
+    resumed = die_after(monkeypatch, 10**6)
+    build_index(args_for(tiny_world, out, shard_size=20), encoders=encoders, **QUIET)
+    assert not done & {f"{kind}-{i:06d}" for kind, i in resumed}  # finished shards were not encoded again
+    assert len(done) + len(resumed) == len(bi.work_items(bi.scan_kb(tiny_world / "kb.jsonl", "{title}. {section_title}. {text}"), 20))
+    np.testing.assert_allclose(vectors(out), vectors(tiny_index_dir), atol=1e-5)
+    assert rows_table(out) == rows_table(tiny_index_dir)
 
 
 def test_partial_build_with_other_settings_is_refused(tiny_world, tmp_path, encoders, monkeypatch):
     out = tmp_path / "idx"
-    monkeypatch.setattr(bi, "_encode_shard", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+    die_after(monkeypatch, 0)
     with pytest.raises(KeyboardInterrupt):
         build_index(args_for(tiny_world, out, shard_size=32), encoders=encoders, **QUIET)
     with pytest.raises(ValueError, match="shard_size"):
@@ -119,7 +138,8 @@ def test_partial_build_with_other_settings_is_refused(tiny_world, tmp_path, enco
 
 
 def test_finished_index_is_reused(tiny_world, tiny_index_dir, encoders, monkeypatch):
-    monkeypatch.setattr(bi, "_encode_shard", lambda *a, **k: pytest.fail("re-encoded a finished index"))
+    monkeypatch.setattr(bi, "encode_text_shard", lambda *a, **k: pytest.fail("re-encoded a finished index"))
+    monkeypatch.setattr(bi, "encode_image_shards", lambda *a, **k: pytest.fail("re-encoded a finished index"))
     m = build_index(args_for(tiny_world, tiny_index_dir, shard_size=32), encoders=encoders, **QUIET)
     assert m["rows"] > 0
 

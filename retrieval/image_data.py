@@ -1,0 +1,119 @@
+"""Images read and preprocessed by a torch DataLoader with worker processes, so an encoder never waits on PIL.
+
+Two datasets: ``KBImageRows`` (index build: each worker reads its KB rows by byte offset, decodes the image and applies
+the encoder's preprocessing) and ``ImageFiles`` (evaluation: a list of image paths). An item that cannot be decoded
+comes back as a failure with the reason (``retrieval.kb.load_image``'s wording); it never stops the loader.
+``timed`` iterates a loader and measures how long the consumer waited for each batch.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from retrieval.kb import load_image
+
+
+def pixels(path: Path | None, preprocess: Callable):
+    """(tensor, None) for a decodable image, else (None, why not)."""
+    if path is None:
+        return None, "no image path"
+    img, problem = load_image(path)
+    if img is None:
+        return None, problem
+    try:
+        return preprocess(img), None
+    except Exception as e:  # a decodable file the encoder's transform cannot take (e.g. a 0-pixel image)
+        return None, f"image unreadable: {path} (preprocessing: {type(e).__name__}: {e})"
+
+
+class ImageFiles(Dataset):
+    """Item i: ``{"i": i, "pixels": tensor | None, "problem": str | None}`` for ``paths[i]``."""
+
+    def __init__(self, paths: Sequence[Path], preprocess: Callable):
+        self.paths, self.preprocess = list(paths), preprocess
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> dict:
+        x, problem = pixels(self.paths[i], self.preprocess)
+        return {"i": i, "pixels": x, "problem": problem}
+
+
+class KBImageRows(Dataset):
+    """Item = a KB row number: the row's ids and title, and its image preprocessed (or why not). The KB file is
+    opened once per worker; rows are read by seeking to ``offsets[row]``."""
+
+    def __init__(self, kb: Path, offsets: np.ndarray, root: Path, preprocess: Callable):
+        self.kb, self.offsets, self.root, self.preprocess = Path(kb), offsets, Path(root), preprocess
+        self._fh = None
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def __getitem__(self, row: int) -> dict:
+        if self._fh is None:
+            self._fh = open(self.kb, "rb")
+        self._fh.seek(int(self.offsets[row]))
+        rec = json.loads(self._fh.readline())
+        rel = rec.get("image")
+        x, problem = pixels(self.root / rel if rel else None, self.preprocess)
+        return {"i": int(row), "pixels": x, "problem": problem, "entry_id": str(rec["entry_id"]),
+                "entity_id": str(rec.get("entity_id")), "title": str(rec.get("title") or "")}
+
+
+def collate(items: list[dict]) -> dict:
+    """A batch: the decodable items' pixels stacked, their fields as lists; failures listed with their reason."""
+    ok = [it for it in items if it["pixels"] is not None]
+    batch = {k: [it[k] for it in ok] for k in items[0] if k not in ("pixels", "problem")}
+    batch["pixels"] = torch.stack([it["pixels"] for it in ok]) if ok else None
+    batch["failed"] = [it for it in items if it["pixels"] is None]
+    for it in batch["failed"]:
+        it.pop("pixels")
+    return batch
+
+
+def loader(dataset: Dataset, batches: list[list[int]], workers: int, pin_memory: bool = False) -> DataLoader:
+    """Batches in the given order (``batches``: lists of item indices), decoded by ``workers`` processes."""
+    return DataLoader(dataset, batch_sampler=batches, num_workers=workers, collate_fn=collate,
+                      pin_memory=pin_memory, prefetch_factor=4 if workers else None)
+
+
+def batches_of(indices: Sequence[int], size: int) -> list[list[int]]:
+    indices = [int(i) for i in indices]
+    return [indices[s:s + size] for s in range(0, len(indices), size)]
+
+
+class Waits:
+    """Seconds the consumer spent waiting for batches (``waited``) against the whole loop (``total``)."""
+
+    def __init__(self):
+        self.waited = 0.0
+        self.start = time.perf_counter()
+
+    @property
+    def total(self) -> float:
+        return time.perf_counter() - self.start
+
+    @property
+    def share(self) -> float:
+        return self.waited / self.total if self.total > 0 else 0.0
+
+
+def timed(batches, waits: Waits) -> Iterator[dict]:
+    it = iter(batches)
+    while True:
+        t0 = time.perf_counter()
+        try:
+            batch = next(it)
+        except StopIteration:
+            return
+        waits.waited += time.perf_counter() - t0
+        yield batch
