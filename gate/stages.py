@@ -178,7 +178,7 @@ def choose_sections(st: Stages, images, questions, text_emb, hits) -> list[dict]
     flat = [e for art in chosen_articles for e in art]
     new = list({e["entry_id"]: e for e in flat if e["entry_id"] not in st.section_emb}.values())
     if new:  # each section is embedded once per run
-        emb = index.encode_texts([template.format(**{"section_title": "", **e}) for e in new])
+        emb = index.encode_documents([template.format(**{"section_title": "", **e}) for e in new])
         st.section_emb.update({e["entry_id"]: v for e, v in zip(new, emb)})
     sims = np.stack([st.section_emb[e["entry_id"]] for e in flat]) if flat else None
     rr2 = st.reranker.score(images, questions, [[section_text(e) for e in art] for art in chosen_articles]) \

@@ -53,6 +53,29 @@ def rows_view(index) -> torch.Tensor:
     return torch.from_numpy(raw.view(np.int16)).view(STORAGE[storage]).view(n, d)
 
 
+class StoredRows:
+    """The rows of any FAISS index as stored (an HNSW or IVF index's vectors, decoded), chunk by chunk, never all at
+    once: what ``ExactRanker`` needs of its ``rows``, so approximate search can be checked against an exact search
+    over the same vectors (retrieval.evaluate)."""
+
+    def __init__(self, index):
+        import faiss
+
+        ivf = faiss.try_extract_index_ivf(index) if hasattr(faiss, "try_extract_index_ivf") else None
+        if ivf is not None:
+            ivf.make_direct_map()  # IVF reconstruction by row id
+        self.index = index
+        self.shape = (index.ntotal, index.d)
+        self.device = torch.device("cpu")
+
+    def __len__(self) -> int:
+        return self.index.ntotal
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        start, stop = rows.start or 0, min(rows.stop, self.index.ntotal)
+        return torch.from_numpy(self.index.reconstruct_n(start, stop - start))
+
+
 class ExactRanker:
     """Exact entity ranks for queries against ``rows`` (n × d) whose entities are ``row_entity`` (n ints)."""
 

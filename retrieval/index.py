@@ -380,6 +380,23 @@ class MultimodalIndex:
         return [Hit(str(self.entity_names[e]), self.entry_ids[r], float(s))
                 for e, r, s in zip(ranked.entities[:k], ranked.rows[:k], ranked.scores[:k])]
 
+    @property
+    def is_approximate(self) -> bool:
+        """True for an index whose search is approximate (HNSW, IVF, …), False for Flat / SQfp16 / SQbf16."""
+        from retrieval.exact import flat_storage
+
+        return flat_storage(self._cpu_faiss()) is None
+
+    def reference_ranks(self, image_emb: np.ndarray, text_emb: np.ndarray, entity_ids: Sequence[str],
+                        alpha: float) -> list[int | None]:
+        """Exact gold-entity ranks over every stored vector (a Flat search over the same rows), for checking an
+        approximate index; rows are decoded chunk by chunk on the CPU."""
+        from retrieval.exact import ExactRanker, StoredRows
+
+        q, _ = query_vectors(image_emb, text_emb, check_alpha(alpha))
+        ranker = ExactRanker(StoredRows(self._cpu_faiss()), self.row_entity, self.num_entities)
+        return ranker.ranks(q, [self.entity_index.get(e, -1) for e in entity_ids])
+
     def entity_ranks(self, images, texts, entity_ids: Sequence[str], alpha: float,
                      depth: int = 200) -> list[int | None]:
         """1-based rank of each gold entity among unique entities; ``None`` when deeper than ``depth``."""

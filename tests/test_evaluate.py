@@ -120,3 +120,58 @@ def test_missing_index_or_queries_named(tiny_index_dir, tmp_path):
         ev.run(EvalArgs(index=str(tmp_path), queries="x", alpha=0.5))
     with pytest.raises(ValueError, match="--queries"):
         ev.run(EvalArgs(index=str(tiny_index_dir), queries=str(tmp_path / "none.jsonl"), alpha=0.5))
+
+
+def test_query_images_stream_through_workers_and_a_corrupt_one_is_excluded(tiny_index_dir, tiny_world, tmp_path,
+                                                                           monkeypatch, encoders):
+    real_load = ev.MultimodalIndex.load
+    monkeypatch.setattr(ev.MultimodalIndex, "load", lambda p, **k: real_load(p, *encoders))
+    rows = [json.loads(x) for x in open(tiny_world / "test.jsonl")][:8]
+    (tmp_path / "broken.png").write_bytes(b"not a png")
+    rows[2]["image"] = str(tmp_path / "broken.png")
+    q = tmp_path / "q.jsonl"
+    q.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    by_workers = [run(tiny_index_dir, q, tmp_path / str(w), alpha=0.5, images_root=str(tiny_world), workers=w)
+                  for w in (0, 2)]
+    for res in by_workers:
+        assert res["excluded"] == {"image unreadable": 1} and res["results"]["0.5"]["question"]["n"] == 7
+    assert by_workers[0]["results"] == by_workers[1]["results"]
+    ranks = [json.loads(x)["id"] for x in open(tmp_path / "2" / "ev" / "ranks.jsonl")]
+    assert ranks == [r["id"] for i, r in enumerate(rows) if i != 2]
+
+
+@pytest.mark.parametrize("factory", ["HNSW8,Flat", "IVF4,Flat"])
+def test_an_approximate_index_is_reported_against_flat(tiny_world, tiny_index, tiny_index_dir, tmp_path, encoders,
+                                                       monkeypatch, factory):
+    """The Flat reference of an approximate index is an exact search over the same vectors: its ranks equal the
+    exact ranks of the Flat index built from the same KB, and evaluate prints both with their agreement."""
+    from retrieval import MultimodalIndex
+    from retrieval.build_index import BuildArgs, build_index
+
+    out = tmp_path / "idx"
+    build_index(BuildArgs(kb=str(tiny_world / "kb.jsonl"), out=str(out), image_encoder="tiny", text_encoder="tiny",
+                          factory=factory, shard_size=32), encoders=encoders, **QUIET)
+    approx = MultimodalIndex.load(out, *encoders, nprobe=1)  # IVF: 1 of 4 lists, often not the gold entity's
+    assert approx.is_approximate and not tiny_index.is_approximate
+    rows = [json.loads(x) for x in open(tiny_world / "test.jsonl")]
+    from PIL import Image
+
+    img = approx.encode_images([Image.open(tiny_world / r["image"]) for r in rows])
+    txt = approx.encode_texts([r["question"] for r in rows])
+    from retrieval.index import query_vectors
+
+    q, _ = query_vectors(img, txt, 0.5)
+    gold = [r["entity_id"] for r in rows]
+    assert approx.reference_ranks(img, txt, gold, 0.5) == tiny_index.exact.ranks(q, [tiny_index.entity_index[g]
+                                                                                       for g in gold])
+    real_load = ev.MultimodalIndex.load
+    monkeypatch.setattr(ev.MultimodalIndex, "load", lambda p, **k: real_load(p, *encoders, nprobe=1))
+    lines = []
+    res = ev.run(EvalArgs(index=str(out), queries=str(tiny_world / "test.jsonl"), alpha=0.5, k="1,5",
+                          out=str(tmp_path / "e")), log=lines.append)["results"]["0.5"]
+    flat = run(tiny_index_dir, tiny_world / "test.jsonl", tmp_path / "flat", alpha=0.5, k="1,5")["results"]["0.5"]
+    for k in ("R@1", "R@5"):
+        assert res["question (Flat reference)"][k] == pytest.approx(flat["question"][k])
+    assert 0 <= res["question"]["same_rank_as_flat"] <= 100
+    assert any("same rank as an exact search over the same vectors" in x for x in lines)
+    assert "| question (Flat reference) |" in "\n".join(lines)
