@@ -88,7 +88,8 @@ def build_real_width_embedder(out: str | Path, corpus: list[str], layers: int = 
                               vocab_size: int = 1024) -> Path:
     """A sentence-transformers folder shaped like Qwen3-Embedding-0.6B: its Qwen3 config cut to ``layers`` layers,
     modules Transformer → Pooling(lasttoken) → Normalize, the published query prompt, a local byte-level BPE that
-    pads on the left and appends ``<|endoftext|>`` to every text (as the real tokenizer's post-processor does)."""
+    pads on the left and appends ``<|endoftext|>`` to every text (as the real tokenizer's post-processor does), read
+    as plain text like the hub folder (no chat template applied)."""
     import torch
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
@@ -119,5 +120,10 @@ def build_real_width_embedder(out: str | Path, corpus: list[str], layers: int = 
             pool = Pooling(word.get_embedding_dimension(), pooling_mode="lasttoken")
             SentenceTransformer(modules=[word, pool, Normalize()], device="cpu",
                                 prompts={k: v for k, v in st_config["prompts"].items() if v}).save(str(folder))
+        # The hub folder was saved by a sentence-transformers older than 6, whose sentence_bert_config.json has no
+        # modality_config: version 6 then reads plain text, never the tokenizer's chat template. Written the same
+        # way here (version 6 would otherwise render every text through this tokenizer's chat template).
+        (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 512,
+                                                                     "do_lower_case": False}))
 
     return _atomic_folder(Path(out), write)

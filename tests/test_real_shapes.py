@@ -355,3 +355,21 @@ def test_retrieval_reward_at_1024_plus_1024_matches_a_numpy_brute_force(real_tex
     print(f"\nbrute-force ranks (lo, hi) per completion: {ranks}\nrewards: {out}")
     assert all(math.isfinite(x) for x in out)
     assert len({x for x, q in zip(out, queries) if q is not None}) > 1  # the ranks spread over several tiers
+
+
+def test_truncated_sections_keep_the_token_qwen3_embedding_pools(real_embedder):
+    """A section longer than max_seq_length is cut by the tokenizer with <|endoftext|> still last: last-token pooling
+    reads the end-of-text state of the kept prefix, as the model expects (not a token from mid-section)."""
+    from retrieval.encoders import text_encoder
+
+    enc = text_encoder(str(real_embedder), device="cpu", max_seq_length=12)
+    tok = enc.model.tokenizer
+    eos = tok.convert_tokens_to_ids("<|endoftext|>")
+    long = "The Holhol is a green striped diamond. " * 20
+    features = enc.model.tokenize([long, "a red star"])
+    ids, mask = features["input_ids"], features["attention_mask"]
+    assert ids.shape[1] == 12 and ids[0, -1] == eos and ids[1, -1] == eos and mask[1, 0] == 0
+    full = tok(long)["input_ids"]
+    assert len(full) > 12 and ids[0, :-1].tolist() == full[:11]  # the first 11 tokens of the section, then <eos>
+    np.testing.assert_allclose(enc.encode([long]), text_encoder(str(real_embedder), device="cpu",
+                                                                max_seq_length=12).encode([long + " more"]), atol=1e-5)
