@@ -1,16 +1,14 @@
-"""Index build throughput (KB rows/s) and peak memory of ``retrieval.build_index`` with the tiny encoders.
+"""Index build: rows/s, peak memory and the encoder's wait for decoded images, against DataLoader decoding workers
+and build processes; peak memory against KB size; text encodings saved by section dedup.
 
-For each KB size a synthetic KB in the canonical format ({entry_id, entity_id, title, section_title, text, image})
-is written to a temp dir: texts are the toy world's sections, images point round-robin into a pool of distinct
-56×56 toy-world PNGs (so writing image files does not dominate). The build then runs in a fresh subprocess
-(``retrieval.build_index.main([... --image_encoder tiny --text_encoder tiny --device cpu ...])``) that reports its
-own peak RSS (``resource.getrusage(RUSAGE_SELF).ru_maxrss``). A baseline subprocess that only imports the same
-libraries and builds the two tiny encoders is measured the same way; its wall time is subtracted for rows/s and
-its peak RSS for "RSS above baseline". The build streams the KB shard by shard, so memory above the baseline
-should be about the index itself (rows × dim × 4 bytes, held a few times over while the shards are concatenated
-and added to FAISS), not the KB.
+Synthetic KBs in the canonical format, written to a temp dir: each article's section is paired with ``--per-section``
+images (as E-VQA pairs every image of an article with one of its sections), texts are toy-world sections made longer,
+images are distinct JPEG photos of ``--photo`` pixels (noise over gradients, so decoding costs what a real photo
+costs). Every build runs in fresh processes (``python -m retrieval.build_index``, or ``torchrun --nproc_per_node 2
+retrieval/build_index.py`` — `accelerate launch --cpu` starts one process only); each build process reports its own
+peak RSS (``ru_maxrss``) and the peak of its decoding workers (``RUSAGE_CHILDREN``).
 
-    .venv/bin/python benchmarks/build.py [--sizes 1000,10000] [--pool 200] [--shard-size 1024] [--batch-size 64]
+    .venv/bin/python benchmarks/build.py [--rows 1200] [--sizes 10000,50000,200000] [--image-models tiny,ViT-S-32]
 """
 
 import argparse
@@ -29,108 +27,171 @@ import numpy as np
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from retrieval.toyworld import make_entities, render, sections  # noqa: E402
+from retrieval.toyworld import make_entities, sections  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-parser.add_argument("--sizes", default="1000,10000", help="comma-separated KB row counts")
-parser.add_argument("--pool", type=int, default=200, help="distinct PNG images the KB rows point at")
-parser.add_argument("--shard-size", type=int, default=1024, help="KB rows per build shard")
-parser.add_argument("--batch-size", type=int, default=64, help="encoder batch size")
+parser.add_argument("--rows", type=int, default=1200, help="KB rows for the workers × processes table")
+parser.add_argument("--sizes", default="10000,50000,200000", help="KB rows for the memory table (tiny encoders)")
+parser.add_argument("--image-models", default="tiny,ViT-S-32", help="open_clip image models for the first table")
+parser.add_argument("--photo", default="800x600", help="size of the synthetic JPEG photos")
+parser.add_argument("--pool", type=int, default=300, help="distinct photos")
+parser.add_argument("--per-section", type=int, default=3, help="images paired with each section")
+parser.add_argument("--shard-size", type=int, default=256)
+parser.add_argument("--batch-size", type=int, default=32)
 args = parser.parse_args()
-sizes = [int(s) for s in args.sizes.split(",")]
 
 tmp = Path(tempfile.mkdtemp(prefix="bench-build-"))
 env = dict(os.environ, REFINE_RL_CACHE=os.environ.get("REFINE_RL_CACHE") or str(tmp / "cache"),
-           PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-
-# Run in a fresh interpreter; prints one JSON line with its own peak RSS (ru_maxrss is in KiB on Linux).
-CHILD = """
+           PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
+           TOKENIZERS_PARALLELISM="false")
+CHILD = tmp / "child.py"
+CHILD.write_text("""
 import json, resource, sys
-argv = json.loads(sys.argv[1])
-if argv:
-    from retrieval.build_index import main
-    main(argv)
-else:  # baseline: the build's imports and the two tiny encoders, no KB
-    import faiss, open_clip, pyarrow.parquet, sentence_transformers, torch, tqdm, trl
-    from retrieval.encoders import image_encoder, text_encoder
-    image_encoder("tiny", device="cpu"), text_encoder("tiny", device="cpu")
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-print("RESULT " + json.dumps({"peak_rss": peak}))
-"""
+from retrieval.build_index import main
+main(sys.argv[1:])
+me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+print("RESULT " + json.dumps({"peak": me.ru_maxrss * 1024, "workers_peak": kids.ru_maxrss * 1024}), flush=True)
+""")
 
 
-def run_child(argv):
-    """Run CHILD in a subprocess; returns (wall s incl. interpreter start, its RESULT dict, its stdout)."""
+def build(kb: Path, out: Path, image_model: str, text_model: str, workers: int, processes: int, images_root: Path,
+          photos: bool = True):
+    argv = ["--kb", str(kb), "--images_root", str(images_root), "--out", str(out), "--image_encoder", image_model,
+            "--text_encoder", text_model, "--shard_size", str(args.shard_size), "--batch_size", str(args.batch_size),
+            "--workers", str(workers), "--device", "cpu", "--overwrite", "true"]
+    if processes == 1:
+        cmd = [sys.executable, str(CHILD), *argv]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port",
+               str(29500 + os.getpid() % 1000), str(CHILD), *argv]
     t0 = time.perf_counter()
-    p = subprocess.run([sys.executable, "-c", CHILD, json.dumps(argv)], env=env, cwd=REPO,
-                       capture_output=True, text=True)
+    p = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
     wall = time.perf_counter() - t0
+    log = p.stdout + p.stderr
     if p.returncode != 0:
-        sys.exit(f"child failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
-    line = next(x for x in p.stdout.splitlines() if x.startswith("RESULT "))
-    return wall, json.loads(line[len("RESULT "):]), p.stdout
+        sys.exit(f"build failed ({p.returncode}):\n{log[-5000:]}")
+    results = [json.loads(x[len("RESULT "):]) for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+    manifest = json.loads((out / "manifest.json").read_text())
+    waits = [int(w) for w in re.findall(r"encoder waited for decoded images (\d+)%", log)]
+    encode_s = [float(s) for s in re.findall(r"images encoded in ([0-9.]+)s", log)]
+    built_s = float(re.search(r"texts encoded for [0-9,]+ rows, ([0-9.]+)s", log).group(1))
+    return dict(wall=wall, built_s=built_s, manifest=manifest, peak=max(r["peak"] for r in results),
+                workers_peak=max(r["workers_peak"] for r in results), wait=max(waits) if waits else 0,
+                image_s=max(encode_s) if encode_s else 0.0)
 
 
-# ------------------------------------------------------------------ synthetic KB: an image pool and rows
-entities = make_entities(min(args.pool, 192), seed=0)
+# ------------------------------------------------------------------ synthetic KB
+entities = make_entities(192, seed=0)
 rng = np.random.default_rng(1)
-(tmp / "images").mkdir()
-pool = []  # (image path, entity)
+w, h = (int(x) for x in args.photo.split("x"))
+(tmp / "photos").mkdir()
+from PIL import Image  # noqa: E402
+
+yy, xx = np.mgrid[0:h, 0:w]
 for i in range(args.pool):
-    e = entities[i % len(entities)]
-    path = f"images/pool{i:04d}.png"
-    render(e, rng).save(tmp / path)
-    pool.append((path, e))
+    base = np.stack([(xx * (i % 7 + 1) + yy) % 256, (yy * (i % 5 + 1)) % 256, (xx + yy * (i % 3 + 1)) % 256], -1)
+    img = np.clip(base + rng.normal(0, 25, base.shape), 0, 255).astype(np.uint8)
+    Image.fromarray(img).save(tmp / "photos" / f"p{i:04d}.jpg", quality=90)
+(tmp / "small").mkdir()
+for i in range(args.pool):
+    Image.fromarray(rng.integers(0, 255, (56, 56, 3), dtype=np.uint8)).save(tmp / "small" / f"s{i:04d}.png")
 
 
-def write_kb(n):
-    """n rows: each KB entity has one image and the toy world's two sections (like the toy world's KB)."""
-    kb = tmp / f"kb-{n}.jsonl"
+def write_kb(n: int, folder: str, ext: str) -> Path:
+    """n rows; each (article, section) pair has ``per_section`` images; ~1,000-character sections."""
+    kb = tmp / f"kb-{n}-{folder}.jsonl"
     with open(kb, "w") as f:
         for j in range(n):
-            image, e = pool[(j // 2) % len(pool)]
-            section_title, text = sections(e)[j % 2]
-            f.write(json.dumps(dict(entry_id=f"R{j:08d}", entity_id=f"K{j // 2:07d}", title=e["name"],
-                                    section_title=section_title, text=text, image=image)) + "\n")
+            s = j // args.per_section  # the section this row's image belongs to
+            e = entities[s % len(entities)]
+            title, text = sections(e)[s % 2]
+            text = f"{text} " + " ".join(f"Article {s // 2}, paragraph {p}: {text}" for p in range(6))
+            f.write(json.dumps(dict(entry_id=f"R{j:08d}", entity_id=f"K{s // 2:07d}", title=f"{e['name']} {s // 2}",
+                                    section_title=title, text=text,
+                                    image=f"{folder}/{'p' if ext == 'jpg' else 's'}{j % args.pool:04d}.{ext}")) + "\n")
     return kb
 
 
-# ------------------------------------------------------------------ baseline and builds
 print("load average at start: %.2f %.2f %.2f (other work on the machine skews the timings)" % os.getloadavg())
-print(f"temp dir {tmp}; REFINE_RL_CACHE={env['REFINE_RL_CACHE']}; {os.cpu_count()} CPUs", flush=True)
-run_child([])  # warm-up: builds the tiny text model into the cache, warms the page cache
-base_wall, base, _ = run_child([])
-print(f"baseline (imports + two tiny encoders): {base_wall:.1f} s, peak RSS {base['peak_rss'] / 2**20:.0f} MB",
+print(f"temp dir {tmp}; {os.cpu_count()} CPUs; photos {args.photo} JPEG; {args.per_section} images per section",
       flush=True)
 
-results = []
-for n in sizes:
-    kb = write_kb(n)
-    out = tmp / f"index-{n}"
-    wall, res, log = run_child(["--kb", str(kb), "--out", str(out), "--image_encoder", "tiny",
-                                "--text_encoder", "tiny", "--shard_size", str(args.shard_size),
-                                "--batch_size", str(args.batch_size), "--device", "cpu"])
-    manifest = json.loads((out / "manifest.json").read_text())
-    inner = float(re.search(r"skipped, ([0-9.]+)s", log).group(1))  # build_index's timer: encode + FAISS + write
-    results.append(dict(n=n, wall=wall, inner=inner, rows_s=n / max(wall - base_wall, 1e-9),
-                        peak=res["peak_rss"], above=res["peak_rss"] - base["peak_rss"],
-                        index=manifest["rows"] * manifest["dim"] * 4,
-                        dim=manifest["dim"]))
-    print(f"  done: {n:,} rows in {wall:.1f} s ({manifest['rows']:,} indexed, {manifest['skipped']} skipped)",
-          flush=True)
+# ------------------------------------------------------------------ table 1: workers × processes
+kb = write_kb(args.rows, "photos", "jpg")
+table1 = []
+build(kb, tmp / "warm", "tiny", "minilm", 0, 1, tmp)  # warm-up: tiny text model cache, page cache
+for model in args.image_models.split(","):
+    for processes in (1, 2):
+        for workers in (0, 1, 2):
+            r = build(kb, tmp / "idx", model, "minilm", workers, processes, tmp)
+            table1.append(dict(model=model, processes=processes, workers=workers, **r))
+            print(f"  {model}, {processes} process(es), {workers} workers: {r['built_s']:.1f}s", flush=True)
+
+# ------------------------------------------------------------------ table 2: memory against KB size
+table2 = []
+for n in [int(x) for x in args.sizes.split(",")]:
+    kb_n = write_kb(n, "small", "png")
+    r = build(kb_n, tmp / "idx-size", "tiny", "tiny", 1, 1, tmp)
+    table2.append(dict(n=n, kb_mb=kb_n.stat().st_size / 2**20, **r))
+    print(f"  {n:,} rows: {r['built_s']:.1f}s", flush=True)
+    kb_n.unlink()
+
+# ------------------------------------------------------------------ table 3: decoding cost per image, one core
+import open_clip  # noqa: E402
+import torch  # noqa: E402
+
+from retrieval.image_data import pixels  # noqa: E402
+
+torch.set_num_threads(1)
+_, _, preprocess = open_clip.create_model_and_transforms("ViT-S-32", pretrained=None)  # 224 px, as EVA-CLIP-8B's
+table3 = []
+for size in (args.photo, "2048x1536"):
+    pw, ph = (int(x) for x in size.split("x"))
+    folder = tmp / f"decode-{size}"
+    folder.mkdir()
+    yy2, xx2 = np.mgrid[0:ph, 0:pw]
+    paths = []
+    for i in range(20):
+        base = np.stack([(xx2 * (i + 1) + yy2) % 256, (yy2 * (i + 2)) % 256, (xx2 + yy2) % 256], -1)
+        img = np.clip(base + rng.normal(0, 25, base.shape), 0, 255).astype(np.uint8)
+        Image.fromarray(img).save(folder / f"{i}.jpg", quality=90)
+        paths.append(folder / f"{i}.jpg")
+    pixels(paths[0], preprocess)
+    t0 = time.perf_counter()
+    for _ in range(3):
+        for path in paths:
+            pixels(path, preprocess)
+    per = (time.perf_counter() - t0) / (3 * len(paths))
+    table3.append((size, sum(f.stat().st_size for f in paths) / len(paths) / 1e3, per))
 
 print("load average at end:   %.2f %.2f %.2f" % os.getloadavg())
-print()
-print(f"dim = {results[0]['dim']} (tiny image + tiny text), shard size {args.shard_size}, batch size "
-      f"{args.batch_size}; MB = 2^20 bytes")
-print(f"rows/s (excl. baseline) = rows / (wall − baseline wall {base_wall:.1f} s); build_index timer = the build's "
-      "own log (after the encoders load: encode + FAISS + write)")
-print()
-print("| KB rows | wall s | rows/s (excl. baseline) | build_index timer s | rows/s (timer) | peak RSS MB "
-      "| RSS above baseline MB | index MB |")
+m = table1[0]["manifest"]
+print(f"\nTable 1: {args.rows:,} KB rows ({m['texts_encoded']:,} distinct sections), {args.photo} JPEGs, text: "
+      f"the real all-MiniLM-L6-v2; batch {args.batch_size}, shard {args.shard_size}; time = the build's own timer "
+      "(models load, encode, assemble); encoder wait = share of the image loop spent waiting for decoded batches "
+      "(the largest over processes); peak RSS = the largest build process / the largest decoding worker")
+print("\n| image model | processes | decoding workers each | build s | rows/s | image loop s | encoder waits "
+      "| peak RSS MB (process / worker) |")
+print("|---|---:|---:|---:|---:|---:|---:|---|")
+for r in table1:
+    print(f"| {r['model']} | {r['processes']} | {r['workers']} | {r['built_s']:.1f} | {args.rows / r['built_s']:.0f} | "
+          f"{r['image_s']:.1f} | {r['wait']}% | {r['peak'] / 2**20:.0f} / {r['workers_peak'] / 2**20:.0f} |")
+print(f"\nSection dedup: {m['text_rows']:,} rows share {m['texts_encoded']:,} distinct section texts "
+      f"({m['text_rows'] / max(m['texts_encoded'], 1):.1f} rows per text): {m['text_rows'] - m['texts_encoded']:,} "
+      f"text encodings saved ({100 * (1 - m['texts_encoded'] / m['text_rows']):.0f} %)")
+print("\nTable 2: peak memory against KB size (tiny encoders, 56 px PNGs, 1 process, 1 decoding worker); index MB = "
+      "rows × dim × 4 bytes (what the assembled Flat index holds)")
+print("\n| KB rows | KB file MB | distinct texts | build s | rows/s | peak RSS MB (process) | peak RSS MB (worker) "
+      "| index MB |")
 print("|---:|---:|---:|---:|---:|---:|---:|---:|")
-print(f"| 0 (baseline) | {base_wall:.1f} | – | – | – | {base['peak_rss'] / 2**20:.0f} | 0 | 0 |")
-for r in results:
-    print(f"| {r['n']:,} | {r['wall']:.1f} | {r['rows_s']:,.0f} | {r['inner']:.1f} | {r['n'] / r['inner']:,.0f} | "
-          f"{r['peak'] / 2**20:.0f} | {r['above'] / 2**20:.0f} | {r['index'] / 2**20:.1f} |")
+for r in table2:
+    mm = r["manifest"]
+    print(f"| {r['n']:,} | {r['kb_mb']:.0f} | {mm['texts_encoded']:,} | {r['built_s']:.1f} | {r['n'] / r['built_s']:.0f} "
+          f"| {r['peak'] / 2**20:.0f} | {r['workers_peak'] / 2**20:.0f} | {mm['rows'] * mm['dim'] * 4 / 2**20:.1f} |")
+print("\nTable 3: decoding + preprocessing one image on one core (PIL decode, open_clip 224 px transform: resize, "
+      "centre crop, normalise), the work each DataLoader worker does per row")
+print("\n| photo | JPEG KB | ms per image | images/s per core |")
+print("|---|---:|---:|---:|")
+for size, kb_size, per in table3:
+    print(f"| {size} | {kb_size:.0f} | {1000 * per:.1f} | {1 / per:.0f} |")
 shutil.rmtree(tmp, ignore_errors=True)
