@@ -163,13 +163,14 @@ def build_index(args: BuildArgs, log=print, encoders=None, state=None) -> dict |
             diff = sorted(k for k in settings if previous.get(k) != settings[k])
             raise ValueError(f"{build_dir} holds a partial build with different {', '.join(diff) or 'settings'}; "
                              "pass --overwrite to start again")
-        log(f"resuming the partial build in {build_dir}")
+    if procs.rank == 0:  # before any shard exists: shards are only ever read back under the settings they were made with
+        build_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(state_path, settings)
     items = work_items(scan, args.shard_size)
     pending = [(kind, i) for kind, i in items if not shard_paths(build_dir, kind, i)[1].exists()]
     procs.barrier()  # every process has listed the same pending shards before any is written
-    if procs.rank == 0:
-        build_dir.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(state_path, settings)
+    if len(pending) < len(items) and procs.rank == 0:
+        log(f"resuming the partial build in {build_dir}: {len(items) - len(pending)} of {len(items)} shards done")
     mine = pending[procs.rank::procs.count]
 
     device = resolve_device(args.device if args.device or state is None else str(state.device))

@@ -7,8 +7,9 @@ Query images are decoded by DataLoader workers and encoded in batches (never all
 approximate index (HNSW, IVF) every table also shows R@K of an exact search over the same stored vectors ("Flat
 reference") and how often both give the gold entity the same rank.
 
-Recall@K: the gold entity is among the top K unique entities. Pseudo-recall@K: an answer string appears
-(case-insensitively) in the text of the best section of one of the top K entities. ``--compare FIELD`` evaluates a
+Recall@K: the gold entity is among the top K unique entities. Pseudo-recall@K: an answer appears, as whole words
+after normalisation (``&&`` parts all present; retrieval.answers), in the text of the best section of one of the top
+K entities. ``--compare FIELD`` evaluates a
 second text field on the same images side by side; ``--alpha_sweep lo:hi:step`` evaluates many α from one set of
 embeddings and writes a CSV and a plot of R@K against α. Question rows whose image is missing, whose entity is not
 in the index or whose text field is empty are reported and excluded, with the counts shown.
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from retrieval.answers import answer_in_passage
 from retrieval.cli import require_file, require_index
 from retrieval.files import atomic_path, pyplot, read_jsonl, save_figure, write_json_atomic, write_text_atomic
 from retrieval.index import MultimodalIndex, check_alpha, check_k, ranks_of
@@ -78,18 +80,13 @@ def recall_at(ranks: list[int | None], ks: list[int]) -> dict[str, float]:
     return {f"R@{k}": 100.0 * sum(1 for r in ranks if r is not None and r <= k) / n for k in ks}
 
 
-def answer_in(text: str, answers: list[str]) -> bool:
-    low = text.lower()
-    return any(a and str(a).lower() in low for a in answers)
-
-
 def pseudo_recall_at(hit_texts: list[list[str]], answers: list[list[str]], ks: list[int]) -> dict[str, float]:
     """hit_texts[i] = section texts of query i's ranked entities (best row each)."""
     n = max(len(hit_texts), 1)
     out = {}
     for k in ks:
         out[f"PR@{k}"] = 100.0 * sum(1 for texts, ans in zip(hit_texts, answers)
-                                     if any(answer_in(t, ans) for t in texts[:k])) / n
+                                     if any(answer_in_passage(ans, t) for t in texts[:k])) / n
     return out
 
 

@@ -44,19 +44,23 @@ def write_jsonl_atomic(path: str | Path, records: Iterable[dict]) -> int:
     return n
 
 
+def json_record(line: str | bytes, path, lineno: int) -> dict:
+    """One JSONL line as a dict; anything else raises ValueError naming the file and line number."""
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+    if not isinstance(rec, dict):
+        raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
+    return rec
+
+
 def read_jsonl(path: str | Path) -> Iterator[dict]:
     """Stream records; a malformed line raises ValueError naming the file and line number."""
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            if not isinstance(rec, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
-            yield rec
+            if line.strip():
+                yield json_record(line, path, lineno)
 
 
 def append_jsonl(path: str | Path, records: list[dict]) -> None:

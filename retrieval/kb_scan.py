@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from retrieval.files import json_record
 from retrieval.kb import entry_text
 
 _PAIR = np.dtype([("hi", "<u8"), ("lo", "<u8")])  # a 16-byte digest, sortable by np.unique
@@ -77,11 +78,8 @@ def scan_kb(path: str | Path, template: str) -> KBScan:
             start, pos = pos, pos + len(line)
             if not line.strip():
                 continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            if not isinstance(rec, dict) or rec.get("entry_id") is None:
+            rec = json_record(line, path, lineno)
+            if rec.get("entry_id") is None:
                 raise ValueError(f"{path}: row {len(offsets) + 1} has no entry_id")
             row = len(offsets)
             offsets.append(start)

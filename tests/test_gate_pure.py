@@ -29,10 +29,14 @@ def test_normalize_answer(text, expected):
     ("It was built in 1,890.", {"wikidata": 1889, "range": [1887, 1891]}, True),
     ("1900", [{"wikidata": 1889, "range": [1887, 1891]}], False),
     ("about 6.5 metres", [{"wikidata": 6.3, "range": [5.67, 6.93]}], True),
-    ("between 1880 and 1888 — say 1885 to 1888", [{"wikidata": 1889, "range": [1887, 1891]}], True),
+    ("between 1880 and 1888 — say 1885 to 1888", [{"wikidata": 1889, "range": [1887, 1891]}], False),  # 1880–1888
+    ("1885 to 1890", [{"wikidata": 1889, "range": [1887, 1891]}], True),  # IoU 3/6: the bound is inclusive
+    ("1887 to 1892", [{"wikidata": 1889, "range": [1887, 1891]}], True),  # IoU 4/5
     ("1850-1880", [{"wikidata": 1889, "range": [1887, 1891]}], False),
     ("no number", [{"wikidata": 1889, "range": [1887, 1891]}], False),
-    ("1889", [{"wikidata": 1889}], True),
+    ("1889", [{"wikidata": 1889}], True),  # no range given: the value itself as an alias
+    ("Eiffel-Tower", ["eiffel tower"], False),  # punctuation is deleted, not replaced by a space
+    ("EiffelTower", ["Eiffel-Tower"], True),
 ])
 def test_infoseek_match(prediction, answer_eval, ok):
     assert infoseek_match(prediction, answer_eval) is ok
