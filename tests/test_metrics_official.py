@@ -195,3 +195,58 @@ WORDS = st.lists(st.text(alphabet="bcdxyz", min_size=1, max_size=5), min_size=1,
 def test_an_answer_between_spaces_is_always_found(answer, before, after):
     assert answer_in_passage([answer.upper()], f"{before} {answer} {after}")
     assert not answer_in_passage([answer], f"{before} {answer}q{after}")  # glued to another word: not whole words
+
+
+# ---------------------------------------------------------------- BEM wiring (a tiny random BERT built offline)
+
+
+@pytest.fixture(scope="module")
+def tiny_bem(tmp_path_factory):
+    """A tiny BertForSequenceClassification whose logits the test sets: the classifier reads nothing (zero weights)
+    and its bias makes softmax[1] = sigmoid(bias[1] − bias[0])."""
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
+
+    folder = tmp_path_factory.mktemp("bem") / "tiny-bem"
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "menger", "family", "baker", "william", "and",
+             "mary", "where", "does", "this", "hotel", "derive", "its", "name", "from", "?"]
+    tokenizer = BertTokenizerFast(vocab={w: i for i, w in enumerate(words)}, do_lower_case=True)
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(vocab_size=len(words), hidden_size=16, num_hidden_layers=1,
+                                                     num_attention_heads=2, intermediate_size=32, num_labels=2))
+    with torch.no_grad():
+        model.classifier.weight.zero_()
+        model.classifier.bias.copy_(torch.tensor([0.0, 1.0]))
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_bem_input_is_cls_candidate_sep_reference_sep_question_sep(tiny_bem):
+    from transformers import AutoTokenizer
+
+    from gate.bem import bem_inputs
+
+    tok = AutoTokenizer.from_pretrained(tiny_bem)
+    batch = bem_inputs(tok, ["William and Mary Menger"], ["the Menger family"], [Q])
+    tokens = tok.convert_ids_to_tokens(batch["input_ids"][0])
+    assert tokens == ["[CLS]", "william", "and", "mary", "menger", "[SEP]", "the", "menger", "family", "[SEP]",
+                      "where", "does", "this", "hotel", "derive", "its", "name", "from", "?", "[SEP]"]
+    assert batch["token_type_ids"][0].tolist() == [0] * 6 + [1] * 14
+
+
+def test_bem_scores_are_softmax_index_1_and_feed_the_official_rule(tiny_bem):
+    import math
+
+    from gate.bem import BEMScorer
+
+    bem = BEMScorer(str(tiny_bem), device="cpu", batch_size=2, log=lambda *a: None)
+    probs = bem(["the Baker family"] * 3, ["the Menger family"] * 3, [Q] * 3)
+    assert probs == pytest.approx([1 / (1 + math.exp(-1.0))] * 3, abs=1e-5)  # sigmoid(1) ≈ 0.73 ≥ 0.5
+    assert evqa_correct("the Baker family", "the Menger family", Q, "automatic", bem=bem) is True
+    import torch
+
+    with torch.no_grad():
+        bem.model.classifier.bias.copy_(torch.tensor([1.0, 0.0]))
+    assert evqa_correct("the Baker family", "the Menger family", Q, "automatic", bem=bem) is False
+    assert evqa_correct("The Menger family", "the Menger family", Q, "automatic", bem=bem) is True  # exact match
