@@ -37,6 +37,7 @@ parser.add_argument("--photo", default="800x600", help="size of the synthetic JP
 parser.add_argument("--pool", type=int, default=300, help="distinct photos")
 parser.add_argument("--per-section", type=int, default=3, help="images paired with each section")
 parser.add_argument("--shard-size", type=int, default=256)
+parser.add_argument("--tables", default="1,2,3", help="which tables to measure")
 parser.add_argument("--batch-size", type=int, default=32)
 args = parser.parse_args()
 
@@ -117,10 +118,11 @@ print(f"temp dir {tmp}; {os.cpu_count()} CPUs; photos {args.photo} JPEG; {args.p
       flush=True)
 
 # ------------------------------------------------------------------ table 1: workers × processes
+tables = {int(t) for t in args.tables.split(",")}
 kb = write_kb(args.rows, "photos", "jpg")
 table1 = []
 build(kb, tmp / "warm", "tiny", "minilm", 0, 1, tmp)  # warm-up: tiny text model cache, page cache
-for model in args.image_models.split(","):
+for model in args.image_models.split(",") if 1 in tables else []:
     for processes in (1, 2):
         for workers in (0, 1, 2):
             r = build(kb, tmp / "idx", model, "minilm", workers, processes, tmp)
@@ -129,7 +131,7 @@ for model in args.image_models.split(","):
 
 # ------------------------------------------------------------------ table 2: memory against KB size
 table2 = []
-for n in [int(x) for x in args.sizes.split(",")]:
+for n in [int(x) for x in args.sizes.split(",")] if 2 in tables else []:
     kb_n = write_kb(n, "small", "png")
     r = build(kb_n, tmp / "idx-size", "tiny", "tiny", 1, 1, tmp)
     table2.append(dict(n=n, kb_mb=kb_n.stat().st_size / 2**20, **r))
@@ -145,7 +147,7 @@ from retrieval.image_data import pixels  # noqa: E402
 torch.set_num_threads(1)
 _, _, preprocess = open_clip.create_model_and_transforms("ViT-S-32", pretrained=None)  # 224 px, as EVA-CLIP-8B's
 table3 = []
-for size in (args.photo, "2048x1536"):
+for size in (args.photo, "2048x1536") if 3 in tables else []:
     pw, ph = (int(x) for x in size.split("x"))
     folder = tmp / f"decode-{size}"
     folder.mkdir()
@@ -165,33 +167,37 @@ for size in (args.photo, "2048x1536"):
     table3.append((size, sum(f.stat().st_size for f in paths) / len(paths) / 1e3, per))
 
 print("load average at end:   %.2f %.2f %.2f" % os.getloadavg())
-m = table1[0]["manifest"]
-print(f"\nTable 1: {args.rows:,} KB rows ({m['texts_encoded']:,} distinct sections), {args.photo} JPEGs, text: "
-      f"the real all-MiniLM-L6-v2; batch {args.batch_size}, shard {args.shard_size}; time = the build's own timer "
-      "(models load, encode, assemble); encoder wait = share of the image loop spent waiting for decoded batches "
-      "(the largest over processes); peak RSS = the largest build process / the largest decoding worker")
-print("\n| image model | processes | decoding workers each | build s | rows/s | image loop s | encoder waits "
-      "| peak RSS MB (process / worker) |")
-print("|---|---:|---:|---:|---:|---:|---:|---|")
-for r in table1:
-    print(f"| {r['model']} | {r['processes']} | {r['workers']} | {r['built_s']:.1f} | {args.rows / r['built_s']:.0f} | "
-          f"{r['image_s']:.1f} | {r['wait']}% | {r['peak'] / 2**20:.0f} / {r['workers_peak'] / 2**20:.0f} |")
-print(f"\nSection dedup: {m['text_rows']:,} rows share {m['texts_encoded']:,} distinct section texts "
-      f"({m['text_rows'] / max(m['texts_encoded'], 1):.1f} rows per text): {m['text_rows'] - m['texts_encoded']:,} "
-      f"text encodings saved ({100 * (1 - m['texts_encoded'] / m['text_rows']):.0f} %)")
-print("\nTable 2: peak memory against KB size (tiny encoders, 56 px PNGs, 1 process, 1 decoding worker); index MB = "
-      "rows × dim × 4 bytes (what the assembled Flat index holds)")
-print("\n| KB rows | KB file MB | distinct texts | build s | rows/s | peak RSS MB (process) | peak RSS MB (worker) "
-      "| index MB |")
-print("|---:|---:|---:|---:|---:|---:|---:|---:|")
-for r in table2:
-    mm = r["manifest"]
-    print(f"| {r['n']:,} | {r['kb_mb']:.0f} | {mm['texts_encoded']:,} | {r['built_s']:.1f} | {r['n'] / r['built_s']:.0f} "
-          f"| {r['peak'] / 2**20:.0f} | {r['workers_peak'] / 2**20:.0f} | {mm['rows'] * mm['dim'] * 4 / 2**20:.1f} |")
-print("\nTable 3: decoding + preprocessing one image on one core (PIL decode, open_clip 224 px transform: resize, "
-      "centre crop, normalise), the work each DataLoader worker does per row")
-print("\n| photo | JPEG KB | ms per image | images/s per core |")
-print("|---|---:|---:|---:|")
-for size, kb_size, per in table3:
-    print(f"| {size} | {kb_size:.0f} | {1000 * per:.1f} | {1 / per:.0f} |")
+if table1:
+    m = table1[0]["manifest"]
+    print(f"\nTable 1: {args.rows:,} KB rows ({m['texts_encoded']:,} distinct sections), {args.photo} JPEGs, text: "
+          f"the real all-MiniLM-L6-v2; batch {args.batch_size}, shard {args.shard_size}; time = the build's own timer "
+          "(models load, encode, assemble); encoder wait = share of the image loop spent waiting for decoded batches "
+          "(the largest over processes); peak RSS = the largest build process / the largest decoding worker")
+    print("\n| image model | processes | decoding workers each | build s | rows/s | image loop s | encoder waits "
+          "| peak RSS MB (process / worker) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
+    for r in table1:
+        print(f"| {r['model']} | {r['processes']} | {r['workers']} | {r['built_s']:.1f} | {args.rows / r['built_s']:.0f} "
+              f"| {r['image_s']:.1f} | {r['wait']}% | {r['peak'] / 2**20:.0f} / {r['workers_peak'] / 2**20:.0f} |")
+    print(f"\nSection dedup: {m['text_rows']:,} rows share {m['texts_encoded']:,} distinct section texts "
+          f"({m['text_rows'] / max(m['texts_encoded'], 1):.1f} rows per text): {m['text_rows'] - m['texts_encoded']:,} "
+          f"text encodings saved ({100 * (1 - m['texts_encoded'] / m['text_rows']):.0f} %)")
+if table2:
+    print("\nTable 2: peak memory against KB size (tiny encoders, 56 px PNGs, 1 process, 1 decoding worker); index MB "
+          "= rows × dim × 4 bytes (what the assembled Flat index holds)")
+    print("\n| KB rows | KB file MB | distinct texts | build s | rows/s | peak RSS MB (process) | peak RSS MB (worker) "
+          "| index MB |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in table2:
+        mm = r["manifest"]
+        print(f"| {r['n']:,} | {r['kb_mb']:.0f} | {mm['texts_encoded']:,} | {r['built_s']:.1f} | "
+              f"{r['n'] / r['built_s']:.0f} | {r['peak'] / 2**20:.0f} | {r['workers_peak'] / 2**20:.0f} | "
+              f"{mm['rows'] * mm['dim'] * 4 / 2**20:.1f} |")
+if table3:
+    print("\nTable 3: decoding + preprocessing one image on one core (PIL decode, open_clip 224 px transform: resize, "
+          "centre crop, normalise), the work each DataLoader worker does per row")
+    print("\n| photo | JPEG KB | ms per image | images/s per core |")
+    print("|---|---:|---:|---:|")
+    for size, kb_size, per in table3:
+        print(f"| {size} | {kb_size:.0f} | {1000 * per:.1f} | {1 / per:.0f} |")
 shutil.rmtree(tmp, ignore_errors=True)

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 
 from retrieval.answers import answer_in_passage, normalize_answer
 
-__all__ = ["answer_in_passage", "evqa_correct", "evqa_normalize", "infoseek_correct", "infoseek_scores",
+__all__ = ["answer_in_passage", "evqa_correct", "official_correct", "evqa_normalize", "infoseek_correct", "infoseek_scores",
            "normalize_answer", "numeric_answer", "vqa_accuracy", "harmonic_mean", "infoseek_match", "token_accuracy"]
 
 # --------------------------------------------------------------------------- E-VQA
@@ -210,6 +210,36 @@ def infoseek_match(prediction, answer_eval) -> bool:
     aliases = [str(i["wikidata"]) if isinstance(i, dict) else i for i in items
                if not isinstance(i, dict) or i.get("wikidata") is not None]
     return infoseek_correct(prediction, aliases, "String")
+
+
+# --------------------------------------------------------------------------- a benchmark's rule, by name
+
+METRICS = ("infoseek", "evqa")
+
+
+def official_correct(metric: str, records: Sequence[dict], predictions: Sequence[str | None],
+                     bem: BEM | None = None) -> list[bool]:
+    """Correctness of ``predictions`` for question ``records`` (our question format) under a benchmark's rule:
+    ``evqa`` (the CSV answer is ``|``.join(answers); BEM batched over the undecided ones) or ``infoseek`` (per question
+    type when the record has an InfoSeek one, else by whether ``answer_eval`` holds a range). A missing prediction is
+    wrong."""
+    if metric == "evqa":
+        rows = [{"prediction": p or "", "answer": "|".join(str(a) for a in r.get("answers") or []),
+                 "question": r["question"], "question_type": r.get("question_type") or "automatic"}
+                for r, p in zip(records, predictions)]
+        return [ok and p is not None for ok, p in zip(evqa_correct_batch(rows, bem), predictions)]
+    if metric == "infoseek":
+        out = []
+        for r, p in zip(records, predictions):
+            golds = r["answer_eval"] if r.get("answer_eval") is not None else (r.get("answers") or [])
+            if p is None:
+                out.append(False)
+            elif str(r.get("question_type") or "").lower() in ("string", "numerical", "time"):
+                out.append(infoseek_correct(p, golds, r["question_type"]))
+            else:
+                out.append(infoseek_match(p, golds))
+        return out
+    raise ValueError(f"unknown metric {metric!r} (expected one of {', '.join(METRICS)})")
 
 
 # --------------------------------------------------------------------------- VQA accuracy

@@ -58,6 +58,9 @@ class PipelineArgs:
     generator_image: bool = field(default=False, metadata={"help": "a VLM generator also sees the image"})
     max_new_tokens: int = field(default=24, metadata={"help": "answer length"})
     batch_size: int = field(default=32, metadata={"help": "questions per batch"})
+    metric: str = field(default="infoseek", metadata={"help": "the benchmark's official answer rule: infoseek (per question type; String/Time exact, Numerical ranges) or evqa (exact match, multi-answer IoU, then BEM)"})
+    bem: str = field(default="kortukov/answer-equivalence-bem", metadata={"help": "metric evqa: the BEM model (transformers), or none for exact match only"})
+    bem_device: str = field(default=None, metadata={"help": "device for BEM (default: this process's own)"})
     baselines: bool = field(default=True, metadata={"help": "run both paths for every question (baselines)"})
     limit: int = field(default=None, metadata={"help": "only the first N questions"})
 
@@ -71,6 +74,10 @@ def validate(args: PipelineArgs) -> None:
         raise ValueError("--out is required")
     if args.batch_size <= 0 or args.k <= 0:
         raise ValueError("--batch_size and --k must be positive")
+    from gate.metrics import METRICS
+
+    if args.metric not in METRICS:
+        raise ValueError(f"--metric must be one of {', '.join(METRICS)}, got {args.metric!r}")
     if args.generator_prompt not in GENERATOR_PROMPTS:
         raise ValueError(f"--generator_prompt must be one of {', '.join(GENERATOR_PROMPTS)}")
     needs_rag = args.gate != "never" or args.baselines

@@ -45,14 +45,29 @@ def baselines(records: list[dict], ratio: float, seeds: int = 5) -> dict[str, di
 
 
 def split_accuracy(records: list[dict], correct: np.ndarray) -> dict[str, float]:
-    """Accuracy per ``split``; with both InfoSeek unseen splits, their harmonic mean as ``hm``."""
+    """Accuracy per ``split`` (InfoSeek's ``val_unseen_question`` counted as ``unseen_question``, …); with both unseen
+    splits, their harmonic mean as ``hm`` (InfoSeek's final score) — only when every record has a question type, as the
+    official score needs them."""
     by: dict[str, list[bool]] = {}
     for r, ok in zip(records, correct):
-        by.setdefault(str(r.get("split") or "all"), []).append(bool(ok))
+        split = str(r.get("split") or "all")
+        split = next((s for s in UNSEEN_SPLITS if split.endswith(s)), split)
+        by.setdefault(split, []).append(bool(ok))
     out = {k: float(np.mean(v)) for k, v in sorted(by.items())}
-    if all(s in out for s in UNSEEN_SPLITS):
+    typed = all(str(r.get("question_type") or "").lower() in ("string", "numerical", "time") for r in records)
+    if all(s in out for s in UNSEEN_SPLITS) and typed:
         out["hm"] = harmonic_mean(*(out[s] for s in UNSEEN_SPLITS))
     return out
+
+
+def hop_accuracy(records: list[dict], correct: np.ndarray) -> dict[str, float] | None:
+    """E-VQA's report: single-hop (every question type but 2_hop), two-hop and overall accuracy; None without types."""
+    if not any(r.get("question_type") in ("templated", "automatic", "multi_answer", "2_hop") for r in records):
+        return None
+    two = [bool(ok) for r, ok in zip(records, correct) if r.get("question_type") == "2_hop"]
+    one = [bool(ok) for r, ok in zip(records, correct) if r.get("question_type") != "2_hop"]
+    return {"single_hop": float(np.mean(one)) if one else None, "two_hop": float(np.mean(two)) if two else None,
+            "overall": float(np.mean(correct))}
 
 
 def inspector_confusion(records: list[dict]) -> dict[str, int] | None:
@@ -84,6 +99,7 @@ def summarize(records: list[dict], threshold_name: str = "threshold") -> dict:
     return {"n": len(done), "skipped": len(records) - len(done), "failed": failed,
             "accuracy": float(correct.mean()), "token_accuracy": float(np.mean(token)),
             "retrieval_ratio": float(retrieve.mean()), "accuracy_by_split": split_accuracy(done, correct),
+            "accuracy_by_hops": hop_accuracy(done, correct),
             "section_right": float(np.mean(section_right)) if section_right else None,
             "inspector_confusion": inspector_confusion(done), "latency_s": latency,
             "baselines": baselines(done, float(retrieve.mean()))}

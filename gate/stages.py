@@ -9,7 +9,7 @@ import time
 import numpy as np
 
 from gate.context_data import resolve_alpha, section_text, vlm_answerer
-from gate.metrics import infoseek_match, token_accuracy
+from gate.metrics import official_correct, token_accuracy
 
 BOUNDARY_VARIANTS = ("hkb", "skb", "kbm-acc", "kbm-cert", "ret")
 GENERATOR_PROMPTS = {
@@ -49,6 +49,11 @@ class Stages:
             self.inspector = load("inspector", _load_gate_of, args.inspector, "inspector")
         if args.generator:
             self.generate = load("generator", _load_generator, args)
+        self.bem = None
+        if args.metric == "evqa" and args.bem != "none":
+            from gate.bem import BEMScorer
+
+            self.bem = load("BEM", lambda: BEMScorer(args.bem, device=args.bem_device, batch_size=args.batch_size))
 
     def _load_retrieval(self, load) -> None:
         from gate.rerank import load_reranker
@@ -114,16 +119,20 @@ def _load_generator(args):
 # ---------------------------------------------------------------- running
 
 
-def golds_of(r: dict):
-    return r["answer_eval"] if r.get("answer_eval") is not None else (r.get("answers") or [])
+def answered(answer: str | None, failed: str | None = None) -> dict:
+    """An answer, or why there is none (a failed answer is judged wrong)."""
+    return {"answer": answer} if answer is not None else {"answer": None, "failed": failed or "no answer"}
 
 
-def judged(answer: str | None, r: dict, failed: str | None = None) -> dict:
-    """An answer with its InfoSeek-style correctness and token accuracy; a failed answer is wrong, and says why."""
-    if answer is None:
-        return {"answer": None, "correct": False, "token_accuracy": 0.0, "failed": failed or "no answer"}
-    return {"answer": answer, "correct": infoseek_match(answer, golds_of(r)),
-            "token_accuracy": token_accuracy(answer, r.get("answers") or [])}
+def judge(st: Stages, pairs: list[tuple[dict, dict]]) -> None:
+    """Fill ``correct`` (the benchmark's official rule, ``args.metric``; BEM once for the whole list) and
+    ``token_accuracy`` into each answer dict of (question record, answer dict) pairs."""
+    if not pairs:
+        return
+    correct = official_correct(st.args.metric, [r for r, _ in pairs], [a["answer"] for _, a in pairs], st.bem)
+    for (r, a), ok in zip(pairs, correct):
+        a["correct"] = bool(ok)
+        a["token_accuracy"] = token_accuracy(a["answer"], r.get("answers") or []) if a["answer"] is not None else 0.0
 
 
 class Clock:
@@ -243,7 +252,7 @@ def rag_path(st: Stages, batch: list[dict], images, clock: Clock) -> list[dict]:
                         "section": entry["entry_id"],
                         "section_right": is_gold_section(entry["entity_id"], entry.get("section"), r.get("entity_id"),
                                                          r.get("evidence_section_id")),
-                        "inspector": verdicts[i], **judged(answer, r, reason)})
+                        "inspector": verdicts[i], **answered(answer, reason)})
     return results
 
 
@@ -267,8 +276,10 @@ def run_batch(st: Stages, batch: list[dict], images, bars: dict | None = None) -
     rag = dict(zip(rag_idx, rag_path(st, [batch[i] for i in rag_idx], [images[i] for i in rag_idx], clock)))
     per_question = clock.per_question()
     out = []
+    alone = {i: answered(a) for i, a in alone.items()}
+    judge(st, [(batch[i], a) for i, a in alone.items()] + [(batch[i], x) for i, x in rag.items()])
     for i, r in enumerate(batch):
-        a = judged(alone[i], r) if i in alone else None
+        a = alone.get(i)
         chosen = rag.get(i) if retrieve[i] else a
         went = {"gate"} | ({"answer alone"} if i in alone else set())
         if i in rag:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,7 +72,7 @@ def read_rows(path: str | Path, offsets: np.ndarray, rows) -> list[dict]:
 def scan_kb(path: str | Path, template: str) -> KBScan:
     """Scan the KB once. A row without an entry_id or a duplicate entry_id is an error naming it (and both rows)."""
     path = Path(path)
-    offsets, text_keys, id_keys, problems = [], [], [], {}
+    offsets, text_keys, id_keys, problems = array("q"), bytearray(), bytearray(), {}  # fixed width per row
     with open(path, "rb") as f:
         pos = 0
         for lineno, line in enumerate(f, 1):
@@ -83,19 +84,18 @@ def scan_kb(path: str | Path, template: str) -> KBScan:
                 raise ValueError(f"{path}: row {len(offsets) + 1} has no entry_id")
             row = len(offsets)
             offsets.append(start)
-            id_keys.append(digest(str(rec["entry_id"])))
+            id_keys += digest(str(rec["entry_id"]))
             problem = row_problem(rec)
             if problem is not None:
                 problems[row] = problem
-                text_keys.append(bytes(16))
+                text_keys += bytes(16)
             else:
-                text_keys.append(digest(entry_text(rec, template)))
+                text_keys += digest(entry_text(rec, template))
     n = len(offsets)
-    offsets = np.asarray(offsets, dtype=np.int64)
-    _check_unique_ids(path, offsets, np.frombuffer(b"".join(id_keys), dtype=_PAIR))
+    offsets = np.frombuffer(offsets, dtype=np.int64) if n else np.zeros(0, dtype=np.int64)
+    _check_unique_ids(path, offsets, np.frombuffer(id_keys, dtype=_PAIR))
     del id_keys
-    keys = np.frombuffer(b"".join(text_keys), dtype=_PAIR)
-    del text_keys
+    keys = np.frombuffer(text_keys, dtype=_PAIR)
     valid = np.ones(n, dtype=bool)
     valid[list(problems)] = False
     text_id = np.full(n, -1, dtype=np.int64)

@@ -91,6 +91,28 @@ def tiny_gate_vlm(tiny_world, tiny_refiner, tmp_path_factory):
     return build_toy_vlm(tmp_path_factory.mktemp("gate") / "toy-vlm", tiny_world, vision_from=tiny_refiner)
 
 
+@pytest.fixture(scope="session")
+def tiny_bem(tmp_path_factory):
+    """A tiny BertForSequenceClassification whose logits the test sets: the classifier reads nothing (zero weights)
+    and its bias makes softmax[1] = sigmoid(bias[1] − bias[0])."""
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
+
+    folder = tmp_path_factory.mktemp("bem") / "tiny-bem"
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "menger", "family", "baker", "william", "and",
+             "mary", "where", "does", "this", "hotel", "derive", "its", "name", "from", "?"]
+    tokenizer = BertTokenizerFast(vocab={w: i for i, w in enumerate(words)}, do_lower_case=True)
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(vocab_size=len(words), hidden_size=16, num_hidden_layers=1,
+                                                     num_attention_heads=2, intermediate_size=32, num_labels=2))
+    with torch.no_grad():
+        model.classifier.weight.zero_()
+        model.classifier.bias.copy_(torch.tensor([0.0, 1.0]))
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 class Stub:
     """A local OpenAI-compatible endpoint replying from a script, recording what it was sent."""
 

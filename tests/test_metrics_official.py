@@ -14,6 +14,7 @@ from gate.metrics import (
     infoseek_correct,
     infoseek_scores,
     numeric_answer,
+    official_correct,
     vqa_accuracy,
 )
 
@@ -200,28 +201,6 @@ def test_an_answer_between_spaces_is_always_found(answer, before, after):
 # ---------------------------------------------------------------- BEM wiring (a tiny random BERT built offline)
 
 
-@pytest.fixture(scope="module")
-def tiny_bem(tmp_path_factory):
-    """A tiny BertForSequenceClassification whose logits the test sets: the classifier reads nothing (zero weights)
-    and its bias makes softmax[1] = sigmoid(bias[1] − bias[0])."""
-    import torch
-    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
-
-    folder = tmp_path_factory.mktemp("bem") / "tiny-bem"
-    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "menger", "family", "baker", "william", "and",
-             "mary", "where", "does", "this", "hotel", "derive", "its", "name", "from", "?"]
-    tokenizer = BertTokenizerFast(vocab={w: i for i, w in enumerate(words)}, do_lower_case=True)
-    torch.manual_seed(0)
-    model = BertForSequenceClassification(BertConfig(vocab_size=len(words), hidden_size=16, num_hidden_layers=1,
-                                                     num_attention_heads=2, intermediate_size=32, num_labels=2))
-    with torch.no_grad():
-        model.classifier.weight.zero_()
-        model.classifier.bias.copy_(torch.tensor([0.0, 1.0]))
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
 def test_bem_input_is_cls_candidate_sep_reference_sep_question_sep(tiny_bem):
     from transformers import AutoTokenizer
 
@@ -250,3 +229,23 @@ def test_bem_scores_are_softmax_index_1_and_feed_the_official_rule(tiny_bem):
         bem.model.classifier.bias.copy_(torch.tensor([1.0, 0.0]))
     assert evqa_correct("the Baker family", "the Menger family", Q, "automatic", bem=bem) is False
     assert evqa_correct("The Menger family", "the Menger family", Q, "automatic", bem=bem) is True  # exact match
+
+
+# ---------------------------------------------------------------- the pipeline's rule by name
+
+
+def test_official_correct_by_benchmark():
+    evqa = [dict(question=Q, answers=["the Menger family"], question_type="automatic"),
+            dict(question=Q, answers=["red&&blue", "purple"], question_type="multi_answer"),
+            dict(question=Q, answers=["x"], question_type=None)]
+    bem = FakeBEM({("Menger clan", "the Menger family"): 0.8})
+    assert official_correct("evqa", evqa, ["Menger clan", "blue and red", None], bem) == [True, True, False]
+    assert official_correct("evqa", evqa, ["Menger clan", "purple", "x"]) == [False, True, True]  # no BEM
+    infoseek = [dict(question="q", answers=["China"], answer_eval=["China", "PRC"], question_type="String"),
+                dict(question="q", answers=["35"], answer_eval=[{"wikidata": 35, "range": [30, 40]}],
+                     question_type="Numerical"),
+                dict(question="q", answers=["35"], answer_eval=[{"wikidata": 35, "range": [30, 40]}])]
+    assert official_correct("infoseek", infoseek, ["prc", "about 33", "38"]) == [True, True, True]
+    assert official_correct("infoseek", infoseek, ["Japan", "25-35", None]) == [False, False, False]
+    with pytest.raises(ValueError, match="unknown metric"):
+        official_correct("bleu", infoseek, ["a", "b", "c"])

@@ -188,3 +188,46 @@ def test_a_folder_resumes_only_its_own_settings(make_args):
     with pytest.raises(ValueError, match=r"other settings \(gate\)"):
         run(make_args(gate="always"), **QUIET)
     assert run(make_args(gate="never", batch_size=2), **QUIET)["n"] == 6  # batch size may change on resume
+
+
+def test_the_e_vqa_metric_asks_bem_once_per_batch_about_undecided_answers(make_args, queries, tiny_bem, monkeypatch):
+    """metric: evqa — exact match decides first; BEM (loaded once; a tiny BERT whose verdict the test sets) judges
+    the rest, in one call per batch for both paths; the report adds single-hop / two-hop / overall accuracy."""
+    import torch
+
+    import gate.bem as gb
+    from gate.stages import Stages
+
+    rows = [dict(r, question_type="automatic" if i % 2 else "2_hop") for i, r in enumerate(queries[1])]
+    write_jsonl_atomic(queries[0], rows)
+    by_question = {r["question"] + r["image"]: r for r in rows}
+    calls = []
+    real_call = gb.BEMScorer.__call__
+    monkeypatch.setattr(gb.BEMScorer, "__call__", lambda self, c, r, q: calls.append(len(c)) or real_call(self, c, r, q))
+    args = make_args(metric="evqa", bem=str(tiny_bem), bem_device="cpu")
+    stages = Stages(args)
+    exact = {}
+
+    def answer_alone(images, questions):  # the gold answer (other case, punctuation) for half, else a paraphrase
+        out = []
+        for q in questions:
+            r = next(v for k, v in by_question.items() if k.startswith(q) and v["id"] not in exact)
+            exact[r["id"]] = len(exact) % 2 == 0
+            out.append(r["answers"][0].upper() + "." if exact[r["id"]] else "something else")
+        return out
+    stages.answer = answer_alone
+    stages.generate = lambda images, questions, contexts: [("another thing", None)] * len(questions)
+    metrics = run(args, stages=stages, **QUIET)
+    recs = predictions(args)
+    assert len(calls) == 2 and sum(calls) == 6 + 3  # per batch of 3: every RAG answer, the non-exact alone ones
+    assert all(r["alone"]["correct"] and r["rag"]["correct"] for r in recs)  # this BEM calls everything equivalent
+    hops = metrics["accuracy_by_hops"]
+    assert set(hops) == {"single_hop", "two_hop", "overall"} and hops["overall"] == pytest.approx(metrics["accuracy"])
+
+    with torch.no_grad():  # now BEM calls nothing equivalent: exact matches only
+        stages.bem.model.classifier.bias.copy_(torch.tensor([1.0, 0.0]))
+    exact.clear()
+    args2 = make_args(metric="evqa", bem=str(tiny_bem), bem_device="cpu", out=str(Path(args.out).parent / "out2"))
+    run(args2, stages=stages, **QUIET)
+    for r in predictions(args2):
+        assert r["alone"]["correct"] is exact[r["id"]] and r["rag"]["correct"] is False

@@ -57,13 +57,28 @@ def test_inspector_confusion_against_the_oracle():
 
 
 def test_split_accuracy_with_the_infoseek_harmonic_mean():
-    recs = [rec(True, True, False, split="unseen_question"), rec(False, False, False, split="unseen_question"),
-            rec(True, True, False, split="unseen_entity"), rec(True, True, False, split="unseen_entity"),
+    recs = [rec(True, True, False, split="val_unseen_question"), rec(False, False, False, split="val_unseen_question"),
+            rec(True, True, False, split="val_unseen_entity"), rec(True, True, False, split="val_unseen_entity"),
             rec(True, True, False, split="unseen_entity"), rec(False, False, False, split="unseen_entity")]
+    for r in recs:
+        r["question_type"] = "String"
     acc = split_accuracy(recs, system_correct(recs, [False] * 6))
     assert acc["unseen_question"] == 0.5 and acc["unseen_entity"] == 0.75
     assert acc["hm"] == pytest.approx(2 * 0.5 * 0.75 / 1.25)
     assert "hm" not in split_accuracy(recs[:2], [True, False])
+    recs[3]["question_type"] = None  # the official final score needs every question's type
+    assert "hm" not in split_accuracy(recs, system_correct(recs, [False] * 6))
+
+
+def test_hop_accuracy_is_the_e_vqa_report():
+    from gate.pipeline_metrics import hop_accuracy
+
+    recs = [rec(ok, ok, False) for ok in (True, True, False, True)]
+    for r, t in zip(recs, ["templated", "multi_answer", "2_hop", "automatic"]):
+        r["question_type"] = t
+    acc = hop_accuracy(recs, system_correct(recs, [False] * 4))
+    assert acc == {"single_hop": 1.0, "two_hop": 0.0, "overall": 0.75}
+    assert hop_accuracy(recs[:1] and [rec(True, True, False)], [True]) is None  # no E-VQA types: no such report
 
 
 def test_threshold_curve_sweeps_one_scoring_pass():
