@@ -121,7 +121,7 @@ def stage_context(args, out: Path, log=print, generate=None) -> int:
 
 
 def vlm_answerer(model_path: str, max_new_tokens: int, temperature: float = 1.0, backend: str = "hf",
-                 system: str | None = None):
+                 system: str | None = None, device: str = "cpu", dtype: str | None = None):
     """generate(images, user_texts, sample) with any AutoModelForImageTextToText VLM and the answer prompt (or
     ``system``); with ``backend="vllm"`` through a vLLM engine (when vLLM is installed)."""
     from gate.variants import spec
@@ -138,7 +138,7 @@ def vlm_answerer(model_path: str, max_new_tokens: int, temperature: float = 1.0,
         raise ValueError(f"--backend must be hf or vllm, got {backend!r}")
     from rl.model import load_model
 
-    model, processor = load_model(model_path)
+    model, processor = load_model(model_path, dtype=dtype, device=device)
 
     def generate(images, texts, sample):
         return generate_completions(model, processor, images, texts, prompt=prompt, batch_size=len(texts),

@@ -71,16 +71,25 @@ def endpoint_generator(url: str, model: str, prompt: dict, api_key_env: str, max
     return generate
 
 
-def text_generator(name_or_path: str, prompt: dict, max_new_tokens: int, device: str = "cpu"):
-    """A causal LM with a chat template, batched greedy generation, left padding."""
+def text_generator(name_or_path: str, prompt: dict, max_new_tokens: int, device: str = "cpu",
+                   dtype: str | None = None):
+    """A causal LM with a chat template, batched greedy generation, left padding, on ``device`` in ``dtype`` (default:
+    bf16 on a GPU, fp32 on the CPU)."""
+    import logging
+
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rl.model import resolve_dtype
 
     tokenizer = AutoTokenizer.from_pretrained(name_or_path)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(name_or_path).to(device).eval()
+    torch_dtype = resolve_dtype(dtype, device)
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype).to(device).eval()
+    logging.getLogger("refine_rl.model").info("%s on %s in %s", name_or_path, device,
+                                              str(torch_dtype).replace("torch.", ""))
 
     def generate(images, questions, contexts):
         texts = [tokenizer.apply_chat_template(

@@ -61,6 +61,8 @@ class PipelineArgs:
     metric: str = field(default="infoseek", metadata={"help": "the benchmark's official answer rule: infoseek (per question type; String/Time exact, Numerical ranges) or evqa (exact match, multi-answer IoU, then BEM)"})
     bem: str = field(default="kortukov/answer-equivalence-bem", metadata={"help": "metric evqa: the BEM model (transformers), or none for exact match only"})
     bem_device: str = field(default=None, metadata={"help": "device for BEM (default: this process's own)"})
+    device: str = field(default=None, metadata={"help": "device of every stage's model: cuda:N / cpu (default: this process's own, cuda:LOCAL_RANK or cpu)"})
+    dtype: str = field(default="auto", metadata={"help": "weights of every stage's model: auto (bf16 on a GPU, fp32 on the CPU), bf16, fp16, fp32"})
     baselines: bool = field(default=True, metadata={"help": "run both paths for every question (baselines)"})
     limit: int = field(default=None, metadata={"help": "only the first N questions"})
 
@@ -141,6 +143,7 @@ def run(args: PipelineArgs, log=print, stages: Stages | None = None) -> dict:
     log(f"pipeline: {len(done)} of {len(rows)} questions already in {target}; {len(todo)} to go")
     if todo:
         stages = stages or Stages(args)  # every model loads (or fails, named) before the first question
+        log("placement: " + "; ".join(f"{k}: {v}" for k, v in stages.placement.items()))
         names = ["gate", "answer alone", "refine", "retrieve", "rerank", "inspect", "generate"]
         bars = {s: tqdm(total=len(todo), desc=f"{s:>12}", position=i, unit="q") for i, s in enumerate(names)}
         for start in range(0, len(todo), args.batch_size):

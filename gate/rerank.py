@@ -58,14 +58,15 @@ def build_tiny_cross_encoder(folder: Path) -> Path:
 
 
 class CrossEncoderReranker:
-    def __init__(self, name: str, device: str = "cpu"):
+    def __init__(self, name: str, device: str = "cpu", dtype: str | None = None):
         from sentence_transformers import CrossEncoder
 
         from retrieval.encoders import cache_dir
+        from rl.model import resolve_dtype
 
         path = build_tiny_cross_encoder(cache_dir() / "tiny-cross-encoder") if name == "tiny" else name
         self.name = name
-        self.model = CrossEncoder(str(path), device=device)
+        self.model = CrossEncoder(str(path), device=device, model_kwargs={"dtype": resolve_dtype(dtype, device)})
 
     def score(self, images, queries: list[str], sections: list[list[str]]) -> list[np.ndarray]:
         pairs = [(q, s) for q, secs in zip(queries, sections) for s in secs]
@@ -76,10 +77,10 @@ class CrossEncoderReranker:
 class SrtGateReranker:
     """A trained srt gate: P(Rel | image, question, section) from its first token."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, device: str = "cpu", dtype: str | None = None):
         from gate.scoring import load_gate
 
-        self.model, self.processor, self.spec = load_gate(path)
+        self.model, self.processor, self.spec = load_gate(path, device=device, dtype=dtype)
         if self.spec["name"] != "srt":
             raise ValueError(f"reranker gate:{path} is a {self.spec['name']} gate, not srt")
         self.name = f"gate:{path}"
@@ -94,9 +95,9 @@ class SrtGateReranker:
                          sections)
 
 
-def load_reranker(name: str | None):
+def load_reranker(name: str | None, device: str = "cpu", dtype: str | None = None):
     if name in (None, "", "none"):
         return None
     if name.startswith("gate:"):
-        return SrtGateReranker(name[len("gate:"):])
-    return CrossEncoderReranker(name)
+        return SrtGateReranker(name[len("gate:"):], device=device, dtype=dtype)
+    return CrossEncoderReranker(name, device=device, dtype=dtype)

@@ -43,8 +43,9 @@ def verbaliser_ids(tokenizer, s: dict) -> list[int]:
     return ids
 
 
-def load_gate(path, device: str | None = None):
-    """A trained gate folder (train_sft's ``final``): model, processor and its spec from gate.json."""
+def load_gate(path, device: str | None = None, dtype: str | None = None):
+    """A trained gate folder (train_sft's ``final``): model, processor and its spec from gate.json, on ``device``
+    (default: cpu) in ``dtype`` (default: bf16 on a GPU, fp32 on the CPU)."""
     from rl.model import load_model
 
     path = Path(path)
@@ -52,10 +53,10 @@ def load_gate(path, device: str | None = None):
         raise ValueError(f"gate model {path}: no {GATE_FILE} (a folder written by gate/train_sft.py)")
     info = json.loads((path / GATE_FILE).read_text())
     s = spec(info["variant"], info.get("verbalisers"))
-    model, processor = load_model(str(path), device=device or "cpu")
+    model, processor = load_model(str(path), dtype=dtype, device=device or "cpu")
     if info["variant"] in BINARY or info["variant"] == "skb":
         verbaliser_ids(processor.tokenizer, s)
-    return model.to(device or "cpu").eval(), processor, s
+    return model.eval(), processor, s
 
 
 def _prompt_texts(processor, s: dict, questions, contexts, with_prefix: bool) -> list[str]:

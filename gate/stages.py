@@ -28,7 +28,13 @@ class Stages:
     """The loaded models of every stage; a load failure names its stage."""
 
     def __init__(self, args):
+        from retrieval.placement import resolve_device
+        from rl.model import resolve_dtype
+
         self.args = args
+        self.device = resolve_device(args.device)  # every model of the pipeline on this process's device
+        self.dtype = args.dtype
+        self.placement = {}  # stage → "device dtype", reported in metrics.json
         self.gate = self.answer = self.refiner = self.index = None
         self.gate_threshold = self.alpha = None
         self.reranker = self.inspector = self.generate = None
@@ -38,22 +44,34 @@ class Stages:
         if args.gate not in ("always", "never"):
             from gate.scoring import DEFAULT_THRESHOLDS
 
-            self.gate = load("gate", _load_boundary_gate, args.gate)
+            self.gate = load("gate", _load_boundary_gate, args.gate, self.device, self.dtype)
             self.gate_threshold = args.gate_threshold if args.gate_threshold is not None else \
                 DEFAULT_THRESHOLDS.get(self.gate[2]["name"], 0.5)
         if args.answerer:
-            self.answer = load("answerer", _answer_alone, args.answerer, args.max_new_tokens)
+            self.answer = load("answerer", _answer_alone, args.answerer, args.max_new_tokens, self.device, self.dtype)
         if args.index:
             self._load_retrieval(load)
         if args.inspector != "none":
-            self.inspector = load("inspector", _load_gate_of, args.inspector, "inspector")
+            self.inspector = load("inspector", _load_gate_of, args.inspector, self.device, self.dtype, "inspector")
         if args.generator:
-            self.generate = load("generator", _load_generator, args)
+            self.generate = load("generator", _load_generator, args, self.device, self.dtype)
         self.bem = None
         if args.metric == "evqa" and args.bem != "none":
             from gate.bem import BEMScorer
 
-            self.bem = load("BEM", lambda: BEMScorer(args.bem, device=args.bem_device, batch_size=args.batch_size))
+            self.bem = load("BEM", lambda: BEMScorer(args.bem, device=args.bem_device or self.device,
+                                                     batch_size=args.batch_size))
+        where = f"{self.device} {str(resolve_dtype(self.dtype, self.device)).replace('torch.', '')}"
+        for stage, obj in (("gate", self.gate), ("answerer", self.answer), ("refiner", self.refiner),
+                           ("reranker", self.reranker), ("inspector", self.inspector), ("generator", self.generate)):
+            if obj is not None:
+                self.placement[stage] = where
+        if args.generator == "endpoint":
+            self.placement["generator"] = f"endpoint {args.generator_url}"
+        if self.index is not None:
+            self.placement["index"] = f"encoders {self.index.device}, FAISS {self.index.search_device}"
+        if self.bem is not None:
+            self.placement["BEM"] = f"{self.bem.device} {str(self.bem.dtype).replace('torch.', '')}"
 
     def _load_retrieval(self, load) -> None:
         from gate.rerank import load_reranker
@@ -64,13 +82,14 @@ class Stages:
         if self.args.refiner != "none":
             from rl.refine import Refiner
 
-            self.refiner = load("refiner", Refiner.load, self.args.refiner)
+            self.refiner = load("refiner", lambda: Refiner.load(self.args.refiner, device=self.device,
+                                                                dtype=self.dtype))
         self.alpha = resolve_alpha(self.args.alpha, self.refiner)
-        self.index = load("index", MultimodalIndex.load, self.args.index)
+        self.index = load("index", lambda: MultimodalIndex.load(self.args.index, device=self.device))
         load("index encoders", lambda: (self.index.image_encoder, self.index.text_encoder))  # now, not mid-run
         manifest = require_index(self.args.index)
         self.store = load("article store", open_store, self.args.kb or manifest["kb_path"], self.args.articles)
-        self.reranker = load("reranker", load_reranker, self.args.reranker)
+        self.reranker = load("reranker", load_reranker, self.args.reranker, self.device, self.dtype)
 
     @staticmethod
     def _load(stage: str, fn, *a):
@@ -80,26 +99,26 @@ class Stages:
             raise ValueError(f"{stage}: could not load ({type(e).__name__}: {e})") from e
 
 
-def _load_gate_of(path: str, *variants):
+def _load_gate_of(path: str, device: str, dtype: str | None, *variants):
     from gate.scoring import load_gate
 
-    model, processor, s = load_gate(path)
+    model, processor, s = load_gate(path, device=device, dtype=dtype)
     if s["name"] not in variants:
         raise ValueError(f"{path} is a {s['name']} gate; expected {' or '.join(variants)}")
     return model, processor, s
 
 
-def _load_boundary_gate(path: str):
-    return _load_gate_of(path, *BOUNDARY_VARIANTS)
+def _load_boundary_gate(path: str, device: str, dtype: str | None):
+    return _load_gate_of(path, device, dtype, *BOUNDARY_VARIANTS)
 
 
-def _answer_alone(path: str, max_new_tokens: int):
+def _answer_alone(path: str, max_new_tokens: int, device: str, dtype: str | None):
     """answer(images, questions) → the VLM's greedy answers without retrieval."""
-    generate = vlm_answerer(path, max_new_tokens)
+    generate = vlm_answerer(path, max_new_tokens, device=device, dtype=dtype)
     return lambda images, questions: [t.strip() for t in generate(images, questions, False)]
 
 
-def _load_generator(args):
+def _load_generator(args, device: str, dtype: str | None):
     from gate.generator import endpoint_generator, text_generator
 
     prompt = GENERATOR_PROMPTS[args.generator_prompt]
@@ -107,13 +126,13 @@ def _load_generator(args):
         return endpoint_generator(args.generator_url, args.generator_model, prompt, args.generator_key_env,
                                   args.max_new_tokens, retries=args.generator_retries, backoff=args.generator_backoff)
     if args.generator_image:
-        vlm = vlm_answerer(args.generator, args.max_new_tokens, system=prompt["system"])
+        vlm = vlm_answerer(args.generator, args.max_new_tokens, system=prompt["system"], device=device, dtype=dtype)
 
         def generate(images, questions, contexts):
             texts = [prompt["user_template"].format(question=q, context=c) for q, c in zip(questions, contexts)]
             return [(a.strip() or None, None if a.strip() else "empty answer") for a in vlm(images, texts, False)]
         return generate
-    return text_generator(args.generator, prompt, args.max_new_tokens)
+    return text_generator(args.generator, prompt, args.max_new_tokens, device=device, dtype=dtype)
 
 
 # ---------------------------------------------------------------- running

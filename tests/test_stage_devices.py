@@ -53,3 +53,42 @@ def test_first_token_scores_keep_only_the_last_position(tiny_gate_vlm, tiny_worl
     assert full.shape[1] > 1
     probs = torch.softmax(full[:, -1, ids].float(), dim=-1)[:, 0].numpy()
     np.testing.assert_allclose(kept, probs, atol=1e-5)
+
+
+def test_every_pipeline_stage_loads_on_the_device_and_dtype_asked(tiny_world, tiny_index_dir, tiny_gate_vlm,
+                                                                 tiny_refiner, tmp_path, monkeypatch):
+    """dtype bf16 on the CPU: every model the pipeline loads (gate, answerer, refiner, reranker, Inspector, generator)
+    is asked for, and holds, bf16 weights on the given device; the placement is logged and one batch runs."""
+    import shutil
+
+    import rl.model as rm
+    from gate.pipeline import PipelineArgs, run
+    from gate.scoring import GATE_FILE
+    from gate.stages import Stages
+    from retrieval.files import read_jsonl, write_json_atomic, write_jsonl_atomic
+
+    gates = {}
+    for variant in ("ret", "inspector", "srt"):
+        shutil.copytree(tiny_gate_vlm, tmp_path / variant)
+        write_json_atomic(tmp_path / variant / GATE_FILE, {"variant": variant})
+        gates[variant] = str(tmp_path / variant)
+    rows = list(read_jsonl(tiny_world / "test.jsonl"))[:2]
+    write_jsonl_atomic(tmp_path / "q.jsonl", rows)
+    loads = []
+    real = rm.load_model
+    monkeypatch.setattr(rm, "load_model", lambda path, dtype=None, device="cpu", **kw:
+                        loads.append((dtype, device)) or real(path, dtype=dtype, device=device, **kw))
+    args = PipelineArgs(queries=str(tmp_path / "q.jsonl"), images_root=str(tiny_world), out=str(tmp_path / "out"),
+                        gate=gates["ret"], answerer=str(tiny_gate_vlm), refiner=str(tiny_refiner),
+                        index=str(tiny_index_dir), alpha=0.5, k=2, reranker=f"gate:{gates['srt']}",
+                        inspector=gates["inspector"], generator=str(tiny_gate_vlm), generator_image=True,
+                        generator_prompt="toy", max_new_tokens=4, batch_size=2, device="cpu", dtype="bf16")
+    stages = Stages(args)
+    assert len(loads) == 6 and set(loads) == {("bf16", "cpu")}  # gate, answerer, refiner, srt, inspector, generator
+    for model in (stages.gate[0], stages.inspector[0], stages.reranker.model):
+        assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert set(stages.placement) >= {"gate", "answerer", "refiner", "reranker", "inspector", "generator", "index"}
+    assert stages.placement["gate"] == "cpu bfloat16"
+    lines = []
+    metrics = run(args, stages=stages, log=lines.append)
+    assert metrics["n"] == 2 and any(x.startswith("placement: gate: cpu bfloat16") for x in lines)
