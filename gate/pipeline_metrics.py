@@ -72,7 +72,8 @@ def hop_accuracy(records: list[dict], correct: np.ndarray) -> dict[str, float] |
 
 def inspector_confusion(records: list[dict]) -> dict[str, int] | None:
     """Inspector routing against the oracle (was the selected section the gold entity's): counts of
-    pass/fail × right/wrong section, over questions that went through the Inspector."""
+    pass/fail × right/wrong section, over questions that went through the Inspector, and the routing accuracy
+    (PASS on a right section or FAIL on a wrong one)."""
     seen = [r for r in records if r["rag"].get("inspector") is not None]
     if not seen:
         return None
@@ -80,7 +81,20 @@ def inspector_confusion(records: list[dict]) -> dict[str, int] | None:
     for r in seen:
         key = ("pass" if r["rag"]["inspector"]["pass"] else "fail") + ("_right" if r["rag"]["section_right"] else "_wrong")
         out[key] += 1
+    out["routing_accuracy"] = (out["pass_right"] + out["fail_wrong"]) / len(seen)
     return out
+
+
+def without_inspector(records: list[dict], retrieve) -> dict | None:
+    """The same run without the Inspector (the generator answers with the selected section every time): the gated
+    system, All RAG and the oracle gate — when every record carries that answer (the pipeline's baselines)."""
+    if not records or not all("without_inspector" in r["rag"] for r in records):
+        return None
+    plain = [dict(r, rag=r["rag"]["without_inspector"]) for r in records]
+    alone_ok = np.array([bool(r["alone"]["correct"]) for r in records])
+    return {"accuracy": float(system_correct(plain, retrieve).mean()),
+            "All RAG": float(system_correct(plain, np.ones(len(plain))).mean()),
+            "oracle gate": float(system_correct(plain, ~alone_ok).mean())}
 
 
 def summarize(records: list[dict], threshold_name: str = "threshold") -> dict:
@@ -101,7 +115,8 @@ def summarize(records: list[dict], threshold_name: str = "threshold") -> dict:
             "retrieval_ratio": float(retrieve.mean()), "accuracy_by_split": split_accuracy(done, correct),
             "accuracy_by_hops": hop_accuracy(done, correct),
             "section_right": float(np.mean(section_right)) if section_right else None,
-            "inspector_confusion": inspector_confusion(done), "latency_s": latency,
+            "inspector_confusion": inspector_confusion(done), "without_inspector": without_inspector(done, retrieve),
+            "latency_s": latency,
             "baselines": baselines(done, float(retrieve.mean()))}
 
 
@@ -123,4 +138,19 @@ def format_table(metrics: dict, system: str = "gated pipeline") -> str:
              f"| {system} | {100 * metrics['accuracy']:.1f} | {100 * metrics['retrieval_ratio']:.1f} |"]
     for name, b in metrics.get("baselines", {}).items():
         lines.append(f"| {name} | {100 * b['accuracy']:.1f} | {100 * b['retrieval_ratio']:.1f} |")
+    plain = metrics.get("without_inspector")
+    if plain:
+        lines.append(f"| {system}, without the Inspector | {100 * plain['accuracy']:.1f} | "
+                     f"{100 * metrics['retrieval_ratio']:.1f} |")
+        lines.append(f"| All RAG, without the Inspector | {100 * plain['All RAG']:.1f} | 100.0 |")
+        oracle = metrics.get("baselines", {}).get("oracle gate")
+        if oracle:
+            lines.append(f"| oracle gate, without the Inspector | {100 * plain['oracle gate']:.1f} | "
+                         f"{100 * oracle['retrieval_ratio']:.1f} |")
+    confusion = metrics.get("inspector_confusion")
+    if confusion:
+        lines += ["", "| Inspector | right section | wrong section |", "|---|---|---|",
+                  f"| PASS | {confusion['pass_right']} | {confusion['pass_wrong']} |",
+                  f"| FAIL | {confusion['fail_right']} | {confusion['fail_wrong']} |",
+                  "", f"Inspector routing accuracy: {100 * confusion['routing_accuracy']:.1f} %"]
     return "\n".join(lines)

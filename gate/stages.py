@@ -255,13 +255,15 @@ def rag_path(st: Stages, batch: list[dict], images, clock: Clock) -> list[dict]:
                 out[i] = {"pass": False, "p_pass": float(p[i]), "answer": (res or {}).get("answer")}
             return out
         verdicts = clock.time("inspect", n, inspect)
-    to_generate = [i for i in range(n) if verdicts[i] is None or verdicts[i]["pass"]]
+    # with baselines, the generator also answers where the Inspector failed the section: the pipeline without the
+    # Inspector (WikiSeeker's ablation) comes from the same run
+    to_generate = [i for i in range(n) if verdicts[i] is None or verdicts[i]["pass"] or args.baselines]
     generated = dict(zip(to_generate, clock.time(
         "generate", len(to_generate), st.generate, [images[i] for i in to_generate],
         [questions[i] for i in to_generate], [contexts[i] for i in to_generate]))) if to_generate else {}
     results = []
     for i, r in enumerate(batch):
-        if i in generated:
+        if verdicts[i] is None or verdicts[i]["pass"]:
             answer, reason = generated[i]
         else:
             answer = verdicts[i]["answer"]
@@ -272,6 +274,8 @@ def rag_path(st: Stages, batch: list[dict], images, clock: Clock) -> list[dict]:
                         "section_right": is_gold_section(entry["entity_id"], entry.get("section"), r.get("entity_id"),
                                                          r.get("evidence_section_id")),
                         "inspector": verdicts[i], **answered(answer, reason)})
+        if verdicts[i] is not None and i in generated:  # the generator's answer with this section, Inspector or not
+            results[-1]["without_inspector"] = answered(*generated[i])
     return results
 
 
@@ -296,7 +300,8 @@ def run_batch(st: Stages, batch: list[dict], images, bars: dict | None = None) -
     per_question = clock.per_question()
     out = []
     alone = {i: answered(a) for i, a in alone.items()}
-    judge(st, [(batch[i], a) for i, a in alone.items()] + [(batch[i], x) for i, x in rag.items()])
+    judge(st, [(batch[i], a) for i, a in alone.items()] + [(batch[i], x) for i, x in rag.items()] +
+          [(batch[i], x["without_inspector"]) for i, x in rag.items() if "without_inspector" in x])
     for i, r in enumerate(batch):
         a = alone.get(i)
         chosen = rag.get(i) if retrieve[i] else a

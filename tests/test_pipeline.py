@@ -72,7 +72,13 @@ def test_every_stage_on(make_args, gates, tiny_refiner, queries):
         assert r["answer"] == (rag if r["gate"]["retrieve"] else r["alone"])["answer"]
         assert {"gate", "answer alone", "refine", "retrieve", "rerank", "inspect"} <= set(r["latency"])
     assert metrics["n"] == 6 and set(metrics["baselines"]) == {"No RAG", "All RAG", "random gate", "oracle gate"}
-    assert metrics["inspector_confusion"] is not None and sum(metrics["inspector_confusion"].values()) == 6
+    confusion = metrics["inspector_confusion"]
+    assert sum(v for k, v in confusion.items() if k != "routing_accuracy") == 6
+    # the generator answered every retrieved question too: the run without the Inspector comes with it
+    assert all("without_inspector" in r["rag"] for r in recs) and metrics["without_inspector"] is not None
+    for r in recs:
+        if r["rag"]["inspector"]["pass"]:
+            assert r["rag"]["without_inspector"]["answer"] == r["rag"]["answer"]
     out = args.out
     assert json.load(open(f"{out}/metrics.json"))["accuracy"] == pytest.approx(metrics["accuracy"])
     assert open(f"{out}/metrics.md").read().startswith("| system | accuracy | retrieval ratio |")

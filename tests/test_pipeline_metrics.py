@@ -52,8 +52,28 @@ def test_inspector_confusion_against_the_oracle():
             rec(False, False, True, inspector={"pass": True}, section_right=False),
             rec(False, False, True, inspector={"pass": False}, section_right=False),
             rec(False, False, True, inspector={"pass": False}, section_right=False)]
-    assert summarize(recs)["inspector_confusion"] == {"pass_right": 1, "pass_wrong": 1, "fail_right": 0,
-                                                     "fail_wrong": 2}
+    m = summarize(recs)
+    assert m["inspector_confusion"] == {"pass_right": 1, "pass_wrong": 1, "fail_right": 0, "fail_wrong": 2,
+                                        "routing_accuracy": 0.75}
+    assert m["without_inspector"] is None  # no record carries the answer without the Inspector
+    table = format_table(m)
+    assert "| PASS | 1 | 1 |" in table and "| FAIL | 0 | 2 |" in table and "routing accuracy: 75.0 %" in table
+
+
+def test_the_same_run_without_the_inspector():
+    """Question 1: the Inspector FAILed a right section and its own answer was wrong, the generator's right; question
+    2: it FAILed a wrong section and answered right itself, the generator wrong."""
+    recs = [rec(False, False, True, inspector={"pass": False}), rec(False, True, True, inspector={"pass": False}),
+            rec(True, True, False, inspector={"pass": True})]
+    for r, plain in zip(recs, (True, False, True)):
+        r["rag"]["without_inspector"] = {"answer": "x", "correct": plain}
+    m = summarize(recs)
+    assert m["accuracy"] == pytest.approx(2 / 3)  # with: wrong, right, right (alone)
+    assert m["without_inspector"] == {"accuracy": pytest.approx(2 / 3), "All RAG": pytest.approx(2 / 3),
+                                      "oracle gate": pytest.approx(2 / 3)}
+    recs[1]["rag"]["without_inspector"]["correct"] = True
+    assert summarize(recs)["without_inspector"]["All RAG"] == pytest.approx(1.0)
+    assert "| All RAG, without the Inspector | 100.0 | 100.0 |" in format_table(summarize(recs))
 
 
 def test_split_accuracy_with_the_infoseek_harmonic_mean():
