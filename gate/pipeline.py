@@ -10,8 +10,9 @@ section — PASS → the generator answers with it, FAIL → the Inspector's own
 
 With ``baselines: true`` (default) every question goes through both paths, so No RAG, All RAG, a random gate at the
 same retrieval ratio and the oracle gate come from the same run and table; ``baselines: false`` runs only the path
-the gate chose. Every stage is batched with its own progress bar; each finished question is appended to
-``predictions.jsonl`` (resumable: ids already there are skipped). Writes ``metrics.json``, ``metrics.md`` and
+the gate chose. Every stage is batched with its own progress bar; each finished question is appended (resumable: ids
+already done are skipped). ``accelerate launch -m gate.pipeline …`` splits the questions over processes, every model
+of a process on its own device, and merges their parts into ``predictions.jsonl`` in input order. Writes ``metrics.json``, ``metrics.md`` and
 ``accuracy_vs_retrieval.png`` (the gate's threshold swept over one scoring pass, with the baselines).
 """
 
@@ -125,36 +126,44 @@ def check_same_config(out: Path, args: PipelineArgs) -> None:
     write_json_atomic(path, current)
 
 
-def run(args: PipelineArgs, log=print, stages: Stages | None = None) -> dict:
+def run(args: PipelineArgs, log=print, stages: Stages | None = None, state=None) -> dict | None:
+    """Answer every question not yet in ``predictions.jsonl`` and report. With an accelerate ``state`` of N processes
+    each answers every N-th batch on its own device and process 0 merges the parts in input order and reports (the
+    others return None): the same predictions as one process (retrieval.job_parts)."""
     from PIL import Image
     from tqdm import tqdm
 
-    from retrieval.files import append_jsonl, completed_ids, read_jsonl
+    from retrieval.files import check_unique_ids, read_jsonl
+    from retrieval.job_parts import JobParts
 
     validate(args)
     rows = list(read_jsonl(args.queries))[:args.limit]
+    check_unique_ids(rows, args.queries)
     root = Path(args.images_root or Path(args.queries).parent)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     check_same_config(out, args)
     target = out / "predictions.jsonl"
-    done = completed_ids(target)
-    todo = [r for r in rows if str(r["id"]) not in done]
-    log(f"pipeline: {len(done)} of {len(rows)} questions already in {target}; {len(todo)} to go")
-    if todo:
+    parts = JobParts(target, state)
+    done, batches = parts.start(rows, args.batch_size)
+    mine = sum(len(b) for b in batches)
+    log(f"pipeline, process {parts.rank}/{parts.count}: {len(done)} of {len(rows)} questions already in {target}; "
+        f"{mine} to go here")
+    if batches:
         stages = stages or Stages(args)  # every model loads (or fails, named) before the first question
         log("placement: " + "; ".join(f"{k}: {v}" for k, v in stages.placement.items()))
         names = ["gate", "answer alone", "refine", "retrieve", "rerank", "inspect", "generate"]
-        bars = {s: tqdm(total=len(todo), desc=f"{s:>12}", position=i, unit="q") for i, s in enumerate(names)}
-        for start in range(0, len(todo), args.batch_size):
-            batch = todo[start:start + args.batch_size]
+        bars = {s: tqdm(total=mine, desc=f"{s:>12}", position=i, unit="q") for i, s in enumerate(names)}
+        for batch in batches:
             present = [r for r in batch if (root / str(r.get("image"))).is_file()]
             skipped = [{"id": r["id"], "skipped": f"image file missing: {root / str(r.get('image'))}"}
                        for r in batch if r not in present]
             images = [Image.open(root / r["image"]).convert("RGB") for r in present]
-            append_jsonl(target, skipped + (run_batch(stages, present, images, bars) if present else []))
+            parts.append(skipped + (run_batch(stages, present, images, bars) if present else []))
         for bar in bars.values():
             bar.close()
+    if not parts.finish(rows):
+        return None
     ids = {str(r["id"]) for r in rows}
     records = [r for r in read_jsonl(target) if str(r["id"]) in ids]
     return report(records, out, args, log)
@@ -214,9 +223,10 @@ def _summarize_chosen(records: list[dict]) -> dict:
 
 def main(argv=None) -> None:
     from retrieval.cli import parse
+    from retrieval.placement import process_state
 
     (args,) = parse((PipelineArgs,), argv, description=__doc__)
-    run(args)
+    run(args, state=process_state(args.device))
 
 
 if __name__ == "__main__":

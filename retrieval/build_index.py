@@ -27,7 +27,6 @@ import json
 import shutil
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from functools import lru_cache
 from pathlib import Path
 
@@ -326,18 +325,12 @@ def _versions() -> dict:
 
 
 def main(argv=None) -> None:
-    import torch
-    from accelerate import PartialState
-
     from retrieval.cli import parse
+    from retrieval.placement import process_state
 
     (args,) = parse((BuildArgs,), argv, description=__doc__)
     validate(args)
-    cpu = (args.device or "").startswith("cpu") or not torch.cuda.is_available()
-    # the first accelerate state of the process: under torchrun on CPUs it must know cpu=True, or every process
-    # believes it is alone; the timeout bounds how long a process that finished early waits for the others
-    state = PartialState(cpu=cpu, timeout=timedelta(minutes=args.dist_timeout_minutes))
-    build_index(args, state=state)
+    build_index(args, state=process_state(args.device, args.dist_timeout_minutes))
 
 
 if __name__ == "__main__":

@@ -61,6 +61,21 @@ def resolve_device(device: str | None) -> str:
     return device
 
 
+def process_state(device: str | None = None, timeout_minutes: int | None = None):
+    """The accelerate ``PartialState`` of a CLI job (one process, or each of the processes ``accelerate launch`` /
+    ``torchrun`` started): on the CPU when ``device`` says so or no GPU exists — created first with ``cpu=True``, so
+    CPU processes under torchrun form one gloo group instead of each believing it is alone. ``timeout_minutes``
+    bounds how long a process waits for the others at a barrier."""
+    from datetime import timedelta
+
+    import torch
+    from accelerate import PartialState
+
+    cpu = str(device or "").startswith("cpu") or not torch.cuda.is_available()
+    kwargs = {"timeout": timedelta(minutes=timeout_minutes)} if timeout_minutes else {}
+    return PartialState(cpu=cpu, **kwargs)
+
+
 def gpu_ordinal(device: str) -> int | None:
     return int(device.split(":", 1)[1]) if device.startswith("cuda:") else None
 

@@ -7,7 +7,8 @@
 ``refiner.json`` (or the run record). Each output record is the input record plus ``refined_query``,
 ``raw_output`` and ``format_ok``; a completion that does not parse falls back to the original question. Resumable:
 ids already in ``--out`` are skipped, and every batch is appended and flushed, so an interrupted run loses nothing
-it wrote. Greedy by default; ``--sample`` uses the sampling settings of ``generation_config.json``.
+it wrote. ``accelerate launch -m rl.refine …`` splits the questions over processes (each on its own device, every
+N-th batch) and merges their parts into ``--out`` in input order (retrieval.job_parts). Greedy by default; ``--sample`` uses the sampling settings of ``generation_config.json``.
 
 Python API: ``Refiner.load(path)`` and ``refiner.refine(images, questions) -> list[str]``.
 """
@@ -19,8 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from retrieval.cli import require_file
-from retrieval.files import append_jsonl, completed_ids, read_jsonl
+from retrieval.files import check_unique_ids, read_jsonl
+from retrieval.job_parts import JobParts
 from retrieval.kb import check_images
+from retrieval.placement import process_state
 from rewards.format import parse_query
 from rl.prompts import prompt_spec
 from rl.run_record import find_run_record
@@ -114,7 +117,9 @@ class RefineArgs:
     sample: bool = field(default=False, metadata={"help": "sample with generation_config.json settings (default: greedy)"})
 
 
-def refine_file(args: RefineArgs, log=print, refiner: Refiner | None = None) -> int:
+def refine_file(args: RefineArgs, log=print, refiner: Refiner | None = None, state=None) -> int:
+    """Refine every question not yet in ``args.out``; with an accelerate ``state`` of N processes each takes every
+    N-th batch and the output is merged in input order (retrieval.job_parts). Returns the questions refined here."""
     from PIL import Image
     from tqdm import tqdm
 
@@ -128,29 +133,32 @@ def refine_file(args: RefineArgs, log=print, refiner: Refiner | None = None) -> 
     root = Path(args.images_root or Path(args.queries).parent)
     rows = list(read_jsonl(args.queries))
     check_images(rows, root, args.queries)
+    check_unique_ids(rows, args.queries)
     out = Path(args.out)
-    done = completed_ids(out)
-    todo = [r for r in rows if str(r.get("id")) not in done]
-    log(f"{len(done)} of {len(rows)} questions already refined in {out}; {len(todo)} to go")
-    if not todo:
-        return 0
-    refiner = refiner or Refiner.load(args.model, backend=args.backend)
-    with tqdm(total=len(todo), desc="refining", unit="q") as bar:
-        for start in range(0, len(todo), args.batch_size):
-            batch = todo[start:start + args.batch_size]
-            images = [Image.open(root / r["image"]).convert("RGB") for r in batch]
-            results = refiner.refine_with_outputs(images, [r["question"] for r in batch], batch_size=args.batch_size,
-                                                  sample=args.sample)
-            append_jsonl(out, [{**r, **res} for r, res in zip(batch, results)])
-            bar.update(len(batch))
-    return len(todo)
+    parts = JobParts(out, state)
+    done, batches = parts.start(rows, args.batch_size)
+    mine = sum(len(b) for b in batches)
+    log(f"process {parts.rank}/{parts.count}: {len(done)} of {len(rows)} questions already refined in {out}; "
+        f"{mine} to go here")
+    if batches:
+        refiner = refiner or Refiner.load(args.model, backend=args.backend,
+                                          device=str(state.device) if state is not None else None)
+        with tqdm(total=mine, desc="refining", unit="q") as bar:
+            for batch in batches:
+                images = [Image.open(root / r["image"]).convert("RGB") for r in batch]
+                results = refiner.refine_with_outputs(images, [r["question"] for r in batch],
+                                                      batch_size=args.batch_size, sample=args.sample)
+                parts.append([{**r, **res} for r, res in zip(batch, results)])
+                bar.update(len(batch))
+    parts.finish(rows)
+    return mine
 
 
 def main(argv=None) -> None:
     from retrieval.cli import parse
 
     (args,) = parse((RefineArgs,), argv, description=__doc__)
-    refine_file(args)
+    refine_file(args, state=process_state())
 
 
 if __name__ == "__main__":

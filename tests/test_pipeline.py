@@ -130,8 +130,10 @@ def test_resume_after_an_interruption(make_args, monkeypatch):
     args = make_args()
     with pytest.raises(RuntimeError):
         run(args, **QUIET)
-    assert len(predictions(args)) == 3  # the first batch was written
+    part = Path(args.out) / "predictions.jsonl.part0"  # this process's part, merged when the run finishes
+    assert sum(1 for _ in open(part)) == 3  # the first batch was written
     run(args, **QUIET)
+    assert not part.exists()
     ids = [r["id"] for r in predictions(args)]
     assert len(ids) == 6 == len(set(ids)) and calls == [3, 3, 3]
 

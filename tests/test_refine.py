@@ -35,8 +35,9 @@ def test_refine_file_resumes_without_losing_or_repeating(toy_refiner, tiny_world
     monkeypatch.setattr(toy_refiner, "refine_with_outputs", dying)
     with pytest.raises(KeyboardInterrupt):
         refine_file(args, refiner=toy_refiner, **QUIET)
-    assert sum(1 for _ in open(out)) == 16  # two finished batches are on disk
-    with open(out, "a") as fh:
+    part = tmp_path / "refined.jsonl.part0"  # this process's part; merged into out when the job finishes
+    assert not out.exists() and sum(1 for _ in open(part)) == 16  # two finished batches are on disk
+    with open(part, "a") as fh:
         fh.write('{"id": "cut-short')  # a line cut by a crash
     monkeypatch.setattr(toy_refiner, "refine_with_outputs", real)
     assert refine_file(args, refiner=toy_refiner, **QUIET) == 48 - 16
@@ -48,7 +49,7 @@ def test_refine_file_resumes_without_losing_or_repeating(toy_refiner, tiny_world
         if not r["format_ok"]:
             assert r["refined_query"] == r["question"]  # fallback to the original question
     assert sum(r["format_ok"] for r in rows) > len(rows) // 2
-    assert refine_file(args, refiner=toy_refiner, **QUIET) == 0
+    assert refine_file(args, refiner=toy_refiner, **QUIET) == 0 and not part.exists()
 
 
 def test_missing_image_is_named(toy_refiner, tmp_path):
