@@ -23,6 +23,8 @@ from pathlib import Path
 
 from gate.context_data import load_questions, stage_context, stage_retrieve, vlm_answerer
 from retrieval.files import append_jsonl, completed_ids, read_jsonl, write_jsonl_atomic
+from retrieval.job_parts import JobParts
+from retrieval.placement import resolve_device
 
 STAGES = ("sample", "judge", "retrieve", "context", "label", "render")
 
@@ -37,6 +39,8 @@ class BuildDataArgs:
     samples: int = field(default=30, metadata={"help": "sample: answers per question (R)"})
     temperature: float = field(default=1.0, metadata={"help": "sample: sampling temperature"})
     backend: str = field(default="hf", metadata={"help": "sample/context: hf | vllm (when vLLM is installed)"})
+    device: str = field(default=None, metadata={"help": "sample/context: the VLM's device (default: this process's own, cuda:LOCAL_RANK or cpu)"})
+    dtype: str = field(default="auto", metadata={"help": "sample/context: the VLM's weights: auto (bf16 on a GPU, fp32 on the CPU), bf16, fp16, fp32"})
     max_new_tokens: int = field(default=32, metadata={"help": "sample/context: answer length"})
     batch_size: int = field(default=8, metadata={"help": "questions per batch"})
     judge: str = field(default="exact", metadata={"help": "judge/context: exact | token | llm"})
@@ -61,7 +65,7 @@ class BuildDataArgs:
     seed: int = field(default=0, metadata={"help": "sample: sampling seed (per batch); render: seed for capping"})
 
 
-def stage_sample(args: BuildDataArgs, out: Path, log=print, generate=None) -> int:
+def stage_sample(args: BuildDataArgs, out: Path, log=print, generate=None, state=None) -> int:
     import zlib
 
     import torch
@@ -71,20 +75,21 @@ def stage_sample(args: BuildDataArgs, out: Path, log=print, generate=None) -> in
     rows, _ = load_questions(args.queries, args.images_root)
     if not args.model and generate is None:
         raise ValueError("--model is required for the sample stage")
-    target = out / "samples.jsonl"
-    done = completed_ids(target)
-    todo = [r for r in rows if str(r["id"]) not in done]
-    log(f"sample: {len(done)} done, {len(todo)} to go, R = {args.samples}")
-    if generate is None and todo:
-        generate = vlm_answerer(args.model, args.max_new_tokens, args.temperature, backend=args.backend)
-    for start in tqdm(range(0, len(todo), args.batch_size), desc="sampling", disable=not todo):
-        batch = todo[start:start + args.batch_size]
+    parts = JobParts(out / "samples.jsonl", state)
+    done, batches = parts.start(rows, args.batch_size)
+    mine = sum(len(b) for b in batches)
+    log(f"sample, process {parts.rank}/{parts.count}: {len(done)} done, {mine} to go here, R = {args.samples}")
+    if generate is None and batches:
+        generate = vlm_answerer(args.model, args.max_new_tokens, args.temperature, backend=args.backend,
+                                device=resolve_device(args.device), dtype=args.dtype)
+    for batch in tqdm(batches, desc="sampling", disable=not batches):
         images = [Image.open(r["image_path"]).convert("RGB") for r in batch for _ in range(args.samples)]
         torch.manual_seed(args.seed + zlib.crc32(str(batch[0]["id"]).encode()))  # same samples on a rerun
         texts = generate(images, [r["question"] for r in batch for _ in range(args.samples)], True)
-        append_jsonl(target, [{**r, "samples": [t.strip() for t in texts[i * args.samples:(i + 1) * args.samples]]}
-                              for i, r in enumerate(batch)])
-    return len(todo)
+        parts.append([{**r, "samples": [t.strip() for t in texts[i * args.samples:(i + 1) * args.samples]]}
+                      for i, r in enumerate(batch)])
+    parts.finish(rows)
+    return mine
 
 
 def stage_judge(args: BuildDataArgs, out: Path, log=print) -> int:
@@ -240,7 +245,7 @@ def stage_render(args: BuildDataArgs, out: Path, log=print) -> int:
     return total
 
 
-def build(args: BuildDataArgs, log=print) -> int:
+def build(args: BuildDataArgs, log=print, state=None) -> int:
     if args.stage not in STAGES:
         raise ValueError(f"--stage must be one of {', '.join(STAGES)}, got {args.stage!r}")
     if not args.out:
@@ -259,14 +264,17 @@ def build(args: BuildDataArgs, log=print) -> int:
     out.mkdir(parents=True, exist_ok=True)
     stages = {"sample": stage_sample, "judge": stage_judge, "retrieve": stage_retrieve, "context": stage_context,
               "label": stage_label, "render": stage_render}
+    if args.stage in ("sample", "context"):  # the long ones: split over processes when launched on many
+        return stages[args.stage](args, out, log, state=state)
     return stages[args.stage](args, out, log)
 
 
 def main(argv=None) -> None:
     from retrieval.cli import parse
+    from retrieval.placement import process_state
 
     (args,) = parse((BuildDataArgs,), argv, description=__doc__)
-    build(args)
+    build(args, state=process_state(args.device) if args.stage in ("sample", "context") else None)
 
 
 if __name__ == "__main__":

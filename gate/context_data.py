@@ -13,6 +13,7 @@ from pathlib import Path
 
 from retrieval.cli import require_file, require_index
 from retrieval.files import append_jsonl, completed_ids, read_jsonl
+from retrieval.job_parts import JobParts
 from retrieval.kb import check_images
 
 
@@ -84,7 +85,7 @@ def section_text(hit: dict) -> str:
     return f"{head}: {hit['text']}" if head else hit["text"]
 
 
-def stage_context(args, out: Path, log=print, generate=None) -> int:
+def stage_context(args, out: Path, log=print, generate=None, state=None) -> int:
     """One greedy answer per retrieved section (the section in the prompt), judged like the samples."""
     from PIL import Image
     from tqdm import tqdm
@@ -98,15 +99,18 @@ def stage_context(args, out: Path, log=print, generate=None) -> int:
     if not args.model and generate is None:
         raise ValueError("--model is required for the context stage")
     judge = judge_from_args(args)
-    target = out / "contexts.jsonl"
-    done = completed_ids(target)
-    todo = [r for r in read_jsonl(source) if str(r["id"]) not in done]
-    log(f"context: {len(done)} done, {len(todo)} to go")
-    if generate is None and todo:
-        generate = vlm_answerer(args.model, args.max_new_tokens, backend=args.backend)
+    rows = list(read_jsonl(source))
+    parts = JobParts(out / "contexts.jsonl", state)
+    done, batches = parts.start(rows, args.batch_size)
+    mine = sum(len(b) for b in batches)
+    log(f"context, process {parts.rank}/{parts.count}: {len(done)} done, {mine} to go here")
+    if generate is None and batches:
+        from retrieval.placement import resolve_device
+
+        generate = vlm_answerer(args.model, args.max_new_tokens, backend=args.backend,
+                                device=resolve_device(getattr(args, "device", None)), dtype=getattr(args, "dtype", None))
     answer = spec("answer")
-    for start in tqdm(range(0, len(todo), args.batch_size), desc="answering with context", disable=not todo):
-        batch = todo[start:start + args.batch_size]
+    for batch in tqdm(batches, desc="answering with context", disable=not batches):
         pairs = [(r, h) for r in batch for h in r["hits"]]
         images = [Image.open(r["image_path"]).convert("RGB") for r, _ in pairs]
         texts = generate(images, [user_text(answer, r["question"], section_text(h)) for r, h in pairs], False)
@@ -116,8 +120,9 @@ def stage_context(args, out: Path, log=print, generate=None) -> int:
             i += len(r["hits"])
             scores = [judge.score(r["question"], a, r.get("answers") or [], r.get("answer_eval")) for a in answers]
             records.append({"id": r["id"], "doc_answers": answers, "doc_scores": scores})
-        append_jsonl(target, records)
-    return len(todo)
+        parts.append(records)
+    parts.finish(rows)
+    return mine
 
 
 def vlm_answerer(model_path: str, max_new_tokens: int, temperature: float = 1.0, backend: str = "hf",

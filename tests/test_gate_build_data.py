@@ -102,7 +102,8 @@ def test_sample_and_judge_resume_after_an_interruption(questions, tiny_world, tm
                          samples=3, batch_size=1)
     with pytest.raises(RuntimeError):
         stage_sample(args, tmp_path / "d", generate=dies_on_second_batch, **QUIET)
-    assert [json.loads(x)["id"] for x in open(tmp_path / "d" / "samples.jsonl")] == [picked[0]["id"]]
+    part = tmp_path / "d" / "samples.jsonl.part0"  # this process's part, merged when the stage finishes
+    assert [json.loads(x)["id"] for x in open(part)] == [picked[0]["id"]]
     assert stage_sample(args, tmp_path / "d", generate=lambda i, t, s: ["blue"] * len(t), **QUIET) == 1
     rows = [json.loads(x) for x in open(tmp_path / "d" / "samples.jsonl")]
     assert [r["id"] for r in rows] == [p["id"] for p in picked] and rows[0]["samples"] == ["red"] * 3

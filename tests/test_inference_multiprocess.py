@@ -80,3 +80,20 @@ def test_pipeline_on_two_processes_equals_one(gate_folders, tiny_gate_vlm, tiny_
         assert x == y
     two = json.loads((tmp_path / "two" / "metrics.json").read_text())
     assert two["n"] == one["n"] == 8 and two["accuracy"] == pytest.approx(one["accuracy"])
+
+
+def test_gate_data_sampling_on_two_processes_equals_one(tiny_gate_vlm, tiny_world, tmp_path):
+    """gate.build_data --stage sample: seeded per batch, so two processes draw the very samples one process draws."""
+    from gate.build_data import BuildDataArgs, build
+
+    rows = list(read_jsonl(tiny_world / "test.jsonl"))[:6]
+    write_jsonl_atomic(tmp_path / "q.jsonl", rows)
+    config = dict(stage="sample", queries=str(tmp_path / "q.jsonl"), images_root=str(tiny_world),
+                  model=str(tiny_gate_vlm), samples=3, batch_size=2, max_new_tokens=4, device="cpu")
+    build(BuildDataArgs(**config, out=str(tmp_path / "one")), **QUIET)
+    proc = torchrun_module("gate.build_data", {**config, "out": str(tmp_path / "two")}, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "sample, process 1/2" in proc.stdout + proc.stderr
+    one = list(read_jsonl(tmp_path / "one" / "samples.jsonl"))
+    assert list(read_jsonl(tmp_path / "two" / "samples.jsonl")) == one and len(one) == 6
+    assert len({s for r in one for s in r["samples"]}) > 1  # real samples, not one repeated string
