@@ -42,7 +42,9 @@ class PipelineArgs:
                                                            "built from the KB rows when missing)"})
     alpha: float = field(default=None, metadata={"help": "α (default: the refiner's index α)"})
     k: int = field(default=5, metadata={"help": "entities (sections) retrieved per question"})
-    reranker: str = field(default="none", metadata={"help": "none | tiny | CrossEncoder name/path | gate:<srt dir>"})
+    reranker: str = field(default="none", metadata={"help": "first stage over the top-k sections (β1): none | vlm:<VLM> (zero-shot, first-token P(Yes)) | gate:<srt dir> | a CrossEncoder (text) | tiny"})
+    reranker_verbalisers: str = field(default="Yes,No", metadata={"help": "vlm: reranker: the positive and negative first tokens"})
+    text_reranker: str = field(default="none", metadata={"help": "within the chosen article (β2): none (text similarity alone) | a CrossEncoder such as BAAI/bge-reranker-v2-m3 | tiny"})
     beta1: float = field(default=0.6, metadata={"help": "section stage: β1·retrieval + (1−β1)·reranker (WikiSeeker: "
                                                         "0.6 E-VQA, 0.8 InfoSeek)"})
     beta2: float = field(default=0.2, metadata={"help": "within the chosen article: (1−β2)·text similarity + "
@@ -93,7 +95,8 @@ def validate(args: PipelineArgs) -> None:
             raise ValueError("--generator is required")
     for stage, value in (("gate", args.gate), ("answerer", args.answerer), ("refiner", args.refiner),
                          ("inspector", args.inspector), ("generator", args.generator),
-                         ("reranker", args.reranker[5:] if args.reranker.startswith("gate:") else None)):
+                         ("reranker", args.reranker.split(":", 1)[1] if args.reranker.startswith(("gate:", "vlm:"))
+                          else None)):
         if value in (None, "none", "always", "never", "endpoint") or not _looks_local(value):
             continue
         if not (Path(value) / "config.json").is_file():

@@ -1,8 +1,14 @@
-"""Reranking retrieved sections: a sentence-transformers CrossEncoder (real default BAAI/bge-reranker-v2-m3; ``tiny``
-= a seeded random tiny BERT cross-encoder built offline, for tests) or a trained ``srt`` gate (``gate:DIR``), whose
-P(Rel) is the reranker score. WikiSeeker's two stages: over the retrieved sections of different articles
-β1·retrieval score + (1−β1)·reranker score (``combine``); within the chosen article (1−β2)·first-stage score +
-β2·text-reranker score (``within_article``). CrossEncoder logits are squashed with a sigmoid to [0, 1]."""
+"""Reranking retrieved sections, WikiSeeker's two stages:
+
+1. over the top-k sections of different articles, a multimodal reranker (image + question against the section):
+   β1·retrieval score + (1−β1)·reranker score (``combine``) picks the article. By name: ``vlm:<VLM>`` — any VLM,
+   zero-shot, scored by its first token's P(Yes) to "does this section help answer the question about the image" (the
+   gates' first-token scoring code); ``gate:<dir>`` — a trained ``srt`` gate's P(Rel); or a text CrossEncoder;
+2. within the chosen article (all its sections, from the article store), a text reranker (a sentence-transformers
+   CrossEncoder: BAAI/bge-reranker-v2-m3 in the real configs; ``tiny`` = a seeded random tiny BERT cross-encoder
+   built offline, for tests): (1−β2)·first-stage score + β2·text-reranker score (``within_article``).
+
+CrossEncoder logits are squashed with a sigmoid to [0, 1]; every reranker loads on an explicit device and dtype."""
 
 from __future__ import annotations
 
@@ -74,16 +80,36 @@ class CrossEncoderReranker:
         return unflatten(1.0 / (1.0 + np.exp(-flat)), sections)
 
 
-class SrtGateReranker:
-    """A trained srt gate: P(Rel | image, question, section) from its first token."""
+class FirstTokenReranker:
+    """A VLM's P(positive verbaliser | image, question, section) from its first token: a trained srt gate
+    (``gate:DIR``, P(Rel)) or any VLM zero-shot (``vlm:NAME``, P(Yes) to a relevance question)."""
 
-    def __init__(self, path: str, device: str = "cpu", dtype: str | None = None):
+    VLM_SYSTEM = ("You are given an image, a question about it and a document. Does the document help answer the "
+                  "question about the entity in the image? Reply Yes or No.")
+
+    def __init__(self, model, processor, spec: dict, name: str):
+        self.model, self.processor, self.spec, self.name = model, processor, spec, name
+
+    @classmethod
+    def srt_gate(cls, path: str, device: str = "cpu", dtype: str | None = None) -> FirstTokenReranker:
         from gate.scoring import load_gate
 
-        self.model, self.processor, self.spec = load_gate(path, device=device, dtype=dtype)
-        if self.spec["name"] != "srt":
-            raise ValueError(f"reranker gate:{path} is a {self.spec['name']} gate, not srt")
-        self.name = f"gate:{path}"
+        model, processor, s = load_gate(path, device=device, dtype=dtype)
+        if s["name"] != "srt":
+            raise ValueError(f"reranker gate:{path} is a {s['name']} gate, not srt")
+        return cls(model, processor, s, f"gate:{path}")
+
+    @classmethod
+    def vlm(cls, path: str, device: str = "cpu", dtype: str | None = None,
+            verbalisers=("Yes", "No")) -> FirstTokenReranker:
+        from gate.scoring import verbaliser_ids
+        from gate.variants import spec
+        from rl.model import load_model
+
+        model, processor = load_model(path, dtype=dtype, device=device)
+        s = dict(spec("srt", verbalisers), system=cls.VLM_SYSTEM.replace("Yes or No", " or ".join(verbalisers)))
+        verbaliser_ids(processor.tokenizer, s)  # each verbaliser must be one token of this model
+        return cls(model.eval(), processor, s, f"vlm:{path}")
 
     def score(self, images, queries: list[str], sections: list[list[str]]) -> list[np.ndarray]:
         from gate.scoring import first_token_scores
@@ -95,9 +121,22 @@ class SrtGateReranker:
                          sections)
 
 
-def load_reranker(name: str | None, device: str = "cpu", dtype: str | None = None):
+def load_reranker(name: str | None, device: str = "cpu", dtype: str | None = None, verbalisers=("Yes", "No")):
+    """The first-stage (multimodal) reranker by name: none | vlm:NAME | gate:DIR | a CrossEncoder | tiny."""
     if name in (None, "", "none"):
         return None
     if name.startswith("gate:"):
-        return SrtGateReranker(name[len("gate:"):], device=device, dtype=dtype)
+        return FirstTokenReranker.srt_gate(name[len("gate:"):], device=device, dtype=dtype)
+    if name.startswith("vlm:"):
+        return FirstTokenReranker.vlm(name[len("vlm:"):], device=device, dtype=dtype, verbalisers=verbalisers)
+    return CrossEncoderReranker(name, device=device, dtype=dtype)
+
+
+def load_text_reranker(name: str | None, device: str = "cpu", dtype: str | None = None):
+    """The within-article text reranker: none | a CrossEncoder (BAAI/bge-reranker-v2-m3) | tiny."""
+    if name in (None, "", "none"):
+        return None
+    if name.startswith(("gate:", "vlm:")):
+        raise ValueError(f"--text_reranker {name!r}: the within-article stage takes a text cross-encoder "
+                         "(e.g. BAAI/bge-reranker-v2-m3); multimodal rerankers go in --reranker")
     return CrossEncoderReranker(name, device=device, dtype=dtype)

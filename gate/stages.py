@@ -37,7 +37,7 @@ class Stages:
         self.placement = {}  # stage → "device dtype", reported in metrics.json
         self.gate = self.answer = self.refiner = self.index = None
         self.gate_threshold = self.alpha = None
-        self.reranker = self.inspector = self.generate = None
+        self.reranker = self.text_reranker = self.inspector = self.generate = None
         self.store = None  # retrieval.articles.ArticleStore: index rows and every section of every article, on disk
         self.section_emb: dict[str, np.ndarray] = {}
         load = self._load
@@ -63,7 +63,8 @@ class Stages:
                                                      batch_size=args.batch_size))
         where = f"{self.device} {str(resolve_dtype(self.dtype, self.device)).replace('torch.', '')}"
         for stage, obj in (("gate", self.gate), ("answerer", self.answer), ("refiner", self.refiner),
-                           ("reranker", self.reranker), ("inspector", self.inspector), ("generator", self.generate)):
+                           ("reranker", self.reranker), ("text reranker", self.text_reranker),
+                           ("inspector", self.inspector), ("generator", self.generate)):
             if obj is not None:
                 self.placement[stage] = where
         if args.generator == "endpoint":
@@ -74,7 +75,7 @@ class Stages:
             self.placement["BEM"] = f"{self.bem.device} {str(self.bem.dtype).replace('torch.', '')}"
 
     def _load_retrieval(self, load) -> None:
-        from gate.rerank import load_reranker
+        from gate.rerank import load_reranker, load_text_reranker
         from retrieval import MultimodalIndex
         from retrieval.articles import open_store
         from retrieval.cli import require_index
@@ -89,7 +90,10 @@ class Stages:
         load("index encoders", lambda: (self.index.image_encoder, self.index.text_encoder))  # now, not mid-run
         manifest = require_index(self.args.index)
         self.store = load("article store", open_store, self.args.kb or manifest["kb_path"], self.args.articles)
-        self.reranker = load("reranker", load_reranker, self.args.reranker, self.device, self.dtype)
+        self.reranker = load("reranker", load_reranker, self.args.reranker, self.device, self.dtype,
+                             tuple(self.args.reranker_verbalisers.split(",")))
+        self.text_reranker = load("text reranker", load_text_reranker, self.args.text_reranker, self.device,
+                                  self.dtype)
 
     @staticmethod
     def _load(stage: str, fn, *a):
@@ -186,8 +190,8 @@ def article_sections(st: Stages, entity_id: str) -> list[dict]:
 
 def choose_sections(st: Stages, images, questions, text_emb, hits) -> list[dict]:
     """The selected section per question: the best article after reranking (β1), then the article's best section
-    among all its sections in the article store (β2 over text similarity to the query and the reranker; text
-    similarity alone without a reranker)."""
+    among all its sections in the article store (β2 over text similarity to the query and the text reranker; text
+    similarity alone without one)."""
     from gate.rerank import combine, within_article
 
     args, index = st.args, st.index
@@ -209,8 +213,8 @@ def choose_sections(st: Stages, images, questions, text_emb, hits) -> list[dict]
         emb = index.encode_documents([template.format(**{"section_title": "", **e}) for e in new])
         st.section_emb.update({e["entry_id"]: v for e, v in zip(new, emb)})
     sims = np.stack([st.section_emb[e["entry_id"]] for e in flat]) if flat else None
-    rr2 = st.reranker.score(images, questions, [[section_text(e) for e in art] for art in chosen_articles]) \
-        if st.reranker is not None else None
+    rr2 = st.text_reranker.score(images, questions, [[section_text(e) for e in art] for art in chosen_articles]) \
+        if st.text_reranker is not None else None
     out, i = [], 0
     for q, art in enumerate(chosen_articles):
         sim = sims[i:i + len(art)] @ text_emb[q]

@@ -59,7 +59,8 @@ def predictions(args):
 
 
 def test_every_stage_on(make_args, gates, tiny_refiner, queries):
-    args = make_args(gate=gates["hkb"], refiner=str(tiny_refiner), reranker="tiny", inspector=gates["inspector"])
+    args = make_args(gate=gates["hkb"], refiner=str(tiny_refiner), reranker=f"vlm:{gates['srt']}",
+                     reranker_verbalisers="Rel,NoRel", text_reranker="tiny", inspector=gates["inspector"])
     metrics = run(args, **QUIET)
     recs = predictions(args)
     assert [r["id"] for r in recs] == [q["id"] for q in queries[1]]

@@ -40,3 +40,26 @@ def test_real_configs_carry_the_paper_betas():
     evqa = yaml.safe_load((root / "evqa.yaml").read_text())
     infoseek = yaml.safe_load((root / "infoseek.yaml").read_text())
     assert (evqa["beta1"], evqa["beta2"], infoseek["beta1"], infoseek["beta2"]) == (0.6, 0.2, 0.8, 0.2)
+
+
+def test_a_vlm_scores_relevance_zero_shot_by_its_first_token(tiny_gate_vlm, tiny_world):
+    """vlm:NAME — any VLM, P(positive verbaliser) to a relevance question, the gates' scoring code; a verbaliser
+    that is not one token of the model is refused by name."""
+    from PIL import Image
+
+    from gate.rerank import FirstTokenReranker, load_reranker, load_text_reranker
+    from gate.scoring import first_token_scores
+    from retrieval.files import read_jsonl
+
+    rr = load_reranker(f"vlm:{tiny_gate_vlm}", device="cpu", verbalisers=("Rel", "NoRel"))
+    assert isinstance(rr, FirstTokenReranker) and "Reply Rel or NoRel" in rr.spec["system"]
+    row = next(iter(read_jsonl(tiny_world / "test.jsonl")))
+    image = Image.open(tiny_world / row["image"]).convert("RGB")
+    scores = rr.score([image], [row["question"]], [["a section", "another section", "a third"]])
+    direct = first_token_scores(rr.model, rr.processor, rr.spec, [image] * 3, [row["question"]] * 3,
+                                ["a section", "another section", "a third"])
+    assert len(scores) == 1 and np.allclose(scores[0], direct) and ((0 < scores[0]) & (scores[0] < 1)).all()
+    with pytest.raises(ValueError, match="verbaliser"):
+        load_reranker(f"vlm:{tiny_gate_vlm}", device="cpu", verbalisers=("Absolutely certainly", "No way at all"))
+    with pytest.raises(ValueError, match="text_reranker"):
+        load_text_reranker(f"vlm:{tiny_gate_vlm}")
