@@ -51,3 +51,9 @@ for label, m, wall, seconds in rows:
     total = sum(seconds.values()) or 1.0
     shares = " | ".join(f"{100 * seconds[s] / total:.1f}" for s in STAGES)
     print(f"| {label} | {m['n'] / wall:.1f} | {100 * m['accuracy']:.1f} | {100 * m['retrieval_ratio']:.1f} | {shares} |")
+
+# where each stage's model ran (Stages.placement: one device and dtype for the whole pipeline, set by device / dtype)
+print("\n| stage | device and dtype |")
+print("|---|---|")
+for stage, where in stages.placement.items():
+    print(f"| {stage} | {where} |")
