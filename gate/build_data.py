@@ -57,6 +57,7 @@ class BuildDataArgs:
     epsilon: float = field(default=3.0, metadata={"help": "label hkb: search needed when mean score < ε"})
     tau: float = field(default=0.9, metadata={"help": "label kbm-*: the label threshold τ on sampled accuracy / certainty (not the scoring threshold γ, which is gate_threshold at inference)"})
     correct_score: float = field(default=4.0, metadata={"help": "label: a judged score ≥ this is a correct answer"})
+    alone_rule: str = field(default="greedy", metadata={"help": "ret/srt labels: did the VLM answer right without retrieval — greedy (MMKB-RAG: its one greedy answer, judged) or sampled-majority (most of the R judged samples)"})
     inspector_check_answer: bool = field(default=False, metadata={
         "help": "label inspector: PASS also needs the answer with the top section to be judged correct"})
     verbalisers: list[str] = field(default=None, metadata={"help": "render: replace the variant's verbalisers"})
@@ -86,8 +87,9 @@ def stage_sample(args: BuildDataArgs, out: Path, log=print, generate=None, state
         images = [Image.open(r["image_path"]).convert("RGB") for r in batch for _ in range(args.samples)]
         torch.manual_seed(args.seed + zlib.crc32(str(batch[0]["id"]).encode()))  # same samples on a rerun
         texts = generate(images, [r["question"] for r in batch for _ in range(args.samples)], True)
-        parts.append([{**r, "samples": [t.strip() for t in texts[i * args.samples:(i + 1) * args.samples]]}
-                      for i, r in enumerate(batch)])
+        greedy = generate(images[::args.samples], [r["question"] for r in batch], False)  # MMKB-RAG's one answer
+        parts.append([{**r, "samples": [t.strip() for t in texts[i * args.samples:(i + 1) * args.samples]],
+                       "greedy": greedy[i].strip()} for i, r in enumerate(batch)])
     parts.finish(rows)
     return mine
 
@@ -105,7 +107,10 @@ def stage_judge(args: BuildDataArgs, out: Path, log=print) -> int:
     cache: dict = {}
     for start in range(0, len(todo), 64):
         batch = todo[start:start + 64]
-        append_jsonl(target, [{**r, "judge": args.judge, "scores": s}
+        greedy = [{**r, "samples": [r["greedy"]]} for r in batch if "greedy" in r]
+        greedy_scores = iter(judge_all(greedy, judge, cache))  # the same cache: an answer is judged once
+        append_jsonl(target, [{**r, "judge": args.judge, "scores": s,
+                               **({"greedy_score": next(greedy_scores)[0]} if "greedy" in r else {})}
                               for r, s in zip(batch, judge_all(batch, judge, cache))])
     failures = getattr(judge, "failures", 0)
     log(f"judge ({args.judge}): {len(todo)} questions, {len(cache)} distinct answers judged, {failures} failures")
@@ -123,8 +128,17 @@ def _has_gold(rec: dict) -> bool:
     return bool(rec.get("answers")) or rec.get("answer_eval") is not None
 
 
-def correct_alone(rec: dict, correct_score: float) -> bool | None:
-    """Did the VLM answer alone correctly: the majority of its judged samples score ≥ ``correct_score``."""
+ALONE_RULES = ("greedy", "sampled-majority")
+
+
+def correct_alone(rec: dict, correct_score: float, rule: str = "sampled-majority") -> bool | None:
+    """Did the VLM answer correctly without retrieval: its one greedy answer scores ≥ ``correct_score`` (``greedy``,
+    MMKB-RAG's definition), or most of its judged samples do (``sampled-majority``); None when unknown."""
+    if rule == "greedy":
+        if "greedy_score" not in rec:
+            raise ValueError(f"question {rec.get('id')!r} has no judged greedy answer: --alone_rule greedy needs the "
+                             "sample and judge stages of this version (or use --alone_rule sampled-majority)")
+        return None if rec["greedy_score"] is None else rec["greedy_score"] >= correct_score
     scores = _scores(rec)
     return None if not scores else sum(s >= correct_score for s in scores) / len(scores) >= 0.5
 
@@ -172,7 +186,9 @@ def label_records(variant: str, rec: dict, args: BuildDataArgs, contexts: dict |
         return [{"search_score": skb_label(scores)}]
     if variant == "kbm-acc":
         return [{"search": kbm_accuracy_label([s >= args.correct_score for s in scores], args.tau)}]
-    alone = correct_alone(rec, args.correct_score)
+    alone = correct_alone(rec, args.correct_score, args.alone_rule)
+    if alone is None:
+        return []
     if variant == "ret":
         return [{"search": ret_label(alone) == "Ret"}]
     ctx = (contexts or {}).get(str(rec["id"]))  # srt: one example per document that changes the answer
@@ -252,6 +268,8 @@ def build(args: BuildDataArgs, log=print, state=None) -> int:
         raise ValueError("--out is required")
     if args.samples <= 0 or args.batch_size <= 0 or args.k <= 0:
         raise ValueError("--samples, --batch_size and --k must be positive")
+    if args.alone_rule not in ALONE_RULES:
+        raise ValueError(f"--alone_rule must be one of {', '.join(ALONE_RULES)}, got {args.alone_rule!r}")
     if args.backend not in ("hf", "vllm"):
         raise ValueError(f"--backend must be hf or vllm, got {args.backend!r}")
     if args.stage in ("label", "render") and args.variant not in LABEL_SOURCES:

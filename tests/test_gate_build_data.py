@@ -93,9 +93,9 @@ def test_sample_and_judge_resume_after_an_interruption(questions, tiny_world, tm
     path, picked = questions
     calls = []
 
-    def dies_on_second_batch(images, texts, sample):
+    def dies_on_second_batch(images, texts, sample):  # two calls a batch: R samples, then one greedy answer
         calls.append(len(texts))
-        if len(calls) == 2:
+        if len(calls) == 3:
             raise RuntimeError("killed")
         return ["red"] * len(texts)
     args = BuildDataArgs(stage="sample", queries=str(path), images_root=str(tiny_world), out=str(tmp_path / "d"),
@@ -188,3 +188,38 @@ def test_vllm_sampling_backend_without_vllm_is_a_clear_error(questions, tiny_wor
         build(args, **QUIET)
     with pytest.raises(ValueError, match="--backend must be"):
         build(BuildDataArgs(stage="sample", out=str(tmp_path / "d"), backend="tgi"), **QUIET)
+
+
+def test_answerable_without_retrieval_by_the_greedy_answer_or_the_sampled_majority(tmp_path):
+    """MMKB-RAG's RET/SRT labels read the VLM's one greedy answer; the sampled-majority rule is the option. Here the
+    greedy answer is right but most samples are wrong, so the two rules disagree."""
+    from gate.build_data import label_records
+
+    rec = {"id": "q1", "question": "What does it eat?", "answers": ["seeds"], "samples": ["x", "y", "seeds"],
+           "scores": [1.0, 1.0, 5.0], "greedy": "seeds", "greedy_score": 5.0}
+    ctx = {"q1": {"hits": [{"entity_id": "E1", "title": "t", "section_title": "s", "text": "It eats seeds."}],
+                  "doc_scores": [1.0]}}
+    greedy = BuildDataArgs(stage="label", out=str(tmp_path), alone_rule="greedy")
+    majority = BuildDataArgs(stage="label", out=str(tmp_path), alone_rule="sampled-majority")
+    assert label_records("ret", rec, greedy) == [{"search": False}]      # answered right: NoRet
+    assert label_records("ret", rec, majority) == [{"search": True}]     # mostly wrong: Ret
+    # the document turns a right (greedy) answer wrong: NoRel; under the majority rule it changes nothing: no pair
+    assert [r["relevant"] for r in label_records("srt", rec, greedy, ctx)] == [False]
+    assert label_records("srt", rec, majority, ctx) == []
+    with pytest.raises(ValueError, match="alone_rule"):
+        label_records("ret", {k: v for k, v in rec.items() if k != "greedy_score"}, greedy)
+
+
+def test_sample_and_judge_record_the_greedy_answer(questions, tiny_world, tmp_path):
+    path, picked = questions
+
+    def generate(images, texts, sample):
+        return ["red" if sample else picked[0]["answers"][0]] * len(texts)
+    out = tmp_path / "d"
+    stage_sample(BuildDataArgs(stage="sample", queries=str(path), images_root=str(tiny_world), out=str(out),
+                               samples=2, batch_size=2), out, generate=generate, **QUIET)
+    rows = [json.loads(x) for x in open(out / "samples.jsonl")]
+    assert [r["greedy"] for r in rows] == [picked[0]["answers"][0]] * 2 and rows[0]["samples"] == ["red", "red"]
+    build(BuildDataArgs(stage="judge", out=str(out)), **QUIET)
+    judged = {r["id"]: r for r in map(json.loads, open(out / "judged.jsonl"))}
+    assert judged[picked[0]["id"]]["greedy_score"] == 5.0 and judged[picked[1]["id"]]["greedy_score"] == 1.0
