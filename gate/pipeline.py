@@ -19,12 +19,14 @@ of a process on its own device, and merges their parts into ``predictions.jsonl`
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from gate.stages import GENERATOR_PROMPTS, Stages, run_batch
+from gate.context_data import section_text
+from gate.stages import GENERATOR_PROMPTS, Stages
 
 
 @dataclass
@@ -127,6 +129,110 @@ def check_same_config(out: Path, args: PipelineArgs) -> None:
             raise ValueError(f"--out {out} holds predictions made with other settings ({', '.join(changed)}); "
                              "use another --out, or delete it to start over")
     write_json_atomic(path, current)
+
+
+# ---------------------------------------------------------------- one batch, in the order of WikiSeeker's Figure 2
+
+
+class Clock:
+    """Seconds per stage for one batch; per-question latency = batch seconds / questions in the stage."""
+
+    def __init__(self, bars: dict | None = None):
+        self.seconds: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+        self.bars = bars or {}
+
+    def time(self, stage: str, n: int, fn, *a, **kw):
+        t = time.perf_counter()
+        result = fn(*a, **kw)
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - t
+        self.counts[stage] = self.counts.get(stage, 0) + n
+        if stage in self.bars:
+            self.bars[stage].update(n)
+        return result
+
+    def per_question(self) -> dict[str, float]:
+        return {s: self.seconds[s] / max(1, self.counts[s]) for s in self.seconds}
+
+
+def answered(answer: str | None, failed: str | None = None) -> dict:
+    """An answer, or why there is none (a failed answer is judged wrong)."""
+    return {"answer": answer} if answer is not None else {"answer": None, "failed": failed or "no answer"}
+
+
+def rag_path(st: Stages, batch: list[dict], images, clock: Clock) -> list[dict]:
+    """refine → retrieve → rerank → inspect → generate for a batch; one result dict per question."""
+    from gate.labels import is_gold_section
+
+    n = len(batch)
+    if not n:
+        return []
+    questions = [r["question"] for r in batch]
+    queries = clock.time("refine", n, st.refiner.refine, images, questions, batch_size=n) \
+        if st.refiner is not None else questions
+    text_emb, hits, ranks = clock.time("retrieve", n, st.retrieve, images, queries, [r.get("entity_id") for r in batch])
+    chosen = clock.time("rerank", n, st.rerank, images, questions, text_emb, hits)
+    contexts = [section_text(e) for e in chosen]
+    verdicts = clock.time("inspect", n, st.inspect, images, questions, contexts) if st.inspect else [None] * n
+    # with baselines, the generator also answers where the Inspector failed the section: the pipeline without the
+    # Inspector (WikiSeeker's ablation) comes from the same run
+    to_generate = [i for i in range(n) if verdicts[i] is None or verdicts[i]["pass"] or st.args.baselines]
+    generated = dict(zip(to_generate, clock.time(
+        "generate", len(to_generate), st.generate, [images[i] for i in to_generate],
+        [questions[i] for i in to_generate], [contexts[i] for i in to_generate]))) if to_generate else {}
+    results = []
+    for i, r in enumerate(batch):
+        if verdicts[i] is None or verdicts[i]["pass"]:
+            answer, reason = generated[i]
+        else:
+            answer = verdicts[i]["answer"]
+            reason = None if answer else "the Inspector failed the section and gave no parseable answer"
+        entry = chosen[i]
+        results.append({"query": queries[i], "retrieved": [h.entity_id for h in hits[i]], "gold_rank": ranks[i],
+                        "section": entry["entry_id"],
+                        "section_right": is_gold_section(entry["entity_id"], entry.get("section"), r.get("entity_id"),
+                                                         r.get("evidence_section_id")),
+                        "inspector": verdicts[i], **answered(answer, reason)})
+        if verdicts[i] is not None and i in generated:  # the generator's answer with this section, Inspector or not
+            results[-1]["without_inspector"] = answered(*generated[i])
+    return results
+
+
+def run_batch(st: Stages, batch: list[dict], images, bars: dict | None = None) -> list[dict]:
+    """The gate decides; the VLM answers alone and/or the RAG path answers (both with baselines); the judge scores."""
+    args, n = st.args, len(batch)
+    clock = Clock(bars)
+    questions = [r["question"] for r in batch]
+    if st.gate is not None:
+        scores = clock.time("gate", n, st.gate, images, questions)
+        retrieve = [bool(x >= st.gate.threshold) for x in scores]
+    else:
+        scores, retrieve = [None] * n, [args.gate == "always"] * n
+    alone_idx = [i for i in range(n) if args.baselines or not retrieve[i]]
+    rag_idx = [i for i in range(n) if args.baselines or retrieve[i]]
+    alone = dict(zip(alone_idx, clock.time("answer alone", len(alone_idx), st.answer,
+                                           [images[i] for i in alone_idx], [questions[i] for i in alone_idx])))\
+        if alone_idx else {}
+    rag = dict(zip(rag_idx, rag_path(st, [batch[i] for i in rag_idx], [images[i] for i in rag_idx], clock)))
+    alone = {i: answered(a) for i, a in alone.items()}
+    st.judge([(batch[i], a) for i, a in alone.items()] + [(batch[i], x) for i, x in rag.items()] +
+             [(batch[i], x["without_inspector"]) for i, x in rag.items() if "without_inspector" in x])
+    per_question = clock.per_question()
+    out = []
+    for i, r in enumerate(batch):
+        a = alone.get(i)
+        chosen = rag.get(i) if retrieve[i] else a
+        went = {"gate"} | ({"answer alone"} if i in alone else set())
+        if i in rag:
+            verdict = rag[i]["inspector"]
+            went |= {"refine", "retrieve", "rerank", "inspect"} | ({"generate"} if not verdict or verdict["pass"] else set())
+        latency = {s: v for s, v in per_question.items() if s in went}  # summed over questions = stage seconds
+        out.append({"id": r["id"], "split": r.get("split"), "question": r["question"], "answers": r.get("answers"),
+                    "entity_id": r.get("entity_id"), "question_type": r.get("question_type"),
+                    "gate": {"score": None if scores[i] is None else float(scores[i]), "retrieve": retrieve[i]},
+                    "alone": a, "rag": rag.get(i), "answer": chosen["answer"], "correct": chosen["correct"],
+                    "latency": latency})
+    return out
 
 
 def run(args: PipelineArgs, log=print, stages: Stages | None = None, state=None) -> dict | None:

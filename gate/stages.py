@@ -1,10 +1,9 @@
-"""The pipeline's stages: loading each stage's model (a failure names the stage), the RAG path
-(refine → retrieve → rerank → inspect → generate) and one batch through the gate and both answer paths, with
-per-stage latency."""
+"""The pipeline's stages, one small object each, in the order of WikiSeeker's Figure 2: the boundary gate, the VLM
+answering alone, the refiner, retrieval, reranking, the Inspector, the generator — and the judge that scores answers by
+the benchmark's rule. Each loads its model on one explicit device and dtype and has one batch method; ``Stages``
+loads them all (a failure names its stage) and records where each runs. gate.pipeline strings them together."""
 
 from __future__ import annotations
-
-import time
 
 import numpy as np
 
@@ -24,86 +23,7 @@ GENERATOR_PROMPTS = {
 }
 
 
-class Stages:
-    """The loaded models of every stage; a load failure names its stage."""
-
-    def __init__(self, args):
-        from retrieval.placement import resolve_device
-        from rl.model import resolve_dtype
-
-        self.args = args
-        self.device = resolve_device(args.device)  # every model of the pipeline on this process's device
-        self.dtype = args.dtype
-        self.placement = {}  # stage → "device dtype", reported in metrics.json
-        self.gate = self.answer = self.refiner = self.index = None
-        self.gate_threshold = self.alpha = None
-        self.reranker = self.text_reranker = self.inspector = self.generate = None
-        self.store = None  # retrieval.articles.ArticleStore: index rows and every section of every article, on disk
-        self.section_emb: dict[str, np.ndarray] = {}
-        load = self._load
-        if args.gate not in ("always", "never"):
-            from gate.scoring import DEFAULT_THRESHOLDS
-
-            self.gate = load("gate", _load_boundary_gate, args.gate, self.device, self.dtype)
-            self.gate_threshold = args.gate_threshold if args.gate_threshold is not None else \
-                DEFAULT_THRESHOLDS.get(self.gate[2]["name"], 0.5)
-        if args.answerer:
-            self.answer = load("answerer", _answer_alone, args.answerer, args.max_new_tokens, self.device, self.dtype)
-        if args.index:
-            self._load_retrieval(load)
-        if args.inspector != "none":
-            self.inspector = load("inspector", _load_gate_of, args.inspector, self.device, self.dtype, "inspector")
-        if args.generator:
-            self.generate = load("generator", _load_generator, args, self.device, self.dtype)
-        self.bem = None
-        if args.metric == "evqa" and args.bem != "none":
-            from gate.bem import BEMScorer
-
-            self.bem = load("BEM", lambda: BEMScorer(args.bem, device=args.bem_device or self.device,
-                                                     batch_size=args.batch_size))
-        where = f"{self.device} {str(resolve_dtype(self.dtype, self.device)).replace('torch.', '')}"
-        for stage, obj in (("gate", self.gate), ("answerer", self.answer), ("refiner", self.refiner),
-                           ("reranker", self.reranker), ("text reranker", self.text_reranker),
-                           ("inspector", self.inspector), ("generator", self.generate)):
-            if obj is not None:
-                self.placement[stage] = where
-        if args.generator == "endpoint":
-            self.placement["generator"] = f"endpoint {args.generator_url}"
-        if self.index is not None:
-            self.placement["index"] = f"encoders {self.index.device}, FAISS {self.index.search_device}"
-        if self.bem is not None:
-            self.placement["BEM"] = f"{self.bem.device} {str(self.bem.dtype).replace('torch.', '')}"
-
-    def _load_retrieval(self, load) -> None:
-        from gate.rerank import load_reranker, load_text_reranker
-        from retrieval import MultimodalIndex
-        from retrieval.articles import open_store
-        from retrieval.cli import require_index
-
-        if self.args.refiner != "none":
-            from rl.refine import Refiner
-
-            self.refiner = load("refiner", lambda: Refiner.load(self.args.refiner, device=self.device,
-                                                                dtype=self.dtype))
-        self.alpha = resolve_alpha(self.args.alpha, self.refiner)
-        self.index = load("index", lambda: MultimodalIndex.load(self.args.index, device=self.device))
-        load("index encoders", lambda: (self.index.image_encoder, self.index.text_encoder))  # now, not mid-run
-        manifest = require_index(self.args.index)
-        self.store = load("article store", open_store, self.args.kb or manifest["kb_path"], self.args.articles)
-        self.reranker = load("reranker", load_reranker, self.args.reranker, self.device, self.dtype,
-                             tuple(self.args.reranker_verbalisers.split(",")))
-        self.text_reranker = load("text reranker", load_text_reranker, self.args.text_reranker, self.device,
-                                  self.dtype)
-
-    @staticmethod
-    def _load(stage: str, fn, *a):
-        try:
-            return fn(*a)
-        except (OSError, ValueError, KeyError) as e:
-            raise ValueError(f"{stage}: could not load ({type(e).__name__}: {e})") from e
-
-
-def _load_gate_of(path: str, device: str, dtype: str | None, *variants):
+def _gate_of(path: str, device: str, dtype: str | None, *variants):
     from gate.scoring import load_gate
 
     model, processor, s = load_gate(path, device=device, dtype=dtype)
@@ -112,17 +32,129 @@ def _load_gate_of(path: str, device: str, dtype: str | None, *variants):
     return model, processor, s
 
 
-def _load_boundary_gate(path: str, device: str, dtype: str | None):
-    return _load_gate_of(path, device, dtype, *BOUNDARY_VARIANTS)
+class BoundaryGate:
+    """A trained hkb / skb / kbm / ret gate: its score per question (P(search), or the expected 1–5 for skb) and the
+    decision score ≥ γ (ε for skb)."""
+
+    def __init__(self, path: str, threshold: float | None, device: str, dtype: str | None):
+        from gate.scoring import DEFAULT_THRESHOLDS
+
+        self.model, self.processor, self.spec = _gate_of(path, device, dtype, *BOUNDARY_VARIANTS)
+        self.threshold = threshold if threshold is not None else DEFAULT_THRESHOLDS.get(self.spec["name"], 0.5)
+
+    def __call__(self, images, questions) -> list[float]:
+        from gate.scoring import first_token_scores
+
+        return [float(x) for x in first_token_scores(self.model, self.processor, self.spec, images, questions,
+                                                     batch_size=len(questions))]
 
 
-def _answer_alone(path: str, max_new_tokens: int, device: str, dtype: str | None):
-    """answer(images, questions) → the VLM's greedy answers without retrieval."""
-    generate = vlm_answerer(path, max_new_tokens, device=device, dtype=dtype)
-    return lambda images, questions: [t.strip() for t in generate(images, questions, False)]
+class Answerer:
+    """The VLM without retrieval: its greedy answer per question."""
+
+    def __init__(self, path: str, max_new_tokens: int, device: str, dtype: str | None):
+        self._generate = vlm_answerer(path, max_new_tokens, device=device, dtype=dtype)
+
+    def __call__(self, images, questions) -> list[str]:
+        return [t.strip() for t in self._generate(images, questions, False)]
 
 
-def _load_generator(args, device: str, dtype: str | None):
+class Retriever:
+    """The index: top-k entities (their best sections) and the gold entity's rank for each query."""
+
+    def __init__(self, args, refiner, device: str):
+        from retrieval import MultimodalIndex
+
+        self.alpha = resolve_alpha(args.alpha, refiner)
+        self.k = args.k
+        self.index = MultimodalIndex.load(args.index, device=device)
+        self.encoders = (self.index.image_encoder, self.index.text_encoder)  # loaded now, not mid-run
+
+    def __call__(self, images, queries, entity_ids):
+        text_emb = self.index.encode_texts(queries)
+        hits, ranks = self.index.search_and_rank(images, text_emb, [str(e) for e in entity_ids], self.alpha, self.k)
+        return text_emb, hits, ranks
+
+
+SKIPPED_SECTIONS = ("external links", "references")  # as EchoSight: no evidence there
+
+
+class SectionRanker:
+    """The section a question gets: the best article after the first-stage reranker (β1·retrieval +
+    (1−β1)·reranker over the top-k sections), then that article's best section among all its sections in the article
+    store ((1−β2)·text similarity to the query + β2·text reranker; text similarity alone without one)."""
+
+    def __init__(self, args, index, device: str, dtype: str | None):
+        from gate.rerank import load_reranker, load_text_reranker
+        from retrieval.articles import open_store
+
+        self.index, self.beta1, self.beta2 = index, args.beta1, args.beta2
+        self.store = open_store(args.kb or index.manifest["kb_path"], args.articles)
+        self.reranker = load_reranker(args.reranker, device, dtype, tuple(args.reranker_verbalisers.split(",")))
+        self.text_reranker = load_text_reranker(args.text_reranker, device, dtype)
+        self.section_emb: dict[str, np.ndarray] = {}  # each section embedded once per run
+
+    def article_sections(self, entity_id: str) -> list[dict]:
+        """Every section of an article from the store (not only those paired with an image in the index)."""
+        return self.store.sections(entity_id, skip_titles=SKIPPED_SECTIONS) or \
+            self.store.sections(entity_id)  # an article of references only still has something to show
+
+    def __call__(self, images, questions, text_emb, hits) -> list[dict]:
+        from gate.rerank import combine, within_article
+
+        template = self.index.manifest.get("text_template", "{title}. {section_title}. {text}")
+        entries = [[self.store.entry(h.entry_id) for h in hs] for hs in hits]
+        missing = [h.entry_id for hs, es in zip(hits, entries) for h, e in zip(hs, es) if e is None]
+        if missing:
+            raise ValueError(f"article store {self.store.path} has no entry {missing[0]!r} ({len(missing)} missing): "
+                             "it was built from another KB than the index")
+        if self.reranker is not None:
+            rr = self.reranker.score(images, questions, [[section_text(e) for e in es] for es in entries])
+            best = [int(np.argmax(combine([h.score for h in hs], r, self.beta1))) for hs, r in zip(hits, rr)]
+        else:
+            best = [0] * len(hits)
+        articles = [self.article_sections(hs[b].entity_id) for hs, b in zip(hits, best)]
+        flat = [e for art in articles for e in art]
+        new = list({e["entry_id"]: e for e in flat if e["entry_id"] not in self.section_emb}.values())
+        if new:
+            emb = self.index.encode_documents([template.format(**{"section_title": "", **e}) for e in new])
+            self.section_emb.update({e["entry_id"]: v for e, v in zip(new, emb)})
+        sims = np.stack([self.section_emb[e["entry_id"]] for e in flat]) if flat else None
+        rr2 = self.text_reranker.score(images, questions, [[section_text(e) for e in art] for art in articles]) \
+            if self.text_reranker is not None else None
+        out, i = [], 0
+        for q, art in enumerate(articles):
+            sim = sims[i:i + len(art)] @ text_emb[q]
+            i += len(art)
+            score = within_article(sim, rr2[q], self.beta2) if rr2 is not None else sim
+            out.append(art[int(np.argmax(score))])
+        return out
+
+
+class Inspector:
+    """WikiSeeker's Inspector: PASS when P(pass) ≥ its threshold; on FAIL, its own answer (generated and parsed)."""
+
+    def __init__(self, path: str, threshold: float, device: str, dtype: str | None):
+        self.model, self.processor, self.spec = _gate_of(path, device, dtype, "inspector")
+        self.threshold = threshold
+
+    def __call__(self, images, questions, contexts) -> list[dict]:
+        from gate.scoring import first_token_scores, generate_parsed
+
+        n = len(questions)
+        p = first_token_scores(self.model, self.processor, self.spec, images, questions, contexts, batch_size=n)
+        fail = [i for i in range(n) if p[i] < self.threshold]
+        parsed = generate_parsed(self.model, self.processor, self.spec, [images[i] for i in fail],
+                                 [questions[i] for i in fail], [contexts[i] for i in fail],
+                                 batch_size=max(1, len(fail))) if fail else []
+        out = [{"pass": True, "p_pass": float(x), "answer": None} for x in p]
+        for i, res in zip(fail, parsed):
+            out[i] = {"pass": False, "p_pass": float(p[i]), "answer": (res or {}).get("answer")}
+        return out
+
+
+def load_generator(args, device: str, dtype: str | None):
+    """generate(images, questions, contexts) → [(answer or None, why not)]: a text LLM, a VLM, or an endpoint."""
     from gate.generator import endpoint_generator, text_generator
 
     prompt = GENERATOR_PROMPTS[args.generator_prompt]
@@ -139,186 +171,74 @@ def _load_generator(args, device: str, dtype: str | None):
     return text_generator(args.generator, prompt, args.max_new_tokens, device=device, dtype=dtype)
 
 
-# ---------------------------------------------------------------- running
+class Judge:
+    """Answers scored by the benchmark's official rule (``metric``), BEM loaded once for ``evqa``."""
+
+    def __init__(self, args, device: str):
+        self.metric = args.metric
+        self.bem = None
+        if args.metric == "evqa" and args.bem != "none":
+            from gate.bem import BEMScorer
+
+            self.bem = BEMScorer(args.bem, device=args.bem_device or device, batch_size=args.batch_size)
+
+    def __call__(self, pairs: list[tuple[dict, dict]]) -> None:
+        """Fill ``correct`` and ``token_accuracy`` into each answer dict of (question record, answer dict) pairs, with
+        one BEM call for the whole list."""
+        if not pairs:
+            return
+        correct = official_correct(self.metric, [r for r, _ in pairs], [a["answer"] for _, a in pairs], self.bem)
+        for (r, a), ok in zip(pairs, correct):
+            a["correct"] = bool(ok)
+            a["token_accuracy"] = token_accuracy(a["answer"], r.get("answers") or []) \
+                if a["answer"] is not None else 0.0
 
 
-def answered(answer: str | None, failed: str | None = None) -> dict:
-    """An answer, or why there is none (a failed answer is judged wrong)."""
-    return {"answer": answer} if answer is not None else {"answer": None, "failed": failed or "no answer"}
+class Stages:
+    """Every stage the configuration names, loaded before the first question on this process's device and dtype;
+    ``placement`` says where each runs (printed, and in metrics.json)."""
+
+    def __init__(self, args):
+        from retrieval.placement import resolve_device
+        from rl.model import resolve_dtype
+
+        self.args = args
+        device, dtype = resolve_device(args.device), args.dtype
+        self.device, self.dtype = device, dtype
+        load = _load
+        self.gate = load("gate", BoundaryGate, args.gate, args.gate_threshold, device, dtype) \
+            if args.gate not in ("always", "never") else None
+        self.answer = load("answerer", Answerer, args.answerer, args.max_new_tokens, device, dtype) \
+            if args.answerer else None
+        self.refiner = self.retrieve = self.rerank = None
+        if args.index:
+            if args.refiner != "none":
+                from rl.refine import Refiner
+
+                self.refiner = load("refiner", lambda: Refiner.load(args.refiner, device=device, dtype=dtype))
+            self.retrieve = load("index", Retriever, args, self.refiner, device)
+            self.rerank = load("reranker", SectionRanker, args, self.retrieve.index, device, dtype)
+        self.inspect = load("inspector", Inspector, args.inspector, args.inspector_threshold, device, dtype) \
+            if args.inspector != "none" else None
+        self.generate = load("generator", load_generator, args, device, dtype) if args.generator else None
+        self.judge = load("BEM", Judge, args, device)
+
+        where = f"{device} {str(resolve_dtype(dtype, device)).replace('torch.', '')}"
+        self.placement = {name: where for name, present in (
+            ("gate", self.gate), ("answerer", self.answer), ("refiner", self.refiner),
+            ("reranker", self.rerank and self.rerank.reranker), ("text reranker", self.rerank and self.rerank.text_reranker),
+            ("inspector", self.inspect), ("generator", self.generate)) if present is not None}
+        if args.generator == "endpoint":
+            self.placement["generator"] = f"endpoint {args.generator_url}"
+        if self.retrieve is not None:
+            index = self.retrieve.index
+            self.placement["index"] = f"encoders {index.device}, FAISS {index.search_device}"
+        if self.judge.bem is not None:
+            self.placement["BEM"] = f"{self.judge.bem.device} {str(self.judge.bem.dtype).replace('torch.', '')}"
 
 
-def judge(st: Stages, pairs: list[tuple[dict, dict]]) -> None:
-    """Fill ``correct`` (the benchmark's official rule, ``args.metric``; BEM once for the whole list) and
-    ``token_accuracy`` into each answer dict of (question record, answer dict) pairs."""
-    if not pairs:
-        return
-    correct = official_correct(st.args.metric, [r for r, _ in pairs], [a["answer"] for _, a in pairs], st.bem)
-    for (r, a), ok in zip(pairs, correct):
-        a["correct"] = bool(ok)
-        a["token_accuracy"] = token_accuracy(a["answer"], r.get("answers") or []) if a["answer"] is not None else 0.0
-
-
-class Clock:
-    """Seconds per stage for one batch; per-question latency = batch seconds / questions in the stage."""
-
-    def __init__(self, bars: dict | None = None):
-        self.seconds: dict[str, float] = {}
-        self.counts: dict[str, int] = {}
-        self.bars = bars or {}
-
-    def time(self, stage: str, n: int, fn, *a, **kw):
-        t = time.perf_counter()
-        result = fn(*a, **kw)
-        self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - t
-        self.counts[stage] = self.counts.get(stage, 0) + n
-        if stage in self.bars:
-            self.bars[stage].update(n)
-        return result
-
-    def per_question(self) -> dict[str, float]:
-        return {s: self.seconds[s] / max(1, self.counts[s]) for s in self.seconds}
-
-
-SKIPPED_SECTIONS = ("external links", "references")  # as EchoSight: no evidence there
-
-
-def article_sections(st: Stages, entity_id: str) -> list[dict]:
-    """Every section of an article from the store (not only those paired with an image in the index)."""
-    return st.store.sections(entity_id, skip_titles=SKIPPED_SECTIONS) or \
-        st.store.sections(entity_id)  # an article of references only still has something to show
-
-
-def choose_sections(st: Stages, images, questions, text_emb, hits) -> list[dict]:
-    """The selected section per question: the best article after reranking (β1), then the article's best section
-    among all its sections in the article store (β2 over text similarity to the query and the text reranker; text
-    similarity alone without one)."""
-    from gate.rerank import combine, within_article
-
-    args, index = st.args, st.index
-    template = index.manifest.get("text_template", "{title}. {section_title}. {text}")
-    entries = [[st.store.entry(h.entry_id) for h in hs] for hs in hits]
-    missing = [h.entry_id for hs, es in zip(hits, entries) for h, e in zip(hs, es) if e is None]
-    if missing:
-        raise ValueError(f"article store {st.store.path} has no entry {missing[0]!r} ({len(missing)} missing): it was "
-                         "built from another KB than the index")
-    if st.reranker is not None:
-        rr = st.reranker.score(images, questions, [[section_text(e) for e in es] for es in entries])
-        best = [int(np.argmax(combine([h.score for h in hs], r, args.beta1))) for hs, r in zip(hits, rr)]
-    else:
-        best = [0] * len(hits)
-    chosen_articles = [article_sections(st, hs[b].entity_id) for hs, b in zip(hits, best)]
-    flat = [e for art in chosen_articles for e in art]
-    new = list({e["entry_id"]: e for e in flat if e["entry_id"] not in st.section_emb}.values())
-    if new:  # each section is embedded once per run
-        emb = index.encode_documents([template.format(**{"section_title": "", **e}) for e in new])
-        st.section_emb.update({e["entry_id"]: v for e, v in zip(new, emb)})
-    sims = np.stack([st.section_emb[e["entry_id"]] for e in flat]) if flat else None
-    rr2 = st.text_reranker.score(images, questions, [[section_text(e) for e in art] for art in chosen_articles]) \
-        if st.text_reranker is not None else None
-    out, i = [], 0
-    for q, art in enumerate(chosen_articles):
-        sim = sims[i:i + len(art)] @ text_emb[q]
-        i += len(art)
-        score = within_article(sim, rr2[q], args.beta2) if rr2 is not None else sim
-        j = int(np.argmax(score))
-        out.append(art[j])
-    return out
-
-
-def rag_path(st: Stages, batch: list[dict], images, clock: Clock) -> list[dict]:
-    """refine → retrieve → rerank → inspect → generate for a batch; one result dict per question."""
-    from gate.labels import is_gold_section
-    from gate.scoring import first_token_scores, generate_parsed
-
-    args, n = st.args, len(batch)
-    if not n:
-        return []
-    questions = [r["question"] for r in batch]
-    queries = clock.time("refine", n, st.refiner.refine, images, questions, batch_size=n) \
-        if st.refiner is not None else questions
-
-    def retrieve():
-        text_emb = st.index.encode_texts(queries)
-        hits, ranks = st.index.search_and_rank(images, text_emb, [str(r.get("entity_id")) for r in batch], st.alpha,
-                                               args.k)
-        return text_emb, hits, ranks
-    text_emb, hits, ranks = clock.time("retrieve", n, retrieve)
-    chosen = clock.time("rerank", n, choose_sections, st, images, questions, text_emb, hits)
-    contexts = [section_text(e) for e in chosen]
-    verdicts = [None] * n
-    if st.inspector is not None:
-        model, processor, s = st.inspector
-
-        def inspect():
-            p = first_token_scores(model, processor, s, images, questions, contexts, batch_size=n)
-            fail = [i for i in range(n) if p[i] < args.inspector_threshold]
-            parsed = generate_parsed(model, processor, s, [images[i] for i in fail], [questions[i] for i in fail],
-                                     [contexts[i] for i in fail], batch_size=max(1, len(fail))) if fail else []
-            out = [{"pass": True, "p_pass": float(x), "answer": None} for x in p]
-            for i, res in zip(fail, parsed):
-                out[i] = {"pass": False, "p_pass": float(p[i]), "answer": (res or {}).get("answer")}
-            return out
-        verdicts = clock.time("inspect", n, inspect)
-    # with baselines, the generator also answers where the Inspector failed the section: the pipeline without the
-    # Inspector (WikiSeeker's ablation) comes from the same run
-    to_generate = [i for i in range(n) if verdicts[i] is None or verdicts[i]["pass"] or args.baselines]
-    generated = dict(zip(to_generate, clock.time(
-        "generate", len(to_generate), st.generate, [images[i] for i in to_generate],
-        [questions[i] for i in to_generate], [contexts[i] for i in to_generate]))) if to_generate else {}
-    results = []
-    for i, r in enumerate(batch):
-        if verdicts[i] is None or verdicts[i]["pass"]:
-            answer, reason = generated[i]
-        else:
-            answer = verdicts[i]["answer"]
-            reason = None if answer else "the Inspector failed the section and gave no parseable answer"
-        entry = chosen[i]
-        results.append({"query": queries[i], "retrieved": [h.entity_id for h in hits[i]], "gold_rank": ranks[i],
-                        "section": entry["entry_id"],
-                        "section_right": is_gold_section(entry["entity_id"], entry.get("section"), r.get("entity_id"),
-                                                         r.get("evidence_section_id")),
-                        "inspector": verdicts[i], **answered(answer, reason)})
-        if verdicts[i] is not None and i in generated:  # the generator's answer with this section, Inspector or not
-            results[-1]["without_inspector"] = answered(*generated[i])
-    return results
-
-
-def run_batch(st: Stages, batch: list[dict], images, bars: dict | None = None) -> list[dict]:
-    from gate.scoring import first_token_scores
-
-    args, n = st.args, len(batch)
-    clock = Clock(bars)
-    questions = [r["question"] for r in batch]
-    if st.gate is not None:
-        model, processor, s = st.gate
-        scores = clock.time("gate", n, first_token_scores, model, processor, s, images, questions, batch_size=n)
-        retrieve = [bool(x >= st.gate_threshold) for x in scores]
-    else:
-        scores, retrieve = [None] * n, [args.gate == "always"] * n
-    alone_idx = [i for i in range(n) if args.baselines or not retrieve[i]]
-    rag_idx = [i for i in range(n) if args.baselines or retrieve[i]]
-    alone = dict(zip(alone_idx, clock.time("answer alone", len(alone_idx), st.answer,
-                                           [images[i] for i in alone_idx], [questions[i] for i in alone_idx])))\
-        if alone_idx else {}
-    rag = dict(zip(rag_idx, rag_path(st, [batch[i] for i in rag_idx], [images[i] for i in rag_idx], clock)))
-    per_question = clock.per_question()
-    out = []
-    alone = {i: answered(a) for i, a in alone.items()}
-    judge(st, [(batch[i], a) for i, a in alone.items()] + [(batch[i], x) for i, x in rag.items()] +
-          [(batch[i], x["without_inspector"]) for i, x in rag.items() if "without_inspector" in x])
-    for i, r in enumerate(batch):
-        a = alone.get(i)
-        chosen = rag.get(i) if retrieve[i] else a
-        went = {"gate"} | ({"answer alone"} if i in alone else set())
-        if i in rag:
-            verdict = rag[i]["inspector"]
-            went |= {"refine", "retrieve", "rerank", "inspect"} | ({"generate"} if not verdict or verdict["pass"] else set())
-        latency = {s: v for s, v in per_question.items() if s in went}  # summed over questions = stage seconds
-        out.append({"id": r["id"], "split": r.get("split"), "question": r["question"], "answers": r.get("answers"),
-                    "entity_id": r.get("entity_id"), "question_type": r.get("question_type"),
-                    "gate": {"score": None if scores[i] is None else float(scores[i]), "retrieve": retrieve[i]},
-                    "alone": a, "rag": rag.get(i), "answer": chosen["answer"], "correct": chosen["correct"],
-                    "latency": latency})
-    return out
-
-
+def _load(stage: str, fn, *a):
+    try:
+        return fn(*a)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"{stage}: could not load ({type(e).__name__}: {e})") from e

@@ -234,7 +234,7 @@ def test_the_e_vqa_metric_asks_bem_once_per_batch_about_undecided_answers(make_a
     assert set(hops) == {"single_hop", "two_hop", "overall"} and hops["overall"] == pytest.approx(metrics["accuracy"])
 
     with torch.no_grad():  # now BEM calls nothing equivalent: exact matches only
-        stages.bem.model.classifier.bias.copy_(torch.tensor([1.0, 0.0]))
+        stages.judge.bem.model.classifier.bias.copy_(torch.tensor([1.0, 0.0]))
     exact.clear()
     args2 = make_args(metric="evqa", bem=str(tiny_bem), bem_device="cpu", out=str(Path(args.out).parent / "out2"))
     run(args2, stages=stages, **QUIET)

@@ -85,7 +85,7 @@ def test_every_pipeline_stage_loads_on_the_device_and_dtype_asked(tiny_world, ti
                         generator_prompt="toy", max_new_tokens=4, batch_size=2, device="cpu", dtype="bf16")
     stages = Stages(args)
     assert len(loads) == 6 and set(loads) == {("bf16", "cpu")}  # gate, answerer, refiner, srt, inspector, generator
-    for model in (stages.gate[0], stages.inspector[0], stages.reranker.model):
+    for model in (stages.gate.model, stages.inspect.model, stages.rerank.reranker.model):
         assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert set(stages.placement) >= {"gate", "answerer", "refiner", "reranker", "inspector", "generator", "index"}
     assert stages.placement["gate"] == "cpu bfloat16"
