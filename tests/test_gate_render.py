@@ -74,7 +74,7 @@ def test_render_and_class_caps():
     assert render_rows("hkb", recs, max_per_class=3, seed=0) != render_rows("hkb", recs, max_per_class=3, seed=5)
 
 
-ARGS = BuildDataArgs(epsilon=3.0, tau=0.9, correct_score=4.0)
+ARGS = BuildDataArgs(epsilon=3.0, tau=0.9, correct_score=4.0, alone_rule="sampled-majority")  # rules from R samples
 HITS = [{"entity_id": "E1", "title": "Holhol", "section_title": "Habitat", "text": "lives in caves"},
         {"entity_id": "E2", "title": "Kalo", "section_title": "Habitat", "text": "lives in reefs"}]
 
