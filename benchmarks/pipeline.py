@@ -42,6 +42,7 @@ for label, gate in (("with the gate", config["gate"]), ("without (always retriev
     # a question's latency holds only the stages it went through, so the sums are each stage's seconds
     seconds = {s: sum(r["latency"].get(s, 0.0) for r in recs) for s in STAGES}
     rows.append((label, metrics, wall, seconds))
+    placement = placement if rows[1:] else stages.placement  # the gated run's, which has every stage
 
 print(f"pipeline {args.config} on {args.questions} toy-world test questions, CPU ({os.cpu_count()} cores), "
       "models loaded beforehand\n")
@@ -55,5 +56,5 @@ for label, m, wall, seconds in rows:
 # where each stage's model ran (Stages.placement: one device and dtype for the whole pipeline, set by device / dtype)
 print("\n| stage | device and dtype |")
 print("|---|---|")
-for stage, where in stages.placement.items():
+for stage, where in placement.items():
     print(f"| {stage} | {where} |")
