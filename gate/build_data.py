@@ -77,9 +77,8 @@ def stage_sample(args: BuildDataArgs, out: Path, log=print, generate=None, state
     if not args.model and generate is None:
         raise ValueError("--model is required for the sample stage")
     parts = JobParts(out / "samples.jsonl", state)
-    done, batches = parts.start(rows, args.batch_size)
-    mine = sum(len(b) for b in batches)
-    log(f"sample, process {parts.rank}/{parts.count}: {len(done)} done, {mine} to go here, R = {args.samples}")
+    batches = parts.start(rows, args.batch_size)
+    log(f"sample, {parts.status}, R = {args.samples}")
     if generate is None and batches:
         generate = vlm_answerer(args.model, args.max_new_tokens, args.temperature, backend=args.backend,
                                 device=resolve_device(args.device), dtype=args.dtype)
@@ -91,7 +90,7 @@ def stage_sample(args: BuildDataArgs, out: Path, log=print, generate=None, state
         parts.append([{**r, "samples": [t.strip() for t in texts[i * args.samples:(i + 1) * args.samples]],
                        "greedy": greedy[i].strip()} for i, r in enumerate(batch)])
     parts.finish(rows)
-    return mine
+    return parts.mine
 
 
 def stage_judge(args: BuildDataArgs, out: Path, log=print) -> int:

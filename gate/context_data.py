@@ -101,9 +101,8 @@ def stage_context(args, out: Path, log=print, generate=None, state=None) -> int:
     judge = judge_from_args(args)
     rows = list(read_jsonl(source))
     parts = JobParts(out / "contexts.jsonl", state)
-    done, batches = parts.start(rows, args.batch_size)
-    mine = sum(len(b) for b in batches)
-    log(f"context, process {parts.rank}/{parts.count}: {len(done)} done, {mine} to go here")
+    batches = parts.start(rows, args.batch_size)
+    log(f"context, {parts.status}")
     if generate is None and batches:
         from retrieval.placement import resolve_device
 
@@ -122,7 +121,7 @@ def stage_context(args, out: Path, log=print, generate=None, state=None) -> int:
             records.append({"id": r["id"], "doc_answers": answers, "doc_scores": scores})
         parts.append(records)
     parts.finish(rows)
-    return mine
+    return parts.mine
 
 
 def vlm_answerer(model_path: str, max_new_tokens: int, temperature: float = 1.0, backend: str = "hf",

@@ -122,6 +122,12 @@ def evqa_report(records: Sequence[dict], correct: Sequence[bool]) -> dict:
 # --------------------------------------------------------------------------- InfoSeek
 
 INFOSEEK_TYPES = ("String", "Numerical", "Time")
+
+
+def is_infoseek_type(question_type) -> bool:
+    """One of InfoSeek's question types, in any case (the official scorer lowercases them)."""
+    return str(question_type or "").lower() in ("string", "numerical", "time")
+
 _NUMBER = re.compile(r"[-+]?[.]?[\d]+(?:,\d\d\d)*[\.]?\d*(?:[eE][-+]?\d+)?")
 
 
@@ -164,7 +170,7 @@ def _answer_range(answer_eval) -> tuple[float, float]:
 def infoseek_correct(prediction: str, answer_eval, question_type: str) -> bool:
     """The official InfoSeek decision for one question of type String / Numerical / Time."""
     kind = str(question_type or "").lower()
-    if kind not in ("string", "numerical", "time"):
+    if not is_infoseek_type(kind):
         raise ValueError(f"unknown InfoSeek question type {question_type!r} (expected one of "
                          f"{', '.join(INFOSEEK_TYPES)})")
     if kind == "numerical":
@@ -234,7 +240,7 @@ def official_correct(metric: str, records: Sequence[dict], predictions: Sequence
             golds = r["answer_eval"] if r.get("answer_eval") is not None else (r.get("answers") or [])
             if p is None:
                 out.append(False)
-            elif str(r.get("question_type") or "").lower() in ("string", "numerical", "time"):
+            elif is_infoseek_type(r.get("question_type")):
                 out.append(infoseek_correct(p, golds, r["question_type"]))
             else:
                 out.append(infoseek_match(p, golds))

@@ -254,15 +254,13 @@ def run(args: PipelineArgs, log=print, stages: Stages | None = None, state=None)
     check_same_config(out, args)
     target = out / "predictions.jsonl"
     parts = JobParts(target, state)
-    done, batches = parts.start(rows, args.batch_size)
-    mine = sum(len(b) for b in batches)
-    log(f"pipeline, process {parts.rank}/{parts.count}: {len(done)} of {len(rows)} questions already in {target}; "
-        f"{mine} to go here")
+    batches = parts.start(rows, args.batch_size)
+    log(f"pipeline, {parts.status}")
     if batches:
         stages = stages or Stages(args)  # every model loads (or fails, named) before the first question
         log("placement: " + "; ".join(f"{k}: {v}" for k, v in stages.placement.items()))
         names = ["gate", "answer alone", "refine", "retrieve", "rerank", "inspect", "generate"]
-        bars = {s: tqdm(total=mine, desc=f"{s:>12}", position=i, unit="q") for i, s in enumerate(names)}
+        bars = {s: tqdm(total=parts.mine, desc=f"{s:>12}", position=i, unit="q") for i, s in enumerate(names)}
         for batch in batches:
             present = [r for r in batch if (root / str(r.get("image"))).is_file()]
             skipped = [{"id": r["id"], "skipped": f"image file missing: {root / str(r.get('image'))}"}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gate.metrics import harmonic_mean
+from gate.metrics import EVQA_QUESTION_TYPES, evqa_report, harmonic_mean, is_infoseek_type
 
 UNSEEN_SPLITS = ("unseen_question", "unseen_entity")
 
@@ -54,20 +54,17 @@ def split_accuracy(records: list[dict], correct: np.ndarray) -> dict[str, float]
         split = next((s for s in UNSEEN_SPLITS if split.endswith(s)), split)
         by.setdefault(split, []).append(bool(ok))
     out = {k: float(np.mean(v)) for k, v in sorted(by.items())}
-    typed = all(str(r.get("question_type") or "").lower() in ("string", "numerical", "time") for r in records)
-    if all(s in out for s in UNSEEN_SPLITS) and typed:
+    if all(s in out for s in UNSEEN_SPLITS) and all(is_infoseek_type(r.get("question_type")) for r in records):
         out["hm"] = harmonic_mean(*(out[s] for s in UNSEEN_SPLITS))
     return out
 
 
 def hop_accuracy(records: list[dict], correct: np.ndarray) -> dict[str, float] | None:
     """E-VQA's report: single-hop (every question type but 2_hop), two-hop and overall accuracy; None without types."""
-    if not any(r.get("question_type") in ("templated", "automatic", "multi_answer", "2_hop") for r in records):
+    if not any(r.get("question_type") in EVQA_QUESTION_TYPES for r in records):
         return None
-    two = [bool(ok) for r, ok in zip(records, correct) if r.get("question_type") == "2_hop"]
-    one = [bool(ok) for r, ok in zip(records, correct) if r.get("question_type") != "2_hop"]
-    return {"single_hop": float(np.mean(one)) if one else None, "two_hop": float(np.mean(two)) if two else None,
-            "overall": float(np.mean(correct))}
+    report = evqa_report([{"question_type": r.get("question_type")} for r in records], [bool(c) for c in correct])
+    return {k: None if report[k] is None else report[k] / 100.0 for k in ("single_hop", "two_hop", "overall")}
 
 
 def inspector_confusion(records: list[dict]) -> dict[str, int] | None:

@@ -108,19 +108,6 @@ def validate(args: BuildArgs) -> None:
         raise ValueError(f"--images_root: folder {root} does not exist")
 
 
-class Processes:
-    """This process's place in the build: rank, count, and a barrier (a no-op for one process)."""
-
-    def __init__(self, state=None):
-        self.state = state
-        self.rank = state.process_index if state is not None else 0
-        self.count = state.num_processes if state is not None else 1
-
-    def barrier(self) -> None:
-        if self.state is not None and self.count > 1:
-            self.state.wait_for_everyone()
-
-
 # --------------------------------------------------------------------------- the build
 
 
@@ -131,7 +118,7 @@ def build_index(args: BuildArgs, log=print, encoders=None, state=None) -> dict |
     ``encoders``: an already-built (image, text) encoder pair whose names match ``args`` (saves a reload).
     ``state``: an accelerate ``PartialState`` of a multi-process build (None: this process builds alone).
     """
-    from retrieval.placement import configure_threads, resolve_device, threads_per_process
+    from retrieval.placement import Processes, configure_threads, decode_workers, resolve_device
 
     procs = Processes(state)
     validate(args)
@@ -174,7 +161,7 @@ def build_index(args: BuildArgs, log=print, encoders=None, state=None) -> dict |
 
     device = resolve_device(args.device if args.device or state is None else str(state.device))
     threads = configure_threads()
-    workers = threads_per_process() if args.workers is None else args.workers
+    workers = decode_workers(args.workers)
     my_text = [i for kind, i in mine if kind == "text"]
     my_images = [i for kind, i in mine if kind == "image"]
     log(f"process {procs.rank}/{procs.count} on {device}: {scan.rows:,} KB rows, {scan.texts:,} distinct texts "
@@ -205,9 +192,9 @@ def build_index(args: BuildArgs, log=print, encoders=None, state=None) -> dict |
         if img_enc is None:
             img_enc = image_encoder(args.image_encoder, device=device, batch_size=args.batch_size,
                                     image_processor=args.image_processor, trust_remote_code=args.trust_remote_code)
-        timing = encode_image_shards(my_images, scan, root, img_enc, args, build_dir, workers, log)
-        log(f"process {procs.rank}: images encoded in {timing['total_s']:.1f}s, the encoder waited for decoded "
-            f"images {100 * timing['waited_s'] / max(timing['total_s'], 1e-9):.0f}% of it "
+        waits = encode_image_shards(my_images, scan, root, img_enc, args, build_dir, workers)
+        log(f"process {procs.rank}: images encoded in {waits.total:.1f}s, the encoder waited for decoded "
+            f"images {100 * waits.share:.0f}% of it "
             f"({workers} decoding workers)")
     procs.barrier()
     if procs.rank != 0:
@@ -256,7 +243,7 @@ def _assemble(out: Path, build_dir: Path, scan: KBScan, items, settings: dict, a
 
     def vectors(i: int) -> np.ndarray:
         img = np.load(shard_paths(build_dir, "image", i)[0], allow_pickle=False)
-        tid = scan.text_id[np.asarray(json.loads(shard_paths(build_dir, "image", i)[1].read_text())["rows"], dtype=np.int64)]
+        tid = scan.text_id[shard_rows[i]]
         txt = np.empty((len(tid), text_dim), np.float32)
         for j in np.unique(tid // S):
             sel = tid // S == j
@@ -266,6 +253,7 @@ def _assemble(out: Path, build_dir: Path, scan: KBScan, items, settings: dict, a
     text_dim = int(np.load(shard_paths(build_dir, "text", 0)[0], mmap_mode="r").shape[1]) if text_metas else 0
     image_dim = int(np.load(shard_paths(build_dir, "image", 0)[0], mmap_mode="r").shape[1])
     entities, skipped, used_texts, n_rows, image_devices = set(), [], set(), 0, set()
+    shard_rows: dict[int, np.ndarray] = {}  # KB rows kept per image shard (8 bytes a row), read from its meta once
     schema = pa.schema([("entry_id", pa.string()), ("entity_id", pa.string()), ("title", pa.string())])
     with atomic_path(out / ROWS_FILE) as tmp, pq.ParquetWriter(tmp, schema) as writer:
         for i in image_shards:
@@ -274,8 +262,9 @@ def _assemble(out: Path, build_dir: Path, scan: KBScan, items, settings: dict, a
                                          "title": meta["titles"]}, schema=schema))
             entities.update(meta["entity_ids"])
             skipped += meta["skipped"]
-            used_texts.update(scan.text_id[np.asarray(meta["rows"], dtype=np.int64)].tolist())
-            n_rows += len(meta["rows"])
+            shard_rows[i] = np.asarray(meta["rows"], dtype=np.int64)
+            used_texts.update(scan.text_id[shard_rows[i]].tolist())
+            n_rows += len(shard_rows[i])
             image_devices.add(meta["encoded_on"])
         if n_rows == 0:
             write_jsonl_atomic(out / SKIPPED_FILE, skipped)

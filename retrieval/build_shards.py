@@ -4,7 +4,6 @@ first, then its ``.json``, whose presence means the shard is complete."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import numpy as np
@@ -44,8 +43,9 @@ def encode_text_shard(j: int, scan: KBScan, txt_enc, args, build_dir: Path) -> N
 
 
 def encode_image_shards(shards: list[int], scan: KBScan, root: Path, img_enc, args, build_dir: Path,
-                         workers: int, log) -> dict:
-    """Encode these image shards, their images decoded by ``workers`` DataLoader processes; returns timings."""
+                         workers: int):
+    """Encode these image shards, their images decoded by ``workers`` DataLoader processes; returns the image loop's
+    ``Waits`` (seconds in all, and waiting for decoded batches)."""
     from tqdm import tqdm
 
     from retrieval.image_data import KBImageRows, Waits, batches_of, loader, timed
@@ -64,17 +64,14 @@ def encode_image_shards(shards: list[int], scan: KBScan, root: Path, img_enc, ar
         finish_image_shard(i, pending.pop(i), scan, img_enc, build_dir)
     waits = Waits()
     if not batches:
-        return {"waited_s": 0.0, "total_s": 0.0, "encode_s": 0.0}
+        return waits
     data = loader(KBImageRows(scan.path, scan.offsets, root, img_enc.preprocess), batches, workers,
                   pin_memory=img_enc.device.startswith("cuda"))
-    encode_s = 0.0
     with tqdm(total=sum(len(b) for b in batches), unit="row", desc="encoding images", smoothing=0.1) as bar:
         for i, batch in zip(owner, timed(data, waits)):
             p = pending[i]
             if batch["pixels"] is not None:
-                t0 = time.perf_counter()
                 p["emb"].append(img_enc.encode_pixels(batch["pixels"]))
-                encode_s += time.perf_counter() - t0
                 for key, name in (("rows", "i"), ("entry_ids", "entry_id"), ("entity_ids", "entity_id"),
                                   ("titles", "title")):
                     p[key] += batch[name]
@@ -83,7 +80,7 @@ def encode_image_shards(shards: list[int], scan: KBScan, root: Path, img_enc, ar
             p["left"] -= 1
             if p["left"] == 0:
                 finish_image_shard(i, pending.pop(i), scan, img_enc, build_dir)
-    return {"waited_s": waits.waited, "total_s": waits.total, "encode_s": encode_s}
+    return waits
 
 
 def finish_image_shard(i: int, p: dict, scan: KBScan, img_enc, build_dir: Path) -> None:

@@ -143,7 +143,7 @@ def format_table(results: dict[str, dict], ks: list[int], label: str = "field") 
 
 
 def run(args: EvalArgs, log=print) -> dict:
-    from retrieval.placement import threads_per_process
+    from retrieval.placement import decode_workers
 
     # ---- validate everything before any model loads
     require_index(args.index)
@@ -170,7 +170,7 @@ def run(args: EvalArgs, log=print) -> dict:
     if not rows:
         raise ValueError(f"no question in {queries} can be evaluated ({excluded})")
     kb_path = Path(args.kb or index.manifest.get("kb_path", ""))
-    workers = threads_per_process() if args.workers is None else args.workers
+    workers = decode_workers(args.workers)
     image_emb, unreadable = index.encode_image_files([images_root / r["image"] for r in rows], workers, log=log)
     if unreadable:
         for i in sorted(unreadable)[:5]:

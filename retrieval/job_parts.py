@@ -16,14 +16,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from retrieval.files import append_jsonl, atomic_path, completed_ids
+from retrieval.placement import Processes
 
 
-class JobParts:
+class JobParts(Processes):
     def __init__(self, out: str | Path, state=None):
+        super().__init__(state)
         self.out = Path(out)
-        self.state = state
-        self.rank = state.process_index if state is not None else 0
-        self.count = state.num_processes if state is not None else 1
 
     @property
     def part(self) -> Path:
@@ -31,10 +30,6 @@ class JobParts:
 
     def _parts(self) -> list[Path]:
         return sorted(self.out.parent.glob(f"{self.out.name}.part*"))
-
-    def barrier(self) -> None:
-        if self.state is not None and self.count > 1:
-            self.state.wait_for_everyone()
 
     def merge(self, order: Sequence[str]) -> None:
         """Process 0: ``out`` ∪ every part file → ``out`` in the order of ``order`` (ids not in it last, each id once);
@@ -58,8 +53,9 @@ class JobParts:
         for path in parts:
             path.unlink()
 
-    def start(self, rows: Sequence[dict], batch_size: int) -> tuple[set[str], list[list[dict]]]:
-        """Ids already done (after merging leftovers) and this process's batches of the rest."""
+    def start(self, rows: Sequence[dict], batch_size: int) -> list[list[dict]]:
+        """This process's batches of the rows not done yet (after merging leftovers); ``mine`` counts their rows and
+        ``status`` says, in one line, how many are done and how many are to go here."""
         order = [str(r["id"]) for r in rows]
         if self.rank == 0:
             self.merge(order)
@@ -67,8 +63,11 @@ class JobParts:
         self.barrier()  # everyone reads the merged output; no part is written before
         done = _ids(self.out)
         todo = [r for r in rows if str(r["id"]) not in done]
-        batches = [todo[s:s + batch_size] for s in range(0, len(todo), batch_size)]
-        return done, batches[self.rank::self.count]
+        batches = [todo[s:s + batch_size] for s in range(0, len(todo), batch_size)][self.rank::self.count]
+        self.mine = sum(len(b) for b in batches)
+        self.status = (f"process {self.rank}/{self.count}: {len(done)} of {len(rows)} done in {self.out}, "
+                       f"{self.mine} to go here")
+        return batches
 
     def append(self, records: list[dict]) -> None:
         append_jsonl(self.part, records)

@@ -76,6 +76,25 @@ def process_state(device: str | None = None, timeout_minutes: int | None = None)
     return PartialState(cpu=cpu, **kwargs)
 
 
+class Processes:
+    """This process's place among the processes of a job: rank, count, and a barrier (a no-op for one process, or
+    without an accelerate ``state``)."""
+
+    def __init__(self, state=None):
+        self.state = state
+        self.rank = state.process_index if state is not None else 0
+        self.count = state.num_processes if state is not None else 1
+
+    def barrier(self) -> None:
+        if self.state is not None and self.count > 1:
+            self.state.wait_for_everyone()
+
+
+def decode_workers(setting: int | None) -> int:
+    """DataLoader processes decoding images for this process: ``setting``, or usable cores ÷ processes on this node."""
+    return threads_per_process() if setting is None else setting
+
+
 def gpu_ordinal(device: str) -> int | None:
     return int(device.split(":", 1)[1]) if device.startswith("cuda:") else None
 

@@ -136,14 +136,12 @@ def refine_file(args: RefineArgs, log=print, refiner: Refiner | None = None, sta
     check_unique_ids(rows, args.queries)
     out = Path(args.out)
     parts = JobParts(out, state)
-    done, batches = parts.start(rows, args.batch_size)
-    mine = sum(len(b) for b in batches)
-    log(f"process {parts.rank}/{parts.count}: {len(done)} of {len(rows)} questions already refined in {out}; "
-        f"{mine} to go here")
+    batches = parts.start(rows, args.batch_size)
+    log(f"refine, {parts.status}")
     if batches:
         refiner = refiner or Refiner.load(args.model, backend=args.backend,
                                           device=str(state.device) if state is not None else None)
-        with tqdm(total=mine, desc="refining", unit="q") as bar:
+        with tqdm(total=parts.mine, desc="refining", unit="q") as bar:
             for batch in batches:
                 images = [Image.open(root / r["image"]).convert("RGB") for r in batch]
                 results = refiner.refine_with_outputs(images, [r["question"] for r in batch],
@@ -151,7 +149,7 @@ def refine_file(args: RefineArgs, log=print, refiner: Refiner | None = None, sta
                 parts.append([{**r, **res} for r, res in zip(batch, results)])
                 bar.update(len(batch))
     parts.finish(rows)
-    return mine
+    return parts.mine
 
 
 def main(argv=None) -> None:
