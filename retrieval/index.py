@@ -163,7 +163,7 @@ class MultimodalIndex:
         Encoders default to the manifest's and are built on first use, with the manifest's text length, image
         processor and query instruction (so the reward, evaluation and the pipeline encode a query alike); a name
         different from the manifest's is an error that states both. ``query_instruction`` overrides the manifest's
-        (``none``: no instruction).
+        (``none``: no instruction; ``auto``: the manifest's, i.e. the model's own prompt as the build resolved it).
         """
         import faiss
         import pyarrow.parquet as pq
@@ -178,7 +178,8 @@ class MultimodalIndex:
             if name is not None and name != manifest[f"{side}_encoder"]:
                 raise ValueError(f"index {path} was built with {side} encoder {manifest[f'{side}_encoder']!r}, "
                                  f"but {name!r} was requested")
-        instruction = manifest.get("query_instruction") if query_instruction is None else \
+        # "auto" is the model's own prompt, which the build resolved into the manifest
+        instruction = manifest.get("query_instruction") if query_instruction in (None, "auto") else \
             resolve_query_prompt(query_instruction, {})
         if text_encoder is not None and not isinstance(text_encoder, str):
             for what, theirs, ours in (("query instruction", text_encoder.query_prompt, instruction),

@@ -224,3 +224,9 @@ def test_changing_the_instruction_rewrites_the_manifest_only(instructed_index, t
                     **QUIET)
     assert m["query_instruction"] is None and MultimodalIndex.load(out).query_instruction is None
     np.testing.assert_array_equal(vectors(out), vectors(instructed_index))
+
+
+def test_query_instruction_at_load_auto_none_or_text(instructed_index):
+    assert MultimodalIndex.load(instructed_index, query_instruction="auto").query_instruction == INSTRUCTION
+    assert MultimodalIndex.load(instructed_index, query_instruction="none").query_instruction is None
+    assert MultimodalIndex.load(instructed_index, query_instruction="Query: ").query_instruction == "Query: "
