@@ -29,7 +29,8 @@ p.add_argument("--questions", type=int, default=240)
 args = p.parse_args()
 
 config = yaml.safe_load(open(args.config))
-STAGES = ["gate", "answer alone", "refine", "retrieve", "rerank", "inspect", "generate"]
+STAGES = ["gate", "answer alone", "refine", "retrieve", "rerank"] + \
+    ["consistency"] * (config.get("consistency", "none") != "none") + ["section", "inspect", "generate"]
 rows = []
 for label, gate in (("with the gate", config["gate"]), ("without (always retrieve)", "always")):
     with tempfile.TemporaryDirectory() as out:

@@ -4,13 +4,15 @@
     python -m gate.build_data --stage judge    --out DIR --judge exact|token|llm [--judge_url URL --judge_model M]
     python -m gate.build_data --stage retrieve --queries q.jsonl --index IDX --out DIR [--refiner DIR] [--k 5]
     python -m gate.build_data --stage context  --model VLM --out DIR --judge exact
+    python -m gate.build_data --stage consistency --model VLM --out DIR [--srt_gate DIR]        (mct's data)
     python -m gate.build_data --stage label    --out DIR --variant hkb|skb|kbm-acc|kbm-cert|ret|srt|mct|inspector
     python -m gate.build_data --stage render   --out DIR --variant V [--max_per_class N] [--balance]
 
 ``sample`` answers each question R times with any AutoModelForImageTextToText VLM (batched, progress bar) →
 ``samples.jsonl``; ``judge`` scores every sampled answer on the 1–5 scale (each distinct answer once) →
 ``judged.jsonl``; ``retrieve`` and ``context`` (gate.context_data) record the top-k retrieved sections and the
-VLM's answer with each; ``label`` turns them into the variant's labels (gate.labels) → ``labels-<variant>.jsonl``;
+VLM's answer with each; ``consistency`` (gate.consistency) each document's P(Rel) and, for questions with more
+than one relevant document, the MLLM's summary of them (MMKB-RAG's MCT data); ``label`` turns them into the variant's labels (gate.labels) → ``labels-<variant>.jsonl``;
 ``render`` writes TRL conversational prompt–completion datasets ``<variant>.<split>.jsonl`` and prints the class
 balance. Every stage appends per batch and skips ids already written. A question without a gold answer is labelled
 for ``kbm-cert`` only (reported).
@@ -21,12 +23,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gate.consistency import stage_consistency
 from gate.context_data import load_questions, stage_context, stage_retrieve, vlm_answerer
 from retrieval.files import append_jsonl, completed_ids, read_jsonl, write_jsonl_atomic
 from retrieval.job_parts import JobParts
 from retrieval.placement import resolve_device
 
-STAGES = ("sample", "judge", "retrieve", "context", "label", "render")
+STAGES = ("sample", "judge", "retrieve", "context", "consistency", "label", "render")
+PARALLEL = ("sample", "context", "consistency")  # the long ones: split over processes when launched on many
+MCT_RULES = ("srt", "gold-entity")
+SKB_TARGETS = ("stochastic", "round")
 
 
 @dataclass
@@ -60,6 +66,12 @@ class BuildDataArgs:
     alone_rule: str = field(default="greedy", metadata={"help": "ret/srt labels: did the VLM answer right without retrieval — greedy (MMKB-RAG: its one greedy answer, judged) or sampled-majority (most of the R judged samples)"})
     inspector_check_answer: bool = field(default=False, metadata={
         "help": "label inspector: PASS also needs the answer with the top section to be judged correct"})
+    mct_rule: str = field(default="srt", metadata={"help": "label mct: srt (MMKB-RAG Algorithm 3, from --stage consistency: questions with more than one relevant document, τ of the NoRel ones mixed in, target ranked by P(Rel) plus a summary) or gold-entity (every retrieved section, the gold entity's ones consistent)"})
+    srt_gate: str = field(default=None, metadata={"help": "consistency: trained srt gate whose P(Rel) judges each document (default: 1/0 by the judged answer with the document)"})
+    mct_gamma: float = field(default=0.5, metadata={"help": "consistency/label mct: a document is relevant when P(Rel) ≥ γ"})
+    mct_negative_ratio: float = field(default=0.3, metadata={"help": "label mct: τ, the share of a question's NoRel documents mixed in (0–1)"})
+    summary_max_new_tokens: int = field(default=64, metadata={"help": "consistency: length of the MLLM's summary"})
+    skb_target: str = field(default="stochastic", metadata={"help": "render skb: the non-integer score 1.0–5.0 as the target digit — stochastic (rounded up with probability equal to its fraction, seeded per example: the expected target is the score) or round"})
     verbalisers: list[str] = field(default=None, metadata={"help": "render: replace the variant's verbalisers"})
     max_per_class: int = field(default=None, metadata={"help": "render: cap per class (train split)"})
     balance: bool = field(default=False, metadata={"help": "render: cap every train class at the smallest's size"})
@@ -145,6 +157,8 @@ def correct_alone(rec: dict, correct_score: float, rule: str = "sampled-majority
 def label_records(variant: str, rec: dict, args: BuildDataArgs, contexts: dict | None = None) -> list[dict]:
     """The labelled examples one question yields for a variant (none when it cannot be labelled). Binary labels are
     bools whose True is the variant's positive verbaliser (search / relevant / pass)."""
+    import zlib
+
     from gate.context_data import section_text
     from gate.labels import (
         certainty,
@@ -152,21 +166,30 @@ def label_records(variant: str, rec: dict, args: BuildDataArgs, contexts: dict |
         inspector_label,
         kbm_accuracy_label,
         kbm_certainty_label,
+        mct_example,
         ret_label,
         skb_label,
         srt_label,
     )
+    from gate.variants import numbered_documents
 
     if variant == "kbm-cert":
         return [{"search": kbm_certainty_label(rec["samples"], args.tau), "certainty": certainty(rec["samples"])}]
+    if variant == "mct" and args.mct_rule == "srt":
+        cons = (contexts or {}).get(str(rec["id"]))
+        example = cons and mct_example(cons["rel_probs"], args.mct_gamma, args.mct_negative_ratio,
+                                       seed=args.seed + zlib.crc32(str(rec["id"]).encode()))
+        if not example:
+            return []
+        return [{"consistent": example["consistent"], "summary": cons.get("summary"),
+                 "context": numbered_documents([section_text(rec["hits"][j]) for j in example["shown"]])}]
     if not _has_gold(rec):
         return []
     if variant in ("mct", "inspector"):
         hits, gold = rec["hits"], str(rec["entity_id"])
         if variant == "mct":
-            docs = "\n".join(f"[{j + 1}] {section_text(h)}" for j, h in enumerate(hits))
             return [{"consistent": [j + 1 for j, h in enumerate(hits) if str(h["entity_id"]) == gold],
-                     "context": docs}]
+                     "context": numbered_documents([section_text(h) for h in hits])}]
         text_ok = None
         if args.inspector_check_answer:
             ctx = (contexts or {}).get(str(rec["id"]))
@@ -214,7 +237,13 @@ def stage_label(args: BuildDataArgs, out: Path, log=print) -> int:
     if not source.is_file():
         raise ValueError(f"label: {source} does not exist (run the earlier stages first)")
     contexts = None
-    if args.variant == "srt" or (args.variant == "inspector" and args.inspector_check_answer):
+    if args.variant == "mct" and args.mct_rule == "srt":
+        cons_path = out / "consistency.jsonl"
+        if not cons_path.is_file():
+            raise ValueError(f"label mct: {cons_path} does not exist (run --stage consistency first, or set "
+                             "--mct_rule gold-entity)")
+        contexts = {str(r["id"]): r for r in read_jsonl(cons_path)}
+    elif args.variant == "srt" or (args.variant == "inspector" and args.inspector_check_answer):
         ctx_path = out / "contexts.jsonl"
         if not ctx_path.is_file():
             raise ValueError(f"label {args.variant}: {ctx_path} does not exist (run --stage context first)")
@@ -228,7 +257,7 @@ def stage_label(args: BuildDataArgs, out: Path, log=print) -> int:
             continue
         labelled = label_records(args.variant, rec, args, contexts)
         if not labelled:
-            no_gold += not _has_gold(rec)
+            no_gold += not _has_gold(rec) and not (args.variant == "mct" and args.mct_rule == "srt")
             skipped += 1
             continue
         base = {k: rec[k] for k in KEEP if k in rec} | {"variant": args.variant}
@@ -252,7 +281,8 @@ def stage_render(args: BuildDataArgs, out: Path, log=print) -> int:
     total = 0
     for split, recs in sorted(by_split.items()):
         rows = render_rows(args.variant, recs, verbalisers=args.verbalisers, max_per_class=args.max_per_class,
-                           seed=args.seed if split == "train" else None, balance=args.balance and split == "train")
+                           seed=args.seed if split == "train" else None, balance=args.balance and split == "train",
+                           skb_target=args.skb_target)
         write_jsonl_atomic(out / f"{args.variant}.{split}.jsonl", rows)
         log(f"render ({args.variant}, {split}): {len(rows)} rows → {out / f'{args.variant}.{split}.jsonl'}; "
             f"classes {format_balance(class_balance(rows))}")
@@ -269,6 +299,12 @@ def build(args: BuildDataArgs, log=print, state=None) -> int:
         raise ValueError("--samples, --batch_size and --k must be positive")
     if args.alone_rule not in ALONE_RULES:
         raise ValueError(f"--alone_rule must be one of {', '.join(ALONE_RULES)}, got {args.alone_rule!r}")
+    if args.mct_rule not in MCT_RULES:
+        raise ValueError(f"--mct_rule must be one of {', '.join(MCT_RULES)}, got {args.mct_rule!r}")
+    if args.skb_target not in SKB_TARGETS:
+        raise ValueError(f"--skb_target must be one of {', '.join(SKB_TARGETS)}, got {args.skb_target!r}")
+    if not 0.0 <= args.mct_negative_ratio <= 1.0:
+        raise ValueError(f"--mct_negative_ratio (τ) must lie in [0, 1], got {args.mct_negative_ratio}")
     if args.backend not in ("hf", "vllm"):
         raise ValueError(f"--backend must be hf or vllm, got {args.backend!r}")
     if args.stage in ("label", "render") and args.variant not in LABEL_SOURCES:
@@ -280,8 +316,8 @@ def build(args: BuildDataArgs, log=print, state=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stages = {"sample": stage_sample, "judge": stage_judge, "retrieve": stage_retrieve, "context": stage_context,
-              "label": stage_label, "render": stage_render}
-    if args.stage in ("sample", "context"):  # the long ones: split over processes when launched on many
+              "consistency": stage_consistency, "label": stage_label, "render": stage_render}
+    if args.stage in PARALLEL:
         return stages[args.stage](args, out, log, state=state)
     return stages[args.stage](args, out, log)
 
@@ -291,7 +327,7 @@ def main(argv=None) -> None:
     from retrieval.placement import process_state
 
     (args,) = parse((BuildDataArgs,), argv, description=__doc__)
-    build(args, state=process_state(args.device) if args.stage in ("sample", "context") else None)
+    build(args, state=process_state(args.device) if args.stage in PARALLEL else None)
 
 
 if __name__ == "__main__":

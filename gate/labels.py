@@ -10,6 +10,7 @@ Polarity, everywhere: a HIGH judged score / accuracy / certainty means the VLM K
 from __future__ import annotations
 
 import math
+import random
 from collections import Counter
 
 from gate.metrics import normalize_answer
@@ -36,6 +37,16 @@ def hkb_label(scores, epsilon: float) -> str:
 def skb_label(scores) -> float:
     """The flipped mean, 6 − mean, in [1, 5]: 5 = the model never answers right = search needed."""
     return 6.0 - judged_mean(scores)
+
+
+def stochastic_digit(score: float, seed: int) -> int:
+    """A score on 1.0–5.0 as a digit: floor, or floor + 1 with probability equal to its fraction (seeded), so the
+    digit's expectation is the score — SKB's soft target as one SFT completion."""
+    score = float(score)
+    if not SCORE_MIN <= score <= SCORE_MAX:
+        raise ValueError(f"an skb score must lie in [1, 5], got {score}")
+    low = math.floor(score)
+    return low + int(random.Random(seed).random() < score - low)
 
 
 def kbm_accuracy_label(correct, tau: float = 0.9) -> bool:
@@ -106,3 +117,26 @@ def inspector_label(top_entity: str, gold_entity: str, gold_answer: str,
     if is_gold_section(top_entity, top_section, gold_entity, gold_section) and text_only_correct is not False:
         return {"pass": "true"}
     return {"pass": "false", "answer": gold_answer}
+
+
+# ---------------------------------------------------------------- MCT (MMKB-RAG Algorithm 3)
+
+
+def mct_example(rel_probs, gamma: float = 0.5, negative_ratio: float = 0.3, seed: int = 0) -> dict | None:
+    """One consistency example from the SRT relevance P(Rel) of a question's retrieved documents: None unless more
+    than one document is relevant (P(Rel) ≥ γ); otherwise every relevant document plus round(τ · #NoRel) of the NoRel
+    ones (τ = ``negative_ratio``), shown in a seeded random order. ``shown``: the documents' original indices in the
+    order shown; ``consistent``: the 1-based positions, in that order, of the relevant ones, most relevant first."""
+    if not 0.0 <= negative_ratio <= 1.0:
+        raise ValueError(f"the negative ratio τ must lie in [0, 1], got {negative_ratio}")
+    probs = [float(p) for p in rel_probs]
+    relevant = [j for j, p in enumerate(probs) if p >= gamma]
+    if len(relevant) < 2:
+        return None
+    rng = random.Random(seed)
+    norel = [j for j, p in enumerate(probs) if p < gamma]
+    shown = relevant + rng.sample(norel, round(negative_ratio * len(norel)))
+    rng.shuffle(shown)
+    position = {j: i + 1 for i, j in enumerate(shown)}
+    ranked = sorted(relevant, key=lambda j: (-probs[j], j))
+    return {"shown": shown, "consistent": [position[j] for j in ranked]}

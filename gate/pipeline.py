@@ -51,6 +51,9 @@ class PipelineArgs:
                                                         "0.6 E-VQA, 0.8 InfoSeek)"})
     beta2: float = field(default=0.2, metadata={"help": "within the chosen article: (1−β2)·text similarity + "
                                                         "β2·text reranker (WikiSeeker: 0.2)"})
+    consistency: str = field(default="none", metadata={"help": "none | trained mct gate folder (MMKB-RAG's MCT over the first-stage top-k sections)"})
+    consistency_strategy: str = field(default="filter", metadata={"help": "what the generator gets from the mct gate: filter (the listed sections) | merge (its summary) | rerank (the first listed section's article)"})
+    consistency_max_new_tokens: int = field(default=128, metadata={"help": "mct gate output length (list + summary)"})
     inspector: str = field(default="none", metadata={"help": "none | trained inspector gate folder"})
     inspector_threshold: float = field(default=0.5, metadata={"help": "PASS when P(pass) ≥ this"})
     generator: str = field(default=None, metadata={"help": "model path/name, or endpoint (generator_url)"})
@@ -95,8 +98,13 @@ def validate(args: PipelineArgs) -> None:
         require_index(args.index)
         if not args.generator and args.inspector == "none":
             raise ValueError("--generator is required")
+    from gate.consistency import STRATEGIES
+
+    if args.consistency_strategy not in STRATEGIES:
+        raise ValueError(f"--consistency_strategy must be one of {', '.join(STRATEGIES)}, "
+                         f"got {args.consistency_strategy!r}")
     for stage, value in (("gate", args.gate), ("answerer", args.answerer), ("refiner", args.refiner),
-                         ("inspector", args.inspector), ("generator", args.generator),
+                         ("consistency", args.consistency), ("inspector", args.inspector), ("generator", args.generator),
                          ("reranker", args.reranker.split(":", 1)[1] if args.reranker.startswith(("gate:", "vlm:"))
                           else None)):
         if value in (None, "none", "always", "never", "endpoint") or not _looks_local(value):
@@ -160,6 +168,16 @@ def answered(answer: str | None, failed: str | None = None) -> dict:
     return {"answer": answer} if answer is not None else {"answer": None, "failed": failed or "no answer"}
 
 
+def context_for(mct: dict | None, chosen: dict, picked: list[dict]) -> str:
+    """The generator's context: the chosen section, or by the MCT strategy the listed sections (filter) or the
+    gate's summary (merge); rerank only changed which article was chosen."""
+    if mct is None or mct["fallback"] or mct["strategy"] == "rerank":
+        return section_text(chosen)
+    if mct["summary"] is not None:
+        return mct["summary"]
+    return "\n\n".join(section_text(e) for e in picked)
+
+
 def rag_path(st: Stages, batch: list[dict], images, clock: Clock) -> list[dict]:
     """refine → retrieve → rerank → inspect → generate for a batch; one result dict per question."""
     from gate.labels import is_gold_section
@@ -171,8 +189,13 @@ def rag_path(st: Stages, batch: list[dict], images, clock: Clock) -> list[dict]:
     queries = clock.time("refine", n, st.refiner.refine, images, questions, batch_size=n) \
         if st.refiner is not None else questions
     text_emb, hits, ranks = clock.time("retrieve", n, st.retrieve, images, queries, [r.get("entity_id") for r in batch])
-    chosen = clock.time("rerank", n, st.rerank, images, questions, text_emb, hits)
-    contexts = [section_text(e) for e in chosen]
+    ranked = clock.time("rerank", n, st.rerank.first_stage, images, questions, hits)
+    mct = clock.time("consistency", n, st.consistency, images, questions,
+                     [[section_text(e) for e in es] for es in ranked]) if st.consistency else [None] * n
+    picked = [[es[j] for j in m["docs"]] if m else es[:1] for es, m in zip(ranked, mct)]
+    chosen = clock.time("section", n, st.rerank.within, images, questions, text_emb,
+                        [p[0]["entity_id"] for p in picked])
+    contexts = [context_for(m, c, p) for m, c, p in zip(mct, chosen, picked)]
     verdicts = clock.time("inspect", n, st.inspect, images, questions, contexts) if st.inspect else [None] * n
     # with baselines, the generator also answers where the Inspector failed the section: the pipeline without the
     # Inspector (WikiSeeker's ablation) comes from the same run
@@ -187,11 +210,13 @@ def rag_path(st: Stages, batch: list[dict], images, clock: Clock) -> list[dict]:
         else:
             answer = verdicts[i]["answer"]
             reason = None if answer else "the Inspector failed the section and gave no parseable answer"
-        entry = chosen[i]
+        shown = [chosen[i]] if mct[i] is None or mct[i]["fallback"] or mct[i]["strategy"] == "rerank" \
+            else picked[i]  # the sections the context comes from
         results.append({"query": queries[i], "retrieved": [h.entity_id for h in hits[i]], "gold_rank": ranks[i],
-                        "section": entry["entry_id"],
-                        "section_right": is_gold_section(entry["entity_id"], entry.get("section"), r.get("entity_id"),
-                                                         r.get("evidence_section_id")),
+                        "section": chosen[i]["entry_id"],
+                        "section_right": any(is_gold_section(e["entity_id"], e.get("section"), r.get("entity_id"),
+                                                             r.get("evidence_section_id")) for e in shown),
+                        **({"consistency": mct[i]} if mct[i] is not None else {}),
                         "inspector": verdicts[i], **answered(answer, reason)})
         if verdicts[i] is not None and i in generated:  # the generator's answer with this section, Inspector or not
             results[-1]["without_inspector"] = answered(*generated[i])
@@ -225,7 +250,8 @@ def run_batch(st: Stages, batch: list[dict], images, bars: dict | None = None) -
         went = {"gate"} | ({"answer alone"} if i in alone else set())
         if i in rag:
             verdict = rag[i]["inspector"]
-            went |= {"refine", "retrieve", "rerank", "inspect"} | ({"generate"} if not verdict or verdict["pass"] else set())
+            went |= {"refine", "retrieve", "rerank", "consistency", "section", "inspect"} | \
+                ({"generate"} if not verdict or verdict["pass"] else set())
         latency = {s: v for s, v in per_question.items() if s in went}  # summed over questions = stage seconds
         out.append({"id": r["id"], "split": r.get("split"), "question": r["question"], "answers": r.get("answers"),
                     "entity_id": r.get("entity_id"), "question_type": r.get("question_type"),
@@ -259,7 +285,8 @@ def run(args: PipelineArgs, log=print, stages: Stages | None = None, state=None)
     if batches:
         stages = stages or Stages(args)  # every model loads (or fails, named) before the first question
         log("placement: " + "; ".join(f"{k}: {v}" for k, v in stages.placement.items()))
-        names = ["gate", "answer alone", "refine", "retrieve", "rerank", "inspect", "generate"]
+        names = ["gate", "answer alone", "refine", "retrieve", "rerank"] + \
+            ["consistency"] * (stages.consistency is not None) + ["section", "inspect", "generate"]
         bars = {s: tqdm(total=parts.mine, desc=f"{s:>12}", position=i, unit="q") for i, s in enumerate(names)}
         for batch in batches:
             present = [r for r in batch if (root / str(r.get("image"))).is_file()]

@@ -94,6 +94,17 @@ def without_inspector(records: list[dict], retrieve) -> dict | None:
             "oracle gate": float(system_correct(plain, ~alone_ok).mean())}
 
 
+def consistency_report(records: list[dict]) -> dict | None:
+    """The MCT stage over the questions that went through it: its strategy, how often its output named no valid
+    section (the first stage's choice stood), and how many sections it listed on average."""
+    seen = [r["rag"]["consistency"] for r in records if (r.get("rag") or {}).get("consistency")]
+    if not seen:
+        return None
+    return {"strategy": seen[0]["strategy"], "n": len(seen),
+            "fallback_ratio": float(np.mean([m["fallback"] for m in seen])),
+            "mean_listed": float(np.mean([len(m["listed"] or []) for m in seen]))}
+
+
 def summarize(records: list[dict], threshold_name: str = "threshold") -> dict:
     """metrics.json: the system's accuracy, token accuracy, retrieval ratio, per split, latency per stage, the
     Inspector's confusion matrix and the baselines."""
@@ -113,6 +124,7 @@ def summarize(records: list[dict], threshold_name: str = "threshold") -> dict:
             "accuracy_by_hops": hop_accuracy(done, correct),
             "section_right": float(np.mean(section_right)) if section_right else None,
             "inspector_confusion": inspector_confusion(done), "without_inspector": without_inspector(done, retrieve),
+            "consistency": consistency_report(done),
             "latency_s": latency,
             "baselines": baselines(done, float(retrieve.mean()))}
 
@@ -144,6 +156,10 @@ def format_table(metrics: dict, system: str = "gated pipeline") -> str:
         if oracle:
             lines.append(f"| oracle gate, without the Inspector | {100 * plain['oracle gate']:.1f} | "
                          f"{100 * oracle['retrieval_ratio']:.1f} |")
+    mct = metrics.get("consistency")
+    if mct:
+        lines += ["", f"MCT ({mct['strategy']}): {mct['mean_listed']:.2f} sections listed on average; "
+                      f"{100 * mct['fallback_ratio']:.1f} % fell back to the first stage's choice"]
     confusion = metrics.get("inspector_confusion")
     if confusion:
         lines += ["", "| Inspector | right section | wrong section |", "|---|---|---|",

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import zlib
 from collections import Counter
 
 import numpy as np
 
+from gate.labels import stochastic_digit
 from gate.variants import completion, messages, spec
 
 
@@ -16,6 +18,8 @@ def label_value(variant: str, rec: dict):
         return rec["inspector"]
     if variant == "answer":
         return (rec.get("answers") or [""])[0]
+    if variant == "mct":
+        return {"consistent": rec["consistent"], "summary": rec.get("summary")}
     return rec[s["label"]]
 
 
@@ -27,18 +31,27 @@ def class_of(variant: str, rec: dict, verbalisers=None) -> str:
     if variant == "inspector":
         return "pass" if value.get("pass") == "true" else "fail"
     if variant == "mct":
-        return f"{len(value)} consistent"
+        return f"{len(value['consistent'])} consistent"
     if variant == "answer":
         return str(rec.get("question_type") or "answer")
     return completion(s, value)
 
 
-def render_row(variant: str, rec: dict, verbalisers=None) -> dict:
+def render_row(variant: str, rec: dict, verbalisers=None, skb_target: str = "stochastic") -> dict:
+    """One SFT row. skb's non-integer score becomes a digit by ``skb_target``: ``round``, or ``stochastic`` (rounded
+    up with probability equal to its fraction, seeded by the id: over examples the expected target is the score, the
+    soft target without a custom loss); the row keeps the score as ``target``."""
     s = spec(variant, verbalisers)
+    extra = {}
+    if variant == "skb":
+        score = float(label_value(variant, rec))
+        digit = stochastic_digit(score, zlib.crc32(str(rec["id"]).encode())) if skb_target == "stochastic" \
+            else score
+        rec, extra = {**rec, s["label"]: digit}, {"target": score}
     return {"id": str(rec["id"]), "prompt": messages(s, rec["question"], rec.get("context")),
             "completion": [{"role": "assistant", "content": completion(s, label_value(variant, rec))}],
             "image": rec["image_path"], "class": class_of(variant, rec, verbalisers), "question": rec["question"],
-            "context": rec.get("context")}
+            "context": rec.get("context"), **extra}
 
 
 def cap_classes(rows: list[dict], max_per_class: int | None, balance: bool, seed: int | None) -> list[dict]:
@@ -59,8 +72,8 @@ def cap_classes(rows: list[dict], max_per_class: int | None, balance: bool, seed
 
 
 def render_rows(variant: str, recs: list[dict], verbalisers=None, max_per_class: int | None = None,
-                seed: int | None = 0, balance: bool = False) -> list[dict]:
-    rows = [render_row(variant, r, verbalisers) for r in recs]
+                seed: int | None = 0, balance: bool = False, skb_target: str = "stochastic") -> list[dict]:
+    rows = [render_row(variant, r, verbalisers, skb_target) for r in recs]
     return cap_classes(rows, max_per_class, balance, seed)
 
 

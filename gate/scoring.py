@@ -86,10 +86,11 @@ def first_token_scores(model, processor, s: dict, images, questions, contexts=No
 
 
 def generate_parsed(model, processor, s: dict, images, questions, contexts=None, batch_size: int = 16,
-                    max_new_tokens: int = 48) -> list:
-    """Greedy generation, parsed by the variant (the Inspector's {"pass", "answer"}, mct's document list)."""
+                    max_new_tokens: int | None = None) -> list:
+    """Greedy generation, parsed by the variant (the Inspector's {"pass", "answer"}, mct's documents and summary)."""
     from rl.generate import generate_completions
 
+    max_new_tokens = max_new_tokens or (128 if s["name"] == "mct" else 48)  # mct writes a summary too
     users = [m[1]["content"] for m in (messages(s, q, c) for q, c in
                                        zip(questions, contexts if contexts is not None else [None] * len(questions)))]
     texts = generate_completions(model, processor, images, users, prompt={"system": s["system"],
@@ -114,10 +115,11 @@ def sweep(scores, labels, thresholds) -> list[dict]:
 
 
 def true_labels(s: dict, rows: list[dict], threshold: float) -> tuple[np.ndarray, np.ndarray | None]:
-    """From rendered rows: the positive/negative truth, and for skb the target digit."""
+    """From rendered rows: the positive/negative truth, and for skb the target score (the row's non-integer
+    ``target`` when it has one, else the completion's digit)."""
     targets = [parse_completion(s, r["completion"][0]["content"]) for r in rows]
     if s["name"] == "skb":
-        values = np.asarray(targets, dtype=float)
+        values = np.asarray([r.get("target", t) for r, t in zip(rows, targets)], dtype=float)
         return values >= threshold, values
     if s["name"] == "inspector":
         return np.asarray([t["pass"] for t in targets]), None
@@ -162,6 +164,8 @@ def evaluate_generated(model, processor, s: dict, rows: list[dict], batch_size: 
     want = [parse_completion(s, r["completion"][0]["content"]) for r in rows]
     if s["name"] == "answer":
         got, want = [normalize_answer(g) for g in got], [normalize_answer(w) for w in want]
+    if s["name"] == "mct":  # the documents listed, in order; the free-text summary is not compared
+        got, want = [g and g["consistent"] for g in got], [w and w["consistent"] for w in want]
     right = [g is not None and g == w for g, w in zip(got, want)]
     by_class: dict[str, list[bool]] = {}
     for r, ok in zip(rows, right):

@@ -23,7 +23,7 @@ GENERATOR_PROMPTS = {
 }
 
 
-def _gate_of(path: str, device: str, dtype: str | None, *variants):
+def gate_of(path: str, device: str, dtype: str | None, *variants):
     from gate.scoring import load_gate
 
     model, processor, s = load_gate(path, device=device, dtype=dtype)
@@ -39,7 +39,7 @@ class BoundaryGate:
     def __init__(self, path: str, threshold: float | None, device: str, dtype: str | None):
         from gate.scoring import DEFAULT_THRESHOLDS
 
-        self.model, self.processor, self.spec = _gate_of(path, device, dtype, *BOUNDARY_VARIANTS)
+        self.model, self.processor, self.spec = gate_of(path, device, dtype, *BOUNDARY_VARIANTS)
         self.threshold = threshold if threshold is not None else DEFAULT_THRESHOLDS.get(self.spec["name"], 0.5)
 
     def __call__(self, images, questions) -> list[float]:
@@ -99,21 +99,28 @@ class SectionRanker:
         return self.store.sections(entity_id, skip_titles=SKIPPED_SECTIONS) or \
             self.store.sections(entity_id)  # an article of references only still has something to show
 
-    def __call__(self, images, questions, text_emb, hits) -> list[dict]:
-        from gate.rerank import combine, within_article
+    def first_stage(self, images, questions, hits) -> list[list[dict]]:
+        """Each question's top-k sections (article-store entries), best first by β1·retrieval + (1−β1)·reranker
+        (the retrieval order without a reranker)."""
+        from gate.rerank import combine
 
-        template = self.index.manifest.get("text_template", "{title}. {section_title}. {text}")
         entries = [[self.store.entry(h.entry_id) for h in hs] for hs in hits]
         missing = [h.entry_id for hs, es in zip(hits, entries) for h, e in zip(hs, es) if e is None]
         if missing:
             raise ValueError(f"article store {self.store.path} has no entry {missing[0]!r} ({len(missing)} missing): "
                              "it was built from another KB than the index")
-        if self.reranker is not None:
-            rr = self.reranker.score(images, questions, [[section_text(e) for e in es] for es in entries])
-            best = [int(np.argmax(combine([h.score for h in hs], r, self.beta1))) for hs, r in zip(hits, rr)]
-        else:
-            best = [0] * len(hits)
-        articles = [self.article_sections(hs[b].entity_id) for hs, b in zip(hits, best)]
+        if self.reranker is None:
+            return entries
+        rr = self.reranker.score(images, questions, [[section_text(e) for e in es] for es in entries])
+        order = [np.argsort(-combine([h.score for h in hs], r, self.beta1), kind="stable") for hs, r in zip(hits, rr)]
+        return [[es[j] for j in o] for es, o in zip(entries, order)]
+
+    def within(self, images, questions, text_emb, entity_ids) -> list[dict]:
+        """The chosen article's best section per question: (1−β2)·text similarity to the query + β2·text reranker."""
+        from gate.rerank import within_article
+
+        template = self.index.manifest.get("text_template", "{title}. {section_title}. {text}")
+        articles = [self.article_sections(e) for e in entity_ids]
         flat = [e for art in articles for e in art]
         new = list({e["entry_id"]: e for e in flat if e["entry_id"] not in self.section_emb}.values())
         if new:
@@ -130,12 +137,17 @@ class SectionRanker:
             out.append(art[int(np.argmax(score))])
         return out
 
+    def __call__(self, images, questions, text_emb, hits) -> list[dict]:
+        """The section each question gets: the first stage's best article, then its best section."""
+        ranked = self.first_stage(images, questions, hits)
+        return self.within(images, questions, text_emb, [es[0]["entity_id"] for es in ranked])
+
 
 class Inspector:
     """WikiSeeker's Inspector: PASS when P(pass) ≥ its threshold; on FAIL, its own answer (generated and parsed)."""
 
     def __init__(self, path: str, threshold: float, device: str, dtype: str | None):
-        self.model, self.processor, self.spec = _gate_of(path, device, dtype, "inspector")
+        self.model, self.processor, self.spec = gate_of(path, device, dtype, "inspector")
         self.threshold = threshold
 
     def __call__(self, images, questions, contexts) -> list[dict]:
@@ -218,6 +230,12 @@ class Stages:
                 self.refiner = load("refiner", lambda: Refiner.load(args.refiner, device=device, dtype=dtype))
             self.retrieve = load("index", Retriever, args, self.refiner, device)
             self.rerank = load("reranker", SectionRanker, args, self.retrieve.index, device, dtype)
+        self.consistency = None
+        if args.index and args.consistency != "none":
+            from gate.consistency import ConsistencyChecker
+
+            self.consistency = load("consistency", ConsistencyChecker, args.consistency, args.consistency_strategy,
+                                    args.consistency_max_new_tokens, device, dtype)
         self.inspect = load("inspector", Inspector, args.inspector, args.inspector_threshold, device, dtype) \
             if args.inspector != "none" else None
         self.generate = load("generator", load_generator, args, device, dtype) if args.generator else None
@@ -227,7 +245,8 @@ class Stages:
         self.placement = {name: where for name, present in (
             ("gate", self.gate), ("answerer", self.answer), ("refiner", self.refiner),
             ("reranker", self.rerank and self.rerank.reranker), ("text reranker", self.rerank and self.rerank.text_reranker),
-            ("inspector", self.inspect), ("generator", self.generate)) if present is not None}
+            ("consistency", self.consistency), ("inspector", self.inspect), ("generator", self.generate))
+            if present is not None}
         if args.generator == "endpoint":
             self.placement["generator"] = f"endpoint {args.generator_url}"
         if self.retrieve is not None:

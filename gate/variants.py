@@ -30,7 +30,8 @@ RET_SYSTEM = "Decide whether answering the question about the image needs retrie
 SRT_SYSTEM = ("Decide whether the document helps answer the question about the image. Reply Rel if it is relevant "
               "and NoRel if it is not.")
 MCT_SYSTEM = ("You are given an image, a question and numbered documents. List the numbers of the documents that are "
-              "consistent with the image and each other as JSON {\"consistent\": [...]}.")
+              "relevant to the question and consistent with the image and each other, most relevant first, and "
+              "summarise what they say, as JSON {\"consistent\": [...], \"summary\": \"...\"}.")
 INSPECTOR_SYSTEM = (
     "You are an inspector for a knowledge-based visual question answering system. You are given an image, a question "
     "and a section retrieved from an encyclopedia. Check whether the section is about the entity in the image and "
@@ -93,9 +94,14 @@ def messages(s: dict, question: str, context: str | None = None, with_image_bloc
             {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": user}]}]
 
 
+def numbered_documents(texts) -> str:
+    """mct's context: the documents numbered from 1, one per line."""
+    return "\n".join(f"[{j + 1}] {t}" for j, t in enumerate(texts))
+
+
 def completion(s: dict, label) -> str:
     """The target text for a label: binary → the verbaliser; skb → the rounded digit; Inspector → its JSON;
-    mct → the JSON list of consistent document numbers; answer → the answer."""
+    mct → JSON of the consistent document numbers (a list, or {"consistent", "summary"}); answer → the answer."""
     name, verbs = s["name"], s["verbalisers"]
     if name == "skb":
         return verbs[min(4, max(0, round(float(label)) - 1))]
@@ -104,7 +110,11 @@ def completion(s: dict, label) -> str:
         body = {"pass": verbs[0]} if passed else {"pass": verbs[1], "answer": label.get("answer", "")}
         return json.dumps(body, ensure_ascii=False)
     if name == "mct":
-        return json.dumps({"consistent": [int(i) for i in label]})
+        label = label if isinstance(label, dict) else {"consistent": label}
+        body = {"consistent": [int(i) for i in label["consistent"]]}
+        if label.get("summary"):
+            body["summary"] = str(label["summary"])
+        return json.dumps(body, ensure_ascii=False)
     if name == "answer":
         return str(label)
     if not isinstance(label, bool):
@@ -114,7 +124,8 @@ def completion(s: dict, label) -> str:
 
 def parse_completion(s: dict, text: str):
     """The decision in a generated completion: bool for binary variants (True = the positive verbaliser), a float for
-    skb, {"pass": bool, "answer": str|None} for the Inspector, list[int] for mct, the text for answer; None when the
+    skb, {"pass": bool, "answer": str|None} for the Inspector, {"consistent": list[int], "summary": str|None} for mct,
+    the text for answer; None when the
     text cannot be read."""
     name, verbs, text = s["name"], s["verbalisers"], (text or "").strip()
     if name == "answer":
@@ -131,8 +142,10 @@ def parse_completion(s: dict, text: str):
         if not isinstance(obj, dict):
             return None
         if name == "mct":
-            ids = obj.get("consistent")
-            return [int(i) for i in ids] if isinstance(ids, list) and all(isinstance(i, int) for i in ids) else None
+            ids, summary = obj.get("consistent"), obj.get("summary")
+            if not (isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
+                return None
+            return {"consistent": ids, "summary": summary if isinstance(summary, str) else None}
         if obj.get("pass") not in verbs:
             return None
         answer = obj.get("answer")

@@ -161,7 +161,7 @@ def test_retrieve_context_and_the_retrieval_labels(questions, tiny_world, tiny_i
     assert stage_context(BuildDataArgs(stage="context", **common), out, generate=reads_context, **QUIET) == 2
     labels = {}
     for variant in ("ret", "srt", "mct", "inspector"):
-        build(BuildDataArgs(stage="label", out=str(out), variant=variant), **QUIET)
+        build(BuildDataArgs(stage="label", out=str(out), variant=variant, mct_rule="gold-entity"), **QUIET)
         labels[variant] = list(map(json.loads, open(out / f"labels-{variant}.jsonl")))
     known, unknown = picked
     assert {r["id"]: r["search"] for r in labels["ret"]} == {known["id"]: False, unknown["id"]: True}
@@ -178,6 +178,36 @@ def test_retrieve_context_and_the_retrieval_labels(questions, tiny_world, tiny_i
     build(BuildDataArgs(stage="render", out=str(out), variant="inspector"), **QUIET)
     rendered = list(map(json.loads, open(out / "inspector.test.jsonl")))
     assert len(rendered) == 2 and all(r["prompt"][1]["content"].startswith("Context: ") for r in rendered)
+
+    # MCT (Algorithm 3): without an srt gate, a document is relevant when the answer with it was judged right — here
+    # the gold entity's only, so no question has two relevant documents and mct has no example
+    from gate.consistency import stage_consistency
+
+    summaries = []
+
+    def summarise(images, texts, sample):
+        summaries.extend(texts)
+        return ["they agree"] * len(texts)
+    cons_args = BuildDataArgs(stage="consistency", out=str(out), mct_negative_ratio=0.0)
+    assert stage_consistency(cons_args, out, summarise=summarise, **QUIET) == 2
+    cons = {r["id"]: r for r in map(json.loads, open(out / "consistency.jsonl"))}
+    for qid, r in cons.items():
+        assert r["rel_probs"] == [1.0 if h["entity_id"] == answers[qid]["entity_id"] else 0.0
+                                  for h in retrieved[qid]["hits"]] and r["summary"] is None
+    assert summaries == []
+    # an srt gate that finds two relevant documents for one question: summary of those two, then the label
+    (out / "consistency.jsonl").unlink()
+    assert stage_consistency(cons_args, out, summarise=summarise, relevance=lambda images, batch: [
+        [0.6, 0.1, 0.9] if r["id"] == unknown["id"] else [0.9, 0.1, 0.1] for r in batch], **QUIET) == 2
+    (text,) = summaries
+    hits = retrieved[unknown["id"]]["hits"]
+    assert f"[1] {hits[0]['title']}" in text and f"[2] {hits[2]['title']}" in text and hits[1]["title"] not in text
+    (out / "labels-mct.jsonl").unlink()  # the gold-entity rule's labels above
+    build(BuildDataArgs(stage="label", out=str(out), variant="mct", mct_negative_ratio=0.0), **QUIET)
+    (label,) = map(json.loads, open(out / "labels-mct.jsonl"))
+    shown = [line.split("] ", 1)[1] for line in label["context"].split("\n")]
+    assert label["id"] == unknown["id"] and label["summary"] == "they agree" and len(shown) == 2
+    assert shown[label["consistent"][0] - 1].startswith(hits[2]["title"])  # P(Rel) 0.9 first
 
 
 def test_vllm_sampling_backend_without_vllm_is_a_clear_error(questions, tiny_world, tiny_gate_vlm, tmp_path):

@@ -17,6 +17,8 @@ from gate.variants import BINARY, VARIANTS, completion, messages, parse_completi
     ("inspector", {"pass": "true"}, '{"pass": "true"}'),
     ("inspector", {"pass": "false", "answer": "salt marshes"}, '{"pass": "false", "answer": "salt marshes"}'),
     ("mct", [1, 3], '{"consistent": [1, 3]}'), ("answer", "mossy caves", "mossy caves"),
+    ("mct", {"consistent": [2, 1], "summary": "Both: caves."}, '{"consistent": [2, 1], "summary": "Both: caves."}'),
+    ("mct", {"consistent": [], "summary": None}, '{"consistent": []}'),
 ])
 def test_completion(variant, label, text):
     assert completion(spec(variant), label) == text
@@ -34,6 +36,8 @@ def test_binary_completion_parses_back(variant, label):
     ("hkb", "  true ", True), ("hkb", "maybe", None), ("hkb", "", None), ("skb", "3.5 because", 3.5),
     ("skb", "seven", None), ("inspector", 'sure: {"pass": "false", "answer": 7}', {"pass": False, "answer": None}),
     ("inspector", '{"pass": "perhaps"}', None), ("inspector", "{broken", None), ("mct", '{"consistent": ["a"]}', None),
+    ("mct", '{"consistent": [true]}', None), ("mct", '{"consistent": [2, 1], "summary": 3}', {"consistent": [2, 1], "summary": None}),
+    ("mct", 'ok {"consistent": [3], "summary": "caves"}', {"consistent": [3], "summary": "caves"}),
 ])
 def test_parse_completion_tables(variant, text, expected):
     assert parse_completion(spec(variant), text) == expected
@@ -92,7 +96,6 @@ def question(**kw):
     ("kbm-acc", question(scores=[5.0] * 4), {"search": False}),
     ("ret", question(), {"search": False}),                                   # answered right alone: NoRet
     ("ret", question(scores=[1.0, 1.0, 5.0, 1.0]), {"search": True}),
-    ("mct", question(), {"consistent": [1]}),
     ("inspector", question(), {"pass": True}),
     ("inspector", question(entity_id="E2", answers=["reefs"]), {"pass": False}),
 ])
@@ -123,3 +126,43 @@ def test_inspector_answer_check():
     assert label_records("inspector", question(), args, ok)[0]["pass"] is True
     failed = label_records("inspector", question(), args, bad)[0]
     assert failed["pass"] is False and failed["inspector"] == {"pass": "false", "answer": "caves"}
+
+
+def test_mct_gold_entity_rule_marks_the_gold_entitys_sections():
+    args = BuildDataArgs(mct_rule="gold-entity")
+    (got,) = label_records("mct", question(), args)
+    assert got["consistent"] == [1] and got["context"] == "[1] Holhol - Habitat: lives in caves\n[2] Kalo - Habitat: lives in reefs"
+
+
+HITS3 = HITS + [{"entity_id": "E3", "title": "Mirra", "section_title": "Habitat", "text": "lives in caves too"}]
+
+
+def test_mct_srt_rule_follows_algorithm_3():
+    args = BuildDataArgs(mct_negative_ratio=0.0)
+    cons = {"q": {"rel_probs": [0.7, 0.2, 0.9], "summary": "Both say caves."}}
+    (got,) = label_records("mct", question(hits=HITS3), args, cons)
+    docs = [line.split("] ", 1)[1] for line in got["context"].split("\n")]
+    assert sorted(docs) == ["Holhol - Habitat: lives in caves", "Mirra - Habitat: lives in caves too"]  # no NoRel (τ = 0)
+    # the most relevant first: Mirra (0.9), then Holhol (0.7), by their numbers in the order shown
+    assert [docs[i - 1].split(" - ")[0] for i in got["consistent"]] == ["Mirra", "Holhol"]
+    assert got["summary"] == "Both say caves."
+    (all_in,) = label_records("mct", question(hits=HITS3), BuildDataArgs(mct_negative_ratio=1.0), cons)
+    assert len(all_in["context"].split("\n")) == 3
+    # one relevant document only, or no consistency record: not an MCT example
+    assert label_records("mct", question(hits=HITS3), args, {"q": {"rel_probs": [0.7, 0.2, 0.1]}}) == []
+    assert label_records("mct", question(hits=HITS3), args, {}) == []
+    row = render_rows("mct", [{**got, "id": "q", "image_path": "/x.png", "question": "Where?"}])[0]
+    assert row["class"] == "2 consistent"
+    assert parse_completion(spec("mct"), row["completion"][0]["content"]) == \
+        {"consistent": got["consistent"], "summary": "Both say caves."}
+
+
+def test_skb_soft_targets_keep_the_score():
+    recs = [{"id": f"q{i}", "question": "Where?", "image_path": "/x.png", "search_score": 2.3, "split": "train"}
+            for i in range(400)]
+    rows = render_rows("skb", recs)
+    digits = [int(r["completion"][0]["content"]) for r in rows]
+    assert set(digits) == {2, 3} and all(r["target"] == 2.3 for r in rows)
+    assert sum(digits) / len(digits) == pytest.approx(2.3, abs=0.08)  # the expected target is the score
+    assert {r["completion"][0]["content"] for r in render_rows("skb", recs, skb_target="round")} == {"2"}
+    assert render_rows("skb", recs) == rows  # seeded by the id

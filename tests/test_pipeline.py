@@ -2,6 +2,7 @@
 interruption, missing images, failing endpoints, and models that are missing."""
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -20,7 +21,7 @@ def gates(tiny_gate_vlm, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("gates")
     out = {}
-    for variant in ("hkb", "inspector", "srt"):
+    for variant in ("hkb", "inspector", "srt", "mct"):
         shutil.copytree(tiny_gate_vlm, root / variant)
         write_json_atomic(root / variant / GATE_FILE, {"variant": variant})
         out[variant] = str(root / variant)
@@ -153,6 +154,8 @@ def test_missing_image_is_skipped_and_the_run_goes_on(make_args, queries):
     (dict(inspector="/no/inspector"), "--inspector: /no/inspector"),
     (dict(generator="endpoint"), "generator_url"),
     (dict(generator_prompt="poem"), "--generator_prompt"),
+    (dict(consistency_strategy="vote"), "--consistency_strategy must be one of filter, merge, rerank"),
+    (dict(consistency="/no/mct"), "--consistency: /no/mct"),
 ])
 def test_bad_input_is_named_before_models_load(make_args, override, match):
     with pytest.raises(ValueError, match=match):
@@ -240,3 +243,50 @@ def test_the_e_vqa_metric_asks_bem_once_per_batch_about_undecided_answers(make_a
     run(args2, stages=stages, **QUIET)
     for r in predictions(args2):
         assert r["alone"]["correct"] is exact[r["id"]] and r["rag"]["correct"] is False
+
+
+def test_an_untrained_mct_gate_falls_back_to_the_first_stage(make_args, gates):
+    args = make_args(consistency=gates["mct"], consistency_max_new_tokens=8)
+    metrics = run(args, **QUIET)
+    plain = run(make_args(out=str(tmp_path_of(args).parent / "plain")), **QUIET)
+    for r, p in zip(predictions(args), predictions(make_args(out=str(tmp_path_of(args).parent / "plain")))):
+        mct = r["rag"]["consistency"]
+        assert mct["strategy"] == "filter" and "consistency" in r["latency"]
+        if mct["fallback"]:  # nothing usable listed: the same section and answer as without the MCT stage
+            assert (r["rag"]["section"], r["rag"]["answer"]) == (p["rag"]["section"], p["rag"]["answer"])
+    assert metrics["consistency"]["n"] == 6 and 0.0 <= metrics["consistency"]["fallback_ratio"] <= 1.0
+    assert plain["consistency"] is None
+
+
+@pytest.mark.parametrize("strategy", ["filter", "merge", "rerank"])
+def test_mct_strategies_decide_what_the_generator_reads(make_args, gates, stub, strategy):
+    """A scripted mct gate lists the 3rd and 2nd first-stage sections; the endpoint generator shows the context."""
+    from gate.consistency import apply_strategy
+    from gate.context_data import section_text
+    from gate.stages import Stages
+
+    server = stub(["x"] * 12)
+    args = make_args(consistency=gates["mct"], consistency_strategy=strategy, generator="endpoint",
+                     generator_url=server.url, generator_model="m", baselines=False)
+    stages = Stages(args)
+    seen = []
+
+    def scripted(images, questions, sections):
+        seen.extend(sections)
+        return [{**apply_strategy(strategy, len(s), {"consistent": [3, 2], "summary": "SUMMARY"}), "listed": [3, 2]}
+                for s in sections]
+    stages.consistency = scripted
+    run(args, stages=stages, **QUIET)
+    contexts = [req["body"]["messages"][1]["content"].split("\nQuestion: ")[0][len("Context: "):]
+                for req in server.requests]
+    recs = predictions(args)
+    assert len(contexts) == len(seen) == 6
+    for r, sections, context in zip(recs, seen, contexts):
+        assert r["rag"]["consistency"]["listed"] == [3, 2]
+        if strategy == "filter":  # the listed sections, in the first stage's order
+            assert context == "\n\n".join([sections[1], sections[2]])
+        elif strategy == "merge":
+            assert context == "SUMMARY"
+        else:  # the article of the first listed section (the 3rd retrieved), its best section
+            assert re.split(r"[#-]", r["rag"]["section"])[0] == r["rag"]["retrieved"][2]
+            assert context != "SUMMARY" and "\n\n" not in context
