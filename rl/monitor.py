@@ -40,6 +40,13 @@ class TimedReward:
         return self.last
 
 
+def caption(row: dict) -> str:
+    """What the refiner saw and did, under its image: the query, the gold entity's rank and the reward."""
+    rank = "not in the top depth" if row["rank"] is None else f"rank {row['rank']}"
+    reward = "—" if row["total_reward"] is None else f"{row['total_reward']:.2f}"
+    return f"{row['image_key']}: {row['query'] or '(unparseable)'} | gold {row['gold_title']} {rank} | reward {reward}"
+
+
 class RefinerMonitor(TrainerCallback):
     """Every ``table_steps``: a W&B table of the latest completions (image, question, refined query, gold entity,
     rank, top-3 retrieved titles, rewards) and a rank histogram; also appended to ``samples.jsonl``.
@@ -100,16 +107,21 @@ class RefinerMonitor(TrainerCallback):
             return
         if wandb.run is None:
             return
-        cols = ["step", "image", "question", "refined_query", "gold_entity", "rank", "top3_retrieved",
+        # wandb (0.31) writes a table's image cells as the string "Image" in offline mode, so the images go to their
+        # own panel (one per row, the caption saying what the refiner did) and the table names each by its key
+        cols = ["step", "image_key", "question", "refined_query", "gold_entity", "rank", "top3_retrieved",
                 "format_reward", "retrieval_reward", "total_reward"]
-        table = wandb.Table(columns=cols)
+        table, images = wandb.Table(columns=cols), []
         for r in rows:
+            table.add_data(step, r["image_key"], r.get("question") or "", r["query"] or "", r["gold_title"],
+                           -1 if r["rank"] is None else r["rank"], ", ".join(r["top3"]), r["format_reward"],
+                           r["retrieval_reward"], r["total_reward"])
             img = self.retrieval.images.get(r["image_key"])
-            table.add_data(step, wandb.Image(img) if img is not None else None, r.get("question") or "",
-                           r["query"] or "", r["gold_title"], -1 if r["rank"] is None else r["rank"],
-                           ", ".join(r["top3"]), r["format_reward"], r["retrieval_reward"], r["total_reward"])
+            if img is not None:
+                images.append(wandb.Image(img, caption=caption(r)))
         ranks = [(self.retrieval.depth + 1) if x["rank"] is None else x["rank"] for x in self.retrieval.last]
-        wandb.log({"completions": table, "rank_histogram": wandb.Histogram(ranks)}, commit=False)
+        wandb.log({"completions": table, "completion_images": images, "rank_histogram": wandb.Histogram(ranks)},
+                  commit=False)
 
     # -------------------------------------------------------------- end of training
 
