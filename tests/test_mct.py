@@ -1,8 +1,6 @@
 """MMKB-RAG's MCT: Algorithm 3's examples (property-tested), SKB's stochastic digit, the inference strategies (table),
 the consistency data stage and the pipeline's use of an mct gate."""
 
-import json
-import shutil
 
 import pytest
 from hypothesis import given

@@ -262,7 +262,6 @@ def test_an_untrained_mct_gate_falls_back_to_the_first_stage(make_args, gates):
 def test_mct_strategies_decide_what_the_generator_reads(make_args, gates, stub, strategy):
     """A scripted mct gate lists the 3rd and 2nd first-stage sections; the endpoint generator shows the context."""
     from gate.consistency import apply_strategy
-    from gate.context_data import section_text
     from gate.stages import Stages
 
     server = stub(["x"] * 12)
