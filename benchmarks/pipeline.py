@@ -19,7 +19,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import yaml  # noqa: E402
 
-from gate.pipeline import PipelineArgs, run  # noqa: E402
+from gate.pipeline import PipelineArgs, run, stage_names  # noqa: E402
 from gate.stages import Stages  # noqa: E402
 from retrieval.files import read_jsonl  # noqa: E402
 
@@ -29,8 +29,7 @@ p.add_argument("--questions", type=int, default=240)
 args = p.parse_args()
 
 config = yaml.safe_load(open(args.config))
-STAGES = ["gate", "answer alone", "refine", "retrieve", "rerank"] + \
-    ["consistency"] * (config.get("consistency", "none") != "none") + ["section", "inspect", "generate"]
+STAGES = stage_names(config.get("consistency", "none") != "none")
 rows = []
 for label, gate in (("with the gate", config["gate"]), ("without (always retrieve)", "always")):
     with tempfile.TemporaryDirectory() as out:

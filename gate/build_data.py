@@ -154,6 +154,11 @@ def correct_alone(rec: dict, correct_score: float, rule: str = "sampled-majority
     return None if not scores else sum(s >= correct_score for s in scores) / len(scores) >= 0.5
 
 
+def mct_from_consistency(args) -> bool:
+    """mct labelled by Algorithm 3 from consistency.jsonl (not from the gold entity)."""
+    return args.variant == "mct" and args.mct_rule == "srt"
+
+
 def label_records(variant: str, rec: dict, args: BuildDataArgs, contexts: dict | None = None) -> list[dict]:
     """The labelled examples one question yields for a variant (none when it cannot be labelled). Binary labels are
     bools whose True is the variant's positive verbaliser (search / relevant / pass)."""
@@ -237,7 +242,7 @@ def stage_label(args: BuildDataArgs, out: Path, log=print) -> int:
     if not source.is_file():
         raise ValueError(f"label: {source} does not exist (run the earlier stages first)")
     contexts = None
-    if args.variant == "mct" and args.mct_rule == "srt":
+    if mct_from_consistency(args):
         cons_path = out / "consistency.jsonl"
         if not cons_path.is_file():
             raise ValueError(f"label mct: {cons_path} does not exist (run --stage consistency first, or set "
@@ -257,7 +262,7 @@ def stage_label(args: BuildDataArgs, out: Path, log=print) -> int:
             continue
         labelled = label_records(args.variant, rec, args, contexts)
         if not labelled:
-            no_gold += not _has_gold(rec) and not (args.variant == "mct" and args.mct_rule == "srt")
+            no_gold += not _has_gold(rec) and not mct_from_consistency(args)
             skipped += 1
             continue
         base = {k: rec[k] for k in KEEP if k in rec} | {"variant": args.variant}

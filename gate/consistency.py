@@ -42,7 +42,7 @@ def judged_relevance(contexts: dict, correct_score: float):
     return relevance
 
 
-def srt_relevance(path: str, device: str, dtype: str | None, batch_size: int):
+def srt_relevance(path: str, device: str, dtype: str | None):
     """P(Rel) of every (image, question, document) from a trained srt gate's first token."""
     from gate.rerank import FirstTokenReranker
 
@@ -83,7 +83,7 @@ def stage_consistency(args, out: Path, log=print, relevance=None, summarise=None
     if batches:
         device = resolve_device(args.device)
         if relevance is None:
-            relevance = srt_relevance(args.srt_gate, device, args.dtype, args.batch_size) if args.srt_gate \
+            relevance = srt_relevance(args.srt_gate, device, args.dtype) if args.srt_gate \
                 else judged_relevance(contexts, args.correct_score)
         if summarise is None:
             summarise = vlm_answerer(args.model, args.summary_max_new_tokens, system=SUMMARY_SYSTEM,
@@ -92,9 +92,9 @@ def stage_consistency(args, out: Path, log=print, relevance=None, summarise=None
     for batch in tqdm(batches, desc="consistency", disable=not batches):
         images = [Image.open(r["image_path"]).convert("RGB") for r in batch]
         probs = relevance(images, batch)
-        todo = [i for i, p in enumerate(probs) if sum(x >= args.mct_gamma for x in p) > 1]
-        texts = [f"Documents:\n{numbered_documents([section_text(h) for h, x in zip(batch[i]['hits'], probs[i]) if x >= args.mct_gamma])}"
-                 f"\nQuestion: {batch[i]['question']}" for i in todo]
+        relevant = [[section_text(h) for h, x in zip(r["hits"], p) if x >= args.mct_gamma] for r, p in zip(batch, probs)]
+        todo = [i for i, docs in enumerate(relevant) if len(docs) > 1]
+        texts = [f"Documents:\n{numbered_documents(relevant[i])}\nQuestion: {batch[i]['question']}" for i in todo]
         summaries = dict(zip(todo, summarise([images[i] for i in todo], texts, False))) if todo else {}
         qualified += len(todo)
         parts.append([{"id": r["id"], "rel_probs": p, "relevance": origin,
@@ -136,7 +136,8 @@ class ConsistencyChecker:
     def __init__(self, path: str, strategy: str, max_new_tokens: int, device: str, dtype: str | None):
         from gate.stages import gate_of
 
-        apply_strategy(strategy, 1, None)  # a bad name fails at load
+        if strategy not in STRATEGIES:
+            raise ValueError(f"consistency strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
         self.model, self.processor, self.spec = gate_of(path, device, dtype, "mct")
         self.strategy, self.max_new_tokens = strategy, max_new_tokens
 

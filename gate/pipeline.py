@@ -168,14 +168,20 @@ def answered(answer: str | None, failed: str | None = None) -> dict:
     return {"answer": answer} if answer is not None else {"answer": None, "failed": failed or "no answer"}
 
 
-def context_for(mct: dict | None, chosen: dict, picked: list[dict]) -> str:
-    """The generator's context: the chosen section, or by the MCT strategy the listed sections (filter) or the
-    gate's summary (merge); rerank only changed which article was chosen."""
+def stage_names(consistency: bool) -> list[str]:
+    """The pipeline's timed stages in order (progress bars, latency, benchmarks/pipeline.py)."""
+    return ["gate", "answer alone", "refine", "retrieve", "rerank"] + ["consistency"] * consistency + \
+        ["section", "inspect", "generate"]
+
+
+def context_of(mct: dict | None, chosen: dict, picked: list[dict]) -> tuple[list[dict], str]:
+    """The sections the generator's context comes from, and the context: the chosen section, or by the MCT strategy
+    the listed sections (filter) or the gate's summary of them (merge); rerank only changed the chosen article."""
     if mct is None or mct["fallback"] or mct["strategy"] == "rerank":
-        return section_text(chosen)
+        return [chosen], section_text(chosen)
     if mct["summary"] is not None:
-        return mct["summary"]
-    return "\n\n".join(section_text(e) for e in picked)
+        return picked, mct["summary"]
+    return picked, "\n\n".join(section_text(e) for e in picked)
 
 
 def rag_path(st: Stages, batch: list[dict], images, clock: Clock) -> list[dict]:
@@ -195,7 +201,7 @@ def rag_path(st: Stages, batch: list[dict], images, clock: Clock) -> list[dict]:
     picked = [[es[j] for j in m["docs"]] if m else es[:1] for es, m in zip(ranked, mct)]
     chosen = clock.time("section", n, st.rerank.within, images, questions, text_emb,
                         [p[0]["entity_id"] for p in picked])
-    contexts = [context_for(m, c, p) for m, c, p in zip(mct, chosen, picked)]
+    shown, contexts = map(list, zip(*[context_of(m, c, p) for m, c, p in zip(mct, chosen, picked)]))
     verdicts = clock.time("inspect", n, st.inspect, images, questions, contexts) if st.inspect else [None] * n
     # with baselines, the generator also answers where the Inspector failed the section: the pipeline without the
     # Inspector (WikiSeeker's ablation) comes from the same run
@@ -210,12 +216,10 @@ def rag_path(st: Stages, batch: list[dict], images, clock: Clock) -> list[dict]:
         else:
             answer = verdicts[i]["answer"]
             reason = None if answer else "the Inspector failed the section and gave no parseable answer"
-        shown = [chosen[i]] if mct[i] is None or mct[i]["fallback"] or mct[i]["strategy"] == "rerank" \
-            else picked[i]  # the sections the context comes from
         results.append({"query": queries[i], "retrieved": [h.entity_id for h in hits[i]], "gold_rank": ranks[i],
                         "section": chosen[i]["entry_id"],
                         "section_right": any(is_gold_section(e["entity_id"], e.get("section"), r.get("entity_id"),
-                                                             r.get("evidence_section_id")) for e in shown),
+                                                             r.get("evidence_section_id")) for e in shown[i]),
                         **({"consistency": mct[i]} if mct[i] is not None else {}),
                         "inspector": verdicts[i], **answered(answer, reason)})
         if verdicts[i] is not None and i in generated:  # the generator's answer with this section, Inspector or not
@@ -285,8 +289,7 @@ def run(args: PipelineArgs, log=print, stages: Stages | None = None, state=None)
     if batches:
         stages = stages or Stages(args)  # every model loads (or fails, named) before the first question
         log("placement: " + "; ".join(f"{k}: {v}" for k, v in stages.placement.items()))
-        names = ["gate", "answer alone", "refine", "retrieve", "rerank"] + \
-            ["consistency"] * (stages.consistency is not None) + ["section", "inspect", "generate"]
+        names = stage_names(stages.consistency is not None)
         bars = {s: tqdm(total=parts.mine, desc=f"{s:>12}", position=i, unit="q") for i, s in enumerate(names)}
         for batch in batches:
             present = [r for r in batch if (root / str(r.get("image"))).is_file()]

@@ -137,11 +137,6 @@ class SectionRanker:
             out.append(art[int(np.argmax(score))])
         return out
 
-    def __call__(self, images, questions, text_emb, hits) -> list[dict]:
-        """The section each question gets: the first stage's best article, then its best section."""
-        ranked = self.first_stage(images, questions, hits)
-        return self.within(images, questions, text_emb, [es[0]["entity_id"] for es in ranked])
-
 
 class Inspector:
     """WikiSeeker's Inspector: PASS when P(pass) ≥ its threshold; on FAIL, its own answer (generated and parsed)."""
