@@ -1,4 +1,5 @@
-# Two jobs: `make demo` (the embedded default) and `make test`. Each creates .venv and installs into it.
+# Two jobs: `make demo` (the embedded default, two CPU processes) and `make test`. Each creates .venv and
+# installs into it. `make demo ARGS="--seed 1"` passes flags on to rl/train_grpo.py.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 export HF_HUB_OFFLINE := 1
@@ -13,7 +14,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
-	$(VENV)/bin/accelerate launch rl/train_grpo.py
+	$(VENV)/bin/accelerate launch --config_file configs/accelerate/cpu2.yaml rl/train_grpo.py $(ARGS)
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q

@@ -2,11 +2,18 @@
 
     .venv/bin/python benchmarks/learning.py [--seeds 0 1 2] [--out outputs/learning]
 
-Each seed runs the embedded default exactly as `make demo` does (`accelerate launch rl/train_grpo.py --seed S`, its
-own output folder; the toy world and index are shared and built by the first run if missing) and reads the
-learning table it wrote (learning.json; its output in run.log). Prints per seed and as mean (min – max): test R@1 of the original question,
-the warm start and the GRPO refiner; the GRPO refiner's accuracy per attribute and attribute words per query; wall
-time and the cores the run kept busy on average (user + system CPU seconds ÷ wall seconds).
+Each seed runs `make demo ARGS="--seed S --output_dir <out>/seedS --run_name …"`: the embedded default exactly as
+`make demo` launches it (two CPU processes over gloo), in its own output folder (the toy world and index are shared and
+built by the first run if missing; a folder holding a finished warm start of the same seed reuses it, so delete
+<out> for honest wall times). Its output goes to <out>/seedS/run.log; the learning table is read from learning.json
+and the phase times from the one-line summaries in the log.
+
+Prints per seed and as mean (min – max):
+- test R@1 of the original question, the warm start and the GRPO refiner; attribute words per query (GRPO);
+- accuracy per attribute (colour, shape, pattern) of the warm start and of the GRPO refiner;
+- wall time, warm start and GRPO seconds, and the cores the run kept busy on average (user + system CPU seconds of
+  every process it started ÷ wall seconds).
+Run it on an otherwise idle machine: anything else running takes the same cores.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -25,42 +33,76 @@ sys.path.insert(0, str(ROOT))
 
 from rl.toy import ATTRIBUTES  # noqa: E402
 
-p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-p.add_argument("--out", default="outputs/learning")
-args = p.parse_args()
+PHASES = {"warm start s": r"^warm start \(SFT\): \d+ steps in (\d+) s", "GRPO s": r"^GRPO: \d+ steps in (\d+) s"}
 
-accelerate = Path(sys.executable).with_name("accelerate")
-rows = []
-for seed in args.seeds:
-    out = Path(args.out) / f"seed{seed}"
+
+def phase_seconds(log: str) -> dict[str, float]:
+    """Seconds of each phase from its summary line (NaN when the phase did not run, e.g. a reused warm start)."""
+    found = {}
+    for name, pattern in PHASES.items():
+        m = re.search(pattern, log, flags=re.M)
+        found[name] = float(m.group(1)) if m else float("nan")
+    return found
+
+
+def run_seed(seed: int, out: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    subprocess.run([str(accelerate), "launch", "rl/train_grpo.py", "--seed", str(seed), "--output_dir", str(out),
-                    "--run_name", f"refine-rl-toy-seed{seed}"], cwd=ROOT, check=True,
-                   stdout=open(out / "run.log", "w"), stderr=subprocess.STDOUT)
+    flags = f"--seed {seed} --output_dir {out} --run_name refine-rl-toy-seed{seed}"
+    with open(out / "run.log", "w") as log:
+        subprocess.run(["make", "-s", "demo", f"ARGS={flags}"], cwd=ROOT, check=True, stdout=log,
+                       stderr=subprocess.STDOUT)
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    table = json.loads((ROOT / out / "learning.json").read_text())
-    row = {"seed": seed, "R@1 original": table["original"]["R@1"], "R@1 warm start": table["warm_start"]["R@1"],
-           "R@1 GRPO": table["grpo"]["R@1"],
-           **{f"GRPO {a} %": table["grpo"][f"{a}_accuracy"] for a in ATTRIBUTES},
-           "GRPO attribute words / query": table["grpo"]["attribute_words_per_query"],
-           "wall s": wall, "cores busy": cpu / wall}
-    rows.append(row)
-    print(f"seed {seed}: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items() if k != "seed"), flush=True)
+    table = json.loads((out / "learning.json").read_text())
+    text = (out / "run.log").read_text().replace("\r", "\n")
+    return {"seed": seed,
+            "retrieval": {"R@1 original": table["original"]["R@1"], "R@1 warm start": table["warm_start"]["R@1"],
+                          "R@1 GRPO": table["grpo"]["R@1"],
+                          "GRPO words / query": table["grpo"]["attribute_words_per_query"]},
+            "attributes": {f"{name} {a} %": table[key][f"{a}_accuracy"]
+                           for key, name in (("warm_start", "warm"), ("grpo", "GRPO")) for a in ATTRIBUTES},
+            "time": {"wall s": wall, **phase_seconds(text), "cores busy": cpu / wall}}
 
-cols = [k for k in rows[0] if k != "seed"]
-print(f"\nembedded default, {len(rows)} seeds, this machine ({os.cpu_count()} cores)\n")
-print("| seed | " + " | ".join(cols) + " |")
-print("|---|" + "---|" * len(cols))
-for r in rows:
-    print(f"| {r['seed']} | " + " | ".join(f"{r[c]:.1f}" if c != "cores busy" else f"{r[c]:.2f}" for c in cols) + " |")
-summary = []
-for c in cols:
-    vals = [r[c] for r in rows]
-    fmt = "{:.2f}" if c == "cores busy" else "{:.1f}"
-    summary.append(f"{fmt.format(sum(vals) / len(vals))} ({fmt.format(min(vals))} – {fmt.format(max(vals))})")
-print("| mean (min – max) | " + " | ".join(summary) + " |")
+
+def print_table(title: str, rows: list[dict], part: str) -> None:
+    cols = list(rows[0][part])
+
+    def fmt(c, v):
+        return f"{v:.2f}" if c in ("cores busy", "GRPO words / query") else f"{v:.1f}"
+
+    print(f"\n{title}\n")
+    print("| seed | " + " | ".join(cols) + " |")
+    print("|---|" + "---|" * len(cols))
+    for r in rows:
+        print(f"| {r['seed']} | " + " | ".join(fmt(c, r[part][c]) for c in cols) + " |")
+    if len(rows) > 1:
+        cells = []
+        for c in cols:
+            vals = [r[part][c] for r in rows]
+            cells.append(f"{fmt(c, sum(vals) / len(vals))} ({fmt(c, min(vals))} – {fmt(c, max(vals))})")
+        print("| mean (min – max) | " + " | ".join(cells) + " |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--out", default="outputs/learning")
+    args = p.parse_args()
+    rows = []
+    for seed in args.seeds:
+        rows.append(run_seed(seed, (ROOT / args.out / f"seed{seed}").resolve()))
+        r = rows[-1]
+        print(f"seed {seed}: " + ", ".join(f"{k} {v:.1f}" for part in ("retrieval", "attributes", "time")
+                                           for k, v in r[part].items()), flush=True)
+    where = f"this machine ({os.cpu_count()} cores), `make demo` per seed"
+    print_table(f"embedded default, {len(rows)} seeds, {where}: test R@1 (360 held-out questions)", rows,
+                "retrieval")
+    print_table("accuracy per attribute of the stated query words", rows, "attributes")
+    print_table("time", rows, "time")
+
+
+if __name__ == "__main__":
+    main()

@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -113,6 +115,20 @@ def check_text_encoder_name(name: str) -> str:
 # --------------------------------------------------------------------------- image side
 
 
+@contextmanager
+def _without_random_init_warning():
+    """open_clip warns on the root logger that a model built without pretrained weights is random."""
+    def keep(record) -> bool:
+        return "No pretrained weights loaded" not in record.getMessage()
+
+    root = logging.getLogger()
+    root.addFilter(keep)
+    try:
+        yield
+    finally:
+        root.removeFilter(keep)
+
+
 class ImageEncoder:
     """open_clip vision tower (the text tower is dropped after loading) → L2-normalised float32 embeddings."""
 
@@ -129,7 +145,8 @@ class ImageEncoder:
             open_clip.add_model_config(CONFIG_DIR / f"{TINY_CLIP}.json")
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(TINY_SEED)
-                model, _, preprocess = open_clip.create_model_and_transforms(TINY_CLIP, pretrained=None)
+                with _without_random_init_warning():  # random, seeded: the toy encoder's design (logged below)
+                    model, _, preprocess = open_clip.create_model_and_transforms(TINY_CLIP, pretrained=None)
         elif name.startswith(("hf-hub:", "local-dir:")):
             model, _, preprocess = open_clip.create_model_and_transforms(name)
         else:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -196,12 +197,15 @@ def generate(args: ToyWorldArgs, log=print) -> dict:
     if world_file.exists() and json.loads(world_file.read_text()).get("settings") == settings:
         log(f"toy world in {out} already generated")
         return json.loads(world_file.read_text())
+    from tqdm import tqdm
+
+    t0 = time.perf_counter()
     entities = make_entities(args.entities, args.seed)
     (out / "images").mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(args.seed + 1)
     kb, questions = [], {"train": [], "val": [], "test": []}
     qtypes = list(QUESTIONS)
-    for e in entities:
+    for e in tqdm(entities, desc="toy world", unit="entity"):
         eid = e["entity_id"]
         for j in range(args.kb_images):
             image = f"images/{eid}_kb{j}.png"
@@ -228,7 +232,8 @@ def generate(args: ToyWorldArgs, log=print) -> dict:
     write_json_atomic(world_file, world)  # last: marks the world complete
     world["generated_now"] = True
     log(f"toy world: {len(entities)} entities, {len(kb)} KB rows, {len(questions['train'])} train / "
-        f"{len(questions['val'])} val / {len(questions['test'])} test questions in {out}")
+        f"{len(questions['val'])} val / {len(questions['test'])} test questions in {out} "
+        f"({time.perf_counter() - t0:.0f} s)")
     return world
 
 

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from transformers import TrainerCallback
+from transformers.trainer_callback import ProgressCallback
 
 from retrieval.files import pyplot, save_figure, write_json_atomic
 
@@ -22,6 +23,59 @@ def setup_wandb(output_dir: str, report_to) -> None:
     os.environ.setdefault("WANDB_DIR", str(Path(output_dir).resolve()))
     os.environ.setdefault("WANDB_CACHE_DIR", str(Path(output_dir).resolve() / ".wandb-cache"))
     Path(os.environ["WANDB_DIR"]).mkdir(parents=True, exist_ok=True)
+
+
+class PhaseProgress(ProgressCallback):
+    """A training phase as one progress bar: the logged metrics named in ``shown`` (log key → label) go to the bar's
+    postfix instead of a printed dict per log, evaluation adds no bar of its own, and the phase ends with one line:
+    steps, seconds, and each shown metric first → last. Every metric still reaches W&B, metrics.json and the
+    trainer's log_history."""
+
+    def __init__(self, phase: str, shown: dict[str, str]):
+        super().__init__()
+        self.phase, self.shown = phase, shown
+        self.first: dict[str, float] = {}
+        self.last: dict[str, float] = {}
+        self._t0 = time.perf_counter()
+
+    def on_train_begin(self, args, state, control, **kw):
+        super().on_train_begin(args, state, control, **kw)
+        self._t0 = time.perf_counter()
+        if self.training_bar is not None:
+            self.training_bar.set_description(self.phase)
+
+    def on_prediction_step(self, args, state, control, **kw):
+        pass
+
+    def on_log(self, args, state, control, logs=None, **kw):
+        values = {label: float(logs[key]) for key, label in self.shown.items()
+                  if isinstance((logs or {}).get(key), (int, float))}
+        for label, v in values.items():
+            self.first.setdefault(label, v)
+            self.last[label] = v
+        if values and self.training_bar is not None:
+            self.training_bar.set_postfix({label: f"{v:.3g}" for label, v in self.last.items()}, refresh=False)
+
+    def on_train_end(self, args, state, control, **kw):
+        if not state.is_world_process_zero:
+            return
+        super().on_train_end(args, state, control, **kw)
+        print(summary_line(self.phase, state.global_step, time.perf_counter() - self._t0, self.first, self.last),
+              flush=True)
+
+
+def summary_line(phase: str, steps: int, seconds: float, first: dict[str, float], last: dict[str, float]) -> str:
+    """``phase: N steps in S s; metric first → last, …`` (one metric logged once shows its single value)."""
+    parts = [f"{k} {first[k]:.3g} → {last[k]:.3g}" if first[k] != last[k] else f"{k} {last[k]:.3g}" for k in last]
+    return f"{phase}: {steps} steps in {seconds:.0f} s" + ("; " + ", ".join(parts) if parts else "")
+
+
+def use_phase_progress(trainer, progress: PhaseProgress) -> None:
+    """Swap the trainer's progress bar for ``progress`` (unless the run disabled tqdm: then logs print as usual)."""
+    if trainer.args.disable_tqdm:
+        return
+    trainer.remove_callback(ProgressCallback)
+    trainer.add_callback(progress)
 
 
 class TimedReward:

@@ -53,29 +53,52 @@ def tokenizer_corpus(world: Path) -> list[str]:
 
 
 def run_warm_start(base: Path, world: Path, out: Path, steps: int, batch_size: int, learning_rate: float,
-                   shift_fraction: float, seed: int, log=print) -> Path:
-    """TRL SFTTrainer on the warm-start rows; the finished model is saved to ``out`` (reused if present)."""
-    if (out / "warm_start.json").exists():
-        log(f"warm start in {out} already done")
+                   shift_fraction: float, seed: int, procs=None, log=print) -> Path:
+    """TRL SFTTrainer on the warm-start rows, as one job over ``procs`` (each process takes ``batch_size`` examples a
+    step); the finished model is saved to ``out`` by process 0. A finished warm start with the same settings is
+    reused; one with other settings is an error naming them (nothing is overwritten)."""
+    import json
+
+    from retrieval.placement import Processes
+
+    procs = procs or Processes()
+    settings = {"base": str(Path(base).resolve()), "steps": steps, "batch_size": batch_size * procs.count,
+                "learning_rate": learning_rate, "shift_fraction": shift_fraction, "seed": seed}
+    done = out / "warm_start.json"
+    procs.barrier()  # every process sees the same folder
+    if done.exists():
+        previous = json.loads(done.read_text()).get("settings", {})
+        differ = sorted(k for k in settings if previous.get(k) != settings[k])
+        if differ:
+            raise ValueError(f"{out} holds a warm start made with other settings ("
+                             + "; ".join(f"{k}: {previous.get(k)!r} there, {settings[k]!r} now" for k in differ)
+                             + "): delete it or choose another --output_dir")
+        log(f"warm start: reusing {out} ({steps} steps, seed {seed})")
         return out
     from datasets import Dataset, Image
     from trl import SFTConfig, SFTTrainer
 
     from rl.model import load_model
+    from rl.monitor import PhaseProgress, use_phase_progress
 
     model, processor = load_model(str(base))
     data = Dataset.from_list(warm_start_rows(world, shift_fraction, seed)).cast_column("image", Image())
     config = SFTConfig(output_dir=str(out / "run"), max_steps=steps, per_device_train_batch_size=batch_size,
                        learning_rate=learning_rate, warmup_steps=min(50, steps // 10), lr_scheduler_type="cosine",
-                       logging_steps=max(1, steps // 10), save_strategy="no", report_to="none", use_cpu=True,
-                       bf16=False, gradient_checkpointing=False, max_length=None, seed=seed,
+                       logging_steps=max(1, steps // 20), save_strategy="no", report_to="none", use_cpu=True,
+                       bf16=False, activation_checkpointing=False, max_length=None, seed=seed,
+                       ddp_find_unused_parameters=False,
                        dataloader_num_workers=0, disable_tqdm=False)
     trainer = SFTTrainer(model=model, args=config, train_dataset=data, processing_class=processor)
+    use_phase_progress(trainer, PhaseProgress("warm start (SFT)", {"loss": "loss",
+                                                                   "mean_token_accuracy": "token accuracy"}))
     result = trainer.train()
-    trainer.save_model(str(out))
-    processor.save_pretrained(str(out))
-    write_json_atomic(out / "warm_start.json", {"steps": steps, "shift_fraction": shift_fraction,
-                                                 "train_loss": result.training_loss})
+    trainer.save_model(str(out))  # process 0 writes
+    if procs.rank == 0:
+        processor.save_pretrained(str(out))
+        write_json_atomic(done, {"settings": settings, "processes": procs.count,
+                                 "train_loss": result.training_loss})  # last: marks it finished
+    procs.barrier()
     return out
 
 

@@ -22,6 +22,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import time  # noqa: E402
+import warnings  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 
 DEFAULT_CONFIG = ROOT / "configs" / "grpo" / "toy.yaml"
@@ -48,7 +49,7 @@ class RefinerArguments:
     log_table_steps: int = field(default=50, metadata={"help": "completions table every N steps (0 = never)"})
     toy_world: str = field(default=None, metadata={"help": "embedded default: generate the toy world here if missing"})
     warm_start_steps: int = field(default=0, metadata={"help": "supervised warm start steps before GRPO (toy world)"})
-    warm_start_batch_size: int = field(default=16, metadata={"help": "warm start batch size"})
+    warm_start_batch_size: int = field(default=16, metadata={"help": "warm start batch size over all processes"})
     warm_start_learning_rate: float = field(default=1e-3, metadata={"help": "warm start learning rate"})
     warm_start_shift: float = field(default=0.5, metadata={"help": "share of warm-start examples with a shifted colour"})
     learning_table: bool = field(default=False, metadata={"help": "print/write the toy-world learning table at the end"})
@@ -56,12 +57,40 @@ class RefinerArguments:
                                                                   "(training, vLLM, export, refine)"})
     max_pixels: int = field(default=1024 * 28 * 28, metadata={"help": "image budget: most pixels an image is resized "
                                                                      "to (Qwen2.5-VL: ≤ max_pixels/28² image tokens)"})
+    completions_per_step: int = field(default=0, metadata={
+        "help": "completions per optimizer step over all processes: sets per_device_train_batch_size to this ÷ "
+                "(processes × gradient_accumulation_steps), so one process and several run the same recipe "
+                "(0 = per_device_train_batch_size as given)"})
     completions_log: bool = field(default=False, metadata={"help": "append every completion this rank scores to "
                                                                    "completions.rank<R>.jsonl in the output dir"})
 
 
-def validate(args: RefinerArguments, training_args, model_args, num_processes: int) -> None:
-    """Settings that need no files: fail before anything loads, naming the setting."""
+def per_device_batch(total: int, processes: int, accumulation: int, name: str) -> int:
+    """The per-process batch that makes ``total`` examples per optimizer step over ``processes`` × ``accumulation``."""
+    if total <= 0 or total % (processes * accumulation):
+        raise ValueError(f"{name} ({total}) must be a positive multiple of processes ({processes}) × "
+                         f"gradient_accumulation_steps ({accumulation}) = {processes * accumulation}")
+    return total // (processes * accumulation)
+
+
+def with_completions_per_step(argv: list[str], args: RefinerArguments, training_args, processes: int) -> list[str]:
+    """``argv`` with the per-device batch ``completions_per_step`` implies for this many processes (unchanged when
+    it is 0); an explicit ``--per_device_train_batch_size`` that disagrees is an error naming both."""
+    if not args.completions_per_step:
+        return argv
+    n = per_device_batch(args.completions_per_step, processes, training_args.gradient_accumulation_steps,
+                         "completions_per_step")
+    flag = "--per_device_train_batch_size"
+    given = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == flag]
+    if given and int(given[-1]) != n:
+        raise ValueError(f"completions_per_step {args.completions_per_step} over {processes} processes means "
+                         f"{flag} {n}, but {flag} {given[-1]} was given: set one of them (--completions_per_step 0 "
+                         f"to use {flag} as given)")
+    return [*argv, flag, str(n)]
+
+
+def validate(args: RefinerArguments, training_args, model_args, num_processes: int) -> str:
+    """Settings that need no files: fail before anything loads, naming the setting. Returns the batch geometry."""
     from retrieval.index import check_alpha, check_k
     from rewards.rank import parse_tiers, validate_tiers
     from rl.image_budget import check_budget
@@ -80,8 +109,9 @@ def validate(args: RefinerArguments, training_args, model_args, num_processes: i
                          f"× gradient_accumulation_steps ({training_args.gradient_accumulation_steps}) × processes "
                          f"({num_processes}) = {per_step} completions per step is not a multiple of "
                          f"num_generations ({training_args.num_generations})")
-    print(f"batch geometry: {per_step // training_args.num_generations} prompts × {training_args.num_generations} "
-          f"generations = {per_step} completions per optimizer step")
+    return (f"batch geometry: {per_step // training_args.num_generations} prompts × {training_args.num_generations} "
+            f"generations = {per_step} completions per optimizer step ({num_processes} processes × "
+            f"{training_args.per_device_train_batch_size} × {training_args.gradient_accumulation_steps} accumulation)")
 
 
 def validate_files(args: RefinerArguments) -> None:
@@ -96,26 +126,33 @@ def validate_files(args: RefinerArguments) -> None:
         require_file(args.eval_file, "eval_file")
 
 
-def prepare_embedded_default(args: RefinerArguments, model_args, output_dir: Path) -> str:
-    """Toy world + index if missing, tiny base model if asked, supervised warm start if asked → model path."""
+def prepare_embedded_default(args: RefinerArguments, model_args, seed: int, output_dir: Path, procs) -> str:
+    """Toy world + index if missing, tiny base model if asked, supervised warm start if asked → model path.
+
+    Process 0 builds the toy world, its index and the tiny base model while the others wait; the warm start is one
+    SFT job over all processes (``warm_start_batch_size`` examples per step in total)."""
     from retrieval.toyworld import ToyWorldArgs, build
     from rl.tiny_vlm import build_tiny_vlm
     from rl.toy import run_warm_start, tokenizer_corpus
 
     model_path = model_args.model_name_or_path
-    if args.toy_world:
-        world = Path(args.toy_world)
-        build(ToyWorldArgs(out=str(world), alpha=args.alpha))
-    if model_path == "tiny":
-        if not args.toy_world:
-            raise ValueError("--model_name_or_path tiny builds its tokenizer from the toy world: set --toy_world")
-        model_path = str(build_tiny_vlm(output_dir / "tiny-base", tokenizer_corpus(Path(args.toy_world))))
+    if model_path == "tiny" and not args.toy_world:
+        raise ValueError("--model_name_or_path tiny builds its tokenizer from the toy world: set --toy_world")
+    if args.warm_start_steps > 0 and not args.toy_world:
+        raise ValueError("--warm_start_steps needs --toy_world (the warm start is the toy world's)")
+    if model_path == "tiny":  # one base per seed: its random initialisation is the seed's
+        model_path = str(output_dir / f"tiny-base-seed{seed}")
+    if procs.rank == 0:
+        if args.toy_world:
+            build(ToyWorldArgs(out=args.toy_world, alpha=args.alpha))
+        if model_args.model_name_or_path == "tiny":
+            build_tiny_vlm(model_path, tokenizer_corpus(Path(args.toy_world)), seed=seed)
+    procs.barrier()
     if args.warm_start_steps > 0:
-        if not args.toy_world:
-            raise ValueError("--warm_start_steps needs --toy_world (the warm start is the toy world's)")
+        batch = per_device_batch(args.warm_start_batch_size, procs.count, 1, "warm_start_batch_size")
         model_path = str(run_warm_start(Path(model_path), Path(args.toy_world), output_dir / "warm_start",
-                                        args.warm_start_steps, args.warm_start_batch_size,
-                                        args.warm_start_learning_rate, args.warm_start_shift, seed=0))
+                                        args.warm_start_steps, batch, args.warm_start_learning_rate,
+                                        args.warm_start_shift, seed=seed, procs=procs))
     return model_path
 
 
@@ -123,10 +160,12 @@ def main(argv=None) -> dict:
     from accelerate import PartialState
     from accelerate.utils import DistributedType
     from transformers.integrations import is_deepspeed_zero3_enabled
+    from transformers.utils import logging as hf_logging
     from trl import GRPOConfig, GRPOTrainer, ModelConfig, get_peft_config
 
     from retrieval.cli import parse
     from retrieval.index import MultimodalIndex
+    from retrieval.placement import Processes, configure_threads
     from rewards import FormatReward, RetrievalReward, parse_tiers
     from rl.data import question_dataset
     from rl.image_budget import (
@@ -145,28 +184,40 @@ def main(argv=None) -> dict:
         trainable_parameters,
         vision_tower,
     )
-    from rl.monitor import RefinerMonitor, TimedReward, setup_wandb
+    from rl.monitor import PhaseProgress, RefinerMonitor, TimedReward, setup_wandb, use_phase_progress
     from rl.run_record import write_run_record
 
+    # TRL 1.16 reads model.is_gradient_checkpointing (deprecated in transformers 5.23) at every generation: its own
+    # call, nothing a user can change
+    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+    hf_logging.disable_progress_bar()  # weight loading / shard writing bars inside phases that have their own
     t_start = time.time()
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--config" not in argv:
-        print(f"no --config given: running the embedded default ({DEFAULT_CONFIG.relative_to(ROOT)})")
+    embedded_default = "--config" not in argv
+    if embedded_default:
         argv = ["--config", str(DEFAULT_CONFIG), *argv]
     args, training_args, model_args = parse((RefinerArguments, GRPOConfig, ModelConfig), argv, description=__doc__)
     # the first accelerate state of the process: under torchrun on CPUs it must know use_cpu, or every process
     # believes it is alone
     state = PartialState(cpu=training_args.use_cpu)
-    validate(args, training_args, model_args, state.num_processes)
+    if args.completions_per_step:
+        argv = with_completions_per_step(argv, args, training_args, state.num_processes)
+        args, training_args, model_args = parse((RefinerArguments, GRPOConfig, ModelConfig), argv, description=__doc__)
+    geometry = validate(args, training_args, model_args, state.num_processes)
+    say = print if state.is_main_process else (lambda *a, **k: None)  # facts every process shares: said once
+    if embedded_default:
+        say(f"no --config given: running the embedded default ({DEFAULT_CONFIG.relative_to(ROOT)})")
+    say(geometry)
+    threads = configure_threads()  # torch intra-op and FAISS threads: this node's cores ÷ its processes
     budget = check_budget(args.min_pixels, args.max_pixels)
     deepspeed = state.distributed_type == DistributedType.DEEPSPEED or bool(training_args.deepspeed)
     load_dtype, precision = master_dtype(model_args.dtype, model_args.use_peft, deepspeed)
-    print(f"rank {state.process_index}/{state.num_processes} on {state.device} ({state.distributed_type}); "
-          f"{precision}; mixed precision: {'bf16' if training_args.bf16 else 'fp16' if training_args.fp16 else 'no'}")
+    print(f"rank {state.process_index}/{state.num_processes} on {state.device} ({state.distributed_type}, "
+          f"{threads} CPU threads); {precision}; mixed precision: "
+          f"{'bf16' if training_args.bf16 else 'fp16' if training_args.fp16 else 'no'}")
     output_dir = Path(training_args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    with state.main_process_first():
-        model_path = prepare_embedded_default(args, model_args, output_dir)
+    model_path = prepare_embedded_default(args, model_args, training_args.seed, output_dir, Processes(state))
     validate_files(args)
     if state.is_main_process:
         write_run_record(output_dir, args, training_args, model_path, budget, precision)
@@ -177,7 +228,7 @@ def main(argv=None) -> dict:
     apply_image_budget(processor, budget)
     zero3 = is_deepspeed_zero3_enabled()
     tokens = check_image_tokens(model, processor, budget, run_vision=not zero3)
-    print(f"image budget {budget}: a {tokens['probe_size']} probe image → {tokens['image_tokens']} image tokens "
+    say(f"image budget {budget}: a {tokens['probe_size']} probe image → {tokens['image_tokens']} image tokens "
           f"(processor and model agree)")
     if training_args.use_vllm:
         # TRL's vLLM loads model.name_or_path with its own image processor: give it the policy with our budget
@@ -187,18 +238,18 @@ def main(argv=None) -> dict:
                 vllm_model_folder(model_path, processor, folder)
         check_same_image_tokens(processor, folder, budget)
         model.name_or_path = model.config._name_or_path = str(folder)
-        print(f"vLLM ({training_args.vllm_mode}) loads {folder}: the policy's files with the training image budget"
+        say(f"vLLM ({training_args.vllm_mode}) loads {folder}: the policy's files with the training image budget"
               + ("; serve it with: trl vllm-serve --model " + str(folder) if training_args.vllm_mode == "server"
                  else ""))
     if args.freeze_vision_tower:
         frozen = freeze_vision_tower(model)
-        print(f"vision tower frozen ({frozen:,} parameters)")
+        say(f"vision tower frozen ({frozen:,} parameters)")
     # one replica of the index per process: exact ranks on this rank's device, FAISS top-k (tables) memory-mapped
     index = MultimodalIndex.load(args.index, device=str(state.device), search_device="cpu")
     index.image_encoder, index.text_encoder  # noqa: B018  load now, on this device, outside ZeRO-3 init
     if index.uses_exact_ranks:
         index.exact  # noqa: B018
-    print(f"index: {len(index):,} rows, encoders and exact ranks on {index.device} "
+    print(f"rank {state.process_index}: index: {len(index):,} rows, encoders and exact ranks on {index.device} "
           f"(exact: {index.uses_exact_ranks}), FAISS top-k on {index.search_device}")
     bad_images_dir = output_dir if state.is_main_process else None
     train_data = question_dataset(args.train_file, args.images_root, args.prompt, bad_images_dir=bad_images_dir)
@@ -221,13 +272,16 @@ def main(argv=None) -> dict:
     trainer = GRPOTrainer(model=model, reward_funcs=[fmt, ret], args=training_args, train_dataset=train_data,
                           eval_dataset=eval_data, processing_class=processor, peft_config=peft_config,
                           callbacks=[monitor])
+    use_phase_progress(trainer, PhaseProgress("GRPO", {"reward": "reward", "retrieval/hit@1": "hit@1",
+                                                       "retrieval/parse_rate": "parse",
+                                                       "eval_retrieval/hit@1": "val hit@1"}))
     retrieval.mode = lambda: "train" if trainer.model.training else "eval"
     if args.freeze_vision_tower:
         leaked = trainable_names(vision_tower(trainer.model))
         if leaked:
             raise RuntimeError(f"{len(leaked)} vision-tower parameters are trainable despite freeze_vision_tower: "
                                f"{', '.join(leaked[:5])}")
-    print(f"trainable parameters: {trainable_parameters(trainer.model):,}")
+    say(f"trainable parameters: {trainable_parameters(trainer.model):,}")
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(str(output_dir / "final"))  # gathers ZeRO-3 shards (zero3_save_16bit_model) on rank 0
     if state.is_main_process:
@@ -249,17 +303,26 @@ def warn_absent_entities(index, data, name: str) -> None:
 
 def learning_table(args, index, warm_path, trainer, processor, output_dir: Path, t_start: float) -> dict:
     """Test-set R@k and attribute accuracy: original question, warm-started refiner, GRPO refiner."""
+    from tqdm import tqdm
+
     from retrieval.files import write_json_atomic, write_jsonl_atomic
     from rl.model import load_model
     from rl.toy import evaluate_refiner, format_learning_table
 
     world = Path(args.toy_world)
     table, samples = {}, {}
-    table["original"], samples["original"] = evaluate_refiner(index, world, args.alpha)
-    warm, warm_processor = load_model(warm_path)
-    table["warm_start"], samples["warm_start"] = evaluate_refiner(index, world, args.alpha, warm, warm_processor)
-    model = trainer.model.merge_and_unload() if hasattr(trainer.model, "merge_and_unload") else trainer.model
-    table["grpo"], samples["grpo"] = evaluate_refiner(index, world, args.alpha, model, processor)
+    t0 = time.time()
+    with tqdm(total=3, desc="evaluation (test set)", unit="refiner") as bar:
+        table["original"], samples["original"] = evaluate_refiner(index, world, args.alpha)
+        bar.update()
+        warm, warm_processor = load_model(warm_path)
+        table["warm_start"], samples["warm_start"] = evaluate_refiner(index, world, args.alpha, warm, warm_processor)
+        bar.update()
+        model = trainer.model.merge_and_unload() if hasattr(trainer.model, "merge_and_unload") else trainer.model
+        table["grpo"], samples["grpo"] = evaluate_refiner(index, world, args.alpha, model, processor)
+        bar.update()
+    print(f"evaluation: original question, warm start and GRPO refiner on {len(samples['original'])} test "
+          f"questions in {time.time() - t0:.0f} s")
     table["wall_seconds"] = time.time() - t_start
     table["test_questions"] = len(samples["original"])
     write_json_atomic(output_dir / "learning.json", table)

@@ -72,7 +72,7 @@ def config(tiny_world, tiny_index_dir, tiny_refiner, tmp_path):
         cfg = dict(
             index=str(tiny_index_dir), train_file=str(tiny_world / "train.jsonl"), alpha=0.5, prompt="toy",
             model_name_or_path=str(tiny_refiner), output_dir=str(tmp_path / "run"), use_cpu=True, bf16=False,
-            gradient_checkpointing=False, seed=0, num_generations=4, per_device_train_batch_size=8,
+            activation_checkpointing=False, seed=0, num_generations=4, per_device_train_batch_size=8,
             gradient_accumulation_steps=1, max_steps=2, learning_rate=1e-3, temperature=1.0,
             max_completion_length=40, logging_steps=1, save_strategy="no", report_to="none", log_table_steps=1,
             dataloader_num_workers=0, disable_tqdm=True, min_pixels=112 * 112, max_pixels=112 * 112)

@@ -27,7 +27,7 @@ def sft_config(tmp_path, model, variant, rows, **overrides):
                use_peft=True, lora_r=4, lora_alpha=16, lora_target_modules=["q_proj", "k_proj", "v_proj"],
                output_dir=str(tmp_path / variant), max_steps=2, per_device_train_batch_size=4, learning_rate=5e-2,
                max_length=None, save_strategy="no", report_to="none", use_cpu=True, bf16=False,
-               gradient_checkpointing=False, dataloader_num_workers=0, disable_tqdm=True, logging_steps=1, seed=0)
+               activation_checkpointing=False, dataloader_num_workers=0, disable_tqdm=True, logging_steps=1, seed=0)
     cfg.update(overrides)
     path = tmp_path / f"{variant}.yaml"
     path.write_text(yaml.safe_dump(cfg))

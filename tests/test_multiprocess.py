@@ -34,7 +34,7 @@ def two_process_run(tiny_world, tiny_index_dir, tiny_refiner, tmp_path_factory):
     cfg = dict(index=str(tiny_index_dir), train_file=str(tmp / "train.jsonl"), images_root=str(tiny_world),
                eval_file=str(tiny_world / "val.jsonl"), eval_limit=4, alpha=0.5, prompt="toy", depth=8,
                model_name_or_path=str(tiny_refiner), output_dir=str(tmp / "run"), use_cpu=True, bf16=False,
-               gradient_checkpointing=False, seed=0, num_generations=4, per_device_train_batch_size=4,
+               activation_checkpointing=False, seed=0, num_generations=4, per_device_train_batch_size=4,
                per_device_eval_batch_size=4, gradient_accumulation_steps=1, max_steps=6, learning_rate=1e-3,
                temperature=1.0, max_completion_length=40, logging_steps=1, eval_strategy="steps", eval_steps=3,
                save_strategy="steps", save_steps=3, report_to="none", log_table_steps=0, completions_log=True,
@@ -55,7 +55,7 @@ def completions(run, rank):
 
 def test_both_processes_train_as_one_job(two_process_run):
     run, output = two_process_run
-    assert "rank 0/2 on cpu:0 (DistributedType.MULTI_CPU)" in output and "rank 1/2 on cpu" in output
+    assert "rank 0/2 on cpu:0 (DistributedType.MULTI_CPU, 1 CPU threads)" in output and "rank 1/2 on cpu" in output
     assert "4 prompts × 4 generations = 16 completions" not in output
     assert "2 prompts × 4 generations = 8 completions per optimizer step" in output
     assert (run / "final" / "model.safetensors").exists() and not (run / "final" / "final").exists()

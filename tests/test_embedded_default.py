@@ -1,0 +1,213 @@
+"""The embedded default as `make demo` runs it: two CPU processes over gloo (torchrun, which accelerate's
+configs/accelerate/cpu2.yaml starts), shortened. The same seed twice gives the same learning table; another seed
+another warm start. Plus the pieces: the batch split over processes, the warm start's reuse check, one progress bar
+per training phase."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from rl import train_grpo as tg
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# --------------------------------------------------------------------------- the batch over processes
+
+
+@pytest.mark.parametrize("total,processes,accumulation,per_device", [
+    (32, 1, 1, 32), (32, 2, 1, 16), (32, 2, 2, 8), (16, 8, 1, 2), (160, 8, 1, 20),
+])
+def test_per_device_batch_splits_the_total(total, processes, accumulation, per_device):
+    assert tg.per_device_batch(total, processes, accumulation, "x") == per_device
+    assert per_device * processes * accumulation == total
+
+
+@pytest.mark.parametrize("total,processes,accumulation", [(32, 3, 1), (0, 1, 1), (16, 2, 3), (-8, 2, 1)])
+def test_per_device_batch_refuses_an_uneven_split_naming_the_setting(total, processes, accumulation):
+    with pytest.raises(ValueError, match=r"completions_per_step \(" + str(total)):
+        tg.per_device_batch(total, processes, accumulation, "completions_per_step")
+
+
+def parse_toy(extra=()):
+    from trl import GRPOConfig, ModelConfig
+
+    from retrieval.cli import parse
+
+    argv = ["--config", str(tg.DEFAULT_CONFIG), *extra]
+    return argv, parse((tg.RefinerArguments, GRPOConfig, ModelConfig), argv)
+
+
+@pytest.mark.parametrize("processes", [1, 2, 4])
+def test_the_embedded_default_takes_32_completions_a_step_however_many_processes(processes):
+    from trl import GRPOConfig, ModelConfig
+
+    from retrieval.cli import parse
+
+    argv, (args, training, _) = parse_toy()
+    assert args.completions_per_step == 32
+    argv = tg.with_completions_per_step(argv, args, training, processes)
+    _, training, _ = parse((tg.RefinerArguments, GRPOConfig, ModelConfig), argv)
+    assert training.per_device_train_batch_size * processes * training.gradient_accumulation_steps == 32
+    assert "4 prompts × 8 generations = 32 completions" in tg.validate(args, training, SimpleNamespace(
+        model_name_or_path="tiny"), processes)
+
+
+def test_an_explicit_per_device_batch_that_disagrees_is_an_error_naming_both():
+    argv, (args, training, _) = parse_toy(["--per_device_train_batch_size", "8"])
+    with pytest.raises(ValueError, match="completions_per_step 32 over 2 processes means "
+                                         "--per_device_train_batch_size 16, but --per_device_train_batch_size 8"):
+        tg.with_completions_per_step(argv, args, training, 2)
+    argv, (args, training, _) = parse_toy(["--per_device_train_batch_size", "16"])
+    assert tg.with_completions_per_step(argv, args, training, 2)[-2:] == ["--per_device_train_batch_size", "16"]
+    argv, (args, training, _) = parse_toy(["--completions_per_step", "0", "--per_device_train_batch_size", "8"])
+    assert tg.with_completions_per_step(argv, args, training, 2) == argv
+
+
+# --------------------------------------------------------------------------- the warm start's reuse check
+
+
+def test_a_finished_warm_start_is_reused_only_with_the_same_settings(tmp_path, monkeypatch):
+    import rl.model
+    from rl.toy import run_warm_start
+
+    base, out = tmp_path / "base", tmp_path / "warm"
+    out.mkdir()
+    settings = {"base": str(base.resolve()), "steps": 20, "batch_size": 16, "learning_rate": 1e-3,
+                "shift_fraction": 0.5, "seed": 0}
+    (out / "warm_start.json").write_text(json.dumps({"settings": settings, "processes": 2, "train_loss": 1.0}))
+    monkeypatch.setattr(rl.model, "load_model", lambda *a, **k: pytest.fail("a finished warm start was redone"))
+    said = []
+    assert run_warm_start(base, tmp_path, out, 20, 16, 1e-3, 0.5, seed=0, log=said.append) == out
+    assert "reusing" in said[0]
+    with pytest.raises(ValueError, match=r"seed: 0 there, 1 now.*delete it or choose another --output_dir"):
+        run_warm_start(base, tmp_path, out, 20, 16, 1e-3, 0.5, seed=1)
+    with pytest.raises(ValueError, match=r"batch_size: 16 there, 32 now; steps: 20 there, 40 now"):
+        run_warm_start(base, tmp_path, out, 40, 32, 1e-3, 0.5, seed=0)
+    assert json.loads((out / "warm_start.json").read_text())["settings"] == settings  # nothing overwritten
+
+
+# --------------------------------------------------------------------------- one progress bar per phase
+
+
+def test_a_phase_shows_one_bar_and_ends_with_one_summary_line(capsys):
+    from rl.monitor import PhaseProgress
+
+    progress = PhaseProgress("GRPO", {"reward": "reward", "eval_retrieval/hit@1": "val hit@1"})
+    state = SimpleNamespace(is_world_process_zero=True, max_steps=3, global_step=0)
+    args = SimpleNamespace()
+    progress.on_train_begin(args, state, None)
+    logs = [{"reward": 1.5, "loss": 0.1, "completions": "text"}, {"eval_retrieval/hit@1": 0.25},
+            {"reward": 2.0, "loss": 0.2}, {"train_runtime": 9.0}]
+    for step, log in enumerate(logs, 1):
+        state.global_step = min(step, 3)
+        progress.on_step_end(args, state, None)
+        progress.on_log(args, state, None, logs=log)
+    progress.on_prediction_step(args, state, None, eval_dataloader=[1, 2])
+    assert progress.prediction_bar is None  # evaluation adds no bar of its own
+    assert progress.training_bar.postfix == "reward=2, val hit@1=0.25"
+    progress.on_train_end(args, state, None)
+    out = capsys.readouterr()
+    lines = [x for x in out.out.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("GRPO: 3 steps in ")
+    assert lines[0].endswith("reward 1.5 → 2, val hit@1 0.25")
+    assert "loss" not in out.out + out.err and "{" not in out.out + out.err  # no log dicts printed
+
+
+def test_other_processes_draw_no_bar_and_print_nothing(capsys):
+    from rl.monitor import PhaseProgress
+
+    progress = PhaseProgress("warm start", {"loss": "loss"})
+    state = SimpleNamespace(is_world_process_zero=False, max_steps=3, global_step=1)
+    progress.on_train_begin(None, state, None)
+    progress.on_log(None, state, None, logs={"loss": 1.0})
+    progress.on_train_end(None, state, None)
+    out = capsys.readouterr()
+    assert progress.training_bar is None and out.out == "" and out.err == ""
+
+
+# --------------------------------------------------------------------------- two processes, seeded
+
+
+@pytest.fixture(scope="module")
+def default_world(tmp_path_factory):
+    """The embedded default's own world (180 entities) and index, built once for these runs."""
+    from retrieval.toyworld import ToyWorldArgs, build
+
+    out = tmp_path_factory.mktemp("default") / "toyworld"
+    build(ToyWorldArgs(out=str(out), alpha=0.3), log=lambda *a: None)
+    return out
+
+
+def run_default(world: Path, out: Path, seed: int) -> str:
+    """The embedded default (shortened) as two CPU processes, the way `make demo` launches it."""
+    from tests.test_multiprocess import free_port
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "WANDB_MODE": "disabled"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(free_port()), str(ROOT / "rl" / "train_grpo.py"), "--toy_world", str(world), "--index",
+           str(world / "index"), "--train_file", str(world / "train.jsonl"), "--eval_file", str(world / "val.jsonl"),
+           "--output_dir", str(out), "--seed", str(seed), "--warm_start_steps", "24", "--max_steps", "2",
+           "--eval_strategy", "no", "--save_strategy", "no", "--report_to", "none", "--log_table_steps", "0",
+           "--logging_steps", "1"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="module")
+def seeded_runs(default_world, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("seeded")
+    runs = {name: tmp / name for name in ("seed0", "seed0-again", "seed1")}
+    output = {name: run_default(default_world, out, 1 if name == "seed1" else 0) for name, out in runs.items()}
+    return runs, output
+
+
+def learning(run: Path) -> dict:
+    table = json.loads((run / "learning.json").read_text())
+    return {f"{name}/{k}": v for name in ("original", "warm_start", "grpo") for k, v in table[name].items()}
+
+
+def test_two_processes_share_the_warm_start_and_grpo(seeded_runs):
+    runs, output = seeded_runs
+    text = output["seed0"]
+    assert "rank 0/2 on cpu:0 (DistributedType.MULTI_CPU, 1 CPU threads)" in text and "rank 1/2" in text
+    assert "= 32 completions per optimizer step (2 processes × 16 × 1 accumulation)" in text
+    assert text.count("no --config given") == 1 and text.count("batch geometry") == 1  # said once, not per rank
+    warm = json.loads((runs["seed0"] / "warm_start" / "warm_start.json").read_text())
+    assert warm["processes"] == 2 and warm["settings"]["batch_size"] == 16 and warm["settings"]["steps"] == 24
+    assert warm["settings"]["base"].endswith("tiny-base-seed0")
+
+
+def test_the_same_seed_gives_the_same_learning_table_with_two_processes(seeded_runs):
+    runs, _ = seeded_runs
+    a, b = learning(runs["seed0"]), learning(runs["seed0-again"])
+    assert a.keys() == b.keys() and "grpo/R@1" in a
+    for k in a:
+        assert a[k] == pytest.approx(b[k], abs=1e-9), k
+    for name in ("grpo", "warm_start"):
+        queries = [[json.loads(x)["query"] for x in open(r / f"test_queries_{name}.jsonl")]
+                   for r in (runs["seed0"], runs["seed0-again"])]
+        assert queries[0] == queries[1]
+    losses = [[h["loss"] for h in json.loads((r / "metrics.json").read_text())["log_history"] if "loss" in h]
+              for r in (runs["seed0"], runs["seed0-again"])]
+    assert len(losses[0]) == 2 and losses[0] == pytest.approx(losses[1], abs=1e-9)
+
+
+def test_the_seed_reaches_the_base_model_and_the_warm_start(seeded_runs):
+    runs, _ = seeded_runs
+    warm = [json.loads((runs[n] / "warm_start" / "warm_start.json").read_text()) for n in ("seed0", "seed1")]
+    assert [w["settings"]["seed"] for w in warm] == [0, 1]
+    assert abs(warm[0]["train_loss"] - warm[1]["train_loss"]) > 1e-4
+    assert (runs["seed1"] / "tiny-base-seed1" / "config.json").exists()
+    from safetensors.numpy import load_file
+
+    bases = [load_file(runs[n] / f"tiny-base-seed{s}" / "model.safetensors") for n, s in (("seed0", 0), ("seed1", 1))]
+    name = next(k for k in bases[0] if k.endswith("embed_tokens.weight"))
+    assert abs(bases[0][name] - bases[1][name]).max() > 1e-3
