@@ -94,11 +94,22 @@ class TimedReward:
         return self.last
 
 
+def image_label(key: str) -> str:
+    """A short name for an image's cache key: the file name of ``path:…``, the first 12 hex digits of ``pixels:…``."""
+    kind, _, rest = key.partition(":")
+    if kind == "path" and rest:
+        return Path(rest).name
+    if kind == "pixels" and rest:
+        return f"pixels:{rest[:12]}"
+    return key
+
+
 def caption(row: dict) -> str:
     """What the refiner saw and did, under its image: the query, the gold entity's rank and the reward."""
     rank = "not in the top depth" if row["rank"] is None else f"rank {row['rank']}"
     reward = "—" if row["total_reward"] is None else f"{row['total_reward']:.2f}"
-    return f"{row['image_key']}: {row['query'] or '(unparseable)'} | gold {row['gold_title']} {rank} | reward {reward}"
+    return (f"{image_label(row['image_key'])}: {row['query'] or '(unparseable)'} | gold {row['gold_title']} {rank} | "
+            f"reward {reward}")
 
 
 class RefinerMonitor(TrainerCallback):
@@ -162,12 +173,12 @@ class RefinerMonitor(TrainerCallback):
         if wandb.run is None:
             return
         # wandb (0.31) writes a table's image cells as the string "Image" in offline mode, so the images go to their
-        # own panel (one per row, the caption saying what the refiner did) and the table names each by its key
-        cols = ["step", "image_key", "question", "refined_query", "gold_entity", "rank", "top3_retrieved",
+        # own panel (one per row, the caption saying what the refiner did) and the table names each by its file name
+        cols = ["step", "image", "question", "refined_query", "gold_entity", "rank", "top3_retrieved",
                 "format_reward", "retrieval_reward", "total_reward"]
         table, images = wandb.Table(columns=cols), []
         for r in rows:
-            table.add_data(step, r["image_key"], r.get("question") or "", r["query"] or "", r["gold_title"],
+            table.add_data(step, image_label(r["image_key"]), r.get("question") or "", r["query"] or "", r["gold_title"],
                            -1 if r["rank"] is None else r["rank"], ", ".join(r["top3"]), r["format_reward"],
                            r["retrieval_reward"], r["total_reward"])
             img = self.retrieval.images.get(r["image_key"])

@@ -1,9 +1,16 @@
-"""The W&B completions log written offline: the table rows, and the images as media files with captions that say
-what the refiner did (wandb 0.31 writes table image cells offline as the string "Image", so images go to a panel)."""
+"""The W&B run written offline: the completions table rows, and the images as media files with captions that say
+what the refiner did (wandb 0.31 writes table image cells offline as the string "Image", so images go to a panel);
+and a real GRPO run's log read back record by record with wandb's own protobuf classes: the reward components and
+hit@k per step, the completions table and its images.
+
+wandb 0.31 ships no Python reader for its ``.wandb`` run log (``wandb.sdk.internal.datastore`` is gone); the file is
+a LevelDB-style log (7-byte ``:W&B`` header, 32 KiB blocks of checksummed chunks) of ``wandb_internal_pb2.Record``
+messages, which ``wandb_records`` below splits back into records."""
 
 import glob
 import json
 import os
+import struct
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -11,7 +18,15 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from rl.monitor import RefinerMonitor, TimedReward, caption
+from rl.monitor import RefinerMonitor, TimedReward, caption, image_label
+
+
+@pytest.mark.parametrize("key,label", [
+    ("path:/data/toyworld/images/E0154_train0.png", "E0154_train0.png"), ("path:relative/x.jpg", "x.jpg"),
+    ("pixels:0123456789abcdef0123456789abcdef", "pixels:0123456789ab"), ("E1.png", "E1.png"), ("path:", "path:"),
+])
+def test_image_label_is_short(key, label):
+    assert image_label(key) == label
 
 
 def test_caption_names_query_rank_and_reward():
@@ -43,7 +58,7 @@ def test_offline_run_holds_table_rows_and_captioned_images(tmp_path, monkeypatch
     media = Path(run_dir) / "files" / "media"
     (table_file,) = (media / "table").glob("completions_*.table.json")
     table = json.loads(table_file.read_text())
-    assert table["columns"][:2] == ["step", "image_key"] and len(table["data"]) == 4
+    assert table["columns"][:2] == ["step", "image"] and len(table["data"]) == 4
     assert [row[1] for row in table["data"]] == [r["image_key"] for r in last] and "Image" not in table["data"][0]
     assert table["data"][0][-1] == pytest.approx(5.0) and table["data"][3][5] == -1  # reward 4 + 1; no rank
     pngs = list((media / "images").glob("completion_images_*.png"))
@@ -51,3 +66,67 @@ def test_offline_run_holds_table_rows_and_captioned_images(tmp_path, monkeypatch
     history = Path(glob.glob(f"{run_dir}/run-*.wandb")[0]).read_bytes()
     assert b"img1.png: green cross 1 | gold Title1 rank 2 | reward 4.00" in history  # the caption, in the run log
     assert json.loads(open(tmp_path / "samples.jsonl").readline())["step"] == 7
+
+
+# --------------------------------------------------------------------------- a real run, read back
+
+
+def wandb_records(path: Path):
+    """Every ``Record`` in a ``.wandb`` run log, in order, parsed with wandb's own protobuf classes."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, block = Path(path).read_bytes(), 32768
+    assert data[:4] == b":W&B", "not a W&B run log"
+    pos, pending = 7, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a chunk header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 2):  # full record, or its first chunk
+            pending = chunk
+        elif kind in (3, 4):  # middle or last chunk
+            pending += chunk
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(pending)
+            yield record
+
+
+def test_a_grpo_run_logged_offline_reads_back(config, tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    import rl.train_grpo as tg
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wb"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    import wandb
+
+    result = tg.main(config(report_to="wandb", log_table_steps=1, max_steps=2, logging_steps=1))
+    assert wandb.run is not None and wandb.run.offline
+    run_dir = Path(wandb.run.dir).parent
+    wandb.finish()  # what the process's exit does after a real run: the log is complete
+    (log,) = run_dir.glob("run-*.wandb")
+    history = [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
+               for r in wandb_records(Path(log)) if r.WhichOneof("record_type") == "history"]
+    by_step = {h["train/global_step"]: h for h in history if "train/retrieval/hit@1" in h}
+    logged = {h["step"]: h for h in result["log_history"] if "retrieval/hit@1" in h}
+    assert set(by_step) == set(logged) == {1, 2}
+    for step, h in by_step.items():  # what W&B holds is what the trainer logged
+        for key in ("rewards/format_reward/mean", "rewards/retrieval_reward/mean", "retrieval/hit@1",
+                    "retrieval/hit@10", "retrieval/parse_rate", "reward"):
+            assert h[f"train/{key}"] == pytest.approx(logged[step][key], abs=1e-6), (step, key)
+    tables = [h for h in history if "completions/path" in h]
+    assert len(tables) == 2  # one table per step (log_table_steps 1)
+    run_files = run_dir / "files"
+    table = json.loads((run_files / tables[-1]["completions/path"]).read_text())
+    assert table["columns"][:3] == ["step", "image", "question"] and len(table["data"]) == tables[-1]["completions/nrows"]
+    assert all(row[1].endswith(".png") and not row[1].startswith("path:") for row in table["data"])
+    images = tables[-1]
+    assert images["completion_images/count"] == len(table["data"]) and images["completion_images/_type"].startswith(
+        "images")
+    for cap, row in zip(images["completion_images/captions"], table["data"]):
+        assert cap.startswith(f"{row[1]}: ") and " | gold " in cap and " | reward " in cap
+    for name in set(images["completion_images/filenames"]):
+        assert (run_files / name).stat().st_size > 0
