@@ -8,6 +8,7 @@ fix that from the retrieval reward alone, since stating a wrong colour ranks the
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -57,8 +58,6 @@ def run_warm_start(base: Path, world: Path, out: Path, steps: int, batch_size: i
     """TRL SFTTrainer on the warm-start rows, as one job over ``procs`` (each process takes ``batch_size`` examples a
     step); the finished model is saved to ``out`` by process 0. A finished warm start with the same settings is
     reused; one with other settings is an error naming them (nothing is overwritten)."""
-    import json
-
     from retrieval.placement import Processes
 
     procs = procs or Processes()
@@ -67,7 +66,10 @@ def run_warm_start(base: Path, world: Path, out: Path, steps: int, batch_size: i
     done = out / "warm_start.json"
     procs.barrier()  # every process sees the same folder
     if done.exists():
-        previous = json.loads(done.read_text()).get("settings", {})
+        previous = json.loads(done.read_text()).get("settings")
+        if previous is None:
+            raise ValueError(f"{out} holds a warm start from an earlier version that recorded no settings: delete it "
+                             "or choose another --output_dir")
         differ = sorted(k for k in settings if previous.get(k) != settings[k])
         if differ:
             raise ValueError(f"{out} holds a warm start made with other settings ("

@@ -90,6 +90,9 @@ def test_a_finished_warm_start_is_reused_only_with_the_same_settings(tmp_path, m
     with pytest.raises(ValueError, match=r"batch_size: 16 there, 32 now; steps: 20 there, 40 now"):
         run_warm_start(base, tmp_path, out, 40, 32, 1e-3, 0.5, seed=0)
     assert json.loads((out / "warm_start.json").read_text())["settings"] == settings  # nothing overwritten
+    (out / "warm_start.json").write_text(json.dumps({"steps": 20, "shift_fraction": 0.5, "train_loss": 1.0}))
+    with pytest.raises(ValueError, match="earlier version that recorded no settings"):
+        run_warm_start(base, tmp_path, out, 20, 16, 1e-3, 0.5, seed=0)
 
 
 # --------------------------------------------------------------------------- one progress bar per phase
