@@ -81,7 +81,8 @@ def with_completions_per_step(argv: list[str], args: RefinerArguments, training_
     n = per_device_batch(args.completions_per_step, processes, training_args.gradient_accumulation_steps,
                          "completions_per_step")
     flag = "--per_device_train_batch_size"
-    given = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == flag]
+    given = [a.split("=", 1)[1] if a.startswith(flag + "=") else argv[i + 1]
+             for i, a in enumerate(argv) if a.startswith(flag + "=") or (a == flag and i + 1 < len(argv))]
     if given and int(given[-1]) != n:
         raise ValueError(f"completions_per_step {args.completions_per_step} over {processes} processes means "
                          f"{flag} {n}, but {flag} {given[-1]} was given: set one of them (--completions_per_step 0 "
@@ -135,17 +136,17 @@ def prepare_embedded_default(args: RefinerArguments, model_args, seed: int, outp
     from rl.tiny_vlm import build_tiny_vlm
     from rl.toy import run_warm_start, tokenizer_corpus
 
-    model_path = model_args.model_name_or_path
-    if model_path == "tiny" and not args.toy_world:
+    tiny = model_args.model_name_or_path == "tiny"
+    if tiny and not args.toy_world:
         raise ValueError("--model_name_or_path tiny builds its tokenizer from the toy world: set --toy_world")
     if args.warm_start_steps > 0 and not args.toy_world:
         raise ValueError("--warm_start_steps needs --toy_world (the warm start is the toy world's)")
-    if model_path == "tiny":  # one base per seed: its random initialisation is the seed's
-        model_path = str(output_dir / f"tiny-base-seed{seed}")
+    # one tiny base per seed: its random initialisation is the seed's
+    model_path = str(output_dir / f"tiny-base-seed{seed}") if tiny else model_args.model_name_or_path
     if procs.rank == 0:
         if args.toy_world:
             build(ToyWorldArgs(out=args.toy_world, alpha=args.alpha))
-        if model_args.model_name_or_path == "tiny":
+        if tiny:
             build_tiny_vlm(model_path, tokenizer_corpus(Path(args.toy_world)), seed=seed)
     procs.barrier()
     if args.warm_start_steps > 0:

@@ -3,9 +3,6 @@ same index as one process (same rows in the same order, same vectors), and resum
 process count in either direction."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +10,7 @@ import pytest
 
 from retrieval.build_index import BuildArgs, build_index
 from tests.test_build import die_after, rows_table, vectors
-from tests.test_multiprocess import free_port
+from tests.test_multiprocess import two_processes
 
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = dict(image_encoder="tiny", text_encoder="tiny", shard_size=12, batch_size=5, device="cpu")
@@ -22,12 +19,8 @@ SETTINGS = dict(image_encoder="tiny", text_encoder="tiny", shard_size=12, batch_
 def torchrun(script: Path, out: Path, kb: Path, images_root: Path, die_after_shards: int | None = None):
     argv = ["--kb", str(kb), "--images_root", str(images_root), "--out", str(out), "--workers", "1"]
     argv += [x for k, v in SETTINGS.items() for x in (f"--{k}", str(v))]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    if die_after_shards is not None:
-        env["DIE_AFTER"] = str(die_after_shards)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(free_port()), str(script), *argv]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=out.parent)
+    env = {} if die_after_shards is None else {"DIE_AFTER": str(die_after_shards)}
+    return two_processes([str(script), *argv], cwd=out.parent, **env)
 
 
 @pytest.fixture(scope="module")

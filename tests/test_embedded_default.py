@@ -4,15 +4,13 @@ another warm start. Plus the pieces: the batch split over processes, the warm st
 per training phase."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from rl import train_grpo as tg
+from tests.test_multiprocess import two_processes
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -62,6 +60,9 @@ def test_an_explicit_per_device_batch_that_disagrees_is_an_error_naming_both():
     argv, (args, training, _) = parse_toy(["--per_device_train_batch_size", "8"])
     with pytest.raises(ValueError, match="completions_per_step 32 over 2 processes means "
                                          "--per_device_train_batch_size 16, but --per_device_train_batch_size 8"):
+        tg.with_completions_per_step(argv, args, training, 2)
+    argv, (args, training, _) = parse_toy(["--per_device_train_batch_size=8"])  # the `=` form too
+    with pytest.raises(ValueError, match="but --per_device_train_batch_size 8 was given"):
         tg.with_completions_per_step(argv, args, training, 2)
     argv, (args, training, _) = parse_toy(["--per_device_train_batch_size", "16"])
     assert tg.with_completions_per_step(argv, args, training, 2)[-2:] == ["--per_device_train_batch_size", "16"]
@@ -149,17 +150,11 @@ def default_world(tmp_path_factory):
 
 def run_default(world: Path, out: Path, seed: int) -> str:
     """The embedded default (shortened) as two CPU processes, the way `make demo` launches it."""
-    from tests.test_multiprocess import free_port
-
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-           "WANDB_MODE": "disabled"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(free_port()), str(ROOT / "rl" / "train_grpo.py"), "--toy_world", str(world), "--index",
-           str(world / "index"), "--train_file", str(world / "train.jsonl"), "--eval_file", str(world / "val.jsonl"),
-           "--output_dir", str(out), "--seed", str(seed), "--warm_start_steps", "24", "--max_steps", "2",
-           "--eval_strategy", "no", "--save_strategy", "no", "--report_to", "none", "--log_table_steps", "0",
-           "--logging_steps", "1"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    proc = two_processes([str(ROOT / "rl" / "train_grpo.py"), "--toy_world", str(world), "--index", str(world / "index"),
+                          "--train_file", str(world / "train.jsonl"), "--eval_file", str(world / "val.jsonl"),
+                          "--output_dir", str(out), "--seed", str(seed), "--warm_start_steps", "24", "--max_steps",
+                          "2", "--eval_strategy", "no", "--save_strategy", "no", "--report_to", "none",
+                          "--log_table_steps", "0", "--logging_steps", "1"], cwd=ROOT, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc.stdout + proc.stderr
 

@@ -2,17 +2,14 @@
 each process takes every other batch and process 0 merges the parts — the same output as one process."""
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from retrieval.files import read_jsonl, write_json_atomic, write_jsonl_atomic
-from tests.test_multiprocess import free_port
+from tests.test_multiprocess import two_processes
 
 ROOT = Path(__file__).resolve().parent.parent
 QUIET = dict(log=lambda *a: None)
@@ -20,10 +17,7 @@ QUIET = dict(log=lambda *a: None)
 
 def torchrun_module(module: str, config: dict, cwd: Path):
     (cwd / "cfg.yaml").write_text(yaml.safe_dump(config))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           "-m", module, "--config", str(cwd / "cfg.yaml")]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=cwd)
+    return two_processes(["-m", module, "--config", str(cwd / "cfg.yaml")], cwd=cwd)
 
 
 def test_refine_on_two_processes_equals_one(tiny_refiner, tiny_world, tmp_path):

@@ -23,6 +23,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def two_processes(argv: list[str], cwd: Path, timeout: int = 600, **env: str) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node 2 <argv>`` from ``cwd``: two CPU processes over gloo, one thread each, offline, W&B
+    disabled (``env`` adds or overrides variables). The way to test anything distributed on this machine."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "WANDB_MODE": "disabled", **env}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(free_port()), *argv]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+
 @pytest.fixture(scope="module")
 def two_process_run(tiny_world, tiny_index_dir, tiny_refiner, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ddp")
@@ -40,11 +50,7 @@ def two_process_run(tiny_world, tiny_index_dir, tiny_refiner, tmp_path_factory):
                save_strategy="steps", save_steps=3, report_to="none", log_table_steps=0, completions_log=True,
                dataloader_num_workers=0, disable_tqdm=True, min_pixels=112 * 112, max_pixels=112 * 112)
     (tmp / "cfg.yaml").write_text(yaml.safe_dump(cfg))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-           "WANDB_MODE": "disabled"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(free_port()), str(ROOT / "rl" / "train_grpo.py"), "--config", str(tmp / "cfg.yaml")]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp)
+    proc = two_processes([str(ROOT / "rl" / "train_grpo.py"), "--config", str(tmp / "cfg.yaml")], cwd=tmp)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return tmp / "run", proc.stdout + proc.stderr
 
