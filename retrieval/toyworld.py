@@ -350,6 +350,16 @@ def build(args: ToyWorldArgs, log=print) -> dict:
     return report
 
 
+def world_args(out: str, alpha: float) -> ToyWorldArgs:
+    """The settings of the world already generated in ``out`` (kept as it is), or the defaults for a folder with none
+    (or with a world from an older generator, which is regenerated)."""
+    world_file = Path(out) / "world.json"
+    settings = json.loads(world_file.read_text()).get("settings", {}) if world_file.exists() else {}
+    if settings.get("version") != WORLD_VERSION:
+        return ToyWorldArgs(out=str(out), alpha=alpha)
+    return ToyWorldArgs(out=str(out), alpha=alpha, **{k: v for k, v in settings.items() if k != "version"})
+
+
 def _index_stale(index_dir: Path, args: ToyWorldArgs) -> bool:
     """An index from other encoders (or a regenerated world) is rebuilt rather than refused."""
     manifest = index_dir / "manifest.json"

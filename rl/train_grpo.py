@@ -47,7 +47,8 @@ class RefinerArguments:
     max_query_tokens: int = field(default=128, metadata={"help": "longer queries count as invalid format"})
     freeze_vision_tower: bool = field(default=True, metadata={"help": "train no vision-tower parameter"})
     log_table_steps: int = field(default=50, metadata={"help": "completions table every N steps (0 = never)"})
-    toy_world: str = field(default=None, metadata={"help": "embedded default: generate the toy world here if missing"})
+    toy_world: str = field(default=None, metadata={"help": "embedded default: the toy world's folder; generated there "
+                                                         "if missing (a world already there is used as it is)"})
     warm_start_steps: int = field(default=0, metadata={"help": "supervised warm start steps before GRPO (toy world)"})
     warm_start_batch_size: int = field(default=16, metadata={"help": "warm start batch size over all processes"})
     warm_start_learning_rate: float = field(default=1e-3, metadata={"help": "warm start learning rate"})
@@ -132,7 +133,7 @@ def prepare_embedded_default(args: RefinerArguments, model_args, seed: int, outp
 
     Process 0 builds the toy world, its index and the tiny base model while the others wait; the warm start is one
     SFT job over all processes (``warm_start_batch_size`` examples per step in total)."""
-    from retrieval.toyworld import ToyWorldArgs, build
+    from retrieval.toyworld import build, world_args
     from rl.tiny_vlm import build_tiny_vlm
     from rl.toy import run_warm_start, tokenizer_corpus
 
@@ -145,7 +146,7 @@ def prepare_embedded_default(args: RefinerArguments, model_args, seed: int, outp
     model_path = str(output_dir / f"tiny-base-seed{seed}") if tiny else model_args.model_name_or_path
     if procs.rank == 0:
         if args.toy_world:
-            build(ToyWorldArgs(out=args.toy_world, alpha=args.alpha))
+            build(world_args(args.toy_world, args.alpha))
         if tiny:
             build_tiny_vlm(model_path, tokenizer_corpus(Path(args.toy_world)), seed=seed)
     procs.barrier()

@@ -1,4 +1,9 @@
-"""Shared fixtures: offline settings and a tiny toy world + index, built once per test session."""
+"""Shared fixtures: offline settings and a tiny toy world + index, built once per test session.
+
+Two markers (pyproject.toml): ``gpu`` tests need CUDA: collected everywhere, skipped with the reason where there is
+no GPU, run with ``pytest -m gpu``. ``slow`` tests (a real-width bf16 step) are skipped unless selected with
+``pytest -m slow``, so ``make test`` stays fast on the slowest machine of this kind.
+"""
 
 import json
 import os
@@ -12,6 +17,19 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 import yaml  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    chosen = config.getoption("-m") or ""
+    no_gpu = pytest.mark.skip(reason="needs a CUDA GPU (none here): run `pytest -m gpu` on a machine with one")
+    not_asked = pytest.mark.skip(reason="slow: run with `pytest -m slow` (README, \"Tests\")")
+    for item in items:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(no_gpu)
+        if "slow" in item.keywords and "slow" not in chosen:
+            item.add_marker(not_asked)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -21,6 +21,16 @@ from PIL import Image
 from rl.monitor import RefinerMonitor, TimedReward, caption, image_label
 
 
+def finished_writing(wandb) -> None:
+    """Wait until wandb's service process has written and closed the run's files.
+
+    ``run.finish()`` returns once the service has handled the run's exit record, not once its writer has flushed the
+    ``.wandb`` log: read right after it, on a busy machine, the log held only its 7-byte header. ``wandb.teardown()``
+    shuts the service process down and waits for it to exit (``ServiceConnection.teardown`` → ``proc.join()``), after
+    which every file it wrote is complete. The next ``wandb.init`` starts a new service."""
+    wandb.teardown()
+
+
 @pytest.mark.parametrize("key,label", [
     ("path:/data/toyworld/images/E0154_train0.png", "E0154_train0.png"), ("path:relative/x.jpg", "x.jpg"),
     ("pixels:0123456789abcdef0123456789abcdef", "pixels:0123456789ab"), ("E1.png", "E1.png"), ("path:", "path:"),
@@ -54,6 +64,7 @@ def test_offline_run_holds_table_rows_and_captioned_images(tmp_path, monkeypatch
     monitor.log_table(step=7)
     wandb.log({"reward": 1.0})
     run.finish()
+    finished_writing(wandb)
     (run_dir,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*"))
     media = Path(run_dir) / "files" / "media"
     (table_file,) = (media / "table").glob("completions_*.table.json")
@@ -106,7 +117,8 @@ def test_a_grpo_run_logged_offline_reads_back(config, tmp_path, monkeypatch):
     result = tg.main(config(report_to="wandb", log_table_steps=1, max_steps=2, logging_steps=1))
     assert wandb.run is not None and wandb.run.offline
     run_dir = Path(wandb.run.dir).parent
-    wandb.finish()  # what the process's exit does after a real run: the log is complete
+    wandb.finish()  # what the process's exit does after a real run
+    finished_writing(wandb)
     (log,) = run_dir.glob("run-*.wandb")
     history = [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
                for r in wandb_records(Path(log)) if r.WhichOneof("record_type") == "history"]

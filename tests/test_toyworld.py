@@ -15,6 +15,7 @@ from retrieval.toyworld import (
     make_entities,
     median_rank,
     sections,
+    world_args,
 )
 
 
@@ -85,3 +86,17 @@ def test_default_world_calibration_holds(tmp_path):
     assert rep["original_buckets"]["1-5"] < 0.3  # the vague question alone rarely finds the entity
     assert np.isclose(sum(rep["original_buckets"].values()), 1.0)
     assert json.loads((tmp_path / "w" / "calibration.json").read_text())["checks"] == rep["checks"]
+
+
+def test_the_embedded_default_keeps_a_world_already_generated(tmp_path, tiny_world):
+    """rl/train_grpo.py --toy_world DIR builds with world_args: the settings of the world in DIR, the defaults for a
+    folder without one, and the defaults again for a world from an older generator (which is then regenerated)."""
+    kept = world_args(str(tiny_world), alpha=0.4)
+    recorded = json.loads((tiny_world / "world.json").read_text())["settings"]
+    assert (kept.entities, kept.train_images, kept.test_images, kept.alpha) == (24, 2, 2, 0.4)
+    assert {k: getattr(kept, k) for k in recorded if k != "version"} == {k: v for k, v in recorded.items()
+                                                                       if k != "version"}
+    assert world_args(str(tmp_path / "none"), alpha=0.3) == ToyWorldArgs(out=str(tmp_path / "none"), alpha=0.3)
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "world.json").write_text(json.dumps({"settings": {**recorded, "version": -1}}))
+    assert world_args(str(tmp_path / "old"), alpha=0.3).entities == 180
