@@ -109,16 +109,26 @@ def save_final(final: Path, model, processor, info: dict) -> None:
 
 
 def main(argv=None) -> dict:
+    import shutil
+
     from accelerate import PartialState
     from datasets import Dataset, Image
     from transformers import AutoProcessor
     from trl import ModelConfig, SFTConfig, SFTTrainer, get_peft_config
 
-    from gate.scoring import evaluate_gate, evaluate_generated, verbaliser_ids
+    from gate.scoring import verbaliser_ids
     from gate.variants import BINARY, spec
     from retrieval.cli import parse
     from retrieval.files import write_json_atomic
-    from rl.model import exclude_vision_tower, freeze_vision_tower, load_model, trainable_parameters, vision_tower
+    from retrieval.placement import Processes, outside_zero3_init
+    from rl.model import (
+        exclude_vision_tower,
+        freeze_vision_tower,
+        load_model,
+        load_trained,
+        trainable_parameters,
+        vision_tower,
+    )
 
     args, training_args, model_args = parse((GateArguments, SFTConfig, ModelConfig), argv, description=__doc__)
     rows, eval_rows = validate(args, training_args, model_args)
@@ -127,7 +137,9 @@ def main(argv=None) -> dict:
                                               trust_remote_code=training_args.trust_remote_code)
     if args.variant in BINARY or args.variant == "skb":
         verbaliser_ids(processor.tokenizer, s)  # before the model loads
-    state = PartialState()
+    # CPU processes under torchrun form one gloo group only when the first state knows use_cpu; every collective
+    # waits at most ddp_timeout seconds
+    state = PartialState(cpu=training_args.use_cpu, timeout=training_args.ddp_timeout_delta)
     model, processor = load_model(model_args.model_name_or_path, model_args.dtype, device=str(state.device),
                                   trust_remote_code=training_args.trust_remote_code,
                                   attn_implementation=model_args.attn_implementation)
@@ -146,22 +158,36 @@ def main(argv=None) -> dict:
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
 
     result = {"log_history": trainer.state.log_history}
+    output_dir = Path(training_args.output_dir)
+    # every process: the trained weights (a LoRA adapter, or whole weights, ZeRO-3 shards gathered) to trained/;
+    # then process 0 alone loads them whole, merged (never the engine's partitioned model), for final/ and evaluation
+    trainer.save_model(str(output_dir / "trained"))
+    Processes(state).barrier("the trained weights were saved")
     if not state.is_main_process:
         return result
-    output_dir = Path(training_args.output_dir)
-    model = trainer.model.merge_and_unload() if hasattr(trainer.model, "merge_and_unload") else trainer.model
+    model, _ = load_trained(output_dir / "trained", model_args.dtype, device=str(state.device),
+                            base=model_args.model_name_or_path)
     save_final(output_dir / "final", model, processor, {"variant": args.variant, "verbalisers": list(s["verbalisers"]),
                                                         "base_model": model_args.model_name_or_path})
+    shutil.rmtree(output_dir / "trained")  # final/ holds it, merged
     if eval_rows:
-        if args.variant in BINARY or args.variant == "skb":
-            metrics = evaluate_gate(model.eval(), processor, s, eval_rows, batch_size=args.eval_batch_size)
-            metrics = {k: v for k, v in metrics.items() if k not in ("scores", "truth")}
-        else:
-            metrics = evaluate_generated(model.eval(), processor, s, eval_rows, batch_size=args.eval_batch_size)
+        with outside_zero3_init():  # process 0 alone: generate() must not sync with the others (synced_gpus)
+            metrics = evaluate(args, s, model, processor, eval_rows)
         write_json_atomic(output_dir / "gate_eval.json", metrics)
         print("held-out: " + json.dumps(metrics))
         result["eval"] = metrics
     return result
+
+
+def evaluate(args: GateArguments, s: dict, model, processor, eval_rows: list[dict]) -> dict:
+    """Held-out metrics of the trained gate: scored verbalisers (binary and SKB variants) or generated answers."""
+    from gate.scoring import evaluate_gate, evaluate_generated
+    from gate.variants import BINARY
+
+    if args.variant in BINARY or args.variant == "skb":
+        metrics = evaluate_gate(model.eval(), processor, s, eval_rows, batch_size=args.eval_batch_size)
+        return {k: v for k, v in metrics.items() if k not in ("scores", "truth")}
+    return evaluate_generated(model.eval(), processor, s, eval_rows, batch_size=args.eval_batch_size)
 
 
 if __name__ == "__main__":

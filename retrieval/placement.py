@@ -85,9 +85,19 @@ class Processes:
         self.rank = state.process_index if state is not None else 0
         self.count = state.num_processes if state is not None else 1
 
-    def barrier(self) -> None:
-        if self.state is not None and self.count > 1:
+    def barrier(self, what: str = "") -> None:
+        """Wait for every process; past the process group's timeout (``ddp_timeout`` / ``timeout_minutes``), an error
+        naming ``what`` was awaited instead of a wait without end."""
+        if self.state is None or self.count < 2:
+            return
+        try:
             self.state.wait_for_everyone()
+        except RuntimeError as e:  # gloo and NCCL report an expired wait as a RuntimeError naming the timeout
+            if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
+                raise
+            raise TimeoutError(f"process {self.rank}/{self.count}: the other processes did not arrive at the barrier "
+                               f"after {what or 'this step'} within the collective timeout: {str(e).strip()[:300]}") \
+                from e
 
 
 def decode_workers(setting: int | None) -> int:
@@ -142,7 +152,8 @@ def index_to_device(index, device: str):
 
 @contextmanager
 def outside_zero3_init():
-    """Load models whole on this rank, even inside a DeepSpeed ZeRO-3 run with ``zero3_init_flag: true``.
+    """Load models whole on this rank, even inside a DeepSpeed ZeRO-3 run with ``zero3_init_flag: true`` (and run
+    ``generate()`` on one process alone: under the registration it syncs every step with the others).
 
     transformers partitions every ``from_pretrained`` while a ZeRO-3 DeepSpeed config is registered; the retrieval
     encoders are frozen inference models that are not part of the DeepSpeed engine, so a partitioned encoder would

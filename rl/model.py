@@ -53,19 +53,34 @@ def trainable_names(module) -> list[str]:
     return [n for n, p in module.named_parameters() if p.requires_grad]
 
 
-def master_dtype(requested: str | None, use_peft: bool, deepspeed: bool) -> tuple[str | None, str]:
-    """The dtype to load trainable weights in, and why.
+def master_dtype(requested: str | None, use_peft: bool, zero_stage: int | None) -> tuple[str | None, str]:
+    """The dtype to load trainable weights in, and what the run's precision is, in one line.
 
-    Full fine-tuning outside DeepSpeed with 16-bit weights cannot move them at the paper's lr 1e-6 (bf16 keeps 8
-    significant bits: an update 1e-6 × a weight of 0.02 rounds away). So weights load in fp32 (the optimizer's master
-    copy) and the forward runs under bf16 autocast (``bf16: true``). DeepSpeed keeps fp32 masters itself, and LoRA
-    trains fp32 adapters beside frozen 16-bit weights: those keep the requested dtype."""
-    if requested in ("bfloat16", "bf16", "float16", "fp16") and not use_peft and not deepspeed:
+    ``zero_stage``: DeepSpeed's ZeRO stage (0–3), None without DeepSpeed. Full fine-tuning outside DeepSpeed with
+    16-bit weights cannot move them at the paper's lr 1e-6 (bf16 keeps 8 significant bits: an update 1e-6 × a weight
+    of 0.02 rounds away). So weights load in fp32 (the optimizer's master copy) and the forward runs under bf16
+    autocast (``bf16: true``). DeepSpeed keeps fp32 master weights of what it trains itself. LoRA trains adapters
+    beside the frozen weights: PEFT upcasts them to fp32, except under ZeRO-3, where TRL 1.16 passes
+    ``autocast_adapter_dtype=False`` (mixed-dtype parameters break ZeRO-3's all-gather) and they stay in the
+    requested dtype — DeepSpeed's fp32 master copy is then what the optimizer updates."""
+    ds = f"DeepSpeed ZeRO-{zero_stage}" if zero_stage is not None else None
+    if requested in ("bfloat16", "bf16", "float16", "fp16") and not use_peft and ds is None:
         return "float32", (f"full fine-tuning outside DeepSpeed: fp32 master weights (dtype {requested} asked for; "
                            "16-bit weights would not take lr-1e-6 updates), 16-bit compute through autocast")
-    why = "DeepSpeed keeps fp32 master weights" if deepspeed else "LoRA adapters train in fp32" if use_peft else \
-        "as configured"
-    return requested, f"weights in {requested or 'auto'} ({why})"
+    weights = f"weights in {requested or 'auto'}"
+    if use_peft:
+        adapters = (f"LoRA adapters in {requested or 'auto'} (TRL: autocast_adapter_dtype=False under ZeRO-3)"
+                    if zero_stage == 3 else "LoRA adapters in float32 (PEFT's autocast_adapter_dtype)")
+        return requested, f"{weights}, frozen; {adapters}" + (f"; {ds} keeps fp32 master copies" if ds else "")
+    return requested, f"{weights} ({ds} keeps fp32 master weights)" if ds else f"{weights} (as configured)"
+
+
+def zero_stage(training_args) -> int | None:
+    """DeepSpeed's ZeRO stage for a run, None without DeepSpeed: from ``--deepspeed`` (a JSON config) or accelerate's
+    DeepSpeed plugin (``accelerate launch`` with a ``distributed_type: DEEPSPEED`` config), which transformers'
+    TrainingArguments both turn into ``deepspeed_plugin``."""
+    plugin = getattr(training_args, "deepspeed_plugin", None)
+    return None if plugin is None else int(plugin.zero_stage)
 
 
 def load_model(name_or_path: str, dtype: str | None = None, device: str = "cpu", trust_remote_code: bool = False,
@@ -85,6 +100,33 @@ def load_model(name_or_path: str, dtype: str | None = None, device: str = "cpu",
                                               str(kwargs["dtype"]).replace("torch.", ""))
     processor = AutoProcessor.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     processor.tokenizer.padding_side = "left"
+    return model, processor
+
+
+def load_trained(folder, dtype: str | None = None, device: str = "cpu", base: str | None = None):
+    """What ``trainer.save_model`` wrote (full weights, or a LoRA adapter merged into ``base`` or the base it names),
+    loaded whole on this process only: outside DeepSpeed ZeRO-3's partitioned init, so one process can evaluate or
+    re-save it without the others (a ZeRO-3 engine's own model is partitioned; using it on one rank would wait for
+    ever on the others). Returns (model, processor)."""
+    import json
+    from pathlib import Path
+
+    from retrieval.placement import outside_zero3_init
+
+    folder = Path(folder)
+    adapter = folder / "adapter_config.json"
+    with outside_zero3_init():
+        if not adapter.exists():
+            return load_model(str(folder), dtype, device)
+        from peft import PeftModel
+        from transformers import AutoProcessor
+
+        base = base or json.loads(adapter.read_text()).get("base_model_name_or_path")
+        model, processor = load_model(base, dtype, device)
+        model = PeftModel.from_pretrained(model, str(folder)).merge_and_unload()
+    if (folder / "tokenizer_config.json").exists():
+        processor = AutoProcessor.from_pretrained(str(folder))
+        processor.tokenizer.padding_side = "left"
     return model, processor
 
 

@@ -100,7 +100,14 @@ def run_warm_start(base: Path, world: Path, out: Path, steps: int, batch_size: i
         processor.save_pretrained(str(out))
         write_json_atomic(done, {"settings": settings, "processes": procs.count,
                                  "train_loss": result.training_loss})  # last: marks it finished
-    procs.barrier()
+    procs.barrier("process 0 saved the warm start")
+    if trainer.is_deepspeed_enabled:
+        # accelerate allows one DeepSpeed plugin per process state: the GRPO trainer that follows builds its own
+        from accelerate.state import AcceleratorState, GradientState
+
+        trainer.accelerator.free_memory()
+        AcceleratorState._reset_state()
+        GradientState._reset_state()
     return out
 
 

@@ -133,6 +133,7 @@ def prepare_embedded_default(args: RefinerArguments, model_args, seed: int, outp
 
     Process 0 builds the toy world, its index and the tiny base model while the others wait; the warm start is one
     SFT job over all processes (``warm_start_batch_size`` examples per step in total)."""
+    from retrieval.placement import outside_zero3_init
     from retrieval.toyworld import build, world_args
     from rl.tiny_vlm import build_tiny_vlm
     from rl.toy import run_warm_start, tokenizer_corpus
@@ -145,11 +146,14 @@ def prepare_embedded_default(args: RefinerArguments, model_args, seed: int, outp
     # one tiny base per seed: its random initialisation is the seed's
     model_path = str(output_dir / f"tiny-base-seed{seed}") if tiny else model_args.model_name_or_path
     if procs.rank == 0:
-        if args.toy_world:
-            build(world_args(args.toy_world, args.alpha))
-        if tiny:
-            build_tiny_vlm(model_path, tokenizer_corpus(Path(args.toy_world)), seed=seed)
-    procs.barrier()
+        # models built by one process only (the index's encoders, the tiny base) must be built whole: inside
+        # DeepSpeed ZeRO-3's partitioned init every new parameter is a collective the other processes never join
+        with outside_zero3_init():
+            if args.toy_world:
+                build(world_args(args.toy_world, args.alpha))
+            if tiny:
+                build_tiny_vlm(model_path, tokenizer_corpus(Path(args.toy_world)), seed=seed)
+    procs.barrier("process 0 built the toy world, its index and the tiny base model")
     if args.warm_start_steps > 0:
         batch = per_device_batch(args.warm_start_batch_size, procs.count, 1, "warm_start_batch_size")
         model_path = str(run_warm_start(Path(model_path), Path(args.toy_world), output_dir / "warm_start",
@@ -160,7 +164,6 @@ def prepare_embedded_default(args: RefinerArguments, model_args, seed: int, outp
 
 def main(argv=None) -> dict:
     from accelerate import PartialState
-    from accelerate.utils import DistributedType
     from transformers.integrations import is_deepspeed_zero3_enabled
     from transformers.utils import logging as hf_logging
     from trl import GRPOConfig, GRPOTrainer, ModelConfig, get_peft_config
@@ -185,6 +188,7 @@ def main(argv=None) -> dict:
         trainable_names,
         trainable_parameters,
         vision_tower,
+        zero_stage,
     )
     from rl.monitor import PhaseProgress, RefinerMonitor, TimedReward, setup_wandb, use_phase_progress
     from rl.run_record import write_run_record
@@ -201,7 +205,8 @@ def main(argv=None) -> dict:
     args, training_args, model_args = parse((RefinerArguments, GRPOConfig, ModelConfig), argv, description=__doc__)
     # the first accelerate state of the process: under torchrun on CPUs it must know use_cpu, or every process
     # believes it is alone
-    state = PartialState(cpu=training_args.use_cpu)
+    # ... and a finite wait: past ddp_timeout (seconds) a collective fails, naming the step where that applies
+    state = PartialState(cpu=training_args.use_cpu, timeout=training_args.ddp_timeout_delta)
     if args.completions_per_step:
         argv = with_completions_per_step(argv, args, training_args, state.num_processes)
         args, training_args, model_args = parse((RefinerArguments, GRPOConfig, ModelConfig), argv, description=__doc__)
@@ -212,14 +217,17 @@ def main(argv=None) -> dict:
     say(geometry)
     threads = configure_threads()  # torch intra-op and FAISS threads: this node's cores ÷ its processes
     budget = check_budget(args.min_pixels, args.max_pixels)
-    deepspeed = state.distributed_type == DistributedType.DEEPSPEED or bool(training_args.deepspeed)
-    load_dtype, precision = master_dtype(model_args.dtype, model_args.use_peft, deepspeed)
-    print(f"rank {state.process_index}/{state.num_processes} on {state.device} ({state.distributed_type}, "
+    stage = zero_stage(training_args)
+    load_dtype, precision = master_dtype(model_args.dtype, model_args.use_peft, stage)
+    kind = f"DeepSpeed ZeRO-{stage} over {state.backend}" if stage is not None else state.distributed_type
+    print(f"rank {state.process_index}/{state.num_processes} on {state.device} ({kind}, "
           f"{threads} CPU threads); {precision}; mixed precision: "
           f"{'bf16' if training_args.bf16 else 'fp16' if training_args.fp16 else 'no'}")
     output_dir = Path(training_args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     model_path = prepare_embedded_default(args, model_args, training_args.seed, output_dir, Processes(state))
+    if training_args.deepspeed_plugin is not None:  # the warm start's SFT config registered its own with transformers
+        training_args.deepspeed_plugin.set_deepspeed_weakref()
     validate_files(args)
     if state.is_main_process:
         write_run_record(output_dir, args, training_args, model_path, budget, precision)
@@ -290,7 +298,7 @@ def main(argv=None) -> dict:
         processor.save_pretrained(str(output_dir / "final"))
     result = {"reward_time": getattr(monitor, "summary", {}), "log_history": trainer.state.log_history}
     if args.learning_table and state.is_main_process:
-        result["learning"] = learning_table(args, index, model_path, trainer, processor, output_dir, t_start)
+        result["learning"] = learning_table(args, index, model_path, processor, output_dir, t_start)
     return result
 
 
@@ -303,24 +311,28 @@ def warn_absent_entities(index, data, name: str) -> None:
               f"{shown}; python -m rl.data drops such questions")
 
 
-def learning_table(args, index, warm_path, trainer, processor, output_dir: Path, t_start: float) -> dict:
+def learning_table(args, index, warm_path, processor, output_dir: Path, t_start: float) -> dict:
     """Test-set R@k and attribute accuracy: original question, warm-started refiner, GRPO refiner."""
     from tqdm import tqdm
 
     from retrieval.files import write_json_atomic, write_jsonl_atomic
-    from rl.model import load_model
+    from retrieval.placement import outside_zero3_init
+    from rl.model import load_trained
     from rl.toy import evaluate_refiner, format_learning_table
 
     world = Path(args.toy_world)
     table, samples = {}, {}
     t0 = time.time()
-    with tqdm(total=3, desc="evaluation (test set)", unit="refiner") as bar:
+    # process 0 alone, outside the ZeRO-3 registration: it loads whole models, and generate() would otherwise sync
+    # every decoding step with the other processes (synced_gpus), which have finished
+    with outside_zero3_init(), tqdm(total=3, desc="evaluation (test set)", unit="refiner") as bar:
         table["original"], samples["original"] = evaluate_refiner(index, world, args.alpha)
         bar.update()
-        warm, warm_processor = load_model(warm_path)
+        # loaded whole from disk (under ZeRO-3 the engine's model is partitioned)
+        warm, warm_processor = load_trained(warm_path)
         table["warm_start"], samples["warm_start"] = evaluate_refiner(index, world, args.alpha, warm, warm_processor)
         bar.update()
-        model = trainer.model.merge_and_unload() if hasattr(trainer.model, "merge_and_unload") else trainer.model
+        model, _ = load_trained(output_dir / "final", base=warm_path)
         table["grpo"], samples["grpo"] = evaluate_refiner(index, world, args.alpha, model, processor)
         bar.update()
     print(f"evaluation: original question, warm start and GRPO refiner on {len(samples['original'])} test "

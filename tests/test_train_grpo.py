@@ -95,15 +95,20 @@ def test_held_out_eval_selects_the_best_checkpoint(config, tiny_world, tmp_path)
     assert state["best_model_checkpoint"].endswith(("checkpoint-1", "checkpoint-2"))
 
 
-@pytest.mark.parametrize("requested,peft,deepspeed,loaded", [
-    ("bfloat16", False, False, "float32"), ("float16", False, False, "float32"), ("bfloat16", True, False, "bfloat16"),
-    ("bfloat16", False, True, "bfloat16"), ("float32", False, False, "float32"), (None, False, False, None),
+@pytest.mark.parametrize("requested,peft,stage,loaded,said", [
+    ("bfloat16", False, None, "float32", "fp32 master weights"), ("float16", False, None, "float32", "autocast"),
+    ("bfloat16", True, None, "bfloat16", "LoRA adapters in float32"),
+    ("bfloat16", True, 3, "bfloat16", "LoRA adapters in bfloat16 (TRL: autocast_adapter_dtype=False under ZeRO-3)"),
+    ("bfloat16", True, 2, "bfloat16", "LoRA adapters in float32 (PEFT's autocast_adapter_dtype); DeepSpeed ZeRO-2"),
+    ("bfloat16", False, 3, "bfloat16", "weights in bfloat16 (DeepSpeed ZeRO-3 keeps fp32 master weights)"),
+    ("float32", False, 2, "float32", "weights in float32 (DeepSpeed ZeRO-2"),
+    ("float32", False, None, "float32", "as configured"), (None, False, None, None, "weights in auto"),
 ])
-def test_master_weights_dtype(requested, peft, deepspeed, loaded):
+def test_master_weights_dtype(requested, peft, stage, loaded, said):
     from rl.model import master_dtype
 
-    dtype, why = master_dtype(requested, peft, deepspeed)
-    assert dtype == loaded and why
+    dtype, why = master_dtype(requested, peft, stage)
+    assert dtype == loaded and said in why
 
 
 def changed_share(before, after):
