@@ -381,6 +381,13 @@ class TextEncoder:
         return l2_normalize(emb)
 
 
+def parameter_elements(encoder) -> int:
+    """Parameter elements an encoder holds on this process: its full size when loaded whole, 0 for a parameter that
+    DeepSpeed ZeRO-3 partitioned (its local tensor is an empty placeholder)."""
+    model = getattr(encoder, "model", None)
+    return sum(p.numel() for p in model.parameters()) if model is not None else 0
+
+
 def resolve_query_prompt(setting: str | None, model_prompts: dict | None) -> str | None:
     """The query instruction a setting means: ``auto`` → the model's ``query`` prompt (or none), ``none``/""/None →
     none, anything else is the instruction itself."""

@@ -2,8 +2,8 @@
 
     python -m rl.export --checkpoint DIR --out DIR [--dtype bf16|fp16|fp32] [--force]
 
-``--checkpoint`` is a trainer checkpoint (full weights, or a PEFT adapter whose LoRA is merged into the base
-weights), a run's ``final`` folder, or a run's output dir (its best checkpoint by ``metric_for_best_model``, else
+``--checkpoint`` is a trainer checkpoint (full weights, a PEFT adapter whose LoRA is merged into the base weights, or
+only DeepSpeed ZeRO shards, gathered by DeepSpeed's zero_to_fp32), a run's ``final`` folder, or a run's output dir (its best checkpoint by ``metric_for_best_model``, else
 its latest). The folder gets safetensors weights (sharded when large), config, processor, tokenizer and chat
 template, ``generation_config.json`` (the run's sampling settings) and ``refiner.json`` (prompt, output format and
 parser version, the index's α and encoders, training step, held-out metrics at that step).
@@ -98,11 +98,39 @@ def load_for_export(ckpt: Path, record: dict, dtype: str):
         model = AutoModelForImageTextToText.from_pretrained(base, dtype=torch_dtype)
         model = PeftModel.from_pretrained(model, str(ckpt)).merge_and_unload()
         processor_source = ckpt if (ckpt / "tokenizer_config.json").exists() else Path(base)
+    elif zero_shards_only(ckpt):
+        model = from_zero_shards(ckpt, torch_dtype)
+        processor_source = ckpt if (ckpt / "tokenizer_config.json").exists() else Path(record["base_model"])
     else:
         model = AutoModelForImageTextToText.from_pretrained(str(ckpt), dtype=torch_dtype)
         processor_source = ckpt if (ckpt / "tokenizer_config.json").exists() else Path(record["base_model"])
     processor = AutoProcessor.from_pretrained(str(processor_source))
     return model, processor
+
+
+def zero_shards_only(ckpt: Path) -> bool:
+    """A DeepSpeed checkpoint whose weights exist only as ZeRO shards (``global_step*/``, named by ``latest``): what the
+    Trainer writes under ZeRO-3 without ``zero3_save_16bit_model`` (a config.json, but no weights beside it)."""
+    weights = list(ckpt.glob("*.safetensors")) + list(ckpt.glob("pytorch_model*.bin"))
+    return not weights and (ckpt / "latest").exists()
+
+
+def from_zero_shards(ckpt: Path, dtype):
+    """The model of a shards-only DeepSpeed checkpoint: its config, and the fp32 weights DeepSpeed's own zero_to_fp32
+    gathers from the shards (CPU memory: the whole model in fp32)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt))
+    model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(str(ckpt)))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {k for k in missing if k.endswith("lm_head.weight")} if getattr(model.config, "tie_word_embeddings", False) \
+        else set()
+    if set(missing) - tied or unexpected:
+        raise ValueError(f"the ZeRO shards in {ckpt} do not fit its config: {len(set(missing) - tied)} weights missing "
+                         f"({sorted(set(missing) - tied)[:3]}), {len(unexpected)} unexpected ({unexpected[:3]})")
+    model.tie_weights()
+    return model.to(dtype)
 
 
 def verify(folder: Path) -> str:

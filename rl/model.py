@@ -53,26 +53,42 @@ def trainable_names(module) -> list[str]:
     return [n for n, p in module.named_parameters() if p.requires_grad]
 
 
-def master_dtype(requested: str | None, use_peft: bool, zero_stage: int | None) -> tuple[str | None, str]:
+ZERO3_DTYPES = {"bf16": "bfloat16", "fp16": "float16", None: "float32"}  # DeepSpeed's zero.Init, by mixed precision
+
+
+def master_dtype(requested: str | None, use_peft: bool, zero_stage: int | None,
+                 mixed_precision: str | None = None) -> tuple[str | None, str]:
     """The dtype to load trainable weights in, and what the run's precision is, in one line.
 
-    ``zero_stage``: DeepSpeed's ZeRO stage (0–3), None without DeepSpeed. Full fine-tuning outside DeepSpeed with
-    16-bit weights cannot move them at the paper's lr 1e-6 (bf16 keeps 8 significant bits: an update 1e-6 × a weight
-    of 0.02 rounds away). So weights load in fp32 (the optimizer's master copy) and the forward runs under bf16
-    autocast (``bf16: true``). DeepSpeed keeps fp32 master weights of what it trains itself. LoRA trains adapters
-    beside the frozen weights: PEFT upcasts them to fp32, except under ZeRO-3, where TRL 1.16 passes
-    ``autocast_adapter_dtype=False`` (mixed-dtype parameters break ZeRO-3's all-gather) and they stay in the
-    requested dtype — DeepSpeed's fp32 master copy is then what the optimizer updates."""
+    ``zero_stage``: DeepSpeed's ZeRO stage (0–3), None without DeepSpeed; ``mixed_precision``: "bf16", "fp16" or None.
+    - Full fine-tuning with 16-bit weights and no fp32 master copy cannot move them at the paper's lr 1e-6 (bf16 keeps
+      8 significant bits: an update 1e-6 × a weight of 0.02 rounds away): weights then load in fp32 and the forward
+      runs under 16-bit autocast. Under DeepSpeed with mixed precision, DeepSpeed keeps the fp32 master copies.
+    - ZeRO-3 (with ``zero3_init_flag``, as our configs set it): DeepSpeed's partitioned init casts every parameter to
+      its own dtype — bf16 / fp16 with that mixed precision, else fp32 — whatever dtype was asked for.
+    - LoRA trains adapters beside the frozen weights: PEFT upcasts them to fp32, except under ZeRO-3, where TRL 1.16
+      passes ``autocast_adapter_dtype=False`` (mixed-dtype parameters break ZeRO-3's all-gather): they take the
+      weights' dtype."""
     ds = f"DeepSpeed ZeRO-{zero_stage}" if zero_stage is not None else None
-    if requested in ("bfloat16", "bf16", "float16", "fp16") and not use_peft and ds is None:
-        return "float32", (f"full fine-tuning outside DeepSpeed: fp32 master weights (dtype {requested} asked for; "
-                           "16-bit weights would not take lr-1e-6 updates), 16-bit compute through autocast")
-    weights = f"weights in {requested or 'auto'}"
+    ds_masters = ds is not None and mixed_precision is not None
+    if zero_stage == 3:
+        dtype = ZERO3_DTYPES[mixed_precision]
+        why = f"ZeRO-3's partitioned init casts every parameter to {dtype}" + (
+            f", not the {requested} asked for" if requested not in (None, "auto", dtype) else "")
+        masters = "; DeepSpeed keeps fp32 master copies (mixed precision)" if ds_masters else ""
+        if use_peft:
+            return dtype, (f"weights in {dtype}, frozen ({why}); LoRA adapters in {dtype} (TRL: "
+                           f"autocast_adapter_dtype=False under ZeRO-3){masters}")
+        return dtype, f"weights in {dtype} ({why}){masters}"
+    if requested in ("bfloat16", "bf16", "float16", "fp16") and not use_peft and not ds_masters:
+        where = "outside DeepSpeed" if ds is None else f"under {ds} without mixed precision"
+        return "float32", (f"full fine-tuning {where}: fp32 master weights (dtype {requested} asked for; 16-bit "
+                           "weights would not take lr-1e-6 updates), 16-bit compute through autocast")
+    name = requested or "auto"
+    masters = f"; {ds} keeps fp32 master copies (mixed precision)" if ds_masters else f"; {ds}" if ds else ""
     if use_peft:
-        adapters = (f"LoRA adapters in {requested or 'auto'} (TRL: autocast_adapter_dtype=False under ZeRO-3)"
-                    if zero_stage == 3 else "LoRA adapters in float32 (PEFT's autocast_adapter_dtype)")
-        return requested, f"{weights}, frozen; {adapters}" + (f"; {ds} keeps fp32 master copies" if ds else "")
-    return requested, f"{weights} ({ds} keeps fp32 master weights)" if ds else f"{weights} (as configured)"
+        return requested, f"weights in {name}, frozen; LoRA adapters in float32 (PEFT's autocast_adapter_dtype){masters}"
+    return requested, f"weights in {name}{masters or ' (as configured)'}"
 
 
 def zero_stage(training_args) -> int | None:

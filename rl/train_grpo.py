@@ -169,6 +169,7 @@ def main(argv=None) -> dict:
     from trl import GRPOConfig, GRPOTrainer, ModelConfig, get_peft_config
 
     from retrieval.cli import parse
+    from retrieval.encoders import parameter_elements
     from retrieval.index import MultimodalIndex
     from retrieval.placement import Processes, configure_threads
     from rewards import FormatReward, RetrievalReward, parse_tiers
@@ -218,7 +219,8 @@ def main(argv=None) -> dict:
     threads = configure_threads()  # torch intra-op and FAISS threads: this node's cores ÷ its processes
     budget = check_budget(args.min_pixels, args.max_pixels)
     stage = zero_stage(training_args)
-    load_dtype, precision = master_dtype(model_args.dtype, model_args.use_peft, stage)
+    mixed = "bf16" if training_args.bf16 else "fp16" if training_args.fp16 else None
+    load_dtype, precision = master_dtype(model_args.dtype, model_args.use_peft, stage, mixed)
     kind = f"DeepSpeed ZeRO-{stage} over {state.backend}" if stage is not None else state.distributed_type
     print(f"rank {state.process_index}/{state.num_processes} on {state.device} ({kind}, "
           f"{threads} CPU threads); {precision}; mixed precision: "
@@ -256,11 +258,12 @@ def main(argv=None) -> dict:
         say(f"vision tower frozen ({frozen:,} parameters)")
     # one replica of the index per process: exact ranks on this rank's device, FAISS top-k (tables) memory-mapped
     index = MultimodalIndex.load(args.index, device=str(state.device), search_device="cpu")
-    index.image_encoder, index.text_encoder  # noqa: B018  load now, on this device, outside ZeRO-3 init
+    # the encoders load now, on this device, outside ZeRO-3 init: whole on every process
+    whole = parameter_elements(index.image_encoder) + parameter_elements(index.text_encoder)
     if index.uses_exact_ranks:
         index.exact  # noqa: B018
-    print(f"rank {state.process_index}: index: {len(index):,} rows, encoders and exact ranks on {index.device} "
-          f"(exact: {index.uses_exact_ranks}), FAISS top-k on {index.search_device}")
+    print(f"rank {state.process_index}: index: {len(index):,} rows, encoders ({whole:,} parameter elements here) "
+          f"and exact ranks on {index.device} (exact: {index.uses_exact_ranks}), FAISS top-k on {index.search_device}")
     bad_images_dir = output_dir if state.is_main_process else None
     train_data = question_dataset(args.train_file, args.images_root, args.prompt, bad_images_dir=bad_images_dir)
     eval_data = question_dataset(args.eval_file, args.images_root, args.prompt, args.eval_limit,

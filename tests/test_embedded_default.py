@@ -138,18 +138,6 @@ def test_other_processes_draw_no_bar_and_print_nothing(capsys):
 # --------------------------------------------------------------------------- two processes, seeded
 
 
-@pytest.fixture(scope="module")
-def default_world(tmp_path_factory):
-    """The embedded default's kind of world (the default's generator, MiniLM text, α 0.3), smaller: 48 entities with
-    4 train and 2 test images each instead of 180 with 20 and 2, so the three runs below take seconds, not minutes
-    (what they check is the seed, not the world's size; test_toyworld.py checks the full default world)."""
-    from retrieval.toyworld import ToyWorldArgs, build
-
-    out = tmp_path_factory.mktemp("default") / "toyworld"
-    build(ToyWorldArgs(out=str(out), alpha=0.3, entities=48, train_images=4), log=lambda *a: None)
-    return out
-
-
 def run_default(world: Path, out: Path, seed: int, *extra: str) -> str:
     """The embedded default (shortened) as two CPU processes, the way `make demo` launches it."""
     proc = two_processes([str(ROOT / "rl" / "train_grpo.py"), "--toy_world", str(world), "--index", str(world / "index"),
@@ -162,11 +150,11 @@ def run_default(world: Path, out: Path, seed: int, *extra: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def seeded_runs(default_world, tmp_path_factory):
+def seeded_runs(small_default_world, tmp_path_factory):
     """Seed 0 twice (same learning table?) and seed 1 (another base and warm start; its table is not needed)."""
     tmp = tmp_path_factory.mktemp("seeded")
     runs = {name: tmp / name for name in ("seed0", "seed0-again", "seed1")}
-    output = {name: run_default(default_world, out, 1 if name == "seed1" else 0,
+    output = {name: run_default(small_default_world, out, 1 if name == "seed1" else 0,
                                 *(["--learning_table", "false"] if name == "seed1" else []))
               for name, out in runs.items()}
     return runs, output
@@ -177,14 +165,14 @@ def learning(run: Path) -> dict:
     return {f"{name}/{k}": v for name in ("original", "warm_start", "grpo") for k, v in table[name].items()}
 
 
-def test_two_processes_share_the_warm_start_and_grpo(seeded_runs, default_world):
+def test_two_processes_share_the_warm_start_and_grpo(seeded_runs, small_default_world):
     runs, output = seeded_runs
     text = output["seed0"]
     assert "rank 0/2 on cpu:0 (DistributedType.MULTI_CPU, 1 CPU threads)" in text and "rank 1/2" in text
     assert "= 32 completions per optimizer step (2 processes × 16 × 1 accumulation)" in text
     assert text.count("no --config given") == 1 and text.count("batch geometry") == 1  # said once, not per rank
     assert "already generated" in text  # the 48-entity world given with --toy_world is used as it is
-    assert json.loads((default_world / "world.json").read_text())["entities"] == 48
+    assert json.loads((small_default_world / "world.json").read_text())["entities"] == 48
     warm = json.loads((runs["seed0"] / "warm_start" / "warm_start.json").read_text())
     assert warm["processes"] == 2 and warm["settings"]["batch_size"] == 16 and warm["settings"]["steps"] == 24
     assert warm["settings"]["base"].endswith("tiny-base-seed0")

@@ -23,13 +23,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def two_processes(argv: list[str], cwd: Path, timeout: int = 600, **env: str) -> subprocess.CompletedProcess:
+def two_processes(argv: list[str], cwd: Path, timeout: int = 600, accelerate_config: Path | None = None,
+                  **env: str) -> subprocess.CompletedProcess:
     """``torchrun --nproc_per_node 2 <argv>`` from ``cwd``: two CPU processes over gloo, one thread each, offline, W&B
-    disabled (``env`` adds or overrides variables). The way to test anything distributed on this machine."""
+    disabled (``env`` adds or overrides variables). The way to test anything distributed on this machine. With
+    ``accelerate_config`` (a two-process config such as configs/accelerate/zero3-cpu2.yaml): ``accelerate launch
+    --config_file …`` instead, as a user runs it."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
            "WANDB_MODE": "disabled", **env}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(free_port()), *argv]
+    if accelerate_config is None:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(free_port()), *argv]
+    else:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(accelerate_config),
+               "--main_process_port", str(free_port()), *argv]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
 
 
@@ -103,3 +110,13 @@ def test_logged_metrics_are_exact_over_both_ranks(two_process_run):
         else:
             assert "retrieval/mean_hit_rank" not in logged[step]
     assert one_rank_without_hits >= 1
+
+
+def test_a_barrier_nobody_reaches_is_an_error_naming_the_step(tmp_path):
+    """A process that never arrives: the other one's barrier fails after the group's timeout (3 s here) with an
+    error naming what it waited for, instead of a wait without end."""
+    proc = two_processes([str(ROOT / "tests" / "scripts" / "late_process.py"), "3", str(tmp_path / "done")],
+                         cwd=tmp_path, timeout=120)
+    assert proc.returncode != 0
+    assert "TimeoutError: process 0/2: the other processes did not arrive at the barrier after process 0 wrote the " \
+           "shards within the collective timeout" in proc.stdout

@@ -95,20 +95,30 @@ def test_held_out_eval_selects_the_best_checkpoint(config, tiny_world, tmp_path)
     assert state["best_model_checkpoint"].endswith(("checkpoint-1", "checkpoint-2"))
 
 
-@pytest.mark.parametrize("requested,peft,stage,loaded,said", [
-    ("bfloat16", False, None, "float32", "fp32 master weights"), ("float16", False, None, "float32", "autocast"),
-    ("bfloat16", True, None, "bfloat16", "LoRA adapters in float32"),
-    ("bfloat16", True, 3, "bfloat16", "LoRA adapters in bfloat16 (TRL: autocast_adapter_dtype=False under ZeRO-3)"),
-    ("bfloat16", True, 2, "bfloat16", "LoRA adapters in float32 (PEFT's autocast_adapter_dtype); DeepSpeed ZeRO-2"),
-    ("bfloat16", False, 3, "bfloat16", "weights in bfloat16 (DeepSpeed ZeRO-3 keeps fp32 master weights)"),
-    ("float32", False, 2, "float32", "weights in float32 (DeepSpeed ZeRO-2"),
-    ("float32", False, None, "float32", "as configured"), (None, False, None, None, "weights in auto"),
+@pytest.mark.parametrize("requested,peft,stage,mixed,loaded,said", [
+    ("bfloat16", False, None, "bf16", "float32", "full fine-tuning outside DeepSpeed: fp32 master weights"),
+    ("float16", False, None, "fp16", "float32", "autocast"),
+    ("bfloat16", True, None, "bf16", "bfloat16", "frozen; LoRA adapters in float32 (PEFT's autocast_adapter_dtype)"),
+    ("bfloat16", True, 3, "bf16", "bfloat16", "LoRA adapters in bfloat16 (TRL: autocast_adapter_dtype=False under "
+                                              "ZeRO-3); DeepSpeed keeps fp32 master copies (mixed precision)"),
+    # no mixed precision: zero.Init makes every parameter fp32 whatever was asked (the CPU configs; tested for real
+    # in test_deepspeed.py)
+    ("bfloat16", True, 3, None, "float32", "weights in float32, frozen (ZeRO-3's partitioned init casts every "
+                                           "parameter to float32, not the bfloat16 asked for); LoRA adapters in "
+                                           "float32 (TRL"),
+    ("bfloat16", True, 2, "bf16", "bfloat16", "LoRA adapters in float32 (PEFT's autocast_adapter_dtype); DeepSpeed "
+                                              "ZeRO-2 keeps fp32 master copies"),
+    ("bfloat16", False, 3, "bf16", "bfloat16", "weights in bfloat16 (ZeRO-3's partitioned init casts every parameter "
+                                               "to bfloat16); DeepSpeed keeps fp32 master copies"),
+    ("bfloat16", False, 2, None, "float32", "under DeepSpeed ZeRO-2 without mixed precision: fp32 master weights"),
+    ("float32", False, 2, None, "float32", "weights in float32; DeepSpeed ZeRO-2"),
+    ("float32", False, None, None, "float32", "as configured"), (None, False, None, None, None, "weights in auto"),
 ])
-def test_master_weights_dtype(requested, peft, stage, loaded, said):
+def test_master_weights_dtype(requested, peft, stage, mixed, loaded, said):
     from rl.model import master_dtype
 
-    dtype, why = master_dtype(requested, peft, stage)
-    assert dtype == loaded and said in why
+    dtype, why = master_dtype(requested, peft, stage, mixed)
+    assert dtype == loaded and said in why, why
 
 
 def changed_share(before, after):

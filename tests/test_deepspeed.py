@@ -1,0 +1,228 @@
+"""DeepSpeed ZeRO-2 and ZeRO-3, run for real: two CPU processes over gloo (DeepSpeed's CPU accelerator), launched as a
+user launches them (`accelerate launch --config_file configs/accelerate/zero{2,3}-cpu2.yaml …`).
+
+- The embedded default under ZeRO-3 finishes with its learning table: process 0 builds the tiny base model outside
+  ZeRO-3's partitioned init (inside it, every new parameter is a broadcast the other process never joins: it hung),
+  the warm start is one SFT job over both processes, the table is computed by process 0 alone from saved weights.
+- GRPO from a warm-started tiny refiner under ZeRO-3 and ZeRO-2: ``final/`` reloads to the engine's own gathered fp32
+  weights (DeepSpeed's zero_to_fp32 on the last checkpoint), the vision tower is bit-identical to the start, the text
+  model moved, and the reward's encoders are whole on every process.
+- Resuming from the step-2 ZeRO-3 checkpoint gives the uninterrupted run's step-3 and step-4 losses and weights.
+- LoRA under ZeRO-3 saves an adapter that ``rl.export`` merges; ``rl.export`` also exports a ZeRO checkpoint folder.
+- gate/train_sft.py under ZeRO-3 writes a merged ``final/`` and its held-out evaluation.
+- A collective that waits past ``ddp_timeout`` is an error naming the step, not a wait without end.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from tests.test_multiprocess import two_processes
+
+pytest.importorskip("deepspeed")
+ROOT = Path(__file__).resolve().parent.parent
+ZERO = {stage: ROOT / "configs" / "accelerate" / f"zero{stage}-cpu2.yaml" for stage in (2, 3)}
+TIMEOUT = ["--ddp_timeout", "120"]  # a hang fails the test in two minutes, naming where
+
+
+def launch(stage: int, argv: list[str], cwd: Path) -> str:
+    proc = two_processes(argv, cwd=cwd, accelerate_config=ZERO[stage], timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-5000:]
+    return out
+
+
+def grpo_config(folder: Path, world: Path, index: Path, model: Path, **overrides) -> list[str]:
+    cfg = dict(index=str(index), train_file=str(world / "train.jsonl"), alpha=0.5, prompt="toy", depth=8,
+               model_name_or_path=str(model), output_dir=str(folder / "run"), use_cpu=True, bf16=False,
+               activation_checkpointing=False, seed=0, num_generations=4, per_device_train_batch_size=4,
+               gradient_accumulation_steps=1, max_steps=4, learning_rate=1e-4, lr_scheduler_type="constant",
+               temperature=1.0, max_completion_length=40, logging_steps=1, save_strategy="steps", save_steps=2,
+               report_to="none", log_table_steps=0, dataloader_num_workers=0, disable_tqdm=True,
+               min_pixels=112 * 112, max_pixels=112 * 112, ddp_timeout=120)
+    cfg.update(overrides)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    return [str(ROOT / "rl" / "train_grpo.py"), "--config", str(folder / "cfg.yaml")]
+
+
+def safetensors(folder: Path) -> dict:
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def reloaded(folder: Path) -> dict:
+    """The weights ``from_pretrained`` gives for a folder, by the model's own parameter names."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(str(folder), dtype=torch.float32)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def engine_weights(checkpoint: Path) -> dict:
+    """The DeepSpeed engine's fp32 weights at a checkpoint, gathered from its ZeRO shards by DeepSpeed itself."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint))
+
+
+def is_vision(name: str) -> bool:
+    return ".visual." in name or name.startswith("visual.")
+
+
+def encoder_elements(output: str) -> dict[int, int]:
+    """``rank R: index: … encoders (N parameter elements here)`` → {R: N}."""
+    import re
+
+    return {int(r): int(n.replace(",", "")) for r, n in
+            re.findall(r"rank (\d+): index: [\d,]+ rows, encoders \(([\d,]+) parameter elements here\)", output)}
+
+
+# --------------------------------------------------------------------------- the embedded default under ZeRO-3
+
+
+def test_the_embedded_default_under_zero3_prints_its_learning_table(small_default_world, tmp_path):
+    world = small_default_world
+    out = launch(3, [str(ROOT / "rl" / "train_grpo.py"), "--toy_world", str(world), "--index", str(world / "index"),
+                     "--train_file", str(world / "train.jsonl"), "--eval_file", str(world / "val.jsonl"),
+                     "--output_dir", str(tmp_path / "demo"), "--warm_start_steps", "4", "--max_steps", "1",
+                     "--eval_strategy", "no", "--save_strategy", "no", "--report_to", "none", "--log_table_steps",
+                     "0", *TIMEOUT], tmp_path)
+    assert "rank 0/2 on cpu:0 (DeepSpeed ZeRO-3 over gloo, 1 CPU threads); weights in float32 (ZeRO-3's " \
+           "partitioned init casts every parameter to float32)" in out and "rank 1/2" in out
+    assert (tmp_path / "demo" / "tiny-base-seed0" / "config.json").exists()  # built in this run, by process 0
+    warm = json.loads((tmp_path / "demo" / "warm_start" / "warm_start.json").read_text())
+    assert warm["processes"] == 2
+    table = json.loads((tmp_path / "demo" / "learning.json").read_text())
+    assert {"original", "warm_start", "grpo"} <= set(table) and table["test_questions"] == 96
+    assert "| grpo |" in out
+    whole = encoder_elements(out)
+    assert set(whole) == {0, 1} and whole[0] == whole[1] > 0
+
+
+# --------------------------------------------------------------------------- GRPO under ZeRO-3 and ZeRO-2
+
+
+@pytest.fixture(scope="module")
+def zero3_run(tiny_world, tiny_index_dir, tiny_refiner, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("zero3")
+    output = launch(3, grpo_config(tmp, tiny_world, tiny_index_dir, tiny_refiner), tmp)
+    return tmp / "run", output
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_grpo_under_zero_saves_the_engines_weights(stage, zero3_run, tiny_world, tiny_index_dir, tiny_refiner,
+                                                   encoders, tmp_path):
+    if stage == 3:
+        run, output = zero3_run
+    else:
+        run = tmp_path / "run"
+        output = launch(2, grpo_config(tmp_path, tiny_world, tiny_index_dir, tiny_refiner, max_steps=2), tmp_path)
+    steps = 4 if stage == 3 else 2
+    assert f"(DeepSpeed ZeRO-{stage} over gloo" in output
+    assert (run / f"checkpoint-{steps}" / f"global_step{steps}").is_dir()  # DeepSpeed's own shards
+    final, engine = reloaded(run / "final"), engine_weights(run / f"checkpoint-{steps}")
+    trained = [k for k in final if not is_vision(k)]
+    assert engine.keys() <= final.keys() and set(trained) <= engine.keys()
+    for k in engine:  # final/ is what the engine holds (fp32 on the CPU: equal to the last bit)
+        assert torch.equal(final[k], engine[k].float()), k
+    start = reloaded(tiny_refiner)
+    vision = [k for k in start if is_vision(k)]
+    assert vision and all(torch.equal(start[k], final[k]) for k in vision)  # frozen: bit-identical
+    assert any(not torch.equal(start[k], final[k]) for k in trained)  # the text model moved
+    whole = encoder_elements(output)
+    expected = sum(p.numel() for e in encoders for p in e.model.parameters())
+    assert whole == {0: expected, 1: expected}  # the reward's encoders are whole on both processes
+
+
+def test_resuming_a_zero3_checkpoint_continues_the_run(zero3_run, tiny_world, tiny_index_dir, tiny_refiner,
+                                                       tmp_path):
+    run, _ = zero3_run
+    launch(3, grpo_config(tmp_path, tiny_world, tiny_index_dir, tiny_refiner,
+                          resume_from_checkpoint=str(run / "checkpoint-2")), tmp_path)
+
+    def losses(folder):
+        state = json.loads((folder / "checkpoint-4" / "trainer_state.json").read_text())
+        return {h["step"]: h["loss"] for h in state["log_history"] if "loss" in h}
+
+    full, resumed = losses(run), losses(tmp_path / "run")
+    assert full[3] == pytest.approx(resumed[3], abs=1e-5) and full[4] == pytest.approx(resumed[4], abs=1e-5)
+    a, b = engine_weights(run / "checkpoint-4"), engine_weights(tmp_path / "run" / "checkpoint-4")
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-4)
+
+
+def test_export_gathers_a_checkpoint_that_holds_only_zero_shards(zero3_run, tmp_path):
+    """Without zero3_save_16bit_model the Trainer writes a ZeRO-3 checkpoint with a config but no weights beside it:
+    rl.export gathers them from the shards (DeepSpeed's zero_to_fp32) instead of loading a randomly initialised
+    model; the result is the final model's."""
+    import shutil
+
+    from rl.export import ExportArgs, export
+
+    run, _ = zero3_run
+    shards_only = run.parent / "shards-only" / "checkpoint-4"
+    shutil.copytree(run / "checkpoint-4", shards_only)
+    shutil.copy(run / "refine_rl_run.json", shards_only.parent)  # the run's record, beside its checkpoints
+    for f in shards_only.glob("*.safetensors"):
+        f.unlink()
+    export(ExportArgs(checkpoint=str(shards_only), out=str(tmp_path / "exported"), dtype="fp32"), log=lambda *a: None)
+    exported, final = reloaded(tmp_path / "exported"), reloaded(run / "final")
+    assert exported.keys() == final.keys()
+    for k in final:
+        assert torch.equal(exported[k], final[k]), k
+
+
+# --------------------------------------------------------------------------- LoRA under ZeRO-3, and export
+
+
+def test_lora_under_zero3_exports_merged_from_final_and_from_a_checkpoint(tiny_world, tiny_index_dir, tiny_refiner,
+                                                                          tmp_path):
+    from rl.export import ExportArgs, export
+
+    output = launch(3, grpo_config(tmp_path, tiny_world, tiny_index_dir, tiny_refiner, max_steps=2, dtype="bfloat16",
+                                   use_peft=True, lora_r=4, lora_alpha=8, lora_target_modules=["q_proj", "v_proj"],
+                                   learning_rate=1e-2), tmp_path)
+    # no mixed precision on the CPU: zero.Init made every parameter fp32 though bfloat16 was asked, and TRL left the
+    # adapters in the weights' dtype (on GPUs with bf16 mixed precision, both are bf16)
+    assert "weights in float32, frozen (ZeRO-3's partitioned init casts every parameter to float32, not the " \
+           "bfloat16 asked for); LoRA adapters in float32 (TRL: autocast_adapter_dtype=False under ZeRO-3)" in output
+    run = tmp_path / "run"
+    adapter = load_file(str(run / "final" / "adapter_model.safetensors"))
+    assert adapter and all("lora_" in k for k in adapter) and all(v.numel() > 0 for v in adapter.values())
+    assert {v.dtype for v in adapter.values()} == {torch.float32}  # as the line says
+    assert any(v.abs().sum() > 0 for k, v in adapter.items() if "lora_B" in k)  # B starts at zero: it moved
+    start = reloaded(tiny_refiner)
+    for source, name in ((run / "final", "from-final"), (run / "checkpoint-2", "from-checkpoint")):
+        export(ExportArgs(checkpoint=str(source), out=str(tmp_path / name), dtype="fp32"), log=lambda *a: None)
+        merged = reloaded(tmp_path / name)
+        assert merged.keys() == start.keys()
+        moved = [k for k in start if not torch.equal(start[k], merged[k])]
+        assert moved and all(("q_proj" in k or "v_proj" in k) and not is_vision(k) for k in moved)
+    torch.testing.assert_close(reloaded(tmp_path / "from-final"), reloaded(tmp_path / "from-checkpoint"))
+
+
+# --------------------------------------------------------------------------- gate SFT under ZeRO-3
+
+
+def test_gate_sft_under_zero3(tiny_world, tiny_gate_vlm, tmp_path):
+    from gate.render import render_rows
+    from tests.test_gate_sft import gate_records, sft_config
+
+    rows = render_rows("hkb", gate_records(tiny_world))
+    argv = sft_config(tmp_path, tiny_gate_vlm, "hkb", rows, per_device_train_batch_size=2, ddp_timeout=120)
+    launch(3, [str(ROOT / "gate" / "train_sft.py"), *argv], tmp_path)
+    base, tuned = safetensors(tiny_gate_vlm), safetensors(tmp_path / "hkb" / "final")
+    assert base.keys() == tuned.keys()
+    changed = {k for k in base if not torch.equal(base[k], tuned[k])}
+    assert changed and not any("visual" in k for k in changed)
+    assert all(any(p in k for p in ("q_proj", "k_proj", "v_proj")) for k in changed)
+    assert json.loads((tmp_path / "hkb" / "gate_eval.json").read_text())["n"] == len(rows)
+    assert not (tmp_path / "hkb" / "trained").exists()
