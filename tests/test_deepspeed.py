@@ -1,16 +1,15 @@
 """DeepSpeed ZeRO-2 and ZeRO-3, run for real: two CPU processes over gloo (DeepSpeed's CPU accelerator), launched as a
 user launches them (`accelerate launch --config_file configs/accelerate/zero{2,3}-cpu2.yaml …`).
 
-- The embedded default under ZeRO-3 finishes with its learning table: process 0 builds the tiny base model outside
-  ZeRO-3's partitioned init (inside it, every new parameter is a broadcast the other process never joins: it hung),
-  the warm start is one SFT job over both processes, the table is computed by process 0 alone from saved weights.
-- GRPO from a warm-started tiny refiner under ZeRO-3 and ZeRO-2: ``final/`` reloads to the engine's own gathered fp32
-  weights (DeepSpeed's zero_to_fp32 on the last checkpoint), the vision tower is bit-identical to the start, the text
-  model moved, and the reward's encoders are whole on every process.
+- The embedded default under ZeRO-3: tests/test_embedded_default.py (seed 1's run).
+- GRPO from a warm-started tiny refiner under ZeRO-3 (ZeRO-2: tests/test_multiprocess.py): ``final/`` reloads to
+  the engine's own gathered fp32 weights (DeepSpeed's zero_to_fp32 on the last checkpoint), the vision tower is
+  bit-identical to the start, the text model moved, and the reward's encoders are whole on every process.
 - Resuming from the step-2 ZeRO-3 checkpoint gives the uninterrupted run's step-3 and step-4 losses and weights.
-- LoRA under ZeRO-3 saves an adapter that ``rl.export`` merges; ``rl.export`` also exports a ZeRO checkpoint folder.
+- LoRA under ZeRO-3 saves an adapter that ``rl.export`` merges from a ZeRO checkpoint folder; ``rl.export`` gathers
+  a checkpoint that holds only ZeRO shards.
 - gate/train_sft.py under ZeRO-3 writes a merged ``final/`` and its held-out evaluation.
-- A collective that waits past ``ddp_timeout`` is an error naming the step, not a wait without end.
+- A barrier nobody reaches: tests/test_multiprocess.py.
 """
 
 import json
@@ -21,12 +20,18 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from tests.test_multiprocess import two_processes
+from tests.test_multiprocess import (
+    ZERO,
+    check_saved_engine_weights,
+    engine_weights,
+    is_vision,
+    reloaded,
+    safetensors,
+    two_processes,
+)
 
 pytest.importorskip("deepspeed")
 ROOT = Path(__file__).resolve().parent.parent
-ZERO = {stage: ROOT / "configs" / "accelerate" / f"zero{stage}-cpu2.yaml" for stage in (2, 3)}
-TIMEOUT = ["--ddp_timeout", "120"]  # a hang fails the test in two minutes, naming where
 
 
 def launch(stage: int, argv: list[str], cwd: Path) -> str:
@@ -50,62 +55,6 @@ def grpo_config(folder: Path, world: Path, index: Path, model: Path, **overrides
     return [str(ROOT / "rl" / "train_grpo.py"), "--config", str(folder / "cfg.yaml")]
 
 
-def safetensors(folder: Path) -> dict:
-    out = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
-
-
-def reloaded(folder: Path) -> dict:
-    """The weights ``from_pretrained`` gives for a folder, by the model's own parameter names."""
-    from transformers import AutoModelForImageTextToText
-
-    model = AutoModelForImageTextToText.from_pretrained(str(folder), dtype=torch.float32)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def engine_weights(checkpoint: Path) -> dict:
-    """The DeepSpeed engine's fp32 weights at a checkpoint, gathered from its ZeRO shards by DeepSpeed itself."""
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint))
-
-
-def is_vision(name: str) -> bool:
-    return ".visual." in name or name.startswith("visual.")
-
-
-def encoder_elements(output: str) -> dict[int, int]:
-    """``rank R: index: … encoders (N parameter elements here)`` → {R: N}."""
-    import re
-
-    return {int(r): int(n.replace(",", "")) for r, n in
-            re.findall(r"rank (\d+): index: [\d,]+ rows, encoders \(([\d,]+) parameter elements here\)", output)}
-
-
-# --------------------------------------------------------------------------- the embedded default under ZeRO-3
-
-
-def test_the_embedded_default_under_zero3_prints_its_learning_table(small_default_world, tmp_path):
-    world = small_default_world
-    out = launch(3, [str(ROOT / "rl" / "train_grpo.py"), "--toy_world", str(world), "--index", str(world / "index"),
-                     "--train_file", str(world / "train.jsonl"), "--eval_file", str(world / "val.jsonl"),
-                     "--output_dir", str(tmp_path / "demo"), "--warm_start_steps", "4", "--max_steps", "1",
-                     "--eval_strategy", "no", "--save_strategy", "no", "--report_to", "none", "--log_table_steps",
-                     "0", *TIMEOUT], tmp_path)
-    assert "rank 0/2 on cpu:0 (DeepSpeed ZeRO-3 over gloo, 1 CPU threads); weights in float32 (ZeRO-3's " \
-           "partitioned init casts every parameter to float32)" in out and "rank 1/2" in out
-    assert (tmp_path / "demo" / "tiny-base-seed0" / "config.json").exists()  # built in this run, by process 0
-    warm = json.loads((tmp_path / "demo" / "warm_start" / "warm_start.json").read_text())
-    assert warm["processes"] == 2
-    table = json.loads((tmp_path / "demo" / "learning.json").read_text())
-    assert {"original", "warm_start", "grpo"} <= set(table) and table["test_questions"] == 96
-    assert "| grpo |" in out
-    whole = encoder_elements(out)
-    assert set(whole) == {0, 1} and whole[0] == whole[1] > 0
-
-
 # --------------------------------------------------------------------------- GRPO under ZeRO-3 and ZeRO-2
 
 
@@ -116,29 +65,9 @@ def zero3_run(tiny_world, tiny_index_dir, tiny_refiner, tmp_path_factory):
     return tmp / "run", output
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_grpo_under_zero_saves_the_engines_weights(stage, zero3_run, tiny_world, tiny_index_dir, tiny_refiner,
-                                                   encoders, tmp_path):
-    if stage == 3:
-        run, output = zero3_run
-    else:
-        run = tmp_path / "run"
-        output = launch(2, grpo_config(tmp_path, tiny_world, tiny_index_dir, tiny_refiner, max_steps=2), tmp_path)
-    steps = 4 if stage == 3 else 2
-    assert f"(DeepSpeed ZeRO-{stage} over gloo" in output
-    assert (run / f"checkpoint-{steps}" / f"global_step{steps}").is_dir()  # DeepSpeed's own shards
-    final, engine = reloaded(run / "final"), engine_weights(run / f"checkpoint-{steps}")
-    trained = [k for k in final if not is_vision(k)]
-    assert engine.keys() <= final.keys() and set(trained) <= engine.keys()
-    for k in engine:  # final/ is what the engine holds (fp32 on the CPU: equal to the last bit)
-        assert torch.equal(final[k], engine[k].float()), k
-    start = reloaded(tiny_refiner)
-    vision = [k for k in start if is_vision(k)]
-    assert vision and all(torch.equal(start[k], final[k]) for k in vision)  # frozen: bit-identical
-    assert any(not torch.equal(start[k], final[k]) for k in trained)  # the text model moved
-    whole = encoder_elements(output)
-    expected = sum(p.numel() for e in encoders for p in e.model.parameters())
-    assert whole == {0: expected, 1: expected}  # the reward's encoders are whole on both processes
+def test_grpo_under_zero3_saves_the_engines_weights(zero3_run, tiny_refiner, encoders):
+    run, output = zero3_run
+    check_saved_engine_weights(run, 4, 3, output, tiny_refiner, encoders)  # ZeRO-2: tests/test_multiprocess.py
 
 
 def test_resuming_a_zero3_checkpoint_continues_the_run(zero3_run, tiny_world, tiny_index_dir, tiny_refiner,
@@ -199,14 +128,21 @@ def test_lora_under_zero3_exports_merged_from_final_and_from_a_checkpoint(tiny_w
     assert adapter and all("lora_" in k for k in adapter) and all(v.numel() > 0 for v in adapter.values())
     assert {v.dtype for v in adapter.values()} == {torch.float32}  # as the line says
     assert any(v.abs().sum() > 0 for k, v in adapter.items() if "lora_B" in k)  # B starts at zero: it moved
+    # rl.export from the step-2 ZeRO checkpoint folder (the adapter, merged) gives the final adapter merged here
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    export(ExportArgs(checkpoint=str(run / "checkpoint-2"), out=str(tmp_path / "exported"), dtype="fp32"),
+           log=lambda *a: None)
+    merged = reloaded(tmp_path / "exported")
+    base = AutoModelForImageTextToText.from_pretrained(str(tiny_refiner), dtype=torch.float32)
+    here = PeftModel.from_pretrained(base, str(run / "final")).merge_and_unload().state_dict()
     start = reloaded(tiny_refiner)
-    for source, name in ((run / "final", "from-final"), (run / "checkpoint-2", "from-checkpoint")):
-        export(ExportArgs(checkpoint=str(source), out=str(tmp_path / name), dtype="fp32"), log=lambda *a: None)
-        merged = reloaded(tmp_path / name)
-        assert merged.keys() == start.keys()
-        moved = [k for k in start if not torch.equal(start[k], merged[k])]
-        assert moved and all(("q_proj" in k or "v_proj" in k) and not is_vision(k) for k in moved)
-    torch.testing.assert_close(reloaded(tmp_path / "from-final"), reloaded(tmp_path / "from-checkpoint"))
+    assert merged.keys() == start.keys() == here.keys()
+    moved = [k for k in start if not torch.equal(start[k], merged[k])]
+    assert moved and all(("q_proj" in k or "v_proj" in k) and not is_vision(k) for k in moved)
+    for k in merged:
+        torch.testing.assert_close(merged[k], here[k], msg=k)
 
 
 # --------------------------------------------------------------------------- gate SFT under ZeRO-3

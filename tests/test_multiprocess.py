@@ -1,6 +1,8 @@
-"""rl/train_grpo.py as two CPU processes over gloo (torchrun; `accelerate launch --cpu` would start only one):
-it finishes, each rank scores only its own completions, the logged retrieval metrics are the exact means over both
-ranks' completions (also on steps where one rank has no hit at all), eval and checkpoints run, one final model."""
+"""rl/train_grpo.py as two CPU processes over gloo, data parallel under DeepSpeed ZeRO-2 as on 8 GPUs
+(configs/accelerate/zero2-cpu2.yaml; plain DDP through torchrun is what tests/test_embedded_default.py runs): it
+finishes, each rank scores only its own completions, the logged retrieval metrics are the exact means over both
+ranks' completions (also on steps where one rank has no hit at all), eval and checkpoints run, one final model, which
+is the engine's own weights. Plus the helpers every multi-process test uses, and a barrier nobody reaches."""
 
 import json
 import os
@@ -12,9 +14,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import yaml
+from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parent.parent
+ZERO = {stage: ROOT / "configs" / "accelerate" / f"zero{stage}-cpu2.yaml" for stage in (2, 3)}
 
 
 def free_port() -> int:
@@ -55,11 +60,65 @@ def two_process_run(tiny_world, tiny_index_dir, tiny_refiner, tmp_path_factory):
                per_device_eval_batch_size=4, gradient_accumulation_steps=1, max_steps=6, learning_rate=1e-3,
                temperature=1.0, max_completion_length=40, logging_steps=1, eval_strategy="steps", eval_steps=3,
                save_strategy="steps", save_steps=3, report_to="none", log_table_steps=0, completions_log=True,
-               dataloader_num_workers=0, disable_tqdm=True, min_pixels=112 * 112, max_pixels=112 * 112)
+               dataloader_num_workers=0, disable_tqdm=True, min_pixels=112 * 112, max_pixels=112 * 112,
+               ddp_timeout=120)
     (tmp / "cfg.yaml").write_text(yaml.safe_dump(cfg))
-    proc = two_processes([str(ROOT / "rl" / "train_grpo.py"), "--config", str(tmp / "cfg.yaml")], cwd=tmp)
+    proc = two_processes([str(ROOT / "rl" / "train_grpo.py"), "--config", str(tmp / "cfg.yaml")], cwd=tmp,
+                         accelerate_config=ZERO[2])
     assert proc.returncode == 0, proc.stderr[-4000:]
     return tmp / "run", proc.stdout + proc.stderr
+
+
+def safetensors(folder: Path) -> dict:
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def reloaded(folder: Path) -> dict:
+    """The weights ``from_pretrained`` gives for a folder, by the model's own parameter names."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(str(folder), dtype=torch.float32)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def engine_weights(checkpoint: Path) -> dict:
+    """The DeepSpeed engine's fp32 weights at a checkpoint, gathered from its ZeRO shards by DeepSpeed itself."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint))
+
+
+def is_vision(name: str) -> bool:
+    return ".visual." in name or name.startswith("visual.")
+
+
+def encoder_elements(output: str) -> dict[int, int]:
+    """``rank R: index: … encoders (N parameter elements here)`` → {R: N}."""
+    import re
+
+    return {int(r): int(n.replace(",", "")) for r, n in
+            re.findall(r"rank (\d+): index: [\d,]+ rows, encoders \(([\d,]+) parameter elements here\)", output)}
+
+
+def check_saved_engine_weights(run: Path, steps: int, stage: int, output: str, start_model: Path, encoders) -> None:
+    """``final/`` is what the DeepSpeed engine holds at the last checkpoint (fp32 on the CPU: to the last bit), the
+    vision tower is bit-identical to the start, the text model moved, the encoders are whole on both processes."""
+    assert f"(DeepSpeed ZeRO-{stage} over gloo" in output
+    assert (run / f"checkpoint-{steps}" / f"global_step{steps}").is_dir()  # DeepSpeed's own shards
+    final, engine = reloaded(run / "final"), engine_weights(run / f"checkpoint-{steps}")
+    trained = [k for k in final if not is_vision(k)]
+    assert engine.keys() <= final.keys() and set(trained) <= engine.keys()
+    for k in engine:
+        assert torch.equal(final[k], engine[k].float()), k
+    start = reloaded(start_model)
+    vision = [k for k in start if is_vision(k)]
+    assert vision and all(torch.equal(start[k], final[k]) for k in vision)  # frozen: bit-identical
+    assert any(not torch.equal(start[k], final[k]) for k in trained)  # the text model moved
+    expected = sum(p.numel() for e in encoders for p in e.model.parameters())
+    assert encoder_elements(output) == {0: expected, 1: expected}  # the reward's encoders, whole on both
 
 
 def completions(run, rank):
@@ -68,13 +127,18 @@ def completions(run, rank):
 
 def test_both_processes_train_as_one_job(two_process_run):
     run, output = two_process_run
-    assert "rank 0/2 on cpu:0 (DistributedType.MULTI_CPU, 1 CPU threads)" in output and "rank 1/2 on cpu" in output
+    assert "rank 0/2 on cpu:0 (DeepSpeed ZeRO-2 over gloo, 1 CPU threads)" in output and "rank 1/2 on cpu" in output
     assert "4 prompts × 4 generations = 16 completions" not in output
     assert "2 prompts × 4 generations = 8 completions per optimizer step" in output
     assert (run / "final" / "model.safetensors").exists() and not (run / "final" / "final").exists()
     assert {p.name for p in run.glob("checkpoint-*")} == {"checkpoint-3", "checkpoint-6"}
     state = json.loads((run / "checkpoint-6" / "trainer_state.json").read_text())
     assert sum("eval_retrieval/hit@1" in h for h in state["log_history"]) == 2
+
+
+def test_zero2_saves_the_engines_weights(two_process_run, tiny_refiner, encoders):
+    run, output = two_process_run
+    check_saved_engine_weights(run, 6, 2, output, tiny_refiner, encoders)
 
 
 def test_each_rank_scores_only_its_own_completions(two_process_run):
