@@ -22,6 +22,6 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/accelerate launch --config_file configs/accelerate/cpu2.yaml rl/train_grpo.py $(ARGS)
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=10
 
 .PHONY: install demo test
