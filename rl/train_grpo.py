@@ -193,6 +193,7 @@ def main(argv=None) -> dict:
     )
     from rl.monitor import PhaseProgress, RefinerMonitor, TimedReward, setup_wandb, use_phase_progress
     from rl.run_record import write_run_record
+    from rl.vllm_prompts import fix_colocated_vllm_prompts
 
     # TRL 1.16 reads model.is_gradient_checkpointing (deprecated in transformers 5.23) at every generation: its own
     # call, nothing a user can change
@@ -289,6 +290,9 @@ def main(argv=None) -> dict:
                                                        "retrieval/parse_rate": "parse",
                                                        "eval_retrieval/hit@1": "val hit@1"}))
     retrieval.mode = lambda: "train" if trainer.model.training else "eval"
+    if fix_colocated_vllm_prompts(trainer, model.config.image_token_id):
+        say("colocated vLLM receives one image placeholder per image and expands it itself (TRL 1.16 would hand it "
+            "the processor's expanded ids: rl/vllm_prompts.py); the trainer keeps its own prompt ids")
     if args.freeze_vision_tower:
         leaked = trainable_names(vision_tower(trainer.model))
         if leaked:

@@ -91,3 +91,22 @@ def test_grpo_configs_parse(name):
                               ["--config", str(ROOT / "configs" / "grpo" / f"{name}.yaml"), "--bf16", "false"])
     assert 0.0 <= args.alpha <= 1.0 and (training.per_device_train_batch_size * training.gradient_accumulation_steps
                                          ) % training.num_generations == 0
+
+
+@pytest.mark.parametrize("name", ["infoseek", "evqa"])
+def test_real_grpo_configs_state_the_objective_and_bound_the_checkpoints(name):
+    """Parsed as TRL reads them: the paper's per-output GRPO objective (not TRL 1.16's default dapo), every setting of
+    it written in the file, and a bounded number of ~52 GB checkpoints."""
+    from trl import GRPOConfig, ModelConfig
+
+    from retrieval.cli import parse
+    from rl.train_grpo import RefinerArguments
+
+    path = ROOT / "configs" / "grpo" / f"{name}.yaml"
+    _, training, _ = parse((RefinerArguments, GRPOConfig, ModelConfig), ["--config", str(path), "--bf16", "false"])
+    assert (training.loss_type, training.scale_rewards, training.epsilon, training.beta) == ("grpo", "group", 0.2, 0.0)
+    assert training.vllm_importance_sampling_correction and training.vllm_importance_sampling_mode == "sequence_mask"
+    assert training.save_total_limit == 2 and training.load_best_model_at_end
+    written = yaml.safe_load(path.read_text())
+    assert {"loss_type", "scale_rewards", "epsilon", "beta", "vllm_importance_sampling_correction",
+            "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max", "save_total_limit"} <= set(written)

@@ -6,7 +6,8 @@ on a machine with one by ``pytest -m gpu`` (after ``pip install -e '.[gpu,dev]'`
 - FAISS placement on one GPU (faiss-gpu): one fp16 replica on this process's GPU, never more than 2,048 rows a search;
 - two bf16 GRPO steps of the tiny refiner: text weights move, the vision tower does not;
 - GRPO under DeepSpeed ZeRO-3 on one GPU: it finishes, and ``final/`` reloads whole;
-- colocated vLLM: the prompt it receives for an image holds one image placeholder (vLLM expands it itself).
+- colocated vLLM, for real: the prompt it receives for an image holds one image placeholder (vLLM expands it itself;
+  rl/vllm_prompts.py, tested on the CPU with a recording stand-in in tests/test_vllm_prompts.py).
 """
 
 import importlib.util
@@ -117,8 +118,6 @@ def test_zero3_grpo_on_one_gpu(config, tiny_refiner, tmp_path):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (pip install -e '.[vllm]')")
-@pytest.mark.xfail(strict=True, reason="TRL 1.16 hands colocated vLLM prompt ids with the image already expanded "
-                                       "(TRL issue #6294); the open vLLM issue of this repository fixes it")
 def test_colocated_vllm_receives_one_placeholder_per_image(config, tiny_refiner, monkeypatch):
     import vllm
 

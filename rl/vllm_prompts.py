@@ -1,0 +1,72 @@
+"""The prompt colocated vLLM samples from is the prompt the policy is trained on: one image placeholder per image.
+
+TRL 1.16 tokenizes each rollout prompt with the processor, so an image is already expanded into N ``<|image_pad|>``
+ids (N = the image's grid ÷ merge², e.g. 16 for the toy refiner's 112-px images, up to 1,024 under the paper's
+budget), and hands those ids together with the raw image to ``LLM.generate`` (``trl/generation/vllm_generation.py``,
+colocate mode). vLLM treats a token prompt as not yet expanded and replaces the first pad by N (its Qwen2-VL prompt
+replacement targets a single pad): 2N−1 pads and shifted M-RoPE positions, so vLLM samples from a corrupted context
+— no error, since the length stays under ``vllm_max_model_length`` — while the trainer scores the
+completions against the correct prompt (TRL keeps its own prompt ids and discards vLLM's). Known upstream (TRL issue
+#6294, fix PRs #6718/#6719; vLLM PR #57796).
+
+``one_placeholder_per_image`` collapses each run of pads back to one pad, which vLLM expands itself from the image it
+receives; ``collapse_vllm_prompts`` wraps a colocated ``LLM.generate`` so every prompt with images is sent that way.
+The trainer's own prompt ids are untouched. The pure function is tested with hypothesis; the wrapper at TRL's own
+call site with vLLM's ``LLM`` replaced by a recording stand-in (tests/test_vllm_prompts.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+
+def one_placeholder_per_image(ids: Sequence[int], pad: int) -> list[int]:
+    """``ids`` with each run of consecutive ``pad`` ids replaced by a single ``pad``."""
+    out: list[int] = []
+    for token in ids:
+        if token == pad and out and out[-1] == pad:
+            continue
+        out.append(int(token))
+    return out
+
+
+def image_runs(ids: Sequence[int], pad: int) -> list[int]:
+    """The length of each run of consecutive ``pad`` ids, in order (one run per image)."""
+    runs: list[int] = []
+    previous = None
+    for token in ids:
+        if token == pad:
+            if previous == pad:
+                runs[-1] += 1
+            else:
+                runs.append(1)
+        previous = token
+    return runs
+
+
+def collapse_vllm_prompts(generate: Callable, pad: int) -> Callable:
+    """``LLM.generate`` that receives, for every prompt that carries images (``multi_modal_data``), one pad per image
+    instead of the processor's expansion; text-only prompts and everything else pass unchanged."""
+
+    def generate_with_one_placeholder_per_image(prompts, *args, **kwargs):
+        sent = []
+        for prompt in prompts:
+            if isinstance(prompt, dict) and prompt.get("multi_modal_data") and "prompt_token_ids" in prompt:
+                prompt = {**prompt, "prompt_token_ids": one_placeholder_per_image(prompt["prompt_token_ids"], pad)}
+            sent.append(prompt)
+        return generate(sent, *args, **kwargs)
+
+    generate_with_one_placeholder_per_image.wrapped = generate
+    return generate_with_one_placeholder_per_image
+
+
+def fix_colocated_vllm_prompts(trainer, image_token_id: int) -> bool:
+    """Wrap the trainer's colocated vLLM engine (``trainer.vllm_generation.llm``) so it receives one placeholder per
+    image. Returns whether there was one to wrap (False for server mode or without vLLM)."""
+    generation = getattr(trainer, "vllm_generation", None)
+    llm = getattr(generation, "llm", None) if getattr(generation, "mode", None) == "colocate" else None
+    if llm is None:
+        return False
+    if not hasattr(llm.generate, "wrapped"):
+        llm.generate = collapse_vllm_prompts(llm.generate, image_token_id)
+    return True

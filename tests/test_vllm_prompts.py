@@ -1,0 +1,104 @@
+"""What colocated vLLM receives for an image, on TRL's own code path: rl/train_grpo.py runs real GRPO steps with
+use_vllm (colocate) where only vLLM's ``LLM`` (and its ``SamplingParams``) are replaced by a recording stand-in — vLLM
+cannot run on this kind of machine. TRL tokenizes the prompt with the processor (the image expanded into N pads) and
+calls ``LLM.generate`` itself; the stand-in asserts nothing, it records what it was given and answers with a fixed
+completion, so the trainer's loss, rewards and weight sync all run. Plus the pure function, table-driven and with
+hypothesis."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rl.vllm_prompts import image_runs, one_placeholder_per_image
+
+PAD = 7
+
+
+@pytest.mark.parametrize("ids,expected", [
+    ([1, 2, 3], [1, 2, 3]), ([1, PAD, PAD, PAD, 2], [1, PAD, 2]), ([PAD], [PAD]), ([], []),
+    ([5, PAD, PAD, 6, 5, PAD, PAD, PAD, 6], [5, PAD, 6, 5, PAD, 6]),  # two images: one pad each
+    ([PAD, PAD, 1, PAD], [PAD, 1, PAD]),
+])
+def test_each_run_of_pads_becomes_one(ids, expected):
+    assert one_placeholder_per_image(ids, PAD) == expected
+
+
+@given(st.lists(st.sampled_from([1, 2, PAD]), max_size=60))
+def test_collapsing_keeps_every_other_token_and_one_pad_per_run(ids):
+    out = one_placeholder_per_image(ids, PAD)
+    assert [t for t in out if t != PAD] == [t for t in ids if t != PAD]
+    assert image_runs(out, PAD) == [1] * len(image_runs(ids, PAD))
+    assert one_placeholder_per_image(out, PAD) == out
+
+
+class RecordingLLM:
+    """vLLM's ``LLM`` at its boundary: what TRL constructs it with and every ``generate`` call, answered with one
+    fixed completion per prompt (logprobs included, for TRL's importance-sampling correction)."""
+
+    instances: list = []
+
+    def __init__(self, **kwargs):
+        self.kwargs, self.calls, self.loaded = kwargs, [], []
+        runner = SimpleNamespace(model=SimpleNamespace(load_weights=lambda weights: self.loaded.extend(weights)))
+        self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=SimpleNamespace(
+            model_runner=runner)))
+        RecordingLLM.instances.append(self)
+
+    def generate(self, prompts, sampling_params=None, use_tqdm=False):
+        self.calls.append(prompts)
+        logprob = SimpleNamespace(logprob=-0.5, rank=1)
+        return [SimpleNamespace(prompt_token_ids=p["prompt_token_ids"], outputs=[SimpleNamespace(
+            token_ids=list(self.answer), logprobs=[{t: logprob} for t in self.answer])]) for p in prompts]
+
+    def sleep(self, level=1):
+        pass
+
+    def wake_up(self, tags=None):
+        pass
+
+    def reset_prefix_cache(self):
+        pass
+
+
+def test_colocated_vllm_receives_one_placeholder_per_image(config, tiny_refiner, tiny_world, monkeypatch, capsys):
+    import trl.generation.vllm_generation as vg
+    from transformers import AutoProcessor
+
+    import rl.train_grpo as tg
+    from rewards.format import format_completion
+
+    processor = AutoProcessor.from_pretrained(str(tiny_refiner))
+    tok = processor.tokenizer
+    RecordingLLM.instances = []
+    RecordingLLM.answer = tok(format_completion("a red striped star"), add_special_tokens=False)["input_ids"] + \
+        [tok.convert_tokens_to_ids("<|im_end|>")]
+    monkeypatch.setattr(vg, "is_vllm_available", lambda *a, **k: True)
+    monkeypatch.setattr(vg, "LLM", RecordingLLM, raising=False)
+    monkeypatch.setattr(vg, "SamplingParams", lambda **kw: SimpleNamespace(**kw), raising=False)
+    trainer_prompts = []  # what TRL's trainer tokenized (its own prompt ids), recorded on the way through
+    generate = vg.VLLMGeneration.generate
+    monkeypatch.setattr(vg.VLLMGeneration, "generate",
+                        lambda self, prompts, *a, **k: trainer_prompts.extend(prompts) or generate(self, prompts, *a,
+                                                                                                    **k))
+    result = tg.main(config(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=False, max_steps=2))
+
+    (llm,) = RecordingLLM.instances
+    assert llm.kwargs["model"].endswith("vllm-model")  # the policy's folder with the training image budget
+    pad = tok.convert_tokens_to_ids("<|image_pad|>")
+    sent = [p for call in llm.calls for p in call]
+    assert len(llm.calls) == 2 and len(sent) == len(trainer_prompts) == 2 * 8  # 2 steps × 2 prompts × 4 generations
+    questions = {json.loads(x)["question"] for x in open(tiny_world / "train.jsonl")}
+    for prompt, trainers in zip(sent, trainer_prompts):
+        ids = prompt["prompt_token_ids"]
+        assert prompt["multi_modal_data"]["image"].size == (56, 56)  # the raw image, for vLLM to process
+        assert image_runs(trainers, pad) == [16]  # the trainer's prompt: 112 px → 8×8 patches → 16 image tokens
+        assert image_runs(ids, pad) == [1]  # what vLLM gets: one placeholder, which it expands to 16 itself
+        assert ids == one_placeholder_per_image(trainers, pad)  # otherwise the very same prompt, token for token
+        assert any(q in tok.decode(ids) for q in questions)
+    # the trainer kept its expanded prompt: the loss ran on the completions the stand-in gave
+    assert [h["step"] for h in result["log_history"] if "loss" in h] == [1, 2]
+    assert llm.loaded  # the policy's weights were pushed to the engine before generating
+    assert "colocated vLLM receives one image placeholder per image" in capsys.readouterr().out
