@@ -141,9 +141,17 @@ def model_files(name_or_path: str) -> Path:
     return Path(snapshot_download(name_or_path, local_files_only=True))
 
 
+def is_model_file(name: str) -> bool:
+    """Config and weights (what vllm-model links), not processor, tokenizer or template files."""
+    return name in ("config.json", "generation_config.json") or name.endswith((".safetensors", ".safetensors.index.json")) \
+        or name.startswith("pytorch_model") and name.endswith((".bin", ".bin.index.json"))
+
+
 def vllm_model_folder(name_or_path: str, processor, out: str | Path) -> Path:
-    """A folder vLLM can load the policy from with the training image budget: every file of the model linked (no
-    copy of the weights), the processor files written from ``processor`` (budget included). TRL's colocated vLLM
+    """A folder vLLM can load the policy from with the training image budget: the model's config and weights linked
+    (no copy of the weights), every processor, tokenizer and chat-template file written by ``processor`` (budget
+    included) and none of the source's (a hub folder's ``preprocessor_config.json`` or ``chat_template.json`` beside
+    ours would make the result depend on which file a loader reads first). TRL's colocated vLLM
     builds ``LLM(model=model.name_or_path)`` and runs its own image processor on the raw images, while the prompt
     token ids come from the trainer's processor: both must expand an image to the same number of tokens.
     Written to a temporary sibling and renamed (a crash leaves no half folder)."""
@@ -156,7 +164,7 @@ def vllm_model_folder(name_or_path: str, processor, out: str | Path) -> Path:
     tmp.mkdir(parents=True)
     processor.save_pretrained(tmp)
     for f in src.iterdir():
-        if f.is_file() and not (tmp / f.name).exists():
+        if f.is_file() and is_model_file(f.name) and not (tmp / f.name).exists():
             (tmp / f.name).symlink_to(f.resolve())
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)

@@ -206,8 +206,7 @@ def main(argv=None) -> dict:
         argv = ["--config", str(DEFAULT_CONFIG), *argv]
     args, training_args, model_args = parse((RefinerArguments, GRPOConfig, ModelConfig), argv, description=__doc__)
     # the first accelerate state of the process: under torchrun on CPUs it must know use_cpu, or every process
-    # believes it is alone
-    # ... and a finite wait: past ddp_timeout (seconds) a collective fails, naming the step where that applies
+    # believes it is alone; every collective waits at most ddp_timeout seconds (a barrier then names its step)
     state = PartialState(cpu=training_args.use_cpu, timeout=training_args.ddp_timeout_delta)
     if args.completions_per_step:
         argv = with_completions_per_step(argv, args, training_args, state.num_processes)

@@ -193,3 +193,29 @@ def test_vllm_serve_folder_cli(tiny_refiner, tmp_path, capsys):
     assert "trl vllm-serve --model" in capsys.readouterr().out
     with pytest.raises(ValueError, match="max_pixels"):
         folder_main(["--model", str(tiny_refiner), "--out", str(tmp_path / "w"), "--max_pixels", "0"])
+
+
+def test_vllm_model_folder_links_only_config_and_weights(tiny_refiner, tmp_path):
+    """A hub folder also holds preprocessor_config.json (the 12.8 MP default budget) and chat_template.json: linked
+    beside the processor saved with our budget, which one a loader reads would decide the image tokens. Only config and
+    weights are linked; every processor, tokenizer and template file is written by save_pretrained."""
+    import shutil
+
+    from transformers import AutoProcessor
+
+    from rl.image_budget import apply_image_budget, vllm_model_folder
+
+    hub = tmp_path / "hub"
+    shutil.copytree(tiny_refiner, hub)
+    (hub / "preprocessor_config.json").write_text(json.dumps({"min_pixels": 3136, "max_pixels": 12845056}))
+    (hub / "chat_template.json").write_text(json.dumps({"chat_template": "{{ 'hub template' }}"}))
+    budget = {"min_pixels": 112 * 112, "max_pixels": 112 * 112}
+    folder = vllm_model_folder(str(hub), apply_image_budget(AutoProcessor.from_pretrained(str(hub)), budget),
+                               tmp_path / "vllm-model")
+    links = {f.name for f in folder.iterdir() if f.is_symlink()}
+    assert links == {"config.json", "generation_config.json", "model.safetensors"}
+    assert not (folder / "preprocessor_config.json").exists() and not (folder / "chat_template.json").exists()
+    written = {f.name for f in folder.iterdir() if not f.is_symlink()}
+    assert {"tokenizer_config.json", "tokenizer.json"} <= written
+    assert dict(AutoProcessor.from_pretrained(str(folder)).image_processor.size) == {
+        "shortest_edge": 112 * 112, "longest_edge": 112 * 112}
