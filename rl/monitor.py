@@ -14,11 +14,25 @@ from transformers.trainer_callback import ProgressCallback
 from retrieval.files import pyplot, save_figure, write_json_atomic
 
 
+def wandb_credentials() -> bool:
+    """Whether wandb will find credentials: a key or identity-token file in the environment, or a ``.netrc`` entry
+    for the W&B host (what ``wandb login`` writes), read with wandb's own reader."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    try:
+        from wandb.sdk.lib.wbauth.wbnetrc import read_netrc_auth
+
+        return read_netrc_auth(host=os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")) is not None
+    except (ImportError, AttributeError, ValueError):  # another wandb layout, or an entry wandb would refuse
+        return False
+
+
 def setup_wandb(output_dir: str, report_to) -> None:
-    """Log W&B offline, into the output dir, unless the user configured W&B themselves."""
+    """Log W&B into the output dir: online when the user has credentials (``wandb login`` or a key in the
+    environment), offline otherwise, unless WANDB_MODE says which."""
     if "wandb" not in (report_to or []):
         return
-    if not os.environ.get("WANDB_API_KEY") and "WANDB_MODE" not in os.environ:
+    if "WANDB_MODE" not in os.environ and not wandb_credentials():
         os.environ["WANDB_MODE"] = "offline"
     os.environ.setdefault("WANDB_DIR", str(Path(output_dir).resolve()))
     os.environ.setdefault("WANDB_CACHE_DIR", str(Path(output_dir).resolve() / ".wandb-cache"))

@@ -142,3 +142,29 @@ def test_a_grpo_run_logged_offline_reads_back(config, tmp_path, monkeypatch):
         assert cap.startswith(f"{row[1]}: ") and " | gold " in cap and " | reward " in cap
     for name in set(images["completion_images/filenames"]):
         assert (run_files / name).stat().st_size > 0
+
+
+@pytest.mark.parametrize("netrc_entry,key_in_env,mode", [
+    (None, False, "offline"), ("machine api.wandb.ai\n  login user\n  password " + "a" * 40 + "\n", False, None),
+    ("machine other.example.com\n  login user\n  password " + "a" * 40 + "\n", False, "offline"),
+    (None, True, None),
+])
+def test_wandb_is_online_for_a_user_who_logged_in(tmp_path, monkeypatch, netrc_entry, key_in_env, mode):
+    """`wandb login` writes ~/.netrc: such a user logs online without a key in the environment; nobody else is sent
+    online (WANDB_MODE offline), and WANDB_MODE set by the user is kept."""
+    from rl.monitor import setup_wandb
+
+    for var in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL", "WANDB_DIR",
+                "WANDB_CACHE_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    netrc = tmp_path / "netrc"
+    netrc.write_text(netrc_entry or "")
+    netrc.chmod(0o600)
+    monkeypatch.setenv("NETRC", str(netrc))
+    if key_in_env:
+        monkeypatch.setenv("WANDB_API_KEY", "b" * 40)
+    setup_wandb(str(tmp_path / "run"), ["wandb"])
+    assert os.environ.get("WANDB_MODE") == mode
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    setup_wandb(str(tmp_path / "run"), ["wandb"])
+    assert os.environ["WANDB_MODE"] == "disabled"
