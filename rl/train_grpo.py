@@ -289,6 +289,8 @@ def main(argv=None) -> dict:
                                                        "retrieval/parse_rate": "parse",
                                                        "eval_retrieval/hit@1": "val hit@1"}))
     retrieval.mode = lambda: "train" if trainer.model.training else "eval"
+    if training_args.use_vllm:  # vLLM has read name_or_path: saved configs and adapters name the real base again
+        restore_base_path(trainer.model, model, model_path)
     if fix_colocated_vllm_prompts(trainer, model.config.image_token_id):
         say("colocated vLLM receives one image placeholder per image and expands it itself (TRL 1.16 would hand it "
             "the processor's expanded ids: rl/vllm_prompts.py); the trainer keeps its own prompt ids")
@@ -306,6 +308,15 @@ def main(argv=None) -> dict:
     if args.learning_table and state.is_main_process:
         result["learning"] = learning_table(args, index, model_path, processor, output_dir, t_start)
     return result
+
+
+def restore_base_path(trained, model, model_path: str) -> None:
+    """The model's own path in its config and in every LoRA adapter's ``base_model_name_or_path``, where it had been
+    pointed at ``vllm-model/`` for TRL's vLLM (a folder of links into this run): an adapter naming that folder could
+    not be merged on another machine."""
+    model.name_or_path = model.config._name_or_path = model_path
+    for config in (getattr(trained, "peft_config", None) or {}).values():
+        config.base_model_name_or_path = model_path
 
 
 def warn_absent_entities(index, data, name: str) -> None:
