@@ -114,6 +114,7 @@ def main(argv=None) -> dict:
     from accelerate import PartialState
     from datasets import Dataset, Image
     from transformers import AutoProcessor
+    from transformers.integrations import is_deepspeed_zero3_enabled
     from trl import ModelConfig, SFTConfig, SFTTrainer, get_peft_config
 
     from gate.scoring import verbaliser_ids
@@ -159,17 +160,23 @@ def main(argv=None) -> dict:
 
     result = {"log_history": trainer.state.log_history}
     output_dir = Path(training_args.output_dir)
-    # every process: the trained weights (a LoRA adapter, or whole weights, ZeRO-3 shards gathered) to trained/;
-    # then process 0 alone loads them whole, merged (never the engine's partitioned model), for final/ and evaluation
-    trainer.save_model(str(output_dir / "trained"))
-    Processes(state).barrier("the trained weights were saved")
+    zero3 = is_deepspeed_zero3_enabled()
+    if zero3:
+        # the engine's model is partitioned: every process gathers the trained weights (an adapter, or whole weights)
+        # into trained/, and process 0 alone loads them whole, merged, for final/ and the evaluation
+        trainer.save_model(str(output_dir / "trained"))
+        Processes(state).barrier("the trained weights were saved")
     if not state.is_main_process:
         return result
-    model, _ = load_trained(output_dir / "trained", model_args.dtype, device=str(state.device),
-                            base=model_args.model_name_or_path)
+    if zero3:
+        model, _ = load_trained(output_dir / "trained", model_args.dtype, device=str(state.device),
+                                base=model_args.model_name_or_path)
+    else:
+        model = trainer.model.merge_and_unload() if hasattr(trainer.model, "merge_and_unload") else trainer.model
     save_final(output_dir / "final", model, processor, {"variant": args.variant, "verbalisers": list(s["verbalisers"]),
                                                         "base_model": model_args.model_name_or_path})
-    shutil.rmtree(output_dir / "trained")  # final/ holds it, merged
+    if zero3:
+        shutil.rmtree(output_dir / "trained")  # final/ holds it, merged
     if eval_rows:
         with outside_zero3_init():  # process 0 alone: generate() must not sync with the others (synced_gpus)
             metrics = evaluate(args, s, model, processor, eval_rows)

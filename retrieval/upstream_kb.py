@@ -1,4 +1,4 @@
-"""Knowledge-base converters for the upstream files (../shared/UPSTREAM.md is the specification).
+"""Knowledge-base converters for the upstream files (docs/UPSTREAM.md is the specification).
 
 - E-VQA ``encyclopedic_kb_wiki.json`` (2M articles keyed by Wikipedia URL) and EchoSight's InfoSeek 100K KB in the same
   format, streamed with ijson (memory flat in the number of articles); mKG-RAG's JSONL variant (one ``{url: entry}``

@@ -1,4 +1,4 @@
-"""Question converters for the upstream benchmark files (../shared/UPSTREAM.md is the specification).
+"""Question converters for the upstream benchmark files (docs/UPSTREAM.md is the specification).
 
 - E-VQA ``train/val/test.csv`` (google-research encyclopedic_vqa), and EchoSight's InfoSeek CSV in the same columns
   (``dataset_name`` = ``infoseek``, ``data_id`` kept as the id).

@@ -3,8 +3,8 @@
     python -m rl.export --checkpoint DIR --out DIR [--dtype bf16|fp16|fp32] [--force]
 
 ``--checkpoint`` is a trainer checkpoint (full weights, a PEFT adapter whose LoRA is merged into the base weights, or
-only DeepSpeed ZeRO shards, gathered by DeepSpeed's zero_to_fp32), a run's ``final`` folder, or a run's output dir (its best checkpoint by ``metric_for_best_model``, else
-its latest). The folder gets safetensors weights (sharded when large), config, processor, tokenizer and chat
+only DeepSpeed ZeRO shards, gathered by DeepSpeed's zero_to_fp32), a run's ``final`` folder, or a run's output dir
+(its best checkpoint by ``metric_for_best_model``, else its latest). The folder gets safetensors weights (sharded when large), config, processor, tokenizer and chat
 template, ``generation_config.json`` (the run's sampling settings) and ``refiner.json`` (prompt, output format and
 parser version, the index's α and encoders, training step, held-out metrics at that step).
 

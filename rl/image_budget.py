@@ -143,8 +143,9 @@ def model_files(name_or_path: str) -> Path:
 
 def is_model_file(name: str) -> bool:
     """Config and weights (what vllm-model links), not processor, tokenizer or template files."""
-    return name in ("config.json", "generation_config.json") or name.endswith((".safetensors", ".safetensors.index.json")) \
-        or name.startswith("pytorch_model") and name.endswith((".bin", ".bin.index.json"))
+    weights = name.endswith((".safetensors", ".safetensors.index.json")) or (
+        name.startswith("pytorch_model") and name.endswith((".bin", ".bin.index.json")))
+    return name in ("config.json", "generation_config.json") or weights
 
 
 def vllm_model_folder(name_or_path: str, processor, out: str | Path) -> Path:

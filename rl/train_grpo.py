@@ -223,8 +223,7 @@ def main(argv=None) -> dict:
     load_dtype, precision = master_dtype(model_args.dtype, model_args.use_peft, stage, mixed)
     kind = f"DeepSpeed ZeRO-{stage} over {state.backend}" if stage is not None else state.distributed_type
     print(f"rank {state.process_index}/{state.num_processes} on {state.device} ({kind}, "
-          f"{threads} CPU threads); {precision}; mixed precision: "
-          f"{'bf16' if training_args.bf16 else 'fp16' if training_args.fp16 else 'no'}")
+          f"{threads} CPU threads); {precision}; mixed precision: {mixed or 'no'}")
     output_dir = Path(training_args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     model_path = prepare_embedded_default(args, model_args, training_args.seed, output_dir, Processes(state))

@@ -1,5 +1,5 @@
 """KB converters and the article store: the E-VQA KB format (JSON streamed, and the JSONL variant), Wiki6M (a real
-row from tests/data/realdata, a copy of ../shared/realdata), title-keyed image CSVs, the QID → URL map, the KB check, and the toy world's KB going
+row from tests/data/realdata, real rows copied into the repository), title-keyed image CSVs, the QID → URL map, the KB check, and the toy world's KB going
 through the store unchanged."""
 
 import csv
@@ -15,7 +15,7 @@ from retrieval.convert import ConvertArgs, convert
 from retrieval.files import read_jsonl
 from retrieval.upstream_kb import canonical_url, url_hash, wiki6m_url
 
-REAL = Path(__file__).resolve().parent / "data" / "realdata"  # copied from ../shared/realdata (SOURCES.md)
+REAL = Path(__file__).resolve().parent / "data" / "realdata"  # real rows, their sources in SOURCES.md
 ZORVAK = "https://en.wikipedia.org/wiki/Zorvak"
 EVQA_KB = {
     ZORVAK: {

@@ -1,4 +1,4 @@
-"""Question converters on the real InfoSeek rows in tests/data/realdata (a copy of ../shared/realdata) and on E-VQA CSV fixtures written from the
+"""Question converters on the real InfoSeek rows in tests/data/realdata (real rows, their sources in SOURCES.md) and on E-VQA CSV fixtures written from the
 upstream documentation (columns, `|` / `&&` separators, id shapes, a 2-hop row, a multi-answer row)."""
 
 import csv
@@ -13,7 +13,7 @@ from retrieval.convert import ConvertArgs, convert
 from retrieval.files import read_jsonl
 from retrieval.upstream_questions import ImageFinder, evqa_image_candidates, evqa_questions, infoseek_image_candidates
 
-REAL = Path(__file__).resolve().parent / "data" / "realdata"  # copied from ../shared/realdata (SOURCES.md)
+REAL = Path(__file__).resolve().parent / "data" / "realdata"  # real rows, their sources in SOURCES.md
 EVQA_COLUMNS = ["question", "answer", "dataset_image_ids", "dataset_name", "dataset_category_id", "question_type",
                 "wikipedia_url", "wikipedia_title", "evidence", "evidence_section_id", "evidence_section_title",
                 "encyclopedic_vqa_split", "question_original", "wikipedia_url_used_in_train"]

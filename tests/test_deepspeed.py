@@ -26,9 +26,9 @@ from tests.test_multiprocess import (
     engine_weights,
     is_vision,
     reloaded,
-    safetensors,
     two_processes,
 )
+from tests.test_train_grpo import weights
 
 pytest.importorskip("deepspeed")
 ROOT = Path(__file__).resolve().parent.parent
@@ -155,7 +155,7 @@ def test_gate_sft_under_zero3(tiny_world, tiny_gate_vlm, tmp_path):
     rows = render_rows("hkb", gate_records(tiny_world))
     argv = sft_config(tmp_path, tiny_gate_vlm, "hkb", rows, per_device_train_batch_size=2, ddp_timeout=120)
     launch(3, [str(ROOT / "gate" / "train_sft.py"), *argv], tmp_path)
-    base, tuned = safetensors(tiny_gate_vlm), safetensors(tmp_path / "hkb" / "final")
+    base, tuned = weights(tiny_gate_vlm), weights(tmp_path / "hkb" / "final")
     assert base.keys() == tuned.keys()
     changed = {k for k in base if not torch.equal(base[k], tuned[k])}
     assert changed and not any("visual" in k for k in changed)

@@ -21,6 +21,8 @@ import pytest
 import torch
 import yaml
 
+from tests.test_multiprocess import is_vision, reloaded
+
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -71,15 +73,8 @@ def test_faiss_puts_one_fp16_replica_on_this_gpu_and_caps_k():
         assert r is None and lo > 200 or r is not None and lo <= r <= hi, (g, r, lo, hi)
 
 
-def reloaded(folder):
-    from rl.model import load_model
-
-    model, _ = load_model(str(folder), "float32")
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
 def split_tower(state: dict) -> tuple[list[str], list[str]]:
-    vision = [k for k in state if ".visual." in k or k.startswith("visual.")]
+    vision = [k for k in state if is_vision(k)]
     return vision, [k for k in state if k not in vision]
 
 

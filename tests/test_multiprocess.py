@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parent.parent
 ZERO = {stage: ROOT / "configs" / "accelerate" / f"zero{stage}-cpu2.yaml" for stage in (2, 3)}
@@ -67,13 +66,6 @@ def two_process_run(tiny_world, tiny_index_dir, tiny_refiner, tmp_path_factory):
                          accelerate_config=ZERO[2])
     assert proc.returncode == 0, proc.stderr[-4000:]
     return tmp / "run", proc.stdout + proc.stderr
-
-
-def safetensors(folder: Path) -> dict:
-    out = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
 
 
 def reloaded(folder: Path) -> dict:

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from safetensors.torch import load_file
 
 import rl.train_grpo as tg
 from rl.image_budget import (
@@ -25,6 +24,7 @@ from rl.image_budget import (
     max_image_tokens,
 )
 from rl.real_shapes import EMBEDDING_06B, VLM_3B, build_real_width_embedder, build_real_width_vlm
+from tests.test_train_grpo import weights
 
 REAL_VLM = json.loads((VLM_3B / "config.json").read_text())
 REAL_PREPROCESSOR = json.loads((VLM_3B / "preprocessor_config.json").read_text())
@@ -36,13 +36,6 @@ QUERY_INSTRUCTION = json.loads((EMBEDDING_06B / "config_sentence_transformers.js
 # on the processor and the vision tower below.
 TEST_BUDGET = {"min_pixels": PAPER_MIN_PIXELS, "max_pixels": 64 * 28 * 28}
 PAPER_BUDGET = {"min_pixels": PAPER_MIN_PIXELS, "max_pixels": PAPER_MAX_PIXELS}
-
-
-def weights(folder):
-    out = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
 
 
 # --------------------------------------------------------------------------- the refiner: Qwen2.5-VL-3B widths

@@ -63,21 +63,31 @@ class RecordingLLM:
         pass
 
 
-def test_colocated_vllm_receives_one_placeholder_per_image(config, tiny_refiner, tiny_world, monkeypatch, capsys):
+@pytest.fixture()
+def recording_vllm(tiny_refiner, monkeypatch):
+    """vLLM's ``LLM`` and ``SamplingParams`` replaced in TRL's generation module by the recording stand-in, which
+    answers with one well-formed completion; returns the refiner's tokenizer."""
     import trl.generation.vllm_generation as vg
     from transformers import AutoProcessor
 
-    import rl.train_grpo as tg
     from rewards.format import format_completion
 
-    processor = AutoProcessor.from_pretrained(str(tiny_refiner))
-    tok = processor.tokenizer
+    tok = AutoProcessor.from_pretrained(str(tiny_refiner)).tokenizer
     RecordingLLM.instances = []
     RecordingLLM.answer = tok(format_completion("a red striped star"), add_special_tokens=False)["input_ids"] + \
         [tok.convert_tokens_to_ids("<|im_end|>")]
     monkeypatch.setattr(vg, "is_vllm_available", lambda *a, **k: True)
     monkeypatch.setattr(vg, "LLM", RecordingLLM, raising=False)
     monkeypatch.setattr(vg, "SamplingParams", lambda **kw: SimpleNamespace(**kw), raising=False)
+    return tok
+
+
+def test_colocated_vllm_receives_one_placeholder_per_image(config, recording_vllm, tiny_world, monkeypatch, capsys):
+    import trl.generation.vllm_generation as vg
+
+    import rl.train_grpo as tg
+
+    tok = recording_vllm
     trainer_prompts = []  # what TRL's trainer tokenized (its own prompt ids), recorded on the way through
     generate = vg.VLLMGeneration.generate
     monkeypatch.setattr(vg.VLLMGeneration, "generate",
@@ -104,22 +114,11 @@ def test_colocated_vllm_receives_one_placeholder_per_image(config, tiny_refiner,
     assert "colocated vLLM receives one image placeholder per image" in capsys.readouterr().out
 
 
-def test_a_lora_adapter_trained_with_vllm_names_the_real_base_model(config, tiny_refiner, tmp_path, monkeypatch):
+def test_a_lora_adapter_trained_with_vllm_names_the_real_base_model(config, recording_vllm, tiny_refiner, tmp_path):
     """TRL's vLLM loads model.name_or_path, which the entry point points at <output_dir>/vllm-model (links into this
     run); once vLLM is built, the adapter and the config name the real base again, so rl.export works elsewhere."""
-    import trl.generation.vllm_generation as vg
-    from transformers import AutoProcessor
-
     import rl.train_grpo as tg
-    from rewards.format import format_completion
 
-    tok = AutoProcessor.from_pretrained(str(tiny_refiner)).tokenizer
-    RecordingLLM.instances = []
-    RecordingLLM.answer = tok(format_completion("a red striped star"), add_special_tokens=False)["input_ids"] + \
-        [tok.convert_tokens_to_ids("<|im_end|>")]
-    monkeypatch.setattr(vg, "is_vllm_available", lambda *a, **k: True)
-    monkeypatch.setattr(vg, "LLM", RecordingLLM, raising=False)
-    monkeypatch.setattr(vg, "SamplingParams", lambda **kw: SimpleNamespace(**kw), raising=False)
     tg.main(config(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=False, max_steps=1, use_peft=True,
                    lora_r=4, lora_alpha=8, lora_target_modules=["q_proj", "v_proj"]))
     assert RecordingLLM.instances[0].kwargs["model"].endswith("vllm-model")  # vLLM itself got the budget folder
