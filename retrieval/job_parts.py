@@ -31,6 +31,10 @@ class JobParts(Processes):
     def _parts(self) -> list[Path]:
         return sorted(self.out.parent.glob(f"{self.out.name}.part*"))
 
+    def started(self) -> bool:
+        """Whether an earlier run of this job left results behind (its output or part files)."""
+        return self.out.exists() or bool(self._parts())
+
     def merge(self, order: Sequence[str]) -> None:
         """Process 0: ``out`` ∪ every part file → ``out`` in the order of ``order`` (ids not in it last, each id once);
         the parts are removed. A last line cut short by a crash is dropped first."""

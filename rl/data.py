@@ -1,10 +1,12 @@
 """RL data: question datasets for TRL, and hit-rank stratified sampling of the RL training set.
 
-    python -m rl.data --queries train.jsonl --index DIR --alpha A \
+    [accelerate launch --num_processes N -m] python -m rl.data --queries train.jsonl --index DIR --alpha A \
         --strata "1-5:500,6-10:1000,11-20:1000,21-200:2500,miss:2000" --out rl_train.jsonl [--seed 0]
 
-Runs baseline retrieval with the original question, buckets questions by the gold entity's rank, samples each
-bucket (seeded), writes the sample with ``baseline_rank``, and prints and plots the bucket histogram. A bucket with
+Runs baseline retrieval with the original question (split over the processes, images decoded by DataLoader
+workers, resumable from ``<out>.baseline.jsonl``), buckets questions by the gold entity's rank, samples each
+bucket (seeded), writes the sample with ``baseline_rank``, prints and plots the bucket histogram, and stores the
+sampled questions' image embeddings beside ``<out>`` for the trainer (rl.image_embeddings). A bucket with
 too few questions is filled as far as possible and reported. A question whose gold entity is not in the index (it
 would otherwise be rewarded as a permanent miss) or whose image is missing or unreadable is left out and listed in
 ``<out>.skipped.jsonl``. A question file with duplicate ids is refused.
@@ -12,6 +14,7 @@ would otherwise be rewarded as a permanent miss) or whose image is missing or un
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,7 +23,8 @@ import numpy as np
 from retrieval.cli import require_file, require_index
 from retrieval.files import check_unique_ids, pyplot, read_jsonl, save_figure, write_json_atomic, write_jsonl_atomic
 from retrieval.index import check_alpha
-from retrieval.kb import image_problem, load_image
+from retrieval.job_parts import JobParts
+from retrieval.kb import image_problem
 from rl.prompts import prompt_messages
 
 NOT_IN_INDEX = "gold entity not in the index"
@@ -91,6 +95,11 @@ class RLDataArgs:
     depth: int = field(default=200, metadata={"help": "rank depth (deeper = miss)"})
     seed: int = field(default=0, metadata={"help": "sampling seed"})
     batch_size: int = field(default=256, metadata={"help": "questions per retrieval batch"})
+    workers: int = field(default=None, metadata={"help": "DataLoader processes decoding images (default: usable "
+                                                         "cores ÷ processes on this node)"})
+    embed_images: bool = field(default=True, metadata={"help": "store the sampled questions' image embeddings "
+                                                               "beside --out (rl.image_embeddings), for the trainer"})
+    device: str = field(default=None, metadata={"help": "cuda / cuda:N / cpu (default: this process's own)"})
 
 
 def parse_strata(text: str) -> list[tuple[str, int | None, int | None, int]]:
@@ -146,30 +155,62 @@ def skip_record(rec: dict, reason: str) -> dict:
     return {"id": str(rec.get("id")), "entity_id": rec.get("entity_id"), "image": rec.get("image"), "reason": reason}
 
 
-def baseline_ranks(index, rows: list[dict], root: Path, args: RLDataArgs) -> tuple[list[dict], list, list[dict]]:
+def baseline_ranks(index, rows: list[dict], root: Path, args: RLDataArgs, state=None,
+                   log=print) -> tuple[list[dict], list, list[dict]]:
     """Rank each question's gold entity with the original question: (ranked rows, their ranks, skip records for
-    questions whose image is missing or unreadable)."""
+    questions whose image is missing or unreadable).
+
+    The questions are split over the processes of ``state`` in batches (retrieval.job_parts): each decodes its
+    images with DataLoader workers, embeds them and the questions, ranks, and appends ``{id, rank}`` (or ``{id,
+    problem}``) to its part of ``<out>.baseline.jsonl``; an interrupted run goes on from that file. Every process
+    returns the whole result."""
     from tqdm import tqdm
 
+    from retrieval.placement import decode_workers
+
+    parts = JobParts(Path(f"{args.out}.baseline.jsonl"), state)
+    settings = {"queries": str(Path(args.queries).resolve()), "index": str(Path(args.index).resolve()),
+                "alpha": args.alpha, "depth": args.depth}
+    recorded = Path(f"{args.out}.baseline.settings.json")
+    if parts.started() and recorded.exists() and json.loads(recorded.read_text()) != settings:
+        raise ValueError(f"{parts.out} holds the baseline ranks of an interrupted run with other settings "
+                         f"({recorded.read_text().strip()}): run with those to resume it, or delete it")
+    if parts.rank == 0:
+        write_json_atomic(recorded, settings)
+    batches = parts.start(rows, args.batch_size)
+    log(f"baseline retrieval, {parts.status}")
+    workers = decode_workers(args.workers)
+    with tqdm(total=parts.mine, desc="baseline retrieval", unit="q", disable=not parts.mine) as bar:
+        for batch in batches:
+            emb, failed = index.encode_image_files([root / str(r.get("image")) for r in batch], workers)
+            ok = [r for j, r in enumerate(batch) if j not in failed]
+            ranks = index.entity_ranks(emb, [r["question"] for r in ok], [str(r["entity_id"]) for r in ok],
+                                       alpha=args.alpha, depth=args.depth) if ok else []
+            found = dict(zip((str(r["id"]) for r in ok), ranks))
+            parts.append([{"id": str(r["id"]), "problem": failed[j]} if j in failed else
+                          {"id": str(r["id"]), "rank": found[str(r["id"])]} for j, r in enumerate(batch)])
+            bar.update(len(batch))
+    parts.finish(rows)
+    parts.barrier("process 0 merged the baseline ranks")
+    done = {str(rec["id"]): rec for rec in read_jsonl(parts.out)} if parts.out.exists() else {}
     kept, ranks, skipped = [], [], []
-    for start in tqdm(range(0, len(rows), args.batch_size), desc="baseline retrieval"):
-        batch, images = [], []
-        for rec in rows[start:start + args.batch_size]:
-            image, reason = load_image(root / str(rec.get("image")))
-            if reason:
-                skipped.append(skip_record(rec, reason))
-            else:
-                batch.append(rec)
-                images.append(image)
-        if batch:
-            ranks += index.entity_ranks(images, [r["question"] for r in batch], [str(r["entity_id"]) for r in batch],
-                                        alpha=args.alpha, depth=args.depth)
-            kept += batch
+    for rec in rows:
+        res = done[str(rec["id"])]
+        if "problem" in res:
+            skipped.append(skip_record(rec, res["problem"]))
+        else:
+            kept.append(rec)
+            ranks.append(res["rank"])
     return kept, ranks, skipped
 
 
-def build_rl_data(args: RLDataArgs, log=print) -> dict:
+def build_rl_data(args: RLDataArgs, log=print, state=None) -> dict:
+    """The RL training file, its skip list, bucket report and plot (process 0), and the sampled questions' image
+    embeddings (rl.image_embeddings; every process takes part). With ``state`` of N processes the baseline retrieval
+    and the embedding are split over them."""
     from retrieval.index import MultimodalIndex
+    from retrieval.placement import Processes, decode_workers
+    from rl.image_embeddings import embed_images
 
     require_file(args.queries, "queries")
     require_index(args.index)
@@ -182,7 +223,7 @@ def build_rl_data(args: RLDataArgs, log=print) -> dict:
     root = Path(args.images_root or Path(args.queries).parent)
     rows = list(read_jsonl(args.queries))
     check_unique_ids(rows, args.queries)
-    index = MultimodalIndex.load(args.index)
+    index = MultimodalIndex.load(args.index, device=None if state is None else str(state.device))
     known, skipped = [], []
     for rec in rows:
         if isinstance(rec.get("entity_id"), list):
@@ -191,25 +232,35 @@ def build_rl_data(args: RLDataArgs, log=print) -> dict:
             known.append(rec)
         else:
             skipped.append(skip_record(rec, NOT_IN_INDEX))
-    kept, ranks, bad_images = baseline_ranks(index, known, root, args)
+    kept, ranks, bad_images = baseline_ranks(index, known, root, args, state, log)
     skipped += bad_images
+    main = Processes(state).rank == 0
     skipped_path = f"{args.out}.skipped.jsonl"
-    write_jsonl_atomic(skipped_path, skipped)
-    if skipped:
-        log(f"left out {len(skipped)} of {len(rows)} question(s) ({len(skipped) - len(bad_images)} with the "
-            f"{NOT_IN_INDEX}, {len(bad_images)} with a missing or unreadable image), listed in {skipped_path}")
+    if main:
+        write_jsonl_atomic(skipped_path, skipped)
+        if skipped:
+            log(f"left out {len(skipped)} of {len(rows)} question(s) ({len(skipped) - len(bad_images)} with the "
+                f"{NOT_IN_INDEX} or 2-hop, {len(bad_images)} with a missing or unreadable image), listed in "
+                f"{skipped_path}")
     if not kept:
         raise ValueError(f"{args.queries}: no question is usable (all {len(rows)} listed in {skipped_path})")
     chosen, report = stratified_sample(ranks, strata, args.seed)
-    write_jsonl_atomic(args.out, ({**kept[i], "baseline_rank": ranks[i]} for i in chosen))
-    for name, rep in report.items():
-        note = "" if rep["taken"] == rep["wanted"] else f"   (only {rep['available']} available)"
-        log(f"{name:>8}: {rep['taken']:6d} of {rep['wanted']:6d}{note}")
-    log(f"wrote {len(chosen)} questions to {args.out}")
     summary = {"alpha": args.alpha, "depth": args.depth, "seed": args.seed, "buckets": report,
                "questions": len(rows), "skipped": len(skipped), "sampled": len(chosen)}
-    write_json_atomic(f"{args.out}.buckets.json", summary)
-    _plot(report, f"{args.out}.buckets.png")
+    if main:
+        write_jsonl_atomic(args.out, ({**kept[i], "baseline_rank": ranks[i]} for i in chosen))
+        for name, rep in report.items():
+            note = "" if rep["taken"] == rep["wanted"] else f"   (only {rep['available']} available)"
+            log(f"{name:>8}: {rep['taken']:6d} of {rep['wanted']:6d}{note}")
+        log(f"wrote {len(chosen)} questions to {args.out}")
+        write_json_atomic(f"{args.out}.buckets.json", summary)
+        _plot(report, f"{args.out}.buckets.png")
+    if args.embed_images:
+        embed_images(args.out, [kept[i]["image"] for i in chosen], root, index, state, args.batch_size,
+                     decode_workers(args.workers), log)
+    if main:  # the resumable record of the retrieval, no longer needed
+        Path(f"{args.out}.baseline.jsonl").unlink(missing_ok=True)
+        Path(f"{args.out}.baseline.settings.json").unlink(missing_ok=True)
     return summary
 
 
@@ -230,8 +281,11 @@ def _plot(report: dict, path: str) -> None:
 def main(argv=None) -> None:
     from retrieval.cli import parse
 
+    from retrieval.placement import process_state
+
     (args,) = parse((RLDataArgs,), argv, description=__doc__)
-    build_rl_data(args)
+    state = process_state(args.device)
+    build_rl_data(args, state=state)  # process 0 writes and reports; each process says what it takes
 
 
 if __name__ == "__main__":

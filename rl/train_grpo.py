@@ -257,12 +257,6 @@ def main(argv=None) -> dict:
         say(f"vision tower frozen ({frozen:,} parameters)")
     # one replica of the index per process: exact ranks on this rank's device, FAISS top-k (tables) memory-mapped
     index = MultimodalIndex.load(args.index, device=str(state.device), search_device="cpu")
-    # the encoders load now, on this device, outside ZeRO-3 init: whole on every process
-    whole = parameter_elements(index.image_encoder) + parameter_elements(index.text_encoder)
-    if index.uses_exact_ranks:
-        index.exact  # noqa: B018
-    print(f"rank {state.process_index}: index: {len(index):,} rows, encoders ({whole:,} parameter elements here) "
-          f"and exact ranks on {index.device} (exact: {index.uses_exact_ranks}), FAISS top-k on {index.search_device}")
     bad_images_dir = output_dir if state.is_main_process else None
     train_data = question_dataset(args.train_file, args.images_root, args.prompt, bad_images_dir=bad_images_dir)
     eval_data = question_dataset(args.eval_file, args.images_root, args.prompt, args.eval_limit,
@@ -274,6 +268,24 @@ def main(argv=None) -> dict:
                                 max_query_tokens=args.max_query_tokens,
                                 completions_log=output_dir / f"completions.rank{state.process_index}.jsonl"
                                 if args.completions_log else None)
+    # the query images never change: embedded once (rl.image_embeddings), the image encoder is not needed here
+    covered, total = stored_image_embeddings(retrieval, index, args, train_data, eval_data)
+    if covered == total:
+        say(f"question-image embeddings: all {total} train/eval images stored (rl.image_embeddings, "
+            f"{index.manifest['image_encoder']}): the image encoder is not built")
+        encoders = [index.text_encoder]
+    else:
+        say(f"question-image embeddings: {covered} of {total} train/eval images stored; the image encoder "
+            f"({index.manifest['image_encoder']}) is built on every process for the rest (python -m "
+            f"rl.image_embeddings --queries <file> --index {args.index} stores them once)")
+        encoders = [index.image_encoder, index.text_encoder]
+    # the encoders load now, on this device, outside ZeRO-3 init: whole on every process
+    whole = sum(parameter_elements(e) for e in encoders)
+    if index.uses_exact_ranks:
+        index.exact  # noqa: B018
+    print(f"rank {state.process_index}: index: {len(index):,} rows, {len(encoders)} encoder(s) ({whole:,} parameter "
+          f"elements here) and exact ranks on {index.device} (exact: {index.uses_exact_ranks}), FAISS top-k on "
+          f"{index.search_device}")
     fmt = TimedReward(FormatReward(args.format_valid_reward, args.format_invalid_reward, args.max_query_tokens))
     ret = TimedReward(retrieval)
     monitor = RefinerMonitor(retrieval, fmt, [fmt, ret], args.log_table_steps, training_args.output_dir)
@@ -316,6 +328,20 @@ def restore_base_path(trained, model, model_path: str) -> None:
     model.name_or_path = model.config._name_or_path = model_path
     for config in (getattr(trained, "peft_config", None) or {}).values():
         config.base_model_name_or_path = model_path
+
+
+def stored_image_embeddings(reward, index, args, train_data, eval_data) -> tuple[int, int]:
+    """The reward's image cache filled from the train and eval files' embedding stores (rl.image_embeddings):
+    (questions whose image has a stored embedding, questions)."""
+    from rl.image_embeddings import preload_reward_cache
+
+    covered = total = 0
+    for path, data in ((args.train_file, train_data), (args.eval_file, eval_data)):
+        if data is not None:
+            root = Path(args.images_root or Path(path).parent)
+            covered += preload_reward_cache(reward.image_cache, path, data["image_path"], root, index.manifest)
+            total += len(data)
+    return covered, total
 
 
 def warn_absent_entities(index, data, name: str) -> None:

@@ -5,6 +5,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -91,3 +92,26 @@ def test_gate_data_sampling_on_two_processes_equals_one(tiny_gate_vlm, tiny_worl
     one = list(read_jsonl(tmp_path / "one" / "samples.jsonl"))
     assert list(read_jsonl(tmp_path / "two" / "samples.jsonl")) == one and len(one) == 6
     assert len({s for r in one for s in r["samples"]}) > 1  # real samples, not one repeated string
+
+
+def test_rl_data_on_two_processes_equals_one(tiny_world, tiny_index_dir, tmp_path):
+    """The baseline retrieval and the sampled images' embeddings split over two processes: the same RL file, skip
+    list and embedding store as one process."""
+    from retrieval.index import MultimodalIndex
+    from rl.data import RLDataArgs, build_rl_data
+    from rl.image_embeddings import load_store
+
+    config = dict(queries=str(tiny_world / "train.jsonl"), index=str(tiny_index_dir), alpha=0.5, seed=1,
+                  strata="1-5:3,6-24:100", batch_size=8, images_root=str(tiny_world), workers=0)
+    build_rl_data(RLDataArgs(**config, out=str(tmp_path / "one.jsonl")), **QUIET)
+    proc = torchrun_module("rl.data", {**config, "out": str(tmp_path / "two.jsonl")}, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    log = proc.stdout + proc.stderr
+    assert "process 1/2" in log and "24 to go here" in log  # 48 questions, 6 batches of 8: 3 each
+    assert (tmp_path / "two.jsonl").read_text() == (tmp_path / "one.jsonl").read_text()
+    assert (tmp_path / "two.jsonl.skipped.jsonl").read_text() == (tmp_path / "one.jsonl.skipped.jsonl").read_text()
+    manifest = MultimodalIndex.load(tiny_index_dir).manifest
+    one, two = load_store(tmp_path / "one.jsonl", manifest), load_store(tmp_path / "two.jsonl", manifest)
+    assert one.keys() == two.keys() and one
+    for image in one:
+        np.testing.assert_allclose(two[image], one[image], atol=1e-6)

@@ -88,11 +88,11 @@ def is_vision(name: str) -> bool:
 
 
 def encoder_elements(output: str) -> dict[int, int]:
-    """``rank R: index: … encoders (N parameter elements here)`` → {R: N}."""
+    """``rank R: index: … N encoder(s) (E parameter elements here)`` → {R: E}."""
     import re
 
     return {int(r): int(n.replace(",", "")) for r, n in
-            re.findall(r"rank (\d+): index: [\d,]+ rows, encoders \(([\d,]+) parameter elements here\)", output)}
+            re.findall(r"rank (\d+): index: [\d,]+ rows, \d encoder\(s\) \(([\d,]+) parameter elements here\)", output)}
 
 
 def check_saved_engine_weights(run: Path, steps: int, stage: int, output: str, start_model: Path, encoders) -> None:

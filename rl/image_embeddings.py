@@ -1,0 +1,171 @@
+"""Question-image embeddings computed once, stored beside the question file, loaded by the trainer.
+
+    accelerate launch [--num_processes N] -m rl.image_embeddings --queries rl_train.jsonl --index DIR [--images_root R]
+
+The reward's image side is the query image's embedding, which never changes during training. Embedded once here (the
+images decoded by DataLoader workers, the job split over processes and resumable, retrieval.job_parts), they are
+stored in ``<queries>.image-embeddings/<encoder>/`` and the trainer fills the reward's cache from them: when every
+train and eval image has one, it never builds the image encoder (for the paper's EVA-CLIP-8B, ~15 GB of fp16 weights
+per training GPU). ``python -m rl.data`` writes the store for the questions it samples.
+
+Store folder (written whole at the end of the job, ``manifest.json`` last):
+    embeddings.npy   float32 (n, dim), the image encoder's L2-normalised output, row i ↔ images[i]
+    images.json      each image as the question file names it (its ``image`` field, relative to the images root)
+    manifest.json    image encoder and image processor (the index's), dim, count, unreadable images
+The folder is named after the encoder and its image processor, so a file can hold stores for several encoders; a
+store is used only for an index built with the same ones.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from retrieval.cli import require_file, require_index
+from retrieval.files import read_jsonl, write_json_atomic, write_text_atomic
+from retrieval.job_parts import JobParts
+
+EMBEDDINGS_FILE = "embeddings.npy"
+IMAGES_FILE = "images.json"
+MANIFEST_FILE = "manifest.json"
+WORK_FILE = "work.jsonl"  # the resumable job's records (base64 float32), removed once the store is written
+
+
+def encoder_identity(manifest: dict) -> dict:
+    """What makes two embeddings of one image comparable: the index's image encoder and image processor."""
+    return {"image_encoder": manifest["image_encoder"], "image_processor": manifest.get("image_processor")}
+
+
+def store_dir(queries: str | Path, manifest: dict) -> Path:
+    """``<queries>.image-embeddings/<encoder slug>-<8 hex of encoder + processor>``."""
+    ident = encoder_identity(manifest)
+    digest = hashlib.sha1(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:8]
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", ident["image_encoder"]).strip("_")[:60]
+    queries = Path(queries)
+    return queries.with_name(f"{queries.name}.image-embeddings") / f"{slug}-{digest}"
+
+
+def load_store(queries: str | Path, manifest: dict) -> dict[str, np.ndarray]:
+    """{image (as the question file names it): embedding} from the store for this index's encoder; {} when none."""
+    folder = store_dir(queries, manifest)
+    if not (folder / MANIFEST_FILE).exists():
+        return {}
+    meta = json.loads((folder / MANIFEST_FILE).read_text())
+    if {k: meta.get(k) for k in encoder_identity(manifest)} != encoder_identity(manifest):
+        raise ValueError(f"{folder}: embeddings of {meta.get('image_encoder')!r} / {meta.get('image_processor')!r}, "
+                         f"but the index uses {manifest['image_encoder']!r} / {manifest.get('image_processor')!r}")
+    images = json.loads((folder / IMAGES_FILE).read_text())
+    emb = np.load(folder / EMBEDDINGS_FILE, allow_pickle=False)
+    if emb.shape != (len(images), int(manifest["image_dim"])):
+        raise ValueError(f"{folder}: {EMBEDDINGS_FILE} has shape {emb.shape}, expected ({len(images)}, "
+                         f"{manifest['image_dim']}) for {IMAGES_FILE} and the index; delete the folder and re-embed")
+    return dict(zip(images, emb))
+
+
+def write_store(folder: Path, vectors: dict[str, np.ndarray], unreadable: dict[str, str], manifest: dict) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / MANIFEST_FILE).unlink(missing_ok=True)  # the store is incomplete until the manifest is back
+    images = sorted(vectors)
+    tmp = folder / f".{EMBEDDINGS_FILE}.tmp.npy"
+    np.save(tmp, np.stack([vectors[i] for i in images]).astype(np.float32) if images
+            else np.zeros((0, int(manifest["image_dim"])), np.float32), allow_pickle=False)
+    tmp.replace(folder / EMBEDDINGS_FILE)
+    write_text_atomic(folder / IMAGES_FILE, json.dumps(images))
+    write_json_atomic(folder / MANIFEST_FILE, {**encoder_identity(manifest), "dim": int(manifest["image_dim"]),
+                                               "count": len(images), "unreadable": unreadable})
+
+
+def encoded(vector: np.ndarray) -> str:
+    return base64.b64encode(np.ascontiguousarray(vector, dtype="<f4").tobytes()).decode()
+
+
+def decoded(text: str) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(text), dtype="<f4").copy()
+
+
+def embed_images(queries: str | Path, images: list[str], root: Path, index, state=None, batch_size: int = 256,
+                 workers: int = 0, log=print) -> Path:
+    """Embed ``images`` (paths relative to ``root``) into the store beside ``queries`` for ``index``'s image encoder:
+    what the store already holds is kept, the rest is split over the processes of ``state`` in batches (resumable:
+    an interrupted job goes on from its work file), and process 0 writes the store whole. Returns the folder."""
+    from tqdm import tqdm
+
+    folder = store_dir(queries, index.manifest)
+    have = load_store(queries, index.manifest)
+    wanted = list(dict.fromkeys(str(i) for i in images))
+    todo = [{"id": i} for i in wanted if i not in have]
+    if not todo:
+        log(f"question-image embeddings: all {len(wanted)} images already in {folder}")
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    parts = JobParts(folder / WORK_FILE, state)
+    batches = parts.start(todo, batch_size)
+    log(f"question-image embeddings ({index.manifest['image_encoder']}), {parts.status}")
+    with tqdm(total=parts.mine, desc="embedding question images", unit="img", disable=not parts.mine) as bar:
+        for batch in batches:
+            emb, failed = index.encode_image_files([root / r["id"] for r in batch], workers)
+            vectors = iter(emb)
+            parts.append([{"id": r["id"], "problem": failed[j]} if j in failed else
+                          {"id": r["id"], "embedding": encoded(next(vectors))} for j, r in enumerate(batch)])
+            bar.update(len(batch))
+    if parts.finish(todo):
+        vectors, unreadable = dict(have), {}
+        for rec in read_jsonl(parts.out):
+            if "embedding" in rec:
+                vectors[rec["id"]] = decoded(rec["embedding"])
+            else:
+                unreadable[rec["id"]] = rec["problem"]
+        write_store(folder, vectors, unreadable, index.manifest)
+        parts.out.unlink()
+        log(f"question-image embeddings: {len(vectors)} images in {folder}"
+            + (f"; {len(unreadable)} unreadable (listed in its {MANIFEST_FILE})" if unreadable else ""))
+    parts.barrier("process 0 wrote the question-image embeddings")
+    return folder
+
+
+def preload_reward_cache(cache: dict, queries: str | Path, image_paths: list[str], root: Path,
+                         manifest: dict) -> int:
+    """Put the stored embeddings of these questions' images into the reward's cache (keyed ``path:<absolute>``, as
+    ``rewards.retrieval.image_keys`` keys them); returns how many of ``image_paths`` (absolute) now have one."""
+    stored = load_store(queries, manifest)
+    for image, vector in stored.items():
+        cache.setdefault(f"path:{(root / image).resolve()}", vector)
+    return sum(f"path:{p}" in cache for p in image_paths)
+
+
+@dataclass
+class EmbedArgs:
+    queries: str = field(default=None, metadata={"help": "question JSONL whose images to embed"})
+    index: str = field(default=None, metadata={"help": "index directory (its image encoder is used)"})
+    images_root: str = field(default=None, metadata={"help": "default: the queries file's folder"})
+    batch_size: int = field(default=256, metadata={"help": "images per batch (and per unit of resumed work)"})
+    workers: int = field(default=None, metadata={"help": "DataLoader processes decoding images (default: usable "
+                                                         "cores ÷ processes on this node)"})
+    device: str = field(default=None, metadata={"help": "cuda / cuda:N / cpu (default: this process's own)"})
+
+
+def main(argv=None) -> None:
+    from retrieval.cli import parse
+    from retrieval.index import MultimodalIndex
+    from retrieval.placement import decode_workers, process_state
+
+    (args,) = parse((EmbedArgs,), argv, description=__doc__)
+    require_file(args.queries, "queries")
+    require_index(args.index)
+    state = process_state(args.device)
+    index = MultimodalIndex.load(args.index, device=str(state.device))
+    rows = list(read_jsonl(args.queries))
+    embed_images(args.queries, [r["image"] for r in rows], Path(args.images_root or Path(args.queries).parent), index,
+                 state, args.batch_size, decode_workers(args.workers))
+
+
+if __name__ == "__main__":
+    from retrieval.cli import run
+
+    run(main)

@@ -1,0 +1,136 @@
+"""Question-image embeddings stored once (rl.image_embeddings) and rl.data's resumable baseline retrieval; the
+trainer without an image encoder when every image has a stored embedding."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from retrieval.files import read_jsonl, write_jsonl_atomic
+from rl.image_embeddings import embed_images, load_store, store_dir
+
+QUIET = dict(log=lambda *a: None)
+
+
+@pytest.fixture()
+def index(tiny_index_dir, encoders):
+    from retrieval.index import MultimodalIndex
+
+    return MultimodalIndex.load(tiny_index_dir, *encoders)
+
+
+class Interrupted(Exception):
+    pass
+
+
+def interrupt_after(index, monkeypatch, calls: int) -> list:
+    """``index.encode_image_files`` that raises on call ``calls + 1`` (a crash mid-job); returns the batch sizes it
+    encoded."""
+    real, seen = type(index).encode_image_files.__get__(index), []
+
+    def encode(paths, *a, **k):
+        if len(seen) == calls:
+            raise Interrupted
+        seen.append(len(paths))
+        return real(paths, *a, **k)
+
+    monkeypatch.setattr(index, "encode_image_files", encode)
+    return seen
+
+
+def test_stored_embeddings_are_the_encoders_and_an_interrupted_job_resumes(tiny_world, index, tmp_path, monkeypatch):
+    from PIL import Image
+
+    rows = list(read_jsonl(tiny_world / "train.jsonl"))[:10]
+    queries = tmp_path / "q.jsonl"
+    write_jsonl_atomic(queries, rows)
+    images = [r["image"] for r in rows]
+    seen = interrupt_after(index, monkeypatch, 2)
+    with pytest.raises(Interrupted):
+        embed_images(queries, images, tiny_world, index, batch_size=3, **QUIET)
+    assert seen == [3, 3] and load_store(queries, index.manifest) == {}  # no store until the job is whole
+    seen = interrupt_after(index, monkeypatch, 99)
+    folder = embed_images(queries, images, tiny_world, index, batch_size=3, **QUIET)
+    assert seen == [3, 1]  # only the 4 images the interrupted job had not done
+    stored = load_store(queries, index.manifest)
+    assert set(stored) == set(images) and folder == store_dir(queries, index.manifest)
+    assert not (folder / "work.jsonl").exists() and json.loads((folder / "manifest.json").read_text())["count"] == 10
+    direct = index.encode_images([Image.open(tiny_world / i) for i in images])
+    np.testing.assert_allclose(np.stack([stored[i] for i in images]), direct, atol=1e-5)
+    interrupt_after(index, monkeypatch, 0)
+    embed_images(queries, images, tiny_world, index, **QUIET)  # everything stored: nothing encoded, nothing raised
+    (tmp_path / "broken.png").write_bytes(b"not a png")
+    interrupt_after(index, monkeypatch, 99)
+    embed_images(queries, [*images, str(tmp_path / "broken.png")], tiny_world, index, **QUIET)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["count"] == 10 and list(manifest["unreadable"]) == [str(tmp_path / "broken.png")]
+    assert set(load_store(queries, index.manifest)) == set(images)  # the ten kept, the broken one listed
+
+
+def test_a_store_of_another_encoder_is_refused(tiny_world, index, tmp_path):
+    rows = list(read_jsonl(tiny_world / "train.jsonl"))[:2]
+    write_jsonl_atomic(tmp_path / "q.jsonl", rows)
+    folder = embed_images(tmp_path / "q.jsonl", [r["image"] for r in rows], tiny_world, index, **QUIET)
+    other = {**index.manifest, "image_processor": "another"}
+    assert load_store(tmp_path / "q.jsonl", other) == {}  # another encoder's store is another folder
+    shutil.copytree(folder, store_dir(tmp_path / "q.jsonl", other))
+    with pytest.raises(ValueError, match="but the index uses"):
+        load_store(tmp_path / "q.jsonl", other)
+
+
+def test_rl_data_resumes_its_baseline_retrieval_and_stores_the_sampled_images(tiny_world, tiny_index_dir, index,
+                                                                               tmp_path, monkeypatch):
+    import retrieval.index as ri
+    from rl.data import RLDataArgs, build_rl_data
+
+    monkeypatch.setattr(ri.MultimodalIndex, "load", lambda *a, **k: index)
+    args = dict(queries=str(tiny_world / "train.jsonl"), index=str(tiny_index_dir), alpha=0.5, seed=1,
+                strata="1-5:3,6-24:100", batch_size=10, images_root=str(tiny_world))
+    build_rl_data(RLDataArgs(**args, out=str(tmp_path / "ref.jsonl")), **QUIET)  # uninterrupted
+    out = tmp_path / "o.jsonl"
+    seen = interrupt_after(index, monkeypatch, 2)
+    with pytest.raises(Interrupted):
+        build_rl_data(RLDataArgs(**args, out=str(out)), **QUIET)
+    assert len(list(read_jsonl(f"{out}.baseline.jsonl.part0"))) == 20 and not out.exists()  # its part file
+    with pytest.raises(ValueError, match="interrupted run with other settings"):
+        build_rl_data(RLDataArgs(**{**args, "alpha": 0.7}, out=str(out)), **QUIET)
+    seen = interrupt_after(index, monkeypatch, 99)
+    build_rl_data(RLDataArgs(**args, out=str(out)), **QUIET)
+    assert seen[:3] == [10, 10, 8]  # 48 questions in batches of 10: the 28 the interrupted run had not ranked
+    assert out.read_text() == (tmp_path / "ref.jsonl").read_text()
+    assert not list(tmp_path.glob("o.jsonl.baseline*"))
+    sampled = list(read_jsonl(out))
+    assert set(load_store(out, index.manifest)) == {r["image"] for r in sampled}  # what the trainer will read
+
+
+def test_the_trainer_builds_no_image_encoder_when_every_image_is_stored(config, tiny_world, tiny_index_dir, index,
+                                                                        tmp_path, monkeypatch, capsys):
+    """Two one-step runs from the same seed: with every train and eval image stored, the image encoder factory is
+    never called (it would raise) and the rewards are those of the run that encoded the images itself."""
+    import retrieval.index as ri
+    import rl.train_grpo as tg
+
+    train, val = tmp_path / "train.jsonl", tmp_path / "val.jsonl"
+    shutil.copy(tiny_world / "train.jsonl", train)
+    write_jsonl_atomic(val, list(read_jsonl(tiny_world / "val.jsonl"))[:4])
+    run = dict(train_file=str(train), eval_file=str(val), images_root=str(tiny_world), max_steps=1,
+               eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=8)
+    encoded = tg.main(config(**run, output_dir=str(tmp_path / "encoded")))
+    assert "the image encoder (tiny) is built on every process" in capsys.readouterr().out
+    for queries in (train, val):
+        embed_images(queries, [r["image"] for r in read_jsonl(queries)], tiny_world, index, **QUIET)
+
+    def no_image_encoder(*a, **k):
+        raise AssertionError("the image encoder was built")
+
+    monkeypatch.setattr(ri, "image_encoder", no_image_encoder)
+    stored = tg.main(config(**run, output_dir=str(tmp_path / "stored")))
+    said = capsys.readouterr().out
+    assert "all 52 train/eval images stored" in said and "the image encoder is not built" in said
+    keys = ["rewards/retrieval_reward/mean", "retrieval/hit@1", "eval_retrieval/hit@1", "eval_reward"]
+    for a, b in zip(encoded["log_history"], stored["log_history"]):
+        for k in keys:
+            if k in a:
+                assert b[k] == pytest.approx(a[k], abs=1e-6), k
+    assert sum(k in h for h in stored["log_history"] for k in keys) == 4
