@@ -377,6 +377,20 @@ class MultimodalIndex:
                 ranks_of([Ranked(rk.entities[:depth], rk.rows[:depth], rk.scores[:depth]) for rk in ranked],
                          [self.entity_index.get(e, -1) for e in entity_ids]))
 
+    def top_entities(self, images, texts, alpha: float, k: int) -> list[list[str]]:
+        """The ``k`` best entity ids per query. Where the reward ranks exactly (a GPU), from the exact ranker's
+        per-entity scores on this device — no scan of the memory-mapped FAISS index on the CPU; elsewhere FAISS's
+        top-k (``search``)."""
+        alpha, k = check_alpha(alpha), check_k(k)
+        if not self.uses_exact_ranks:
+            return [[h.entity_id for h in hits] for hits in self.search(images, texts, alpha, k)]
+        import torch
+
+        q, _ = query_vectors(self._as_image_emb(images), self._as_text_emb(texts), alpha)
+        scores = self.exact.entity_scores(torch.as_tensor(q, device=self.exact.device))
+        top = scores.topk(min(k, self.num_entities), dim=1).indices.cpu().numpy()
+        return [[str(self.entity_names[e]) for e in row] for row in top]
+
     def _hits(self, ranked: Ranked, k: int) -> list[Hit]:
         return [Hit(str(self.entity_names[e]), self.entry_ids[r], float(s))
                 for e, r, s in zip(ranked.entities[:k], ranked.rows[:k], ranked.scores[:k])]

@@ -156,19 +156,22 @@ class RefinerMonitor(TrainerCallback):
     # -------------------------------------------------------------- completions table
 
     def rows(self) -> list[dict]:
-        last, fmt = self.retrieval.last, self.format.last
-        rows = []
-        for i, rec in enumerate(last[: self.max_rows]):
-            top = []
-            if rec["query"] is not None and rec["image_key"] in self.retrieval.image_cache:
-                import numpy as np
+        """The latest completions (at most ``max_rows``) with their gold title, top-3 retrieved titles (one batched
+        ``index.top_entities`` call: the exact ranker's scores on a GPU) and rewards."""
+        import numpy as np
 
-                hits = self.retrieval.index.search(np.stack([self.retrieval.image_cache[rec["image_key"]]]),
-                                                   [rec["query"]],
-                                                   alpha=self.retrieval.alpha, k=3)[0]
-                top = [self.retrieval.index.entity_titles.get(h.entity_id) or h.entity_id for h in hits]
+        last, fmt, index = self.retrieval.last[: self.max_rows], self.format.last, self.retrieval.index
+        ranked = [i for i, rec in enumerate(last)
+                  if rec["query"] is not None and rec["image_key"] in self.retrieval.image_cache]
+        tops = index.top_entities(np.stack([self.retrieval.image_cache[last[i]["image_key"]] for i in ranked]),
+                                  [last[i]["query"] for i in ranked], alpha=self.retrieval.alpha, k=3) \
+            if ranked else []
+        top_of = dict(zip(ranked, tops))
+        rows = []
+        for i, rec in enumerate(last):
+            top = [index.entity_titles.get(e) or e for e in top_of.get(i, [])]
             f = fmt[i] if i < len(fmt) else None
-            rows.append({**rec, "gold_title": self.retrieval.index.entity_titles.get(rec["entity_id"], rec["entity_id"]),
+            rows.append({**rec, "gold_title": index.entity_titles.get(rec["entity_id"], rec["entity_id"]),
                          "top3": top, "format_reward": f, "retrieval_reward": rec["reward"],
                          "total_reward": None if f is None else f + rec["reward"]})
         return rows

@@ -193,7 +193,7 @@ def main(argv=None) -> dict:
     )
     from rl.monitor import PhaseProgress, RefinerMonitor, TimedReward, setup_wandb, use_phase_progress
     from rl.run_record import write_run_record
-    from rl.vllm_prompts import fix_colocated_vllm_prompts
+    from rl.vllm_prompts import fix_colocated_vllm_prompts, probe_vllm_prompt
 
     # TRL 1.16 reads model.is_gradient_checkpointing (deprecated in transformers 5.23) at every generation: its own
     # call, nothing a user can change
@@ -305,6 +305,10 @@ def main(argv=None) -> dict:
     if fix_colocated_vllm_prompts(trainer, model.config.image_token_id):
         say("colocated vLLM receives one image placeholder per image and expands it itself (TRL 1.16 would hand it "
             "the processor's expanded ids: rl/vllm_prompts.py); the trainer keeps its own prompt ids")
+    if training_args.use_vllm:  # what vLLM samples from must be the prompt the trainer scores, or no training
+        probe = probe_vllm_prompt(trainer, processor, budget)
+        say(f"vLLM probe: a {probe['probe_size']} image gives a {probe['prompt_tokens']}-token prompt with image-token "
+            f"runs {probe['image_tokens']} in vLLM, as in the trainer's prompt")
     if args.freeze_vision_tower:
         leaked = trainable_names(vision_tower(trainer.model))
         if leaked:

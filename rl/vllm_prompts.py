@@ -13,6 +13,12 @@ completions against the correct prompt (TRL keeps its own prompt ids and discard
 receives; ``collapse_vllm_prompts`` wraps a colocated ``LLM.generate`` so every prompt with images is sent that way.
 The trainer's own prompt ids are untouched. The pure function is tested with hypothesis; the wrapper at TRL's own
 call site with vLLM's ``LLM`` replaced by a recording stand-in (tests/test_vllm_prompts.py).
+
+``probe_vllm_prompt`` checks the result at start-up, whatever TRL or vLLM version is installed: one probe image
+through TRL's own ``vllm_generation.generate`` (colocate or server), and the prompt vLLM reports having sampled from
+must have the trainer's length and image-token runs, or training is refused. Server mode needs no wrapper in TRL
+1.16: the server processes the images on their own and places their features at the trainer's own runs of image
+tokens (``VLLMGeneration._place_features``); the probe checks it on the real server.
 """
 
 from __future__ import annotations
@@ -70,3 +76,26 @@ def fix_colocated_vllm_prompts(trainer, image_token_id: int) -> bool:
     if not hasattr(llm.generate, "wrapped"):
         llm.generate = collapse_vllm_prompts(llm.generate, image_token_id)
     return True
+
+
+def probe_vllm_prompt(trainer, processor, budget: dict | None) -> dict | None:
+    """Every process: a probe image larger than the budget, tokenized by the trainer's processor as TRL tokenizes a
+    rollout prompt, generated from through TRL's own ``vllm_generation.generate``; the prompt token ids vLLM reports
+    must equal the trainer's in length and in their runs of image tokens. Returns what was compared (None without
+    vLLM); raises RuntimeError on a mismatch, before any training step."""
+    from rl.image_budget import image_token_count, probe_image
+
+    generation = getattr(trainer, "vllm_generation", None)
+    if generation is None:
+        return None
+    image = probe_image(budget)
+    ids = [int(t) for t in image_token_count(processor, image)[2]["input_ids"][0]]
+    pad = processor.tokenizer.convert_tokens_to_ids(getattr(processor, "image_token", "<|image_pad|>"))
+    sampled_from = [int(t) for t in generation.generate(prompts=[ids], images=[[image]], num_generations=1)[0][0]]
+    ours, theirs = image_runs(ids, pad), image_runs(sampled_from, pad)
+    if len(sampled_from) != len(ids) or ours != theirs:
+        raise RuntimeError(f"vLLM ({generation.mode}) samples from another prompt than the trainer scores: for a "
+                           f"{image.size} probe image its prompt has {len(sampled_from)} tokens with image-token "
+                           f"runs {theirs}, the trainer's {len(ids)} with {ours} (TRL issue #6294: check the TRL and "
+                           f"vLLM versions against the pins in pyproject.toml)")
+    return {"probe_size": list(image.size), "prompt_tokens": len(ids), "image_tokens": ours}

@@ -163,3 +163,22 @@ def test_batch_metrics_table():
     assert m["retrieval/query_tokens"] == pytest.approx((2 + 1 + 4) / 3)
     assert m["retrieval/same_as_question"] == 0.25
     assert np.isfinite(list(m.values())).all()
+
+
+def test_the_completions_tables_top3_comes_from_the_exact_ranker_where_it_ranks(tiny_index, batch, monkeypatch):
+    """On the GPU path (exact ranks) the table's top-3 is the exact ranker's per-entity scores: FAISS is never
+    searched, and the titles are FAISS's top-3 all the same."""
+    from rl.monitor import RefinerMonitor, TimedReward
+
+    rows, images = batch
+    reward, fmt = RetrievalReward(tiny_index, alpha=0.3), TimedReward(lambda **k: [1.0] * (len(rows) * G))
+    queries = [f"a query {i}" for i in range(len(rows) * G)]
+    trl_call(reward, rows, [format_completion(q) for q in queries], images)
+    fmt(completions=queries)
+    monitor = RefinerMonitor(reward, fmt, [fmt], table_steps=1, output_dir=".")
+    monkeypatch.setattr(tiny_index, "rank_method", "search")
+    by_faiss = [r["top3"] for r in monitor.rows()]
+    monkeypatch.setattr(tiny_index, "rank_method", "exact")
+    monkeypatch.setattr(tiny_index.faiss, "search", lambda *a: pytest.fail("FAISS searched"), raising=False)
+    by_exact = [r["top3"] for r in monitor.rows()]
+    assert by_exact == by_faiss and len(by_exact) == len(queries) and all(len(t) == 3 for t in by_exact)

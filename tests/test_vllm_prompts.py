@@ -50,8 +50,27 @@ class RecordingLLM:
     def generate(self, prompts, sampling_params=None, use_tqdm=False):
         self.calls.append(prompts)
         logprob = SimpleNamespace(logprob=-0.5, rank=1)
-        return [SimpleNamespace(prompt_token_ids=p["prompt_token_ids"], outputs=[SimpleNamespace(
+        return [SimpleNamespace(prompt_token_ids=self.expanded(p), outputs=[SimpleNamespace(
             token_ids=list(self.answer), logprobs=[{t: logprob} for t in self.answer])]) for p in prompts]
+
+    def expanded(self, prompt: dict) -> list[int]:
+        """The prompt vLLM reports having sampled from: for the i-th image, the i-th ``<|image_pad|>`` replaced by the
+        image's N tokens, N from the HF processor of the folder vLLM loads (vLLM's Qwen2-VL prompt replacement,
+        which targets a single pad: an already expanded run of N becomes 2N−1)."""
+        from transformers import AutoProcessor
+
+        images = (prompt.get("multi_modal_data") or {}).get("image")
+        if images is None:
+            return list(prompt["prompt_token_ids"])
+        proc = AutoProcessor.from_pretrained(self.kwargs["model"])
+        pad = proc.tokenizer.convert_tokens_to_ids(proc.image_token)
+        merge = proc.image_processor.merge_size ** 2
+        sizes = [int(proc.image_processor(images=[im])["image_grid_thw"][0].prod()) // merge
+                 for im in (images if isinstance(images, list) else [images])]
+        out = []
+        for t in prompt["prompt_token_ids"]:
+            out += [pad] * sizes.pop(0) if t == pad and sizes else [t]
+        return out
 
     def sleep(self, level=1):
         pass
@@ -98,8 +117,11 @@ def test_colocated_vllm_receives_one_placeholder_per_image(config, recording_vll
     (llm,) = RecordingLLM.instances
     assert llm.kwargs["model"].endswith("vllm-model")  # the policy's folder with the training image budget
     pad = tok.convert_tokens_to_ids("<|image_pad|>")
-    sent = [p for call in llm.calls for p in call]
-    assert len(llm.calls) == 2 and len(sent) == len(trainer_prompts) == 2 * 8  # 2 steps × 2 prompts × 4 generations
+    (probe,), *steps = llm.calls  # the start-up probe first, as one prompt through TRL's generate, then the steps
+    # the probe (261×224 px, over the 112² budget) is 12 image tokens in the trainer's prompt, one pad for vLLM
+    assert image_runs(probe["prompt_token_ids"], pad) == [1] and image_runs(trainer_prompts.pop(0), pad) == [12]
+    sent = [p for call in steps for p in call]
+    assert len(steps) == 2 and len(sent) == len(trainer_prompts) == 2 * 8  # 2 steps × 2 prompts × 4 generations
     questions = {json.loads(x)["question"] for x in open(tiny_world / "train.jsonl")}
     for prompt, trainers in zip(sent, trainer_prompts):
         ids = prompt["prompt_token_ids"]
@@ -111,7 +133,23 @@ def test_colocated_vllm_receives_one_placeholder_per_image(config, recording_vll
     # the trainer kept its expanded prompt: the loss ran on the completions the stand-in gave
     assert [h["step"] for h in result["log_history"] if "loss" in h] == [1, 2]
     assert llm.loaded  # the policy's weights were pushed to the engine before generating
-    assert "colocated vLLM receives one image placeholder per image" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "colocated vLLM receives one image placeholder per image" in said
+    assert "vLLM probe: a [261, 224] image gives a" in said and "-token prompt with image-token runs [12] in vLLM, as " \
+        "in the trainer's" in said
+
+
+def test_training_is_refused_when_vllm_would_sample_from_another_prompt(config, recording_vllm, tmp_path,
+                                                                        monkeypatch):
+    """Without the one-placeholder fix, the start-up probe sees vLLM expand the trainer's 12 pads into 23 (2N−1) and stops
+    the run before any training step."""
+    import rl.train_grpo as tg
+
+    monkeypatch.setattr("rl.vllm_prompts.fix_colocated_vllm_prompts", lambda *a: False)
+    with pytest.raises(RuntimeError, match=r"its prompt has \d+ tokens with image-token runs \[23\], the trainer's "
+                                           r"\d+ with \[12\]"):
+        tg.main(config(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=False, max_steps=1))
+    assert not list((tmp_path / "run").glob("checkpoint-*")) and not (tmp_path / "run" / "final").exists()
 
 
 def test_a_lora_adapter_trained_with_vllm_names_the_real_base_model(config, recording_vllm, tiny_refiner, tmp_path):
