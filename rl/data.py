@@ -280,7 +280,6 @@ def _plot(report: dict, path: str) -> None:
 
 def main(argv=None) -> None:
     from retrieval.cli import parse
-
     from retrieval.placement import process_state
 
     (args,) = parse((RLDataArgs,), argv, description=__doc__)
