@@ -51,6 +51,7 @@ class RetrievalReward:
         self.images: dict[str, object] = {}  # the latest call's images by image key (for tables)
         self.completions_log = completions_log  # a JSONL file every scored completion is appended to, or None
         self.mode = lambda: "train"  # the trainer sets this to tell evaluation calls apart
+        self.totals: dict[str, dict[str, list[float]]] = {}  # mode → metric → [sum, count] since the last take
 
     # ------------------------------------------------------------------ image embeddings
 
@@ -122,11 +123,18 @@ class RetrievalReward:
             step = None if state is None else state.global_step + 1
             append_jsonl(self.completions_log, [{"step": step, "mode": self.mode(), **{k: v for k, v in r.items()
                                                  if k != "question"}} for r in self.last])
-        if log_metric is not None:
-            for name, values in completion_metrics(queries, ranks, questions).items():
-                for value in values:
-                    log_metric(name, value)
+        totals = self.totals.setdefault(self.mode(), {})
+        for name, values in completion_metrics(queries, ranks, questions).items():
+            total = totals.setdefault(name, [0.0, 0])
+            total[0] += sum(values)
+            total[1] += len(values)
+            for value in values if log_metric is not None else ():
+                log_metric(name, value)
         return rewards
+
+    def take_totals(self, mode: str) -> dict[str, list[float]]:
+        """{metric: [sum, count]} over this process's completions in ``mode`` since the last take (then reset)."""
+        return self.totals.pop(mode, {})
 
 
 def image_keys(paths: list | None, images: list) -> list[str]:

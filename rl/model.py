@@ -161,3 +161,28 @@ def exclude_vision_tower(model, peft_config):
         pattern = "|".join([pattern] + ([existing] if isinstance(existing, str) else [re.escape(e) for e in existing]))
     peft_config.exclude_modules = pattern
     return peft_config
+
+
+GB = 1e9
+
+
+def ddp_full_finetune_bytes(total: int, trained: int, vllm_bytes: float = 0.0, index_bytes: float = 0.0,
+                            encoder_bytes: float = 0.0) -> dict[str, float]:
+    """Bytes one GPU holds for full fine-tuning without DeepSpeed (every rank a whole replica, fp32 masters), by item;
+    activations are not counted, so the sum is a lower bound. ``total`` / ``trained``: parameter counts."""
+    return {"weights, fp32": 4.0 * total, "gradients, fp32": 4.0 * trained,
+            "DDP's gradient buckets (a second copy)": 4.0 * trained, "Adam m and v, fp32": 8.0 * trained,
+            "colocated vLLM": float(vllm_bytes), "index replica": float(index_bytes),
+            "reward encoders": float(encoder_bytes)}
+
+
+def check_fits(parts: dict[str, float], device_bytes: float, what: str) -> float:
+    """Refuse, itemised, when ``parts`` (a lower bound: activations come on top) exceed the device's memory; returns
+    the sum."""
+    need = sum(parts.values())
+    if need > device_bytes:
+        items = "; ".join(f"{k} {v / GB:.1f}" for k, v in parts.items() if v)
+        raise ValueError(f"{what} cannot fit on this GPU: at least {need / GB:.1f} GB before activations ({items}) "
+                         f"against {device_bytes / GB:.1f} GB. Use DeepSpeed (configs/accelerate/zero2.yaml or "
+                         f"zero3.yaml), or LoRA (--use_peft)")
+    return need

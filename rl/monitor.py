@@ -92,6 +92,32 @@ def use_phase_progress(trainer, progress: PhaseProgress) -> None:
     trainer.add_callback(progress)
 
 
+def use_exact_metric_means(trainer, reward) -> None:
+    """At each log, the reward's metrics as exact means over every completion since the last log, on all processes.
+
+    TRL 1.16 pools (sum, count) over processes per generation batch but then averages those batch figures at each
+    log: for a per-hit metric (mean hit rank) or a partial last batch that is a mean of batch means, not the mean
+    over completions (evaluation scores many batches per log). Before TRL's ``log`` averages, each such metric's
+    batch figures are replaced by the one exact figure: this process's (sum, count) from the reward, summed over
+    every process (a collective: ``log`` runs on every process)."""
+    import torch
+    from accelerate.utils import gather_object
+
+    log = trainer.log
+
+    def log_with_exact_means(logs, *args, **kwargs):
+        mode = "train" if trainer.model.training else "eval"
+        totals = reward.take_totals(mode)
+        for name in sorted(set(gather_object(list(totals)))):
+            local = torch.tensor(totals.get(name, [0.0, 0]), dtype=torch.float64, device=trainer.accelerator.device)
+            total, count = trainer.accelerator.gather(local).view(-1, 2).sum(dim=0).tolist()
+            if count:
+                trainer._metrics[mode][name] = [total / count]
+        return log(logs, *args, **kwargs)
+
+    trainer.log = log_with_exact_means
+
+
 class TimedReward:
     """Wraps a TRL reward function, adding up the seconds spent in it; keeps the name TRL logs it under."""
 

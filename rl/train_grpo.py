@@ -179,9 +179,10 @@ def main(argv=None) -> dict:
         check_budget,
         check_image_tokens,
         check_same_image_tokens,
-        vllm_model_folder,
     )
     from rl.model import (
+        check_fits,
+        ddp_full_finetune_bytes,
         exclude_vision_tower,
         freeze_vision_tower,
         load_model,
@@ -191,7 +192,14 @@ def main(argv=None) -> dict:
         vision_tower,
         zero_stage,
     )
-    from rl.monitor import PhaseProgress, RefinerMonitor, TimedReward, setup_wandb, use_phase_progress
+    from rl.monitor import (
+        PhaseProgress,
+        RefinerMonitor,
+        TimedReward,
+        setup_wandb,
+        use_exact_metric_means,
+        use_phase_progress,
+    )
     from rl.run_record import write_run_record
     from rl.vllm_prompts import fix_colocated_vllm_prompts, probe_vllm_prompt
 
@@ -243,10 +251,7 @@ def main(argv=None) -> dict:
           f"(processor and model agree)")
     if training_args.use_vllm:
         # TRL's vLLM loads model.name_or_path with its own image processor: give it the policy with our budget
-        folder = output_dir / "vllm-model"
-        with state.main_process_first():
-            if state.is_main_process:
-                vllm_model_folder(model_path, processor, folder)
+        folder = write_vllm_model(state, model_path, processor, output_dir)
         check_same_image_tokens(processor, folder, budget)
         model.name_or_path = model.config._name_or_path = str(folder)
         say(f"vLLM ({training_args.vllm_mode}) loads {folder}: the policy's files with the training image budget"
@@ -300,6 +305,7 @@ def main(argv=None) -> dict:
                                                        "retrieval/parse_rate": "parse",
                                                        "eval_retrieval/hit@1": "val hit@1"}))
     retrieval.mode = lambda: "train" if trainer.model.training else "eval"
+    use_exact_metric_means(trainer, retrieval)
     if training_args.use_vllm:  # vLLM has read name_or_path: saved configs and adapters name the real base again
         restore_base_path(trainer.model, model, model_path)
     if fix_colocated_vllm_prompts(trainer, model.config.image_token_id):
@@ -315,6 +321,19 @@ def main(argv=None) -> dict:
             raise RuntimeError(f"{len(leaked)} vision-tower parameters are trainable despite freeze_vision_tower: "
                                f"{', '.join(leaked[:5])}")
     say(f"trainable parameters: {trainable_parameters(trainer.model):,}")
+    if state.device.type == "cuda" and stage is None and not model_args.use_peft:  # e.g. configs/accelerate/ddp.yaml
+        import torch
+
+        total = torch.cuda.get_device_properties(state.device).total_memory
+        vllm = training_args.vllm_gpu_memory_utilization * total if training_args.use_vllm and \
+            training_args.vllm_mode == "colocate" else 0.0
+        need = check_fits(ddp_full_finetune_bytes(
+            sum(p.numel() for p in model.parameters()), trainable_parameters(model), vllm,
+            index.exact.nbytes if index.uses_exact_ranks else 0.0,
+            sum(p.numel() * p.element_size() for e in encoders for p in e.model.parameters())),
+            total, "full fine-tuning without DeepSpeed")
+        say(f"full fine-tuning without DeepSpeed: at least {need / 1e9:.1f} GB per GPU before activations, of "
+            f"{total / 1e9:.1f}")
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(str(output_dir / "final"))  # gathers ZeRO-3 shards (zero3_save_16bit_model) on rank 0
     if state.is_main_process:
@@ -323,6 +342,26 @@ def main(argv=None) -> dict:
     if args.learning_table and state.is_main_process:
         result["learning"] = learning_table(args, index, model_path, processor, output_dir, t_start)
     return result
+
+
+def vllm_model_dir(output_dir: Path, process_index: int, num_processes: int, local_processes: int) -> Path:
+    """``<output_dir>/vllm-model``; with several nodes, one folder per node (``vllm-model-node<k>``), so nodes that
+    share a file system never replace a folder another node's vLLM is reading."""
+    nodes = max(1, num_processes // max(1, local_processes))
+    return output_dir / ("vllm-model" if nodes == 1 else f"vllm-model-node{process_index // local_processes}")
+
+
+def write_vllm_model(state, model_path: str, processor, output_dir: Path) -> Path:
+    """The folder TRL's vLLM loads on this node (rl.image_budget.vllm_model_folder), written by the node's local main
+    process while the node's other processes wait: each node's vLLM reads a folder on that node's disk."""
+    from retrieval.placement import local_world_size
+    from rl.image_budget import vllm_model_folder
+
+    folder = vllm_model_dir(output_dir, state.process_index, state.num_processes, local_world_size())
+    with state.local_main_process_first():
+        if state.is_local_main_process:
+            vllm_model_folder(model_path, processor, folder)
+    return folder
 
 
 def restore_base_path(trained, model, model_path: str) -> None:

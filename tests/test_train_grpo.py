@@ -84,12 +84,24 @@ def test_bad_settings_fail_before_any_model_loads(config, monkeypatch, overrides
 
 
 def test_held_out_eval_selects_the_best_checkpoint(config, tiny_world, tmp_path):
-    """The eval split is scored with the same reward, and metric_for_best_model can pick by held-out hit@1."""
-    result = tg.main(config(eval_file=str(tiny_world / "val.jsonl"), eval_limit=4, eval_strategy="steps",
+    """The eval split is scored with the same reward, its metrics are exact means over every eval completion (not
+    means of batch means: 5 questions × 4 generations in batches of 8, 8 and 4), and metric_for_best_model can
+    pick by held-out hit@1."""
+    result = tg.main(config(eval_file=str(tiny_world / "val.jsonl"), eval_limit=5, eval_strategy="steps",
                             eval_steps=1, save_strategy="steps", save_steps=1, per_device_eval_batch_size=8,
-                            metric_for_best_model="retrieval/hit@1", load_best_model_at_end=True))
+                            metric_for_best_model="retrieval/hit@1", load_best_model_at_end=True,
+                            completions_log=True))
     evals = [h for h in result["log_history"] if "eval_retrieval/hit@1" in h]
     assert len(evals) == 2 and all(0 <= h["eval_retrieval/hit@1"] <= 1 for h in evals)
+    scored = [r for r in map(json.loads, open(tmp_path / "run" / "completions.rank0.jsonl")) if r["mode"] == "eval"]
+    for logged, step in zip(evals, (2, 3)):  # evaluations after steps 1 and 2 (logged as the step to come)
+        ranks = [r["rank"] for r in scored if r["step"] == step]
+        hits = [r for r in ranks if r is not None]
+        assert len(ranks) == 20
+        assert logged["eval_retrieval/hit@1"] == pytest.approx(sum(r == 1 for r in hits) / 20)
+        assert logged["eval_retrieval/miss_rate"] == pytest.approx(1 - len(hits) / 20)
+        if hits:
+            assert logged["eval_retrieval/mean_hit_rank"] == pytest.approx(sum(hits) / len(hits))
     state = json.loads((tmp_path / "run" / "checkpoint-2" / "trainer_state.json").read_text())
     assert state["best_metric"] == pytest.approx(max(h["eval_retrieval/hit@1"] for h in evals))
     assert state["best_model_checkpoint"].endswith(("checkpoint-1", "checkpoint-2"))
@@ -181,6 +193,31 @@ def test_vllm_loads_the_policy_with_the_training_image_budget(config, tiny_refin
     AutoModelForImageTextToText.from_pretrained(str(folder))  # the linked folder loads as a model
 
 
+@pytest.mark.parametrize("index,processes,local,folder", [
+    (0, 1, 1, "vllm-model"), (3, 8, 8, "vllm-model"),  # one node
+    (0, 16, 8, "vllm-model-node0"), (8, 16, 8, "vllm-model-node1"), (15, 16, 8, "vllm-model-node1"),
+])
+def test_each_node_has_its_own_vllm_folder(index, processes, local, folder, tmp_path):
+    assert tg.vllm_model_dir(tmp_path, index, processes, local) == tmp_path / folder
+
+
+def test_each_nodes_local_main_process_writes_its_vllm_folder(tiny_refiner, tmp_path, monkeypatch):
+    """Process 8 of 16 (8 per node) is node 1's local main process: it writes node 1's folder, not process 0."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    from transformers import AutoProcessor
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    processor = AutoProcessor.from_pretrained(str(tiny_refiner))
+    for index in (8, 9):
+        state = SimpleNamespace(process_index=index, num_processes=16, is_local_main_process=index % 8 == 0,
+                                local_main_process_first=nullcontext)
+        folder = tg.write_vllm_model(state, str(tiny_refiner), processor, tmp_path / f"p{index}")
+        assert folder.name == "vllm-model-node1" and folder.exists() == (index == 8)
+    assert (tmp_path / "p8" / "vllm-model-node1" / "config.json").is_symlink()
+
+
 def test_vllm_serve_folder_cli(tiny_refiner, tmp_path, capsys):
     from transformers import AutoProcessor
 
@@ -219,3 +256,19 @@ def test_vllm_model_folder_links_only_config_and_weights(tiny_refiner, tmp_path)
     assert {"tokenizer_config.json", "tokenizer.json"} <= written
     assert dict(AutoProcessor.from_pretrained(str(folder)).image_processor.size) == {
         "shortest_edge": 112 * 112, "longest_edge": 112 * 112}
+
+
+def test_full_fine_tuning_of_3b_without_deepspeed_is_refused_on_an_80_gb_gpu():
+    """The README's arithmetic for configs/accelerate/ddp.yaml at Qwen2.5-VL-3B (3.75 B parameters, 3.09 B trained),
+    colocated vLLM at 0.25 of 80 GB, a 2 M × 2,304 fp16 index replica and the text encoder: ~96 GB before
+    activations, refused; LoRA-sized training (a few million trained) fits."""
+    from rl.model import check_fits, ddp_full_finetune_bytes
+
+    gpu = 80e9
+    parts = ddp_full_finetune_bytes(3.75e9, 3.09e9, 0.25 * gpu, 2e6 * 2304 * 2, 0.6e9 * 2)
+    assert sum(parts.values()) / 1e9 == pytest.approx(15.0 + 12.36 + 12.36 + 24.72 + 20 + 9.216 + 1.2)
+    with pytest.raises(ValueError, match=r"cannot fit on this GPU: at least 94\.9 GB before activations .* against "
+                                         r"80\.0 GB\. Use DeepSpeed"):
+        check_fits(parts, gpu, "full fine-tuning without DeepSpeed")
+    small = ddp_full_finetune_bytes(3.75e9, 20e6, 0.25 * gpu, 2e6 * 2304 * 2, 0.6e9 * 2)
+    assert check_fits(small, gpu, "x") == pytest.approx(sum(small.values())) and sum(small.values()) < 60e9
