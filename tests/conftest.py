@@ -58,12 +58,12 @@ def tiny_world(tmp_path_factory):
 @pytest.fixture(scope="session")
 def small_default_world(tmp_path_factory):
     """The embedded default's kind of world (its generator, MiniLM text, α 0.3) with its index, smaller: 48 entities
-    with 4 train and 2 test images each instead of 180 with 20 and 2, so runs of the embedded default on it take
+    with 4 train images and 1 test image each instead of 180 with 20 and 2, so runs of the embedded default on it take
     seconds, not minutes (test_toyworld.py checks the full default world)."""
     from retrieval.toyworld import ToyWorldArgs, build
 
     out = tmp_path_factory.mktemp("default") / "toyworld"
-    build(ToyWorldArgs(out=str(out), alpha=0.3, entities=48, train_images=4), log=lambda *a: None)
+    build(ToyWorldArgs(out=str(out), alpha=0.3, entities=48, train_images=4, test_images=1), log=lambda *a: None)
     return out
 
 

@@ -45,19 +45,10 @@ def same_index(out: Path, reference: Path) -> None:
     assert open(out / "skipped.jsonl").read() == open(reference / "skipped.jsonl").read()
 
 
-def test_two_processes_build_the_one_process_index(kb_and_reference, tiny_world, tmp_path):
-    kb, reference = kb_and_reference
-    proc = torchrun(ROOT / "retrieval" / "build_index.py", tmp_path / "idx", kb, tiny_world)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    log = proc.stdout + proc.stderr
-    assert "process 0/2 on cpu" in log and "process 1/2 on cpu" in log
-    assert "process 1: my shards are done; process 0 assembles the index" in log
-    same_index(tmp_path / "idx", reference)
-    m = json.loads((tmp_path / "idx" / "manifest.json").read_text())
-    assert m["skipped"] == 2 and m["texts_encoded"] < m["text_rows"] + 1
-
-
-def test_a_one_process_build_killed_resumes_on_two(kb_and_reference, tiny_world, tmp_path, encoders, monkeypatch):
+def test_a_one_process_build_killed_resumes_on_two_as_the_one_process_index(kb_and_reference, tiny_world, tmp_path,
+                                                                           encoders, monkeypatch):
+    """Two processes finish what one process started: both take shards, process 0 assembles, and the index is the
+    one-process index (rows, order, vectors, skip list)."""
     kb, reference = kb_and_reference
     out = tmp_path / "idx"
     with monkeypatch.context() as m:
@@ -68,8 +59,13 @@ def test_a_one_process_build_killed_resumes_on_two(kb_and_reference, tiny_world,
     assert len(list((out / "build").glob("*-*.json"))) == 3
     proc = torchrun(ROOT / "retrieval" / "build_index.py", out, kb, tiny_world)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "resuming the partial build" in proc.stdout + proc.stderr
+    log = proc.stdout + proc.stderr
+    assert "resuming the partial build" in log
+    assert "process 0/2 on cpu" in log and "process 1/2 on cpu" in log
+    assert "process 1: my shards are done; process 0 assembles the index" in log
     same_index(out, reference)
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["skipped"] == 2 and m["texts_encoded"] < m["text_rows"] + 1
 
 
 def test_a_two_process_build_killed_resumes_on_one(kb_and_reference, tiny_world, tmp_path, encoders):

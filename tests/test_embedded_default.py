@@ -221,7 +221,7 @@ def test_the_embedded_default_under_zero3_prints_its_learning_table(seeded_runs)
     assert (runs["seed1"] / "tiny-base-seed1" / "config.json").exists()  # built in this run, by process 0
     assert json.loads((runs["seed1"] / "warm_start" / "warm_start.json").read_text())["processes"] == 2
     table = json.loads((runs["seed1"] / "learning.json").read_text())
-    assert {"original", "warm_start", "grpo"} <= set(table) and table["test_questions"] == 96
+    assert {"original", "warm_start", "grpo"} <= set(table) and table["test_questions"] == 48
     assert "| grpo |" in out
     whole = encoder_elements(out)
     assert set(whole) == {0, 1} and whole[0] == whole[1] > 0  # the MiniLM encoder whole on both processes
