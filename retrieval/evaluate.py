@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,7 +39,8 @@ class EvalArgs:
     images_root: str = field(default=None, metadata={"help": "folder image paths resolve against (default: the queries file's folder)"})
     k: str = field(default="1,5,10,20", metadata={"help": "comma-separated K values"})
     text_field: str = field(default="question", metadata={"help": "record field used as the text query"})
-    compare: str = field(default=None, metadata={"help": "a second text field to evaluate side by side"})
+    compare: str = field(default=None, metadata={"help": "more text fields (comma-separated) to evaluate side by "
+                                                         "side, each a row: refined_query,query_caption,…"})
     alpha_sweep: str = field(default=None, metadata={"help": "lo:hi:step, e.g. 0:1:0.05"})
     depth: int = field(default=200, metadata={"help": "rank depth (ranks beyond it count as misses)"})
     kb: str = field(default=None, metadata={"help": "KB JSONL for pseudo-recall (default: the one the index was built from)"})
@@ -73,6 +75,15 @@ def parse_sweep(text: str) -> list[float]:
     for a in alphas:
         check_alpha(a)
     return alphas
+
+
+def compare_fields(text: str | None, text_field: str) -> list[str]:
+    """``--compare a,b,c`` → [a, b, c]: distinct, none equal to ``--text_field``."""
+    fields = [f.strip() for f in str(text or "").split(",") if f.strip()]
+    for f in fields:
+        if f == text_field or fields.count(f) > 1:
+            raise ValueError(f"--compare: field {f!r} is given twice (or is --text_field)")
+    return fields
 
 
 def recall_at(ranks: list[int | None], ks: list[int]) -> dict[str, float]:
@@ -156,7 +167,8 @@ def run(args: EvalArgs, log=print) -> dict:
         raise ValueError("--alpha is required (or give --alpha_sweep)")
     else:
         alphas = [check_alpha(args.alpha)]
-    fields = [args.text_field] + ([args.compare] if args.compare else [])
+    compared = compare_fields(args.compare, args.text_field)
+    fields = [args.text_field, *compared]
     queries = Path(args.queries)
     images_root = Path(args.images_root or queries.parent)
     if not images_root.is_dir():
@@ -215,11 +227,11 @@ def run(args: EvalArgs, log=print) -> dict:
         with atomic_path(out / "ranks.jsonl") as tmp, open(tmp, "w") as fh:
             fh.writelines(json.dumps(p) + "\n" for p in per_question)
         _write_csv(out / "metrics.csv", {f: r["metrics"] for f, r in results[alphas[0]].items()})
-        if args.compare:
-            per = results[alphas[0]]
-            summary["rank_change"] = _write_rank_change(out / "rank_change.png", per[args.compare]["ranks"],
-                                                        per[args.text_field]["ranks"], args.depth,
-                                                        args.compare, args.text_field)
+        per = results[alphas[0]]
+        for f in compared:  # one histogram per compared field: rank_change.png, or rank_change_<field>.png
+            name = "rank_change.png" if len(compared) == 1 else f"rank_change_{re.sub(r'[^A-Za-z0-9_.+-]', '_', f)}.png"
+            summary.setdefault("rank_change", {})[f] = _write_rank_change(
+                out / name, per[f]["ranks"], per[args.text_field]["ranks"], args.depth, f, args.text_field)
     else:
         _write_sweep(out, alphas, list(results[alphas[0]]), ks, results, log)
     write_json_atomic(out / "metrics.json", summary)

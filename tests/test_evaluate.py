@@ -70,9 +70,9 @@ def test_excluded_rows_are_counted(tiny_index_dir, tiny_world, tmp_path, monkeyp
     rows[2]["question"] = ""
     q = tmp_path / "q.jsonl"
     q.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    res = run(tiny_index_dir, q, tmp_path, alpha=0.5, images_root=str(tiny_world), compare="question")
+    res = run(tiny_index_dir, q, tmp_path, alpha=0.5, images_root=str(tiny_world))
     assert res["excluded"] == {"image missing": 1, "entity not in index": 1,
-                               "empty or missing text field (question, question)": 1}
+                               "empty or missing text field (question)": 1}
     assert res["results"]["0.5"]["question"]["n"] == 3
 
 
@@ -93,7 +93,7 @@ def test_compare_prints_two_fields(tiny_index_dir, tiny_world, tmp_path, monkeyp
     ranks = [json.loads(x) for x in open(tmp_path / "ev" / "ranks.jsonl")]
     assert len(ranks) == len(rows) and "rank_refined_query" in ranks[0]
     # stating the gold attributes moves the gold entity up for most questions
-    assert res["rank_change"]["improved"] > res["rank_change"]["worse"]
+    assert res["rank_change"]["question"]["improved"] > res["rank_change"]["question"]["worse"]
     assert (tmp_path / "ev" / "rank_change.png").stat().st_size > 1000
     assert open(tmp_path / "ev" / "metrics.csv").readline().startswith("field,R@1")
 

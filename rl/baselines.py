@@ -1,0 +1,175 @@
+"""Zero-shot query baselines (WikiSeeker's Table 8): what a VLM writes as a retrieval query without RL.
+
+    [accelerate launch -m] python -m rl.baselines --model VLM --queries q.jsonl --out baselines.jsonl \
+        [--backend hf|vllm] [--prompt_file my_prompt.yaml] [--batch_size N] [--images_root DIR]
+
+One generation per question, from one prompt that asks for a JSON object with an image ``caption`` and a zero-shot
+expanded ``query``; three baseline queries are read from it (``BASELINES``):
+
+    query_caption                   the caption alone
+    query_zs_expansion              the expanded query alone
+    query_zs_expansion+caption      the expanded query, then the caption
+
+An answer that does not parse, or lacks the field a baseline needs, falls back to the original question for that
+baseline (``baseline_fallback`` lists which). Each output record is the input record plus those fields,
+``baseline_raw`` and ``baseline_parsed``. Resumable and split over processes like rl.refine (retrieval.job_parts).
+Then every method is a row of one table:
+
+    python -m retrieval.evaluate --index DIR --alpha A --queries refined_and_baselines.jsonl \
+        --text_field question --compare refined_query,query_caption,query_zs_expansion,query_zs_expansion+caption
+
+The shipped prompt is our own wording; ``--prompt_file`` takes the published one (a YAML file with ``system`` and
+``user_template`` containing ``{question}``; the answer must stay the JSON object this module parses).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from retrieval.cli import require_file
+from retrieval.files import check_unique_ids, read_jsonl
+from retrieval.job_parts import JobParts
+from retrieval.kb import check_images
+
+BASELINE_PROMPT = {
+    "name": "query_baselines",
+    "system": "You help search an encyclopedia with a picture and a question about it. Describe the picture in one "
+              "sentence, naming what it shows as precisely as you can, and rewrite the question into a search query "
+              "that adds what a searcher would need to know. Reply with one JSON object only: "
+              "{\"caption\": \"...\", \"query\": \"...\"}.",
+    "user_template": "Question: {question}",
+}
+BASELINES = ("query_caption", "query_zs_expansion", "query_zs_expansion+caption")
+
+
+def parse_baseline(text: str) -> dict[str, str]:
+    """The ``caption`` and ``query`` strings of the first JSON object in ``text`` that parses ({} when none does);
+    a field that is missing, empty or not a string is left out."""
+    text, decoder = str(text or ""), json.JSONDecoder()
+    for start in (m.start() for m in re.finditer(r"\{", text)):
+        try:
+            obj = decoder.raw_decode(text, start)[0]
+        except json.JSONDecodeError:
+            continue
+        if isinstance(obj, dict):
+            return {k: v.strip() for k in ("caption", "query") if isinstance(v := obj.get(k), str) and v.strip()}
+    return {}
+
+
+def baseline_queries(parsed: dict[str, str], question: str) -> tuple[dict[str, str], list[str]]:
+    """({baseline: query}, the baselines that fell back to ``question`` because their field is missing)."""
+    caption, query = parsed.get("caption"), parsed.get("query")
+    wanted = {"query_caption": caption, "query_zs_expansion": query,
+              "query_zs_expansion+caption": f"{query} {caption}" if query and caption else None}
+    return ({k: v if v else question for k, v in wanted.items()}, [k for k, v in wanted.items() if not v])
+
+
+def load_prompt_file(path: str | Path, placeholders: tuple[str, ...] = ("{question}",)) -> dict:
+    """A prompt from a YAML file: ``system`` and ``user_template`` strings, the template holding ``placeholders``."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"--prompt_file: {path} does not exist")
+    spec = yaml.safe_load(path.read_text())
+    if not isinstance(spec, dict) or not all(isinstance(spec.get(k), str) for k in ("system", "user_template")):
+        raise ValueError(f"--prompt_file {path}: needs string fields 'system' and 'user_template'")
+    missing = [p for p in placeholders if p not in spec["user_template"]]
+    if missing:
+        raise ValueError(f"--prompt_file {path}: user_template lacks {', '.join(missing)}")
+    return {"name": str(path), "system": spec["system"], "user_template": spec["user_template"]}
+
+
+@dataclass
+class BaselineArgs:
+    model: str = field(default=None, metadata={"help": "any image-text model folder or name (the paper: "
+                                                        "Qwen2.5-VL-7B-Instruct)"})
+    queries: str = field(default=None, metadata={"help": "question JSONL (e.g. rl.refine's output, to add rows)"})
+    out: str = field(default=None, metadata={"help": "output JSONL (appended; resumable)"})
+    images_root: str = field(default=None, metadata={"help": "default: the queries file's folder"})
+    prompt_file: str = field(default=None, metadata={"help": "YAML with system and user_template (default: ours)"})
+    batch_size: int = field(default=16, metadata={"help": "questions per generation batch"})
+    max_new_tokens: int = field(default=256, metadata={"help": "longest answer"})
+    backend: str = field(default="hf", metadata={"help": "hf | vllm"})
+    device: str = field(default=None, metadata={"help": "cuda / cuda:N / cpu (default: this process's own)"})
+
+
+def generator(args: BaselineArgs, prompt: dict, device: str | None):
+    """(images, questions) → raw answers, greedy, on the chosen backend."""
+    if args.backend == "vllm":
+        from transformers import AutoProcessor
+
+        from rl.generate import generate_vllm, load_vllm
+
+        llm, processor = load_vllm(args.model), AutoProcessor.from_pretrained(args.model)
+        return lambda images, questions: generate_vllm(llm, processor, images, questions, prompt, args.max_new_tokens)
+    from retrieval.placement import resolve_device
+    from rl.generate import generate_completions
+    from rl.model import load_model
+
+    device = resolve_device(device)
+    model, processor = load_model(args.model, None, device=device)
+    model = model.to(device)
+    return lambda images, questions: generate_completions(model, processor, images, questions, prompt,
+                                                          batch_size=args.batch_size,
+                                                          max_new_tokens=args.max_new_tokens)
+
+
+def run_baselines(args: BaselineArgs, log=print, state=None, generate=None) -> int:
+    """Every question not yet in ``args.out``: one answer, three baseline queries. Returns the questions done here."""
+    from PIL import Image
+    from tqdm import tqdm
+
+    from rl.refine import BACKENDS
+
+    if args.backend not in BACKENDS:
+        raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {args.backend!r}")
+    require_file(args.queries, "queries")
+    if not args.out:
+        raise ValueError("--out is required")
+    prompt = load_prompt_file(args.prompt_file) if args.prompt_file else BASELINE_PROMPT
+    root = Path(args.images_root or Path(args.queries).parent)
+    rows = list(read_jsonl(args.queries))
+    check_images(rows, root, args.queries)
+    check_unique_ids(rows, args.queries)
+    parts = JobParts(Path(args.out), state)
+    batches = parts.start(rows, args.batch_size)
+    log(f"query baselines ({prompt['name']}), {parts.status}")
+    fell_back = 0
+    if batches:
+        generate = generate or generator(args, prompt, None if state is None else str(state.device))
+        with tqdm(total=parts.mine, desc="query baselines", unit="q") as bar:
+            for batch in batches:
+                raw = generate([Image.open(root / r["image"]).convert("RGB") for r in batch],
+                               [r["question"] for r in batch])
+                done = []
+                for rec, text in zip(batch, raw):
+                    parsed = parse_baseline(text)
+                    queries, fallback = baseline_queries(parsed, rec["question"])
+                    fell_back += bool(fallback)
+                    done.append({**rec, **queries, "baseline_raw": text, "baseline_parsed": parsed,
+                                 "baseline_fallback": fallback})
+                parts.append(done)
+                bar.update(len(batch))
+    parts.finish(rows)
+    if parts.mine:
+        log(f"query baselines: {fell_back} of {parts.mine} answer(s) here lacked a field and fell back to the "
+            f"question for it (listed per record in baseline_fallback)")
+    return parts.mine
+
+
+def main(argv=None) -> None:
+    from retrieval.cli import parse
+    from retrieval.placement import process_state
+
+    (args,) = parse((BaselineArgs,), argv, description=__doc__)
+    run_baselines(args, state=process_state(args.device))
+
+
+if __name__ == "__main__":
+    from retrieval.cli import run
+
+    run(main)

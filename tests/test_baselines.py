@@ -1,0 +1,119 @@
+"""Zero-shot query baselines (Table 8): the JSON answer parsed (table-driven and fuzzed), the fallback to the
+question, prompts from a file, resume, and every method as a row of one retrieval table on the toy world."""
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from retrieval.files import read_jsonl, write_jsonl_atomic
+from rl.baselines import BASELINES, BaselineArgs, baseline_queries, load_prompt_file, parse_baseline, run_baselines
+
+QUIET = dict(log=lambda *a: None)
+
+
+@pytest.mark.parametrize("text,parsed", [
+    ('{"caption": "a red star", "query": "red star flag"}', {"caption": "a red star", "query": "red star flag"}),
+    ('Sure! ```json\n{"caption": " a dog ", "query": "dog breed"}\n```', {"caption": "a dog", "query": "dog breed"}),
+    ('{"caption": "x"} and then {"query": "y"}', {"caption": "x"}),  # the first object that parses counts
+    ('{broken {"query": "q"}', {"query": "q"}),
+    ('{"caption": 3, "query": ""}', {}), ("no json here", {}), ("", {}), (None, {}),
+    ('["caption", "query"]', {}),
+])
+def test_parse_baseline(text, parsed):
+    assert parse_baseline(text) == parsed
+
+
+@pytest.mark.parametrize("parsed,queries,fallback", [
+    ({"caption": "c", "query": "q"}, ("c", "q", "q c"), []),
+    ({"caption": "c"}, ("c", "Q?", "Q?"), ["query_zs_expansion", "query_zs_expansion+caption"]),
+    ({"query": "q"}, ("Q?", "q", "Q?"), ["query_caption", "query_zs_expansion+caption"]),
+    ({}, ("Q?", "Q?", "Q?"), list(BASELINES)),
+])
+def test_a_missing_field_falls_back_to_the_question(parsed, queries, fallback):
+    out, fell_back = baseline_queries(parsed, "Q?")
+    assert tuple(out[b] for b in BASELINES) == queries and fell_back == fallback
+
+
+@given(st.text(max_size=200))
+def test_any_answer_gives_three_non_empty_queries(text):
+    out, fell_back = baseline_queries(parse_baseline(text), "the question")
+    assert set(out) == set(BASELINES) and all(out[b].strip() for b in BASELINES)
+    assert all(out[b] == "the question" for b in fell_back)
+
+
+def test_a_prompt_file_replaces_ours_and_is_checked(tmp_path):
+    good = tmp_path / "p.yaml"
+    good.write_text("system: Published wording.\nuser_template: 'Q: {question}'\n")
+    assert load_prompt_file(good)["system"] == "Published wording."
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("system: s\nuser_template: no placeholder\n")
+    with pytest.raises(ValueError, match=r"bad.yaml: user_template lacks \{question\}"):
+        load_prompt_file(bad)
+    with pytest.raises(ValueError, match="does not exist"):
+        load_prompt_file(tmp_path / "none.yaml")
+
+
+class Interrupted(Exception):
+    pass
+
+
+def test_baselines_resume_and_make_every_method_a_row(tiny_world, tiny_index_dir, encoders, tmp_path, monkeypatch):
+    """A stand-in VLM at the generation boundary (it sees the images and questions, answers JSON for some, junk for
+    others); interrupted after one batch and resumed; then retrieval.evaluate puts all methods in one table."""
+    import retrieval.evaluate as ev
+    from retrieval.evaluate import EvalArgs
+
+    rows = list(read_jsonl(tiny_world / "test.jsonl"))[:6]
+    for r in rows:
+        r["refined_query"] = r["question"] + " " + " ".join(r["attributes"].values())
+    write_jsonl_atomic(tmp_path / "q.jsonl", rows)
+    calls = []
+
+    def vlm(images, questions):
+        calls.append(questions)
+        if len(calls) == 2:  # the first run's second batch: a crash
+            raise Interrupted
+        assert all(im.mode == "RGB" for im in images) and len(images) == len(questions)
+        return [json.dumps({"caption": "a creature", "query": q + " creature"}) if i % 2 else "I cannot tell."
+                for i, q in enumerate(questions)]
+
+    prompt = tmp_path / "p.yaml"
+    prompt.write_text("system: Published wording.\nuser_template: '{question}'\n")
+    args = BaselineArgs(model="unused", queries=str(tmp_path / "q.jsonl"), out=str(tmp_path / "b.jsonl"),
+                        images_root=str(tiny_world), batch_size=4, prompt_file=str(prompt))
+    with pytest.raises(Interrupted):
+        run_baselines(args, generate=vlm, **QUIET)
+    assert run_baselines(args, generate=vlm, **QUIET) == 2  # only the 2 questions the first run had not written
+    assert calls[2] == [r["question"] for r in rows[4:]]
+    out = list(read_jsonl(tmp_path / "b.jsonl"))
+    assert [r["id"] for r in out] == [r["id"] for r in rows]
+    assert out[1]["query_zs_expansion+caption"] == rows[1]["question"] + " creature a creature"
+    assert out[0]["baseline_fallback"] == list(BASELINES) and out[0]["query_caption"] == rows[0]["question"]
+    real_load = ev.MultimodalIndex.load
+    monkeypatch.setattr(ev.MultimodalIndex, "load", lambda p, **k: real_load(p, *encoders))
+    lines = []
+    res = ev.run(EvalArgs(index=str(tiny_index_dir), queries=str(tmp_path / "b.jsonl"), alpha=0.5,
+                          text_field="question", compare="refined_query," + ",".join(BASELINES),
+                          images_root=str(tiny_world), out=str(tmp_path / "ev")), log=lines.append)
+    table = "\n".join(lines)
+    for method in ("question", "refined_query", *BASELINES):
+        assert f"| {method} |" in table
+    assert set(res["rank_change"]) == {"refined_query", *BASELINES}
+    assert (tmp_path / "ev" / "rank_change_query_zs_expansion+caption.png").exists()
+    with pytest.raises(ValueError, match="given twice"):
+        ev.compare_fields("a,question", "question")
+
+
+def test_the_toy_configs_name_every_table8_row():
+    from pathlib import Path
+
+    from retrieval.cli import parse
+    from retrieval.evaluate import EvalArgs, compare_fields
+
+    configs = Path(__file__).resolve().parent.parent / "configs"
+    (args,) = parse((BaselineArgs,), ["--config", str(configs / "grpo" / "baselines_toy.yaml")])
+    (table,) = parse((EvalArgs,), ["--config", str(configs / "retrieval" / "table8_toy.yaml")])
+    assert table.queries == args.out and table.text_field == "question"
+    assert compare_fields(table.compare, table.text_field) == ["refined_query", *BASELINES]
