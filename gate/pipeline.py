@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from gate.context_data import section_text
-from gate.stages import GENERATOR_PROMPTS, Stages
+from gate.stages import Stages, generator_prompt
 
 
 @dataclass
@@ -62,7 +62,8 @@ class PipelineArgs:
     generator_key_env: str = field(default="OPENAI_API_KEY", metadata={"help": "env var holding the endpoint key"})
     generator_retries: int = field(default=3, metadata={"help": "endpoint attempts per question"})
     generator_backoff: float = field(default=1.0, metadata={"help": "endpoint backoff seconds (× attempt)"})
-    generator_prompt: str = field(default="infoseek", metadata={"help": "infoseek | evqa | toy"})
+    generator_prompt: str = field(default="infoseek", metadata={"help": "infoseek | evqa | toy | a .yaml "
+                                                                                "prompt file ({context}, {question})"})
     generator_image: bool = field(default=False, metadata={"help": "a VLM generator also sees the image"})
     max_new_tokens: int = field(default=24, metadata={"help": "answer length"})
     batch_size: int = field(default=32, metadata={"help": "questions per batch"})
@@ -88,8 +89,7 @@ def validate(args: PipelineArgs) -> None:
 
     if args.metric not in METRICS:
         raise ValueError(f"--metric must be one of {', '.join(METRICS)}, got {args.metric!r}")
-    if args.generator_prompt not in GENERATOR_PROMPTS:
-        raise ValueError(f"--generator_prompt must be one of {', '.join(GENERATOR_PROMPTS)}")
+    generator_prompt(args.generator_prompt)  # a name, or a prompt file that exists and holds its placeholders
     needs_rag = args.gate != "never" or args.baselines
     needs_alone = args.gate != "always" or args.baselines
     if needs_alone and not args.answerer:

@@ -23,6 +23,14 @@ GENERATOR_PROMPTS = {
 }
 
 
+def generator_prompt(value: str) -> dict:
+    """A built-in generator prompt by name (``GENERATOR_PROMPTS``) or a YAML prompt file with ``{context}`` and
+    ``{question}`` in its user template (rl.prompts.load_prompt)."""
+    from rl.prompts import load_prompt
+
+    return load_prompt(value, GENERATOR_PROMPTS, ("{question}", "{context}"), "--generator_prompt")
+
+
 def gate_of(path: str, device: str, dtype: str | None, *variants):
     from gate.scoring import load_gate
 
@@ -164,7 +172,7 @@ def load_generator(args, device: str, dtype: str | None):
     """generate(images, questions, contexts) → [(answer or None, why not)]: a text LLM, a VLM, or an endpoint."""
     from gate.generator import endpoint_generator, text_generator
 
-    prompt = GENERATOR_PROMPTS[args.generator_prompt]
+    prompt = generator_prompt(args.generator_prompt)
     if args.generator == "endpoint":
         return endpoint_generator(args.generator_url, args.generator_model, prompt, args.generator_key_env,
                                   args.max_new_tokens, retries=args.generator_retries, backoff=args.generator_backoff)

@@ -33,6 +33,7 @@ from retrieval.cli import require_file
 from retrieval.files import check_unique_ids, read_jsonl
 from retrieval.job_parts import JobParts
 from retrieval.kb import check_images
+from rl.prompts import load_prompt
 
 BASELINE_PROMPT = {
     "name": "query_baselines",
@@ -65,22 +66,6 @@ def baseline_queries(parsed: dict[str, str], question: str) -> tuple[dict[str, s
     wanted = {"query_caption": caption, "query_zs_expansion": query,
               "query_zs_expansion+caption": f"{query} {caption}" if query and caption else None}
     return ({k: v if v else question for k, v in wanted.items()}, [k for k, v in wanted.items() if not v])
-
-
-def load_prompt_file(path: str | Path, placeholders: tuple[str, ...] = ("{question}",)) -> dict:
-    """A prompt from a YAML file: ``system`` and ``user_template`` strings, the template holding ``placeholders``."""
-    import yaml
-
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"--prompt_file: {path} does not exist")
-    spec = yaml.safe_load(path.read_text())
-    if not isinstance(spec, dict) or not all(isinstance(spec.get(k), str) for k in ("system", "user_template")):
-        raise ValueError(f"--prompt_file {path}: needs string fields 'system' and 'user_template'")
-    missing = [p for p in placeholders if p not in spec["user_template"]]
-    if missing:
-        raise ValueError(f"--prompt_file {path}: user_template lacks {', '.join(missing)}")
-    return {"name": str(path), "system": spec["system"], "user_template": spec["user_template"]}
 
 
 @dataclass
@@ -130,7 +115,7 @@ def run_baselines(args: BaselineArgs, log=print, state=None, generate=None) -> i
     require_file(args.queries, "queries")
     if not args.out:
         raise ValueError("--out is required")
-    prompt = load_prompt_file(args.prompt_file) if args.prompt_file else BASELINE_PROMPT
+    prompt = load_prompt(args.prompt_file, {}, flag="--prompt_file") if args.prompt_file else BASELINE_PROMPT
     root = Path(args.images_root or Path(args.queries).parent)
     rows = list(read_jsonl(args.queries))
     check_images(rows, root, args.queries)

@@ -25,7 +25,7 @@ from retrieval.files import check_unique_ids, pyplot, read_jsonl, save_figure, w
 from retrieval.index import check_alpha
 from retrieval.job_parts import JobParts
 from retrieval.kb import image_problem
-from rl.prompts import prompt_messages
+from rl.prompts import prompt_messages, prompt_spec
 
 NOT_IN_INDEX = "gold entity not in the index"
 
@@ -75,7 +75,8 @@ def question_dataset(path: str | Path, images_root: str | Path | None = None, pr
         log(f"{path}: left out {len(bad)} question(s) whose image is missing or unreadable{where}")
     if not good:
         raise ValueError(f"{path} holds no question with a usable image" + (f" ({len(bad)} bad)" if bad else ""))
-    rows = [{"prompt": prompt_messages(rec["question"], prompt), "image": rec["image_path"], "id": str(rec["id"]),
+    spec = prompt_spec(prompt)  # a prompt file is read once
+    rows = [{"prompt": prompt_messages(rec["question"], spec), "image": rec["image_path"], "id": str(rec["id"]),
              "entity_id": str(rec["entity_id"]), "question": rec["question"], "image_path": rec["image_path"]}
             for rec in good]
     return Dataset.from_list(rows).cast_column("image", Image())

@@ -1,10 +1,16 @@
-"""The refiner's prompt: the one place its wording lives (exported with the model).
+"""The refiner's prompt: the one place its wording lives (exported with the model), and prompt files.
 
 Prompts are data keyed by plain names: ``wikiseeker`` is the paper's refiner prompt (the real configs); ``toy`` is a
-short prompt with the same contract for the tiny embedded-default model, whose context is small.
+short prompt with the same contract for the tiny embedded-default model, whose context is small. Every stage that
+takes a prompt name also takes a YAML file instead (``load_prompt``): ``system`` and ``user_template`` strings, the
+template holding the stage's placeholders — how a researcher supplies a paper's published wording. The shipped
+wording is our own; a replacement must keep the output format the stage parses (the refiner's
+``<answer>{"query": …}</answer>``, the query baselines' JSON, the generator's short answer).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 SYSTEM_PROMPTS = {
     "wikiseeker": (
@@ -21,9 +27,38 @@ SYSTEM_PROMPTS = {
 USER_TEMPLATE = "{question}"
 
 
+def is_prompt_file(value) -> bool:
+    return isinstance(value, str) and value.endswith((".yaml", ".yml"))
+
+
+def load_prompt(value: str, builtin: dict[str, dict], placeholders: tuple[str, ...] = ("{question}",),
+                flag: str = "--prompt") -> dict:
+    """{name, system, user_template} for a built-in prompt name or a YAML prompt file (checked: both strings present,
+    every placeholder in the template)."""
+    if not is_prompt_file(value):
+        if value not in builtin:
+            raise ValueError(f"{flag}: unknown prompt {value!r}: choose one of {', '.join(builtin)}, or give a "
+                             f".yaml file with system and user_template")
+        return {"name": value, **builtin[value]}
+    import yaml
+
+    path = Path(value)
+    if not path.is_file():
+        raise ValueError(f"{flag}: prompt file {path} does not exist")
+    spec = yaml.safe_load(path.read_text())
+    if not isinstance(spec, dict) or not all(isinstance(spec.get(k), str) for k in ("system", "user_template")):
+        raise ValueError(f"{flag} {path}: needs string fields 'system' and 'user_template'")
+    missing = [x for x in placeholders if x not in spec["user_template"]]
+    if missing:
+        raise ValueError(f"{flag} {path}: user_template lacks {', '.join(missing)}")
+    return {"name": str(path), "system": spec["system"], "user_template": spec["user_template"]}
+
+
+REFINER_PROMPTS = {name: {"system": system, "user_template": USER_TEMPLATE} for name, system in SYSTEM_PROMPTS.items()}
+
+
 def check_prompt(name: str) -> str:
-    if name not in SYSTEM_PROMPTS:
-        raise ValueError(f"unknown prompt {name!r}: choose one of {', '.join(SYSTEM_PROMPTS)}")
+    load_prompt(name, REFINER_PROMPTS)
     return name
 
 
@@ -40,5 +75,6 @@ def prompt_messages(question: str, prompt: str | dict = "wikiseeker", with_image
 
 
 def prompt_spec(prompt: str) -> dict:
-    """What an exported refiner needs to rebuild its prompt (written into refiner.json)."""
-    return {"name": prompt, "system": SYSTEM_PROMPTS[check_prompt(prompt)], "user_template": USER_TEMPLATE}
+    """What an exported refiner needs to rebuild its prompt (written into refiner.json): a built-in prompt by name, or
+    a prompt file's contents."""
+    return load_prompt(prompt, REFINER_PROMPTS)

@@ -36,7 +36,8 @@ class RefinerArguments:
     eval_file: str = field(default=None, metadata={"help": "held-out question JSONL scored during training"})
     eval_limit: int = field(default=None, metadata={"help": "use only the first N eval questions"})
     images_root: str = field(default=None, metadata={"help": "image folder (default: each question file's folder)"})
-    prompt: str = field(default="wikiseeker", metadata={"help": "refiner prompt: wikiseeker | toy"})
+    prompt: str = field(default="wikiseeker", metadata={"help": "refiner prompt: wikiseeker | toy | a .yaml "
+                                                                            "file (rl/prompts.py)"})
     depth: int = field(default=200, metadata={"help": "rank depth of the retrieval reward"})
     reward_tiers: str = field(default="1-5:4,6-10:3.5,11-20:3,21-50:1,51-100:0.5,101-200:0.1",
                               metadata={"help": "rank tiers lo-hi:reward (the paper's by default)"})

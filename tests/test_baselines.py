@@ -8,7 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from retrieval.files import read_jsonl, write_jsonl_atomic
-from rl.baselines import BASELINES, BaselineArgs, baseline_queries, load_prompt_file, parse_baseline, run_baselines
+from rl.baselines import BASELINES, BaselineArgs, baseline_queries, parse_baseline, run_baselines
+from rl.prompts import load_prompt
 
 QUIET = dict(log=lambda *a: None)
 
@@ -46,13 +47,20 @@ def test_any_answer_gives_three_non_empty_queries(text):
 def test_a_prompt_file_replaces_ours_and_is_checked(tmp_path):
     good = tmp_path / "p.yaml"
     good.write_text("system: Published wording.\nuser_template: 'Q: {question}'\n")
-    assert load_prompt_file(good)["system"] == "Published wording."
+    assert load_prompt(str(good), {})["system"] == "Published wording."
     bad = tmp_path / "bad.yaml"
     bad.write_text("system: s\nuser_template: no placeholder\n")
     with pytest.raises(ValueError, match=r"bad.yaml: user_template lacks \{question\}"):
-        load_prompt_file(bad)
+        load_prompt(str(bad), {})
+    (tmp_path / "list.yaml").write_text("- system\n")
+    with pytest.raises(ValueError, match="needs string fields 'system' and 'user_template'"):
+        load_prompt(str(tmp_path / "list.yaml"), {})
     with pytest.raises(ValueError, match="does not exist"):
-        load_prompt_file(tmp_path / "none.yaml")
+        load_prompt(str(tmp_path / "none.yaml"), {})
+    with pytest.raises(ValueError, match="unknown prompt 'poem': choose one of wikiseeker, toy"):
+        from rl.prompts import REFINER_PROMPTS
+
+        load_prompt("poem", REFINER_PROMPTS)
 
 
 class Interrupted(Exception):

@@ -1,0 +1,49 @@
+"""Prompts replaced from files: the refiner's (training data, run record, so export and rl.refine use it too) and the
+pipeline generator's; each file checked for the placeholders its stage fills."""
+
+import pytest
+
+from rl.prompts import REFINER_PROMPTS, load_prompt, prompt_spec
+
+
+@pytest.fixture()
+def refiner_prompt(tmp_path):
+    path = tmp_path / "refiner.yaml"
+    path.write_text("system: The published refiner prompt.\nuser_template: 'Question: {question}'\n")
+    return str(path)
+
+
+def test_a_refiner_prompt_file_reaches_the_training_rows(tiny_world, refiner_prompt):
+    from rl.data import question_dataset
+
+    ds = question_dataset(tiny_world / "test.jsonl", prompt=refiner_prompt, limit=2)
+    first = ds[0]["prompt"]
+    assert first[0] == {"role": "system", "content": "The published refiner prompt."}
+    assert first[1]["content"] == f"Question: {ds[0]['question']}"
+
+
+def test_the_run_record_carries_the_files_wording_for_export_and_refine(refiner_prompt):
+    """rl.run_record writes prompt_spec(args.prompt), which rl.export copies into refiner.json and rl.refine reads:
+    the wording itself travels with the model, not the path of a file that may not exist elsewhere."""
+    spec = prompt_spec(refiner_prompt)
+    assert spec == {"name": refiner_prompt, "system": "The published refiner prompt.",
+                    "user_template": "Question: {question}"}
+    assert prompt_spec("wikiseeker") == {"name": "wikiseeker", **REFINER_PROMPTS["wikiseeker"]}
+
+
+def test_a_generator_prompt_file_needs_context_and_question(tmp_path):
+    from gate.stages import GENERATOR_PROMPTS, generator_prompt
+
+    good = tmp_path / "gen.yaml"
+    good.write_text("system: Published.\nuser_template: '{context} Q: {question} A:'\n")
+    assert generator_prompt(str(good))["user_template"] == "{context} Q: {question} A:"
+    assert generator_prompt("evqa")["system"] == GENERATOR_PROMPTS["evqa"]["system"]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("system: s\nuser_template: 'Q: {question}'\n")
+    with pytest.raises(ValueError, match=r"--generator_prompt .*bad.yaml: user_template lacks \{context\}"):
+        generator_prompt(str(bad))
+
+
+def test_a_prompt_name_that_is_neither_built_in_nor_a_file_is_named():
+    with pytest.raises(ValueError, match=r"--prompt: unknown prompt 'poem': choose one of wikiseeker, toy, or give"):
+        load_prompt("poem", REFINER_PROMPTS)
