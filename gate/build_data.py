@@ -6,14 +6,16 @@
     python -m gate.build_data --stage context  --model VLM --out DIR --judge exact
     python -m gate.build_data --stage consistency --model VLM --out DIR [--srt_gate DIR]        (mct's data)
     python -m gate.build_data --stage label    --out DIR --variant hkb|skb|kbm-acc|kbm-cert|ret|srt|mct|inspector
+    python -m gate.build_data --stage expand   --out DIR --expander_url URL --expander_model M   (Inspector, E-VQA)
     python -m gate.build_data --stage render   --out DIR --variant V [--max_per_class N] [--balance]
+        [--class_targets pass:3000,fail:5000] [--inspector_expanded]
 
 ``sample`` answers each question R times with any AutoModelForImageTextToText VLM (batched, progress bar) →
 ``samples.jsonl``; ``judge`` scores every sampled answer on the 1–5 scale (each distinct answer once) →
 ``judged.jsonl``; ``retrieve`` and ``context`` (gate.context_data) record the top-k retrieved sections and the
 VLM's answer with each; ``consistency`` (gate.consistency) each document's P(Rel) and, for questions with more
 than one relevant document, the MLLM's summary of them (MMKB-RAG's MCT data); ``label`` turns them into the variant's labels (gate.labels) → ``labels-<variant>.jsonl``;
-``render`` writes TRL conversational prompt–completion datasets ``<variant>.<split>.jsonl`` and prints the class
+``expand`` turns the Inspector's FAIL answers into sentences (gate.answer_expansion); ``render`` writes TRL conversational prompt–completion datasets ``<variant>.<split>.jsonl`` and prints the class
 balance. Every stage appends per batch and skips ids already written. A question without a gold answer is labelled
 for ``kbm-cert`` only (reported).
 """
@@ -29,7 +31,7 @@ from retrieval.files import append_jsonl, completed_ids, read_jsonl, write_jsonl
 from retrieval.job_parts import JobParts
 from retrieval.placement import resolve_device
 
-STAGES = ("sample", "judge", "retrieve", "context", "consistency", "label", "render")
+STAGES = ("sample", "judge", "retrieve", "context", "consistency", "label", "expand", "render")
 PARALLEL = ("sample", "context", "consistency")  # the long ones: split over processes when launched on many
 MCT_RULES = ("srt", "gold-entity")
 SKB_TARGETS = ("stochastic", "round")
@@ -76,6 +78,16 @@ class BuildDataArgs:
     max_per_class: int = field(default=None, metadata={"help": "render: cap per class (train split)"})
     balance: bool = field(default=False, metadata={"help": "render: cap every train class at the smallest's size"})
     seed: int = field(default=0, metadata={"help": "sample: sampling seed (per batch); render: seed for capping"})
+    class_targets: str = field(default=None, metadata={"help": "render: per-class counts (pass:3000,fail:5000) or "
+                                                               "shares (pass:0.5,fail:0.5) of the train split, "
+                                                               "sampled with --seed"})
+    expander: str = field(default=None, metadata={"help": "expand: a local text LLM (path or name)"})
+    expander_url: str = field(default=None, metadata={"help": "expand: OpenAI-compatible base URL (key from "
+                                                              "--judge_key_env)"})
+    expander_model: str = field(default=None, metadata={"help": "expand: the endpoint's model name"})
+    expansion_prompt: str = field(default=None, metadata={"help": "expand: YAML prompt file ({question}, {answer})"})
+    inspector_expanded: bool = field(default=False, metadata={"help": "render inspector: FAIL completions use the "
+                                                                      "expanded answers (--stage expand)"})
 
 
 def stage_sample(args: BuildDataArgs, out: Path, log=print, generate=None, state=None) -> int:
@@ -280,19 +292,43 @@ def stage_render(args: BuildDataArgs, out: Path, log=print) -> int:
     source = out / f"labels-{args.variant}.jsonl"
     if not source.is_file():
         raise ValueError(f"render: {source} does not exist (run --stage label --variant {args.variant} first)")
+    from gate.render import parse_class_targets
+
+    targets = parse_class_targets(args.class_targets) if args.class_targets else None
     by_split: dict[str, list[dict]] = {}
     for rec in read_jsonl(source):
         by_split.setdefault(rec.get("split") or "train", []).append(rec)
+    if args.inspector_expanded:
+        by_split = {split: with_expanded_answers(recs, out) for split, recs in by_split.items()}
     total = 0
     for split, recs in sorted(by_split.items()):
+        report: dict = {}
         rows = render_rows(args.variant, recs, verbalisers=args.verbalisers, max_per_class=args.max_per_class,
                            seed=args.seed if split == "train" else None, balance=args.balance and split == "train",
-                           skb_target=args.skb_target)
+                           skb_target=args.skb_target, targets=targets if split == "train" else None, report=report)
         write_jsonl_atomic(out / f"{args.variant}.{split}.jsonl", rows)
         log(f"render ({args.variant}, {split}): {len(rows)} rows → {out / f'{args.variant}.{split}.jsonl'}; "
             f"classes {format_balance(class_balance(rows))}")
+        for cls, rep in report.items():
+            short = "" if rep["taken"] >= rep["wanted"] or rep["wanted"] <= 1 else \
+                f"   (only {rep['available']} available)"
+            log(f"  {cls}: {rep['taken']} taken of {rep['available']} available (target {rep['wanted']:g}){short}")
         total += len(rows)
     return total
+
+
+def with_expanded_answers(recs: list[dict], out: Path) -> list[dict]:
+    """Inspector label rows whose FAIL answer is the expanded sentence (``--stage expand``); every FAIL row must have
+    one."""
+    from gate.answer_expansion import EXPANDED_FILE, expanded_targets
+
+    targets = expanded_targets(out)
+    missing = [str(r["id"]) for r in recs if not r["pass"] and str(r["id"]) not in targets]
+    if missing:
+        raise ValueError(f"render --inspector_expanded: {len(missing)} FAIL example(s) have no expanded answer in "
+                         f"{out / EXPANDED_FILE} (first: {', '.join(missing[:3])}); run --stage expand")
+    return [r if r["pass"] else {**r, "inspector": {**r["inspector"], "answer": targets[str(r["id"])]}}
+            for r in recs]
 
 
 def build(args: BuildDataArgs, log=print, state=None) -> int:
@@ -320,8 +356,10 @@ def build(args: BuildDataArgs, log=print, state=None) -> int:
         judge_from_args(args)  # a bad judge name or missing URL fails before any model
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    from gate.answer_expansion import stage_expand
+
     stages = {"sample": stage_sample, "judge": stage_judge, "retrieve": stage_retrieve, "context": stage_context,
-              "consistency": stage_consistency, "label": stage_label, "render": stage_render}
+              "consistency": stage_consistency, "label": stage_label, "expand": stage_expand, "render": stage_render}
     if args.stage in PARALLEL:
         return stages[args.stage](args, out, log, state=state)
     return stages[args.stage](args, out, log)

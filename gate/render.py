@@ -71,10 +71,60 @@ def cap_classes(rows: list[dict], max_per_class: int | None, balance: bool, seed
     return [r for i, r in enumerate(rows) if i in keep]
 
 
+def parse_class_targets(text: str) -> dict[str, float]:
+    """``"pass:3000,fail:5000"`` (counts) or ``"pass:0.375,fail:0.625"`` (shares) → {class: value}."""
+    out = {}
+    for part in str(text).split(","):
+        name, _, value = part.strip().partition(":")
+        try:
+            out[name.strip()] = float(value)
+        except ValueError:
+            raise ValueError(f"--class_targets: {part.strip()!r} must look like class:count or class:share") from None
+        if not name.strip() or out[name.strip()] < 0:
+            raise ValueError(f"--class_targets: {part.strip()!r} needs a class name and a value ≥ 0")
+    return out
+
+
+def class_targets(available: dict[str, int], targets: dict[str, float]) -> dict[str, int]:
+    """How many rows of each class to take. Counts (every value a whole number, one above 1): each class up to its
+    count. Shares (values summing to 1): the largest total whose shares every class can fill. Every available class
+    must be named."""
+    missing = sorted(set(available) - set(targets))
+    if missing:
+        raise ValueError(f"--class_targets names no target for class(es) {', '.join(missing)} "
+                         f"(classes here: {', '.join(sorted(available))})")
+    values = [targets[c] for c in available]
+    if all(float(v).is_integer() for v in values) and any(v > 1 for v in values):
+        return {c: min(available[c], int(targets[c])) for c in available}
+    if abs(sum(values) - 1.0) > 1e-6:
+        raise ValueError(f"--class_targets {targets}: give whole counts, or shares that sum to 1")
+    total = min((available[c] / targets[c] for c in available if targets[c] > 0), default=0)
+    return {c: min(available[c], int(targets[c] * total + 1e-9)) for c in available}
+
+
+def take_classes(rows: list[dict], take: dict[str, int], seed: int | None) -> list[dict]:
+    """``take[class]`` rows of each class, chosen with ``seed``; input order kept."""
+    rng = np.random.default_rng(seed)
+    keep = set()
+    for cls, n in take.items():
+        idx = [i for i, r in enumerate(rows) if r["class"] == cls]
+        keep.update(rng.permutation(idx)[:n].tolist())
+    return [r for i, r in enumerate(rows) if i in keep]
+
+
 def render_rows(variant: str, recs: list[dict], verbalisers=None, max_per_class: int | None = None,
-                seed: int | None = 0, balance: bool = False, skb_target: str = "stochastic") -> list[dict]:
+                seed: int | None = 0, balance: bool = False, skb_target: str = "stochastic",
+                targets: dict[str, float] | None = None, report: dict | None = None) -> list[dict]:
+    """SFT rows; ``targets`` (``class_targets``) samples each class to its count or share, and ``report`` gets
+    {class: {available, wanted, taken}}."""
     rows = [render_row(variant, r, verbalisers, skb_target) for r in recs]
-    return cap_classes(rows, max_per_class, balance, seed)
+    if targets is None:
+        return cap_classes(rows, max_per_class, balance, seed)
+    available = dict(Counter(r["class"] for r in rows))
+    take = class_targets(available, targets)
+    if report is not None:
+        report.update({c: {"available": available[c], "wanted": targets[c], "taken": take[c]} for c in available})
+    return take_classes(rows, take, seed)
 
 
 def class_balance(rows: list[dict]) -> dict[str, int]:

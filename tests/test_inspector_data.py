@@ -1,0 +1,124 @@
+"""The Inspector's training data as published: FAIL targets expanded into sentences that keep the short answer
+(resumable), and per-benchmark PASS/FAIL targets (counts or shares) sampled with a seed and reported."""
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gate.answer_expansion import expansion_target, parse_expansion, stage_expand
+from gate.build_data import BuildDataArgs, stage_render
+from gate.render import class_targets, parse_class_targets
+from retrieval.files import read_jsonl, write_jsonl_atomic
+
+
+@pytest.mark.parametrize("text,sentence", [
+    ('{"expanded_answer": "The tower is 324 metres tall."}', "The tower is 324 metres tall."),
+    ('Here: ```{"expanded_answer": " It opened in 1889. "}```', "It opened in 1889."),
+    ('{"answer": "x"} {"expanded_answer": "second"}', "second"),
+    ('{"expanded_answer": ""}', None), ('{"expanded_answer": 3}', None), ("no json", None), (None, None),
+])
+def test_parse_expansion(text, sentence):
+    assert parse_expansion(text) == sentence
+
+
+@pytest.mark.parametrize("short,reply,target,expanded", [
+    ("324 m", '{"expanded_answer": "The Eiffel Tower is 324 m tall."}', "The Eiffel Tower is 324 m tall.", True),
+    ("Paris", '{"expanded_answer": "It stands in the French capital."}', "Paris", False),  # short answer lost
+    ("1889", "It opened in 1889.", "1889", False),  # no JSON
+    ("the Seine", '{"expanded_answer": "The river is Seine."}', "The river is Seine.", True),  # articles normalised
+])
+def test_a_sentence_must_keep_the_short_answer(short, reply, target, expanded):
+    out = expansion_target(short, reply)
+    assert out["target"] == target and out["expanded"] == expanded and (out["reason"] is None) == expanded
+
+
+@given(st.text(max_size=100), st.text(max_size=100))
+def test_any_reply_gives_a_target(short, reply):
+    out = expansion_target(short, reply)
+    assert out["target"] == short or (out["expanded"] and out["target"].strip())
+
+
+@pytest.mark.parametrize("available,targets,taken", [
+    ({"pass": 4000, "fail": 4500}, {"pass": 3000, "fail": 5000}, {"pass": 3000, "fail": 4500}),  # counts, capped
+    ({"pass": 20000, "fail": 16000}, {"pass": 15000, "fail": 15000}, {"pass": 15000, "fail": 15000}),
+    ({"pass": 10, "fail": 30}, {"pass": 0.5, "fail": 0.5}, {"pass": 10, "fail": 10}),  # shares
+    ({"pass": 300, "fail": 1000}, {"pass": 0.375, "fail": 0.625}, {"pass": 300, "fail": 500}),
+    ({"pass": 5, "fail": 5}, {"pass": 1.0, "fail": 0.0}, {"pass": 5, "fail": 0}),
+])
+def test_class_targets(available, targets, taken):
+    assert class_targets(available, targets) == taken
+
+
+@given(st.dictionaries(st.sampled_from(["pass", "fail", "x"]), st.integers(0, 500), min_size=1),
+       st.floats(0.05, 0.95))
+def test_shares_never_exceed_what_is_available_and_keep_the_proportion(available, share):
+    classes = sorted(available)
+    targets = {c: (share if i == 0 else (1 - share) / max(1, len(classes) - 1)) for i, c in enumerate(classes)}
+    if len(classes) == 1:
+        targets = {classes[0]: 1.0}
+    taken = class_targets(available, targets)
+    assert all(0 <= taken[c] <= available[c] for c in classes)
+    total = sum(taken.values())
+    if total >= 100 and len(classes) > 1:
+        assert taken[classes[0]] / total == pytest.approx(targets[classes[0]], abs=0.05)
+
+
+def test_bad_targets_are_named():
+    with pytest.raises(ValueError, match="names no target for class.*fail"):
+        class_targets({"pass": 1, "fail": 1}, {"pass": 3})
+    with pytest.raises(ValueError, match="shares that sum to 1"):
+        class_targets({"pass": 1, "fail": 1}, {"pass": 0.5, "fail": 0.2})
+    with pytest.raises(ValueError, match="class:count or class:share"):
+        parse_class_targets("pass:many")
+
+
+class Interrupted(Exception):
+    pass
+
+
+def label_rows(n: int) -> list[dict]:
+    return [{"id": f"q{i}", "question": f"How tall is tower {i}?", "context": f"Tower {i} is tall.",
+             "image_path": f"/img/{i}.png", "variant": "inspector", "pass": i % 3 == 0, "split": "train",
+             "inspector": {"pass": "true"} if i % 3 == 0 else {"pass": "false", "answer": f"{i}0 m"}}
+            for i in range(n)]
+
+
+def test_fail_answers_are_expanded_resumably_and_rendered_with_the_published_balance(tmp_path):
+    write_jsonl_atomic(tmp_path / "labels-inspector.jsonl", label_rows(12))  # 4 PASS, 8 FAIL
+    calls = []
+
+    def expand(questions, answers):
+        calls.append(list(answers))
+        if len(calls) == 2:
+            raise Interrupted
+        return [json.dumps({"expanded_answer": f"The tower is {a} tall."}) if j % 2 == 0 else
+                json.dumps({"expanded_answer": "It is very tall."}) for j, a in enumerate(answers)]
+
+    args = BuildDataArgs(stage="expand", out=str(tmp_path), batch_size=3)
+    with pytest.raises(Interrupted):
+        stage_expand(args, tmp_path, log=lambda *a: None, expand=expand)
+    lines = []
+    assert stage_expand(args, tmp_path, log=lines.append, expand=expand) == 5  # 8 FAIL, 3 written before
+    assert calls[2] == ["50 m", "70 m", "80 m"]
+    expanded = {r["id"]: r for r in read_jsonl(tmp_path / "expanded-inspector.jsonl")}
+    assert len(expanded) == 8 and expanded["q1"]["target"] == "The tower is 10 m tall."
+    assert expanded["q2"]["target"] == "20 m" and "does not contain the short answer" in expanded["q2"]["reason"]
+    assert "kept the short answer" in lines[-1]
+
+    render = BuildDataArgs(stage="render", out=str(tmp_path), variant="inspector", inspector_expanded=True,
+                           class_targets="pass:3,fail:5", seed=1)
+    said = []
+    stage_render(render, tmp_path, log=said.append)
+    rows = list(read_jsonl(tmp_path / "inspector.train.jsonl"))
+    assert sorted(r["class"] for r in rows) == ["fail"] * 5 + ["pass"] * 3
+    fails = {r["id"]: json.loads(r["completion"][0]["content"]) for r in rows if r["class"] == "fail"}
+    assert all(body["answer"] == expanded[i]["target"] for i, body in fails.items())
+    assert any("  fail: 5 taken of 8 available (target 5)" == x for x in said)
+    stage_render(render, tmp_path, log=lambda *a: None)
+    assert list(read_jsonl(tmp_path / "inspector.train.jsonl")) == rows  # seeded: the same sample again
+
+    (tmp_path / "expanded-inspector.jsonl").write_text("")
+    with pytest.raises(ValueError, match=r"8 FAIL example\(s\) have no expanded answer"):
+        stage_render(render, tmp_path, log=lambda *a: None)
