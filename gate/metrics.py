@@ -1,21 +1,26 @@
 """QA metrics as the benchmarks' official scorers define them, pure functions (the BEM model itself is an argument).
 
-E-VQA (google-research ``encyclopedic_vqa/evaluation_utils.py``): answers are normalised (lowercase, punctuation
-deleted, "the answer is" and articles removed, number words to digits, whitespace collapsed); a single-answer question
-is right on exact match; a ``multi_answer`` question compares the reference's ``&&`` parts with the candidate split on
-",", " and ", " & " (split before lowercasing, as the official code does) by set IoU ≥ 0.5; otherwise BEM decides
-(P[equivalent] ≥ 0.5 on ``[CLS] candidate [SEP] reference [SEP] question [SEP]``, the raw strings, ``&&`` turned into
-commas for multi-answer questions). A CSV answer holds ``|`` alternatives: the best over them counts.
+Each function names the official function whose rule it follows; the official code is not copied here, its rules are
+written anew (and checked by table-driven tests built from reading it, tests/test_metrics_official.py).
 
-InfoSeek (edchengg/infoseek_eval, the scorer the InfoSeek README links): String and Time questions by normalised
-exact match against the ``answer_eval`` aliases (the Time docstring's ±1 year is not in the official code, so not
-here); Numerical questions against ``answer_eval``'s range, the prediction read as its first one or two numbers (two
-ascending numbers are a range, else the first number), a number right inside the range, a range right inside it or
-with IoU ≥ 0.5. A split's score is the mean over all its questions; the final score is the harmonic mean of the
-unseen-question and unseen-entity scores (each rounded to two decimals first, as the official code does).
+E-VQA — google-research ``encyclopedic_vqa/evaluation_utils.py``: answers normalised by ``preprocess_answer``; a
+question right on exact match (``singleanswer_exact_match``) or, for ``multi_answer``, on the IoU of the reference's
+``&&`` parts and the candidate split on ",", " and ", " & " (``multianswer_exact_match``); otherwise BEM decides,
+P[equivalent] ≥ 0.5 (``initialize_bem_scoring_function``; gate/bem.py builds its input). The best over a question's
+``|`` alternatives counts (``evaluate_example``). A blank prediction goes to BEM like any other.
 
-VQA accuracy (the VQA / OK-VQA ``vqaEval.py``): min(1, matches / 3) averaged over the leave-one-annotator-out subsets,
-with the standard normalisation applied when the annotators disagree.
+InfoSeek — edchengg/infoseek_eval ``infoseek_eval.py`` (the scorer the InfoSeek README links): Time and String
+(every type but Time / Numerical) by normalised exact match against ``answer_eval``; Numerical by the range rule
+(``metric_numerical_range``). Questions are split by ``data_split`` (ending in ``unseen_question`` or not); a split's
+score is ``round(fraction * 100, 2)`` over the predictions it was given, per type likewise, and the final score the
+harmonic mean of the two rounded split scores, rounded (``evaluate``, ``evaluate_infoseek``,
+``evaluate_infoseek_full``). A question with no prediction is not in the official denominator; ``infoseek_report``
+gives that figure and ours (every question, no prediction = wrong) side by side.
+
+VQA / OK-VQA — GT-Vision-Lab/VQA ``PythonEvaluationTools/vqaEvaluation/vqaEval.py`` (``VQAEval``): min(1, matches /
+3) averaged over leaving each annotator out, the answers normalised only when the annotators disagree; per-question
+accuracies in % rounded to 2 decimals, the overall / per-question-type / per-answer-type figures from the unrounded
+ones, rounded to 2 decimals the way that Python 2 file's ``round`` does.
 """
 
 from __future__ import annotations
@@ -23,84 +28,116 @@ from __future__ import annotations
 import re
 import string
 from collections.abc import Callable, Sequence
+from decimal import ROUND_HALF_UP, Decimal
 
 from retrieval.answers import answer_in_passage, normalize_answer
 
-__all__ = ["answer_in_passage", "evqa_correct", "official_correct", "evqa_normalize", "infoseek_correct", "infoseek_scores",
-           "normalize_answer", "numeric_answer", "vqa_accuracy", "harmonic_mean", "infoseek_match", "token_accuracy"]
+__all__ = ["answer_in_passage", "evqa_correct", "official_correct", "evqa_normalize", "infoseek_correct",
+           "infoseek_scores", "infoseek_report", "normalize_answer", "numeric_answer", "vqa_accuracy", "vqa_scores",
+           "harmonic_mean", "infoseek_match", "token_accuracy"]
+
+
+def _who(qid) -> str:
+    return "a question without an id" if qid is None else f"question {qid!r}"
+
 
 # --------------------------------------------------------------------------- E-VQA
 
 EVQA_QUESTION_TYPES = ("templated", "automatic", "multi_answer", "2_hop")
 _EVQA_PUNCT = set(string.punctuation + "‘’´`_")
 _EVQA_ARTICLES = re.compile(r"\b(the answer is|a|an|the)\b")
+_SPAN_PREFIX = "<extra_id_0> "
 _DIGITS = {"none": "0", "zero": "0", "one": "1", "two": "2", "three": "3", "four": "4", "five": "5", "six": "6",
            "seven": "7", "eight": "8", "nine": "9", "ten": "10"}
 _EVQA_WORDS = {**_DIGITS, "entailment": "yes", "true": "yes", "contradiction": "no", "false": "no"}
-# The official E-VQA normalisation also maps contractions ("dont" → "don't"), after punctuation is deleted: a
-# one-to-one renaming of apostrophe-free words applied to both sides, so it never changes a match; left out here.
 
 BEM = Callable[[Sequence[str], Sequence[str], Sequence[str]], Sequence[float]]  # (candidates, references, questions)
 
 
-def evqa_normalize(answer) -> str:
-    text = str(answer or "").lower().replace("\n", " ").replace("\t", " ").strip()
-    if text.startswith("<extra_id_0> "):
-        text = text[len("<extra_id_0> "):]
+def evqa_normalize(answer: str) -> str:
+    """E-VQA's ``preprocess_answer``: lowercase, newlines and tabs to spaces, strip; if the text then starts with the
+    span prefix "<extra_id_0> ", every occurrence of that prefix is deleted (the official code replaces them all, not
+    only the first); punctuation (ASCII and ‘’´`_) deleted; "the answer is", "a", "an", "the" removed as words; number
+    words to digits, entailment / true to yes, contradiction / false to no, then the contraction table (the VQA one,
+    entry for entry) word by word; whitespace collapsed."""
+    if not isinstance(answer, str):
+        raise ValueError(f"E-VQA normalisation needs a string, got {answer!r}")
+    text = answer.lower().replace("\n", " ").replace("\t", " ").strip()
+    if text.startswith(_SPAN_PREFIX):
+        text = text.replace(_SPAN_PREFIX, "")
     text = "".join(c for c in text if c not in _EVQA_PUNCT)
     text = _EVQA_ARTICLES.sub(" ", text)
-    return " ".join(_EVQA_WORDS.get(w, w) for w in text.split())
+    words = (_EVQA_WORDS.get(w, w) for w in text.split())
+    return " ".join(_CONTRACTIONS.get(w, w) for w in words)
+
+
+def _evqa_parts(text: str) -> set[str]:
+    return {p for p in (evqa_normalize(x) for x in text) if p}
 
 
 def _evqa_exact(prediction: str, reference: str, question_type: str) -> bool:
+    """``singleanswer_exact_match`` / ``multianswer_exact_match`` (the candidate split before lowercasing, as there);
+    the reference is known not to normalise to empty."""
     if question_type != "multi_answer":
-        return bool(evqa_normalize(reference)) and evqa_normalize(reference) == evqa_normalize(prediction)
-    ref = {p for p in (evqa_normalize(x) for x in reference.split("&&")) if p}
-    cand = {p for p in (evqa_normalize(x) for x in
-                        str(prediction).replace(" and ", ",").replace(" & ", ",").split(",")) if p}
-    return bool(ref) and len(ref & cand) / len(ref | cand) >= 0.5
+        return evqa_normalize(reference) == evqa_normalize(prediction)
+    ref = _evqa_parts(reference.split("&&"))
+    cand = _evqa_parts(prediction.replace(" and ", ",").replace(" & ", ",").split(","))
+    return len(ref & cand) / len(ref | cand) >= 0.5
 
 
-def _alternatives(answer: str) -> list[str]:
-    alts = [a.strip() for a in str(answer or "").split("|") if a.strip()]
-    if not alts:
-        raise ValueError(f"E-VQA reference answer is empty: {answer!r}")
-    return alts
+def _evqa_references(answer, question_type: str, qid) -> list[str]:
+    """The ``|`` alternatives of a CSV answer, each refused (as the official code refuses it) when empty or when it
+    normalises to empty (for ``multi_answer``: when every ``&&`` part does)."""
+    if not isinstance(answer, str):
+        raise ValueError(f"E-VQA {_who(qid)}: the reference answer must be a string, got {answer!r}")
+    alternatives = [a.strip() for a in answer.split("|")]
+    for ref in alternatives:
+        parts = ref.split("&&") if question_type == "multi_answer" else [ref]
+        if not ref or not _evqa_parts(parts):
+            raise ValueError(f"E-VQA {_who(qid)}: a reference answer in {answer!r} is empty after normalisation "
+                             "(the official scorer refuses it)")
+    return alternatives
 
 
-def evqa_undecided(prediction: str, answer: str, question_type: str) -> list[str] | None:
-    """None when exact match (or the multi-answer rule) already accepts ``prediction``; else the references BEM must
-    judge (``&&`` turned into commas for multi-answer questions)."""
+def evqa_undecided(prediction: str, answer: str, question_type: str, qid=None) -> list[str] | None:
+    """None when exact match (or the multi-answer rule) already accepts ``prediction`` for one of the ``|``
+    alternatives; else the references BEM must judge (``&&`` turned into commas for ``multi_answer``, as the official
+    BEM scoring does). A None prediction, an unknown question type or an empty reference is refused."""
+    if not isinstance(prediction, str):
+        raise ValueError(f"E-VQA {_who(qid)}: the prediction must be a string (an empty answer is ''), got "
+                         f"{prediction!r}")
     if question_type not in EVQA_QUESTION_TYPES:
-        raise ValueError(f"unknown E-VQA question type {question_type!r} (expected one of "
+        raise ValueError(f"E-VQA {_who(qid)}: unknown question type {question_type!r} (expected one of "
                          f"{', '.join(EVQA_QUESTION_TYPES)})")
-    alts = _alternatives(answer)
-    if any(_evqa_exact(str(prediction or ""), ref, question_type) for ref in alts):
+    alternatives = _evqa_references(answer, question_type, qid)
+    if any(_evqa_exact(prediction, ref, question_type) for ref in alternatives):
         return None
-    return [ref.replace("&&", ",") if question_type == "multi_answer" else ref for ref in alts]
+    return [ref.replace("&&", ",") if question_type == "multi_answer" else ref for ref in alternatives]
 
 
-def evqa_correct(prediction: str, answer: str, question: str, question_type: str, bem: BEM | None = None) -> bool:
-    """The official E-VQA decision for one question; ``bem`` is called only when exact match has not decided
-    (without it, an undecided answer is wrong)."""
-    refs = evqa_undecided(prediction, answer, question_type)
+def evqa_correct(prediction: str, answer: str, question: str, question_type: str, bem: BEM | None = None,
+                 qid=None) -> bool:
+    """The official E-VQA decision for one question (``encyclopedic_vqa_evaluation_function`` and
+    ``evaluate_example``): exact match first, then BEM on the raw strings for every undecided alternative — a blank
+    prediction included. Without ``bem``, an undecided answer is wrong (exact match only)."""
+    refs = evqa_undecided(prediction, answer, question_type, qid)
     if refs is None:
         return True
-    if bem is None or not str(prediction or "").strip():
+    if bem is None:
         return False
-    return max(bem([str(prediction)] * len(refs), refs, [question] * len(refs))) >= 0.5
+    return max(bem([prediction] * len(refs), refs, [str(question)] * len(refs))) >= 0.5
 
 
 def evqa_correct_batch(records: Sequence[dict], bem: BEM | None = None) -> list[bool]:
-    """``evqa_correct`` for many records (``prediction``, ``answer``, ``question``, ``question_type``), with one BEM
-    call for every undecided (candidate, reference) pair."""
+    """``evqa_correct`` for many records (``prediction``, ``answer``, ``question``, ``question_type``, optional
+    ``id``), with one BEM call for every undecided (candidate, reference) pair."""
     out: list[bool] = []
     pending: list[tuple[int, str, str, str]] = []
     for i, r in enumerate(records):
-        refs = evqa_undecided(r["prediction"], r["answer"], r["question_type"])
+        refs = evqa_undecided(r["prediction"], r["answer"], r["question_type"], r.get("id", f"#{i}"))
         out.append(refs is None)
-        if refs is not None and bem is not None and str(r["prediction"] or "").strip():
-            pending += [(i, str(r["prediction"]), ref, str(r["question"])) for ref in refs]
+        if refs is not None and bem is not None:
+            pending += [(i, r["prediction"], ref, str(r["question"])) for ref in refs]
     if pending:
         probs = bem([p[1] for p in pending], [p[2] for p in pending], [p[3] for p in pending])
         for (i, *_), p in zip(pending, probs):
@@ -109,7 +146,8 @@ def evqa_correct_batch(records: Sequence[dict], bem: BEM | None = None) -> list[
 
 
 def evqa_report(records: Sequence[dict], correct: Sequence[bool]) -> dict:
-    """Accuracy (%) per question kind: single-hop (every type but 2_hop), two-hop, overall."""
+    """Accuracy (%) per question kind: single-hop (every type but 2_hop), two-hop, overall (the E-VQA README: the
+    accuracy of a split is the mean score over its questions)."""
     def pct(sel):
         sel = list(sel)
         return 100.0 * sum(sel) / len(sel) if sel else None
@@ -122,18 +160,33 @@ def evqa_report(records: Sequence[dict], correct: Sequence[bool]) -> dict:
 # --------------------------------------------------------------------------- InfoSeek
 
 INFOSEEK_TYPES = ("String", "Numerical", "Time")
+INFOSEEK_SPLITS = ("unseen_question", "unseen_entity")
 
 
 def is_infoseek_type(question_type) -> bool:
     """One of InfoSeek's question types, in any case (the official scorer lowercases them)."""
     return str(question_type or "").lower() in ("string", "numerical", "time")
 
+
+def infoseek_kind(question_type) -> str:
+    """How the official ``evaluation`` routes a question type: lowercased ``time`` and ``numerical`` as such, anything
+    else as ``string``."""
+    kind = str(question_type).lower()
+    return kind if kind in ("time", "numerical") else "string"
+
+
+def infoseek_split(data_split) -> str:
+    """The official ``evaluate``'s split: ``unseen_question`` when ``data_split`` ends so, else ``unseen_entity``."""
+    return "unseen_question" if str(data_split).endswith("unseen_question") else "unseen_entity"
+
+
 _NUMBER = re.compile(r"[-+]?[.]?[\d]+(?:,\d\d\d)*[\.]?\d*(?:[eE][-+]?\d+)?")
 
 
 def numeric_answer(text: str) -> float | list[float]:
-    """The official reading of a numerical prediction: its first two numbers as a range when ascending, else its first
-    number; [0, 0] when it holds none. A hyphen after a digit is a range dash, not a minus sign."""
+    """The official reading of a numerical prediction (``process_numerical_answer``, ``clean_str_range``): its first
+    two numbers as a range when ascending, else its first number; [0, 0] when it holds none. A hyphen after a digit is
+    a range dash, not a minus sign."""
     text = str(text)
     text = "".join(" - " if c == "-" and i >= 1 and text[i - 1].isdigit() else c for i, c in enumerate(text))
     numbers = []
@@ -151,6 +204,7 @@ def _range_iou(x: Sequence[float], y: Sequence[float]) -> float:
 
 
 def numeric_correct(prediction: str, low: float, high: float) -> bool:
+    """``metric_numerical_range`` with the answer's range: a number inside it, a range inside it, or IoU ≥ 0.5."""
     pred = numeric_answer(prediction)
     if not isinstance(pred, list):
         return low <= pred <= high
@@ -159,63 +213,130 @@ def numeric_correct(prediction: str, low: float, high: float) -> bool:
     return _range_iou(pred, [low, high]) >= 0.5 - 1e-12
 
 
-def _answer_range(answer_eval) -> tuple[float, float]:
-    item = answer_eval[0] if isinstance(answer_eval, (list, tuple)) else answer_eval
-    if not isinstance(item, dict) or item.get("range") is None:
-        raise ValueError(f"a Numerical InfoSeek question needs answer_eval with a range, got {answer_eval!r}")
-    low, high = (float(x) for x in list(item["range"])[:2])
+def _answer_range(answer_eval, qid) -> tuple[float, float]:
+    """``prepare_qid2example``'s reading of a Numerical question's ``answer_eval``: the first item's (or the dict's)
+    ``range``, its first two values."""
+    if isinstance(answer_eval, (list, tuple)):
+        if not answer_eval:
+            raise ValueError(f"InfoSeek {_who(qid)}: answer_eval is empty (the official scorer needs a range)")
+        answer_eval = answer_eval[0]
+    if not isinstance(answer_eval, dict) or answer_eval.get("range") is None or len(list(answer_eval["range"])) < 2:
+        raise ValueError(f"InfoSeek {_who(qid)}: a Numerical question needs answer_eval with a range of two numbers, "
+                         f"got {answer_eval!r}")
+    low, high = (float(x) for x in list(answer_eval["range"])[:2])
     return low, high
 
 
-def infoseek_correct(prediction: str, answer_eval, question_type: str) -> bool:
-    """The official InfoSeek decision for one question of type String / Numerical / Time."""
-    kind = str(question_type or "").lower()
-    if not is_infoseek_type(kind):
-        raise ValueError(f"unknown InfoSeek question type {question_type!r} (expected one of "
-                         f"{', '.join(INFOSEEK_TYPES)})")
-    if kind == "numerical":
-        return numeric_correct(prediction, *_answer_range(answer_eval))
-    aliases = answer_eval if isinstance(answer_eval, (list, tuple)) else [answer_eval]
+def _aliases(answer_eval, qid) -> list[str]:
+    items = [answer_eval] if isinstance(answer_eval, str) else answer_eval
+    if not isinstance(items, (list, tuple)) or not items:
+        raise ValueError(f"InfoSeek {_who(qid)}: answer_eval must be a non-empty list of answers (the official scorer "
+                         f"takes the best over them), got {answer_eval!r}")
+    if any(a is None or isinstance(a, (dict, list, tuple)) for a in items):
+        raise ValueError(f"InfoSeek {_who(qid)}: a String / Time answer_eval must hold strings, got {answer_eval!r}")
+    return [str(a) for a in items]
+
+
+def infoseek_correct(prediction: str, answer_eval, question_type: str, qid=None, *, empty_matches: bool = True) -> bool:
+    """The official InfoSeek decision for one question (``evaluation``): Numerical by ``numeric_correct`` on
+    ``answer_eval``'s range; Time and every other type (String, or anything else: scored as String) by exact match of
+    the normalised prediction with one normalised alias (``evaluate_time`` / ``evaluate_entity``) — so an empty
+    prediction matches an alias that normalises to empty ("A", "the"). ``empty_matches=False`` is our stricter rule
+    (an empty prediction never matches), which ``infoseek_match`` uses. A None prediction, a missing question type or
+    an empty ``answer_eval`` is refused."""
+    if not isinstance(prediction, str):
+        raise ValueError(f"InfoSeek {_who(qid)}: the prediction must be a string (an empty answer is ''), got "
+                         f"{prediction!r}")
+    if question_type is None:
+        raise ValueError(f"InfoSeek {_who(qid)}: no question_type (the official scorer needs one per question)")
+    if infoseek_kind(question_type) == "numerical":
+        return numeric_correct(prediction, *_answer_range(answer_eval, qid))
+    aliases = _aliases(answer_eval, qid)
     pred = normalize_answer(prediction)
-    return any(not isinstance(a, dict) and normalize_answer(a) == pred and pred for a in aliases)  # "" never matches
+    if not pred and not empty_matches:
+        return False
+    return any(normalize_answer(a) == pred for a in aliases)
 
 
-def infoseek_scores(records: Sequence[dict]) -> dict:
-    """Official InfoSeek scores (%) of records with ``prediction``, ``answer_eval``, ``question_type`` and
-    ``data_split`` (``val_unseen_question`` / ``val_unseen_entity``): per split, and ``final`` = their harmonic mean.
-    A record without a question type is refused (the final score is not defined without them)."""
-    untyped = [r.get("id", i) for i, r in enumerate(records) if not r.get("question_type")]
+def _percent(values: Sequence[bool]) -> float:
+    """``evaluate_infoseek``'s figure: ``round(fraction * 100, 2)``, 0 without questions (``safe_division``)."""
+    return round(sum(values) / len(values) * 100, 2) if values else 0.0
+
+
+def _final(scores: Sequence[float]) -> float:
+    """``evaluate_infoseek_full``: the harmonic mean of the rounded split scores (a 0 taken as 1e-12), rounded."""
+    safe = [s if s != 0 else 1e-12 for s in scores]
+    return round(len(safe) / sum(1.0 / s for s in safe), 2)
+
+
+def _infoseek_checked(records: Sequence[dict]) -> None:
+    untyped = [r.get("id", i) for i, r in enumerate(records) if r.get("question_type") is None]
     if untyped:
         raise ValueError(f"{len(untyped)} InfoSeek record(s) have no question_type (e.g. {untyped[0]!r}): the official "
                          "score needs them (retrieval.convert --qtype infoseek_val_qtype.jsonl)")
-    splits: dict[str, list[bool]] = {"unseen_question": [], "unseen_entity": []}
-    per_type: dict[str, list[bool]] = {}
-    for r in records:
-        ok = infoseek_correct(r["prediction"], r["answer_eval"], r["question_type"])
-        split = str(r.get("data_split") or "")
-        key = "unseen_question" if split.endswith("unseen_question") else \
-            "unseen_entity" if split.endswith("unseen_entity") else None
-        if key is None:
-            raise ValueError(f"InfoSeek record {r.get('id')!r} has data_split {split!r}: expected one ending in "
-                             "unseen_question or unseen_entity")
-        splits[key].append(ok)
-        per_type.setdefault(str(r["question_type"]).lower(), []).append(ok)
-    out = {k: round(100.0 * sum(v) / len(v), 2) if v else 0.0 for k, v in splits.items()}
-    safe = [v if v else 1e-12 for v in out.values()]
-    out["final"] = round(len(safe) / sum(1 / v for v in safe), 2)
-    out["per_type"] = {k: round(100.0 * sum(v) / len(v), 2) for k, v in per_type.items()}
-    out["n"] = {k: len(v) for k, v in splits.items()}
+    for i, r in enumerate(records):
+        if r.get("data_split") is None:
+            raise ValueError(f"InfoSeek {_who(r.get('id', i))}: no data_split (the official scorer splits on it)")
+
+
+def infoseek_report(records: Sequence[dict], correct: Sequence[bool | None]) -> dict:
+    """InfoSeek's scores (%) from per-question decisions: ``records`` carry ``data_split`` and ``question_type`` (and
+    ``id``), ``correct[i]`` is the decision, or None for a question with no prediction.
+
+    The top-level figures are the official scorer's (``evaluate``): per split over the questions with a prediction
+    (the official scorer only sees those), ``final`` their harmonic mean, ``per_type`` per split (time / numerical /
+    string, 0 for a type with no question), ``n`` the questions scored, ``no_prediction`` those left out.
+    ``all_questions`` is ours beside it: every question counted, one without a prediction wrong."""
+    if len(records) != len(correct):
+        raise ValueError(f"{len(records)} InfoSeek records but {len(correct)} decisions")
+    _infoseek_checked(records)
+    scored = {s: {"time": [], "numerical": [], "string": []} for s in INFOSEEK_SPLITS}
+    everyone: dict[str, list[bool]] = {s: [] for s in INFOSEEK_SPLITS}
+    missing = dict.fromkeys(INFOSEEK_SPLITS, 0)
+    for r, ok in zip(records, correct):
+        split = infoseek_split(r["data_split"])
+        everyone[split].append(bool(ok))
+        if ok is None:
+            missing[split] += 1
+        else:
+            scored[split][infoseek_kind(r["question_type"])].append(bool(ok))
+    pooled = {s: [ok for kind in ("time", "numerical", "string") for ok in scored[s][kind]] for s in INFOSEEK_SPLITS}
+    out: dict = {s: _percent(pooled[s]) for s in INFOSEEK_SPLITS}
+    out["final"] = _final([out[s] for s in INFOSEEK_SPLITS])
+    out["per_type"] = {s: {kind: _percent(v) for kind, v in scored[s].items()} for s in INFOSEEK_SPLITS}
+    out["n"] = {s: len(pooled[s]) for s in INFOSEEK_SPLITS}
+    out["no_prediction"] = missing
+    ours: dict = {s: _percent(everyone[s]) for s in INFOSEEK_SPLITS}
+    ours["final"] = _final([ours[s] for s in INFOSEEK_SPLITS])
+    ours["n"] = {s: len(everyone[s]) for s in INFOSEEK_SPLITS}
+    out["all_questions"] = ours
     return out
 
 
+def infoseek_scores(records: Sequence[dict]) -> dict:
+    """``infoseek_report`` of records with ``prediction``, ``answer_eval``, ``question_type`` and ``data_split``
+    (and ``id``), each decided by ``infoseek_correct``. A record without a ``prediction`` key is a question with no
+    prediction (left out of the official figures, wrong in ``all_questions``); ``prediction: None`` is refused, as the
+    official scorer cannot read it."""
+    _infoseek_checked(records)
+    correct = [infoseek_correct(r["prediction"], r.get("answer_eval"), r["question_type"], qid=r.get("id", i))
+               if "prediction" in r else None for i, r in enumerate(records)]
+    return infoseek_report(records, correct)
+
+
 def infoseek_match(prediction, answer_eval) -> bool:
-    """InfoSeek's rule when the question type is not at hand: a range in ``answer_eval`` means Numerical, else String."""
+    """Our rule when the question type is not at hand (gate labels, untyped records) — not the official scorer,
+    which needs types: a range in ``answer_eval`` means Numerical, else String with the ``wikidata`` values as
+    aliases; an empty (or None) prediction never matches, and no answers at all is a miss."""
+    if prediction is None:
+        return False
     items = answer_eval if isinstance(answer_eval, (list, tuple)) else [answer_eval]
     if any(isinstance(i, dict) and i.get("range") is not None for i in items):
         return infoseek_correct(prediction, answer_eval, "Numerical")
     aliases = [str(i["wikidata"]) if isinstance(i, dict) else i for i in items
                if not isinstance(i, dict) or i.get("wikidata") is not None]
-    return infoseek_correct(prediction, aliases, "String")
+    aliases = [a for a in aliases if a is not None]
+    return bool(aliases) and infoseek_correct(prediction, aliases, "String", empty_matches=False)
 
 
 # --------------------------------------------------------------------------- a benchmark's rule, by name
@@ -226,22 +347,30 @@ METRICS = ("infoseek", "evqa")
 def official_correct(metric: str, records: Sequence[dict], predictions: Sequence[str | None],
                      bem: BEM | None = None) -> list[bool]:
     """Correctness of ``predictions`` for question ``records`` (our question format) under a benchmark's rule:
-    ``evqa`` (the CSV answer is ``|``.join(answers); BEM batched over the undecided ones) or ``infoseek`` (per question
-    type when the record has an InfoSeek one, else by whether ``answer_eval`` holds a range). A missing prediction is
-    wrong."""
+    ``evqa`` (the CSV answer is ``|``.join(answers); BEM batched over the undecided ones, blank predictions included)
+    or ``infoseek`` (``infoseek_correct`` when the record has an InfoSeek question type, else ``infoseek_match``).
+    A None prediction is the pipeline's "no answer": wrong, and never shown to BEM (the official scorers have no
+    such case; ``infoseek_report`` leaves such questions out of the official InfoSeek figure)."""
+    if len(records) != len(predictions):
+        raise ValueError(f"{len(records)} question records but {len(predictions)} predictions")
     if metric == "evqa":
-        rows = [{"prediction": p or "", "answer": "|".join(str(a) for a in r.get("answers") or []),
-                 "question": r["question"], "question_type": r.get("question_type") or "automatic"}
-                for r, p in zip(records, predictions)]
-        return [ok and p is not None for ok, p in zip(evqa_correct_batch(rows, bem), predictions)]
+        given = [i for i, p in enumerate(predictions) if p is not None]
+        rows = [{"id": records[i].get("id", f"#{i}"), "prediction": predictions[i],
+                 "answer": "|".join(str(a) for a in records[i].get("answers") or []),
+                 "question": records[i]["question"], "question_type": records[i].get("question_type") or "automatic"}
+                for i in given]
+        out = [False] * len(records)
+        for i, ok in zip(given, evqa_correct_batch(rows, bem)):
+            out[i] = ok
+        return out
     if metric == "infoseek":
         out = []
-        for r, p in zip(records, predictions):
+        for i, (r, p) in enumerate(zip(records, predictions)):
             golds = r["answer_eval"] if r.get("answer_eval") is not None else (r.get("answers") or [])
             if p is None:
                 out.append(False)
             elif is_infoseek_type(r.get("question_type")):
-                out.append(infoseek_correct(p, golds, r["question_type"]))
+                out.append(infoseek_correct(p, golds, r["question_type"], qid=r.get("id", f"#{i}")))
             else:
                 out.append(infoseek_match(p, golds))
         return out
@@ -253,13 +382,17 @@ def official_correct(metric: str, records: Sequence[dict], predictions: Sequence
 _VQA_PUNCT = [";", "/", "[", "]", '"', "{", "}", "(", ")", "=", "+", "\\", "_", "-", ">", "<", "@", "`", ",", "?", "!"]
 _PERIOD = re.compile(r"(?!<=\d)(\.)(?!\d)")
 _COMMA_DIGITS = re.compile(r"(\d)(,)(\d)")
+# vqaEval.py's contraction table, entry for entry (E-VQA's preprocess_answer has the same one); the capitalised keys
+# never match (both scorers lowercase first), and neither do identities like "let's", but they are the table
 _CONTRACTIONS = dict(pair.split(":") for pair in (
     "aint:ain't arent:aren't cant:can't couldve:could've couldnt:couldn't couldn'tve:couldn't've "
     "couldnt've:couldn't've didnt:didn't doesnt:doesn't dont:don't hadnt:hadn't hadnt've:hadn't've "
     "hadn'tve:hadn't've hasnt:hasn't havent:haven't hed:he'd hed've:he'd've he'dve:he'd've hes:he's howd:how'd "
-    "howll:how'll hows:how's isnt:isn't itd:it'd itd've:it'd've it'dve:it'd've itll:it'll maam:ma'am "
+    "howll:how'll hows:how's Id've:I'd've I'dve:I'd've Im:I'm Ive:I've isnt:isn't itd:it'd itd've:it'd've "
+    "it'dve:it'd've itll:it'll let's:let's maam:ma'am "
     "mightnt:mightn't mightnt've:mightn't've mightn'tve:mightn't've mightve:might've mustnt:mustn't mustve:must've "
-    "neednt:needn't notve:not've oclock:o'clock oughtnt:oughtn't shant:shan't shed've:she'd've she'dve:she'd've "
+    "neednt:needn't notve:not've oclock:o'clock oughtnt:oughtn't "
+    "ow's'at:'ow's'at 'ows'at:'ow's'at 'ow'sat:'ow's'at shant:shan't shed've:she'd've she'dve:she'd've she's:she's "
     "shouldve:should've shouldnt:shouldn't shouldnt've:shouldn't've shouldn'tve:shouldn't've "
     "somebody'd:somebodyd somebodyd've:somebody'd've somebody'dve:somebody'd've somebodyll:somebody'll "
     "somebodys:somebody's someoned:someone'd someoned've:someone'd've someone'dve:someone'd've "
@@ -276,7 +409,9 @@ _CONTRACTIONS = dict(pair.split(":") for pair in (
 
 
 def vqa_normalize(text: str) -> str:
-    """The VQA evaluation's punctuation, period, number-word, article and contraction processing."""
+    """vqaEval.py's ``processPunctuation`` then ``processDigitArticle``: each listed punctuation mark deleted when
+    it touches a space (or the text has a digit-comma-digit) else turned into a space, periods not beside a digit
+    deleted, lowercase, number words to digits, articles dropped, the contraction table applied word by word."""
     out = str(text).replace("\n", " ").replace("\t", " ").strip()
     original = out
     for p in _VQA_PUNCT:
@@ -289,16 +424,58 @@ def vqa_normalize(text: str) -> str:
     return " ".join(_CONTRACTIONS.get(w, w) for w in words if w not in ("a", "an", "the"))
 
 
-def vqa_accuracy(prediction: str, answers: list[str]) -> float:
-    """VQA accuracy in [0, 1]: min(1, matching other annotators / 3), averaged over leaving each annotator out."""
-    if not answers:
-        raise ValueError("VQA accuracy needs the annotators' answers")
-    pred = str(prediction).replace("\n", " ").replace("\t", " ").strip()
+def vqa_accuracy(prediction: str, answers: list[str], qid=None) -> float:
+    """VQA accuracy in [0, 1] of one question (``VQAEval.evaluate``): min(1, matching other annotators / 3), averaged
+    over leaving each annotator out; prediction and answers normalised only when the annotators disagree. Unrounded
+    (``vqa_scores`` rounds as the official report does). A None prediction or no answers is refused."""
+    if not isinstance(prediction, str):
+        raise ValueError(f"VQA {_who(qid)}: the prediction must be a string, got {prediction!r}")
+    if not answers or any(a is None for a in answers):
+        raise ValueError(f"VQA {_who(qid)}: needs the annotators' answers, got {answers!r}")
+    pred = prediction.replace("\n", " ").replace("\t", " ").strip()
     golds = [str(a).replace("\n", " ").replace("\t", " ").strip() for a in answers]
     if len(set(golds)) > 1:
         golds, pred = [vqa_normalize(a) for a in golds], vqa_normalize(pred)
     accs = [min(1.0, sum(g == pred for j, g in enumerate(golds) if j != i) / 3) for i in range(len(golds))]
     return sum(accs) / len(accs)
+
+
+def round_py2(x: float, digits: int = 2) -> float:
+    """Python 2's ``round(x, digits)``, which vqaEval.py (Python 2 code) calls: the float's exact value rounded, an
+    exact tie away from zero (Python 3's ``round`` takes it to even: 0.125 → 0.12 there, 0.13 here)."""
+    return float(Decimal(x).quantize(Decimal(1).scaleb(-digits), rounding=ROUND_HALF_UP))
+
+
+def vqa_scores(records: Sequence[dict]) -> dict:
+    """The official VQA report (``VQAEval.evaluate``, ``setAccuracy``, ``setEvalQA``) of records with
+    ``question_id``, ``prediction``, ``answers`` (the annotators'), ``question_type`` and ``answer_type``:
+    ``per_question`` = round(100 · accuracy, 2); ``overall``, ``per_question_type`` and ``per_answer_type`` =
+    round(100 · sum / count, 2) of the unrounded accuracies. Every question needs its prediction (the official
+    loader refuses results that miss one); a repeated question id is refused."""
+    if not records:
+        raise ValueError("VQA scores need at least one question")
+    accs: list[float] = []
+    per_question: dict = {}
+    by_qtype: dict[str, list[float]] = {}
+    by_atype: dict[str, list[float]] = {}
+    for i, r in enumerate(records):
+        qid = r.get("question_id", r.get("id", f"#{i}"))
+        if qid in per_question:
+            raise ValueError(f"VQA {_who(qid)} appears twice")
+        for key in ("question_type", "answer_type"):
+            if r.get(key) is None:
+                raise ValueError(f"VQA {_who(qid)}: no {key} (the official report groups by it)")
+        acc = vqa_accuracy(r.get("prediction"), r.get("answers") or [], qid=qid)
+        accs.append(acc)
+        per_question[qid] = round_py2(100 * acc)
+        by_qtype.setdefault(r["question_type"], []).append(acc)
+        by_atype.setdefault(r["answer_type"], []).append(acc)
+
+    def pct(values):
+        return round_py2(100 * float(sum(values)) / len(values))
+    return {"overall": pct(accs), "per_question_type": {k: pct(v) for k, v in by_qtype.items()},
+            "per_answer_type": {k: pct(v) for k, v in by_atype.items()}, "per_question": per_question,
+            "n": len(accs)}
 
 
 # --------------------------------------------------------------------------- small helpers used by the gates

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gate.metrics import EVQA_QUESTION_TYPES, evqa_report, harmonic_mean, is_infoseek_type
+from gate.metrics import EVQA_QUESTION_TYPES, evqa_report, harmonic_mean, infoseek_report, is_infoseek_type
 
 UNSEEN_SPLITS = ("unseen_question", "unseen_entity")
 
@@ -45,9 +45,9 @@ def baselines(records: list[dict], ratio: float, seeds: int = 5) -> dict[str, di
 
 
 def split_accuracy(records: list[dict], correct: np.ndarray) -> dict[str, float]:
-    """Accuracy per ``split`` (InfoSeek's ``val_unseen_question`` counted as ``unseen_question``, …); with both unseen
-    splits, their harmonic mean as ``hm`` (InfoSeek's final score) — only when every record has a question type, as the
-    official score needs them."""
+    """Accuracy per ``split`` (InfoSeek's ``val_unseen_question`` counted as ``unseen_question``, …) over every
+    question, one without an answer wrong; with both unseen splits, their harmonic mean as ``hm`` — only when every
+    record has a question type. Fractions, unrounded: ``infoseek_figures`` gives the official InfoSeek scores."""
     by: dict[str, list[bool]] = {}
     for r, ok in zip(records, correct):
         split = str(r.get("split") or "all")
@@ -57,6 +57,23 @@ def split_accuracy(records: list[dict], correct: np.ndarray) -> dict[str, float]
     if all(s in out for s in UNSEEN_SPLITS) and all(is_infoseek_type(r.get("question_type")) for r in records):
         out["hm"] = harmonic_mean(*(out[s] for s in UNSEEN_SPLITS))
     return out
+
+
+def chosen_answered(records: list[dict], retrieve) -> np.ndarray:
+    """Whether the answer the system gave (RAG where ``retrieve``, else the VLM's own) exists: the pipeline records a
+    missing or empty one as ``answer: None`` (with why, under ``failed``)."""
+    return np.array([(r["rag"] if go else r["alone"]).get("answer", "") is not None
+                     for r, go in zip(records, np.asarray(retrieve, dtype=bool))], dtype=bool)
+
+
+def infoseek_figures(records: list[dict], correct, answered) -> dict | None:
+    """InfoSeek's scores in % (gate.metrics.infoseek_report) when every record has an InfoSeek question type and a
+    split: the official scorer's (a question without an answer left out, as that scorer never sees it) and, under
+    ``all_questions``, ours (every question, no answer wrong); None otherwise."""
+    if not records or not all(is_infoseek_type(r.get("question_type")) and r.get("split") for r in records):
+        return None
+    rows = [{"id": r.get("id"), "data_split": r["split"], "question_type": r["question_type"]} for r in records]
+    return infoseek_report(rows, [bool(ok) if has else None for ok, has in zip(correct, answered)])
 
 
 def hop_accuracy(records: list[dict], correct: np.ndarray) -> dict[str, float] | None:
@@ -122,6 +139,7 @@ def summarize(records: list[dict], threshold_name: str = "threshold") -> dict:
             "accuracy": float(correct.mean()), "token_accuracy": float(np.mean(token)),
             "retrieval_ratio": float(retrieve.mean()), "accuracy_by_split": split_accuracy(done, correct),
             "accuracy_by_hops": hop_accuracy(done, correct),
+            "infoseek": infoseek_figures(done, correct, chosen_answered(done, retrieve)),
             "section_right": float(np.mean(section_right)) if section_right else None,
             "inspector_confusion": inspector_confusion(done), "without_inspector": without_inspector(done, retrieve),
             "consistency": consistency_report(done),
@@ -156,6 +174,15 @@ def format_table(metrics: dict, system: str = "gated pipeline") -> str:
         if oracle:
             lines.append(f"| oracle gate, without the Inspector | {100 * plain['oracle gate']:.1f} | "
                          f"{100 * oracle['retrieval_ratio']:.1f} |")
+    info = metrics.get("infoseek")
+    if info:
+        ours = info["all_questions"]
+        left_out = sum(info["no_prediction"].values())
+        lines += ["", "| InfoSeek (%) | unseen question | unseen entity | final |", "|---|---|---|---|",
+                  f"| official scorer (questions without an answer left out: {left_out}) | "
+                  f"{info['unseen_question']:.2f} | {info['unseen_entity']:.2f} | {info['final']:.2f} |",
+                  f"| every question (no answer counted wrong) | {ours['unseen_question']:.2f} | "
+                  f"{ours['unseen_entity']:.2f} | {ours['final']:.2f} |"]
     mct = metrics.get("consistency")
     if mct:
         lines += ["", f"MCT ({mct['strategy']}): {mct['mean_listed']:.2f} sections listed on average; "

@@ -78,14 +78,14 @@ def test_evqa_without_bem_is_exact_match_only_and_bad_input_is_named():
 
 
 def test_evqa_batch_equals_one_by_one_with_one_bem_call():
-    table = {("W. Menger", "the Menger family"): 0.8, ("blue", "red,blue"): 0.7, ("x", "a"): 0.2}
+    table = {("W. Menger", "the Menger family"): 0.8, ("blue", "red,blue"): 0.7, ("x", "c"): 0.2}
     records = [dict(prediction=p, answer=a, question=Q, question_type=t) for p, a, t in [
         ("W. Menger", "the Menger family", "automatic"), ("menger family", "the Menger family", "templated"),
-        ("blue", "red&&blue", "multi_answer"), ("x", "a|b", "2_hop"), ("", "a", "automatic")]]
+        ("blue", "red&&blue", "multi_answer"), ("x", "c|d", "2_hop"), ("", "c", "automatic")]]
     bem = FakeBEM(table)
     batch = evqa_correct_batch(records, bem)
-    # "blue" vs red&&blue is IoU 1/2: decided; two undecided questions, one with 2 alternatives; none for ""
-    assert len(bem.calls) == 1 and [r for _, r, _ in bem.calls[0]] == ["the Menger family", "a", "b"]
+    # "blue" vs red&&blue is IoU 1/2: decided; three undecided questions, one with 2 alternatives, one blank
+    assert len(bem.calls) == 1 and [r for _, r, _ in bem.calls[0]] == ["the Menger family", "c", "d", "c"]
     assert batch == [evqa_correct(r["prediction"], r["answer"], Q, r["question_type"], FakeBEM(table))
                      for r in records] == [True, True, True, False, False]
     report = evqa_report(records, batch)
@@ -135,7 +135,7 @@ def test_infoseek_scores_per_split_and_harmonic_mean():
     with pytest.raises(ValueError, match="question_type"):
         infoseek_scores([dict(records[0], question_type=None)])
     with pytest.raises(ValueError, match="data_split"):
-        infoseek_scores([dict(records[0], data_split="train")])
+        infoseek_scores([{k: v for k, v in records[0].items() if k != "data_split"}])
 
 
 def test_infoseek_readme_figures():
@@ -249,3 +249,244 @@ def test_official_correct_by_benchmark():
     assert official_correct("infoseek", infoseek, ["Japan", "25-35", None]) == [False, False, False]
     with pytest.raises(ValueError, match="unknown metric"):
         official_correct("bleu", infoseek, ["a", "b", "c"])
+
+
+# ---------------------------------------------------------------- the official scorers' finer points (items 1–9)
+# Each table below comes from reading the official code: google-research encyclopedic_vqa/evaluation_utils.py
+# (E-VQA), edchengg/infoseek_eval infoseek_eval.py (InfoSeek), GT-Vision-Lab/VQA
+# PythonEvaluationTools/vqaEvaluation/vqaEval.py (VQA).
+
+
+@pytest.mark.parametrize("text,expected", [  # 1: with the answer starting with it, every "<extra_id_0> " goes
+    ("<extra_id_0> Paris <extra_id_0> France", "paris france"),
+    ("<EXTRA_ID_0> Ten <extra_id_0> two", "10 2"),  # lowercased before the prefix is looked for
+    ("<extra_id_0> Paris <extra_id_0>", "paris extraid0"),  # the last one has no space after it (stripped)
+    ("Paris <extra_id_0> France", "paris extraid0 france"),  # not at the start: kept, its punctuation deleted
+    ("<extra_id_0>Paris", "extraid0paris"),  # no space after it: not the prefix
+    ("<extra_id_0> ", "extraid0"),  # stripped first, so the prefix's space is gone
+])
+def test_evqa_normalize_removes_every_span_prefix(text, expected):
+    assert evqa_normalize(text) == expected
+
+
+@pytest.mark.parametrize("prediction,answer,qtype,refs", [  # 2: a blank prediction is never decided by exact match
+    ("", "red", "automatic", ["red"]), ("   ", "red|crimson", "templated", ["red", "crimson"]),
+    ("", "red&&blue", "multi_answer", ["red,blue"]), ("\n", "Menger", "2_hop", ["Menger"]),
+])
+@pytest.mark.parametrize("verdict", [0.9, 0.1])
+def test_evqa_blank_prediction_goes_to_bem(prediction, answer, qtype, refs, verdict):
+    bem = FakeBEM({(prediction, r): verdict for r in refs})
+    assert evqa_correct(prediction, answer, Q, qtype, bem=bem) is (verdict >= 0.5)
+    assert bem.calls == [[(prediction, r, Q) for r in refs]]
+    batch_bem = FakeBEM({(prediction, r): verdict for r in refs})
+    rows = [dict(id="q1", prediction=prediction, answer=answer, question=Q, question_type=qtype)]
+    assert evqa_correct_batch(rows, batch_bem) == [verdict >= 0.5] and batch_bem.calls == bem.calls
+
+
+@given(st.text(alphabet=" \t\n", max_size=5), st.sampled_from(["templated", "automatic", "2_hop", "multi_answer"]))
+def test_evqa_any_blank_prediction_asks_bem_once_per_alternative(blank, qtype):
+    bem = FakeBEM({})
+    assert evqa_correct(blank, "Red|Blue&&Green", Q, qtype, bem=bem) is False
+    assert len(bem.calls) == 1 and [c for c, _, _ in bem.calls[0]] == [blank, blank]
+
+
+def _tiny_bert(folder, type_vocab_size):
+    """A tiny BERT classifier like conftest's tiny_bem, with ``type_vocab_size`` segment embeddings."""
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
+
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "menger", "family", "baker", "william", "and",
+             "mary", "where", "does", "this", "hotel", "derive", "its", "name", "from", "?"]
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(vocab_size=len(words), hidden_size=16, num_hidden_layers=1,
+                                                     num_attention_heads=2, intermediate_size=32, num_labels=2,
+                                                     type_vocab_size=type_vocab_size))
+    model.save_pretrained(folder)
+    BertTokenizerFast(vocab={w: i for i, w in enumerate(words)}, do_lower_case=True).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("type_vocab_size,question_segment", [
+    (2, 1),  # the published PyTorch port (bert-base-uncased, 2 segment types): its model card's 0 / 1 / 1
+    (3, 2),  # a model with room for it: the official combine_segments' 0 / 1 / 2
+])
+def test_bem_question_segment_follows_the_model(tmp_path, type_vocab_size, question_segment):
+    """3: the official input gives candidate, reference and question segment ids 0, 1, 2; the PyTorch port has only
+    two segment embeddings and its card gives reference and question both 1 — each model gets what it can read."""
+    import torch
+
+    from gate.bem import BEMScorer, bem_inputs
+
+    bem = BEMScorer(str(_tiny_bert(tmp_path, type_vocab_size)), device="cpu", log=lambda *a: None)
+    assert bem.question_segment == question_segment
+    batch = bem_inputs(bem.tokenizer, ["William and Mary Menger", "Baker"], ["the Menger family", "Menger"], [Q, Q],
+                       question_segment=question_segment)
+    tokens = bem.tokenizer.convert_ids_to_tokens(batch["input_ids"][0])
+    assert tokens[:10] == ["[CLS]", "william", "and", "mary", "menger", "[SEP]", "the", "menger", "family", "[SEP]"]
+    assert batch["token_type_ids"][0].tolist() == [0] * 6 + [1] * 4 + [question_segment] * 10
+    short = batch["attention_mask"][1].tolist()  # the second row is padded: padding keeps segment 0
+    assert batch["token_type_ids"][1].tolist() == [0] * 3 + [1] * 2 + [question_segment] * 10 + [0] * (20 - 15)
+    assert sum(short) == 15
+    assert len(bem(["William and Mary Menger"], ["the Menger family"], [Q])) == 1  # the model reads it
+    if type_vocab_size == 2:  # the official segment ids do not fit the port's two segment embeddings
+        with torch.no_grad(), pytest.raises(IndexError):
+            bem.model(**bem_inputs(bem.tokenizer, ["Baker"], ["Menger"], [Q], question_segment=2))
+
+
+def _split_records(split, right, total, kind="String"):
+    return [dict(id=f"{split}{i}", prediction="China" if i < right else "Japan", answer_eval=["China"],
+                 question_type=kind, data_split=f"val_unseen_{split}") for i in range(total)]
+
+
+@pytest.mark.parametrize("right,total,official", [  # 4: round(fraction * 100, 2), not round(100 * k / n, 2)
+    (23, 160, 14.37), (49, 160, 30.63), (51, 160, 31.87), (93, 160, 58.13), (8, 9, 88.89),
+])
+def test_infoseek_split_score_rounds_the_fraction(right, total, official):
+    s = infoseek_scores(_split_records("question", right, total) + _split_records("entity", 1, 2))
+    assert s["unseen_question"] == official and s["all_questions"]["unseen_question"] == official
+    assert s["final"] == round(2 / (1 / official + 1 / 50.0), 2)
+
+
+def test_infoseek_question_without_prediction_is_left_out_officially():
+    """5: the official scorer only sees predictions; ours counts a question without one as wrong. Both reported."""
+    records = _split_records("question", 1, 2) + _split_records("entity", 1, 1)
+    records += [{k: v for k, v in r.items() if k != "prediction"} for r in _split_records("question", 0, 1)]
+    records += [{k: v for k, v in r.items() if k != "prediction"} for r in _split_records("entity", 0, 1)]
+    s = infoseek_scores(records)
+    assert (s["unseen_question"], s["unseen_entity"], s["final"]) == (50.0, 100.0, 66.67)
+    assert s["n"] == {"unseen_question": 2, "unseen_entity": 1}
+    assert s["no_prediction"] == {"unseen_question": 1, "unseen_entity": 1}
+    ours = s["all_questions"]
+    assert (ours["unseen_question"], ours["unseen_entity"], ours["final"]) == (33.33, 50.0, 40.0)
+    assert ours["n"] == {"unseen_question": 3, "unseen_entity": 2}
+
+
+@given(st.lists(st.tuples(st.booleans(), st.sampled_from([True, False, None])), min_size=1, max_size=30))
+def test_infoseek_official_and_all_question_figures(rows):
+    """5, as a property: the official split score is over answered questions, ours over all; ours is never higher."""
+    from gate.metrics import infoseek_report
+
+    records = [dict(id=str(i), question_type="String", data_split="val_unseen_question" if q else "val_unseen_entity")
+               for i, (q, _) in enumerate(rows)]
+    s = infoseek_report(records, [ok for _, ok in rows])
+    for split, flag in (("unseen_question", True), ("unseen_entity", False)):
+        answered = [ok for q, ok in rows if q is flag and ok is not None]
+        everyone = [bool(ok) for q, ok in rows if q is flag]
+        assert s[split] == (round(sum(answered) / len(answered) * 100, 2) if answered else 0)
+        assert s["all_questions"][split] == (round(sum(everyone) / len(everyone) * 100, 2) if everyone else 0)
+        assert s["all_questions"][split] <= s[split]
+
+
+def test_infoseek_per_type_scores_are_per_split():
+    """6: per-type scores per split, 0 for a type without questions; any data_split not ending in unseen_question is
+    the unseen-entity split; a type other than Time / Numerical scores as String."""
+    def rec(i, split, kind, prediction, answer_eval):
+        return dict(id=str(i), prediction=prediction, answer_eval=answer_eval, question_type=kind, data_split=split)
+    rng = [{"wikidata": 35, "range": [30, 40]}]
+    records = [rec(0, "val_unseen_question", "String", "China", ["China"]),
+               rec(1, "val_unseen_question", "string", "Japan", ["China"]),
+               rec(2, "val_unseen_question", "Time", "1889", ["1889"]),
+               rec(3, "val_unseen_entity", "Numerical", "35", rng),
+               rec(4, "train", "Other", "The Seine", ["seine"]),  # → unseen entity, scored as String
+               rec(5, "", "Time", "1900", ["1889"])]  # → unseen entity
+    s = infoseek_scores(records)
+    assert s["per_type"] == {"unseen_question": {"time": 100.0, "numerical": 0, "string": 50.0},
+                             "unseen_entity": {"time": 0.0, "numerical": 100.0, "string": 100.0}}
+    assert s["n"] == {"unseen_question": 3, "unseen_entity": 3}
+    assert (s["unseen_question"], s["unseen_entity"]) == (66.67, 66.67)
+
+
+@pytest.mark.parametrize("prediction,answer_eval,qtype,ok", [  # 6: other types are String
+    ("The Seine", ["seine"], "Other", True), ("Seine", ["Loire"], "entity", False), ("35", ["35"], "Location", True),
+])
+def test_infoseek_other_question_types_score_as_string(prediction, answer_eval, qtype, ok):
+    assert infoseek_correct(prediction, answer_eval, qtype) is ok
+
+
+@pytest.mark.parametrize("prediction,answer_eval,qtype,ok", [  # 7: "" equals an alias that normalises to ""
+    ("", ["A"], "String", True), ("the", ["A"], "String", True), ("", ["x", "The"], "Time", True),
+    ("", ["x"], "String", False), ("...", ["an"], "String", True), ("x", ["A"], "String", False),
+])
+def test_infoseek_empty_prediction_matches_an_empty_alias(prediction, answer_eval, qtype, ok):
+    from gate.metrics import infoseek_match
+
+    assert infoseek_correct(prediction, answer_eval, qtype) is ok
+    assert infoseek_match(prediction, answer_eval) is False  # the untyped rule (gate labels): "" never matches
+
+
+def test_vqa_scores_are_the_official_report():
+    """8: per-question accuracies in % rounded to 2 decimals; overall, per question type and per answer type from the
+    unrounded ones, each rounded to 2 decimals."""
+    from gate.metrics import vqa_scores
+
+    def rec(qid, prediction, answers, qtype, atype):
+        return dict(question_id=qid, prediction=prediction, answers=answers, question_type=qtype, answer_type=atype)
+    records = [rec(1, "cat", ["cat"] * 10, "what is", "other"),
+               rec(2, "Two", ["2"] * 3 + ["3"] * 7, "how many", "number"),  # 0.9
+               rec(3, "yes", ["no"] * 9 + ["yes"], "is this", "yes/no"),  # 0.3
+               rec(4, "dog", ["cat"] * 10, "what is", "other"),
+               rec(5, "cat", ["cat"] + [f"x{i}" for i in range(6)], "what is", "other")]  # 2/7
+    s = vqa_scores(records)
+    assert s["per_question"] == {1: 100.0, 2: 90.0, 3: 30.0, 4: 0.0, 5: 28.57}
+    assert s["overall"] == round(100 * (1 + 0.9 + 0.3 + 0 + 2 / 7) / 5, 2) == 49.71
+    assert s["per_question_type"] == {"what is": 42.86, "how many": 90.0, "is this": 30.0}
+    assert s["per_answer_type"] == {"other": 42.86, "number": 90.0, "yes/no": 30.0}
+
+
+def test_vqa_rounding_is_the_official_python_2_rounding():
+    """8: the official evaluator is Python 2 code, whose round() takes an exact tie away from zero (Python 3's goes
+    to even): 1 right out of 800 is 0.125 % → 0.13."""
+    from gate.metrics import vqa_scores
+
+    records = [dict(question_id=i, prediction="cat" if i == 0 else "dog", answers=["cat"] * 10, question_type="what",
+                    answer_type="other") for i in range(800)]
+    s = vqa_scores(records)
+    assert s["overall"] == 0.13 and s["per_question_type"] == {"what": 0.13} and s["per_answer_type"] == {"other": 0.13}
+
+
+@pytest.mark.parametrize("prediction,gold", [  # 8: the contraction entries that were missing
+    ("'ows'at", "ow's'at"), ("'ow'sat", "ow's'at"), ("ow's'at", "'ows'at"),
+])
+def test_vqa_contractions(prediction, gold):
+    from gate.metrics import vqa_normalize
+
+    assert vqa_normalize(prediction) == vqa_normalize(gold) == "'ow's'at"
+    assert vqa_accuracy(prediction, [gold] * 3 + ["x"] * 7) == pytest.approx(0.9)
+
+
+def _vqa(**kw):
+    from gate.metrics import vqa_scores
+
+    return vqa_scores([dict(dict(question_id="q7", prediction="cat", answers=["cat"] * 3, question_type="what",
+                                 answer_type="other"), **kw)])
+
+
+def _infoseek(**kw):
+    return infoseek_scores([dict(dict(id="q7", prediction="x", answer_eval=["x"], question_type="String",
+                                      data_split="val_unseen_question"), **kw)])
+
+
+@pytest.mark.parametrize("call,match", [  # 9: what the official code rejects is refused, naming the question
+    (lambda: evqa_correct(None, "red", Q, "automatic", qid="q7"), "q7.*prediction"),
+    (lambda: evqa_correct("x", "", Q, "automatic", qid="q7"), "q7.*empty"),
+    (lambda: evqa_correct("x", "The", Q, "automatic", qid="q7"), "q7.*empty"),
+    (lambda: evqa_correct("x", "red|the answer is", Q, "templated", qid="q7"), "q7.*empty"),
+    (lambda: evqa_correct("x", "a&&the", Q, "multi_answer", qid="q7"), "q7.*empty"),
+    (lambda: evqa_correct("x", "red", Q, "multianswer", qid="q7"), "q7.*question type"),
+    (lambda: evqa_correct_batch([dict(id="q7", prediction=None, answer="red", question=Q,
+                                      question_type="automatic")]), "q7.*prediction"),
+    (lambda: infoseek_correct(None, ["China"], "String", qid="q7"), "q7.*prediction"),
+    (lambda: infoseek_correct("x", [], "String", qid="q7"), "q7.*answer_eval"),
+    (lambda: infoseek_correct("3", [], "Numerical", qid="q7"), "q7.*answer_eval"),
+    (lambda: infoseek_correct("3", ["3"], "Numerical", qid="q7"), "q7.*range"),
+    (lambda: _infoseek(prediction=None), "q7.*prediction"),
+    (lambda: _infoseek(answer_eval=[]), "q7.*answer_eval"),
+    (lambda: _infoseek(data_split=None), "q7.*data_split"),
+    (lambda: _infoseek(question_type=None), "question_type.*q7"),
+    (lambda: _vqa(prediction=None), "q7.*prediction"),
+    (lambda: _vqa(answers=[]), "q7.*answers"),
+    (lambda: _vqa(answer_type=None), "q7.*answer_type"),
+])
+def test_bad_input_is_refused_naming_the_question(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
