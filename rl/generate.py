@@ -10,15 +10,17 @@ from rl.prompts import prompt_messages
 def generate_completions(model, processor, images: list, questions: list[str], prompt: str | dict = "wikiseeker",
                          batch_size: int = 32, max_new_tokens: int = 64, do_sample: bool = False,
                          temperature: float = 1.0, top_p: float = 1.0, progress: bool = False) -> list[str]:
-    """One completion per (image, question), in input order."""
+    """One completion per (image, question), in input order; ``images=None``: the same model without images (the
+    prompt has no image block)."""
     from tqdm import tqdm
 
     out: list[str] = []
     starts = range(0, len(questions), batch_size)
     model.eval()
     for start in tqdm(starts, desc="generating", disable=not progress):
-        qs, ims = questions[start:start + batch_size], images[start:start + batch_size]
-        texts = [processor.apply_chat_template(prompt_messages(q, prompt, with_image_block=True),
+        qs = questions[start:start + batch_size]
+        ims = None if images is None else images[start:start + batch_size]
+        texts = [processor.apply_chat_template(prompt_messages(q, prompt, with_image_block=ims is not None),
                                                add_generation_prompt=True, tokenize=False) for q in qs]
         batch = processor(text=texts, images=ims, return_tensors="pt", padding=True).to(model.device)
         sampling = dict(do_sample=True, temperature=temperature, top_p=top_p) if do_sample else dict(do_sample=False)

@@ -186,3 +186,18 @@ def stub():
         s.close()
 
 
+@pytest.fixture(scope="session")
+def tiny_text_llm(tiny_gate_vlm, tmp_path_factory):
+    """A tiny random causal LM (Qwen2 architecture) with the toy tokenizer and its chat template."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    out = tmp_path_factory.mktemp("llm")
+    tok = AutoTokenizer.from_pretrained(str(tiny_gate_vlm))
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                         eos_token_id=tok.convert_tokens_to_ids("<|im_end|>")))
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out

@@ -1,0 +1,121 @@
+"""The context-noise study: contexts with a controlled share of relevant sections (table-driven and with
+hypothesis), resume after an interruption, and the toy world end to end with a VLM with and without the image and a
+text LLM."""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gate.noise_study import (
+    NoiseArgs,
+    accuracy_table,
+    noisy_context,
+    parse_generators,
+    parse_levels,
+    relevant_sections,
+    run_study,
+)
+from retrieval.files import read_jsonl
+
+QUIET = dict(log=lambda *a: None)
+
+
+def test_levels_and_generators_parse_and_bad_ones_are_named():
+    assert parse_levels("0, 0.5 ,oracle") == ["0", "0.5", "oracle"]
+    for bad, match in [("1.5", "neither a share"), ("half", "neither a share"), ("0,0", "twice")]:
+        with pytest.raises(ValueError, match=match):
+            parse_levels(bad)
+    assert parse_generators("VLM=vlm:/m,LLM text=llm:/l,API=endpoint:gpt@http://x") == {
+        "VLM": ("vlm", "/m"), "LLM text": ("llm", "/l"), "API": ("endpoint", "gpt@http://x")}
+    for bad in ["VLM", "VLM=clip:/m", "=vlm:/m", ""]:
+        with pytest.raises(ValueError, match="--generators"):
+            parse_generators(bad)
+
+
+@given(st.integers(1, 5), st.integers(1, 12), st.sampled_from([0, 0.1, 0.25, 0.5, 0.9, 1, "oracle"]),
+       st.integers(0, 99))
+def test_a_context_holds_the_share_of_relevant_sections_asked_for(n_relevant, n, level, seed):
+    relevant, distractors = [f"R{i}" for i in range(n_relevant)], [f"D{i}" for i in range(20)]
+    sections = noisy_context(relevant, distractors, str(level), n, seed)
+    if level == "oracle":
+        assert sections == ["R0"]
+        return
+    k = round(level * n)
+    assert len(sections) == n and sum(s.startswith("R") for s in sections) == k
+    assert len({s for s in sections if s.startswith("D")}) == n - k  # distractors drawn without replacement
+    assert noisy_context(relevant, distractors, str(level), n, seed) == sections  # seeded
+
+
+def test_relevant_sections_hold_an_answer_with_the_evidence_section_first():
+    sections = [{"section": 0, "title": "T", "text": "It eats seeds."}, {"section": 1, "text": "Nothing here."},
+                {"section": 2, "title": "T", "text": "Seeds, mostly."}]
+    q = {"answers": ["seeds"], "evidence_section_id": 2}
+    assert relevant_sections(q, sections) == ["T: Seeds, mostly.", "T: It eats seeds."]
+    assert relevant_sections({"answers": ["fish"]}, sections) == []
+
+
+def test_the_table_has_a_row_per_generator_and_a_column_per_level():
+    table = accuracy_table({"VLM": {"0": 0.25, "oracle": 1.0}, "LLM": {"0": 0.0}}, ["0", "oracle"])
+    assert table.splitlines() == ["| generator | 0 | oracle |", "|---|---|---|", "| VLM | 25.0 | 100.0 |",
+                                  "| LLM | 0.0 | — |"]
+
+
+class Interrupted(Exception):
+    pass
+
+
+def test_an_interrupted_study_resumes_and_scores_by_the_official_rule(tiny_world, tmp_path):
+    """A stand-in reader that answers right exactly when a gold answer is in its context: 0 % with no relevant
+    section, 100 % with half of them relevant and with the oracle section."""
+    import json
+
+    golds: dict[str, set] = {}  # question text → the gold answers of the questions asking it
+    for r in read_jsonl(tiny_world / "test.jsonl"):
+        golds.setdefault(r["question"], set()).update(r["answers"])
+    calls = []
+
+    def reader(images, questions, contexts):
+        calls.append(len(questions))
+        if len(calls) == 2:
+            raise Interrupted
+        return [next((g for g in sorted(golds[q]) if g.lower() in c.lower()), "no idea")
+                for q, c in zip(questions, contexts)]
+
+    args = NoiseArgs(queries=str(tiny_world / "test.jsonl"), kb=str(tiny_world / "kb.jsonl"), out=str(tmp_path),
+                     levels="0,0.5,oracle", n_sections=4, limit=6, batch_size=4, generator_prompt="toy")
+    with pytest.raises(Interrupted):
+        run_study(args, generators={"reader": reader}, **QUIET)
+    assert len(list(read_jsonl(tmp_path / "answers.jsonl"))) == 4
+    result = run_study(args, generators={"reader": reader}, **QUIET)
+    assert calls[2:] == [4, 4, 4, 2]  # the 14 (level, question) pairs the first run had not answered
+    assert result["questions"] == 6 and len(list(read_jsonl(tmp_path / "answers.jsonl"))) == 18
+    assert result["accuracy"]["reader"]["oracle"] == 1.0 and result["accuracy"]["reader"]["0"] == 0.0
+    assert json.loads((tmp_path / "noise.json").read_text())["accuracy"] == result["accuracy"]
+    assert (tmp_path / "noise_table.md").read_text().startswith("| generator | 0 | 0.5 | oracle |")
+
+
+def test_the_toy_world_study_with_a_vlm_with_and_without_the_image_and_a_text_llm(tiny_world, tiny_gate_vlm,
+                                                                                  tiny_text_llm, tmp_path):
+    lines = []
+    args = NoiseArgs(queries=str(tiny_world / "test.jsonl"), kb=str(tiny_world / "kb.jsonl"), out=str(tmp_path),
+                     generators=f"VLM=vlm:{tiny_gate_vlm},VLM text-only=vlm-text:{tiny_gate_vlm},"
+                                f"LLM=llm:{tiny_text_llm}",
+                     levels="0,0.5,oracle", n_sections=3, limit=4, batch_size=6, max_new_tokens=4,
+                     generator_prompt="toy", device="cpu")
+    result = run_study(args, log=lines.append)
+    assert set(result["accuracy"]) == {"VLM", "VLM text-only", "LLM"}
+    assert all(0 <= v <= 1 for acc in result["accuracy"].values() for v in acc.values())
+    assert "| VLM text-only |" in lines[-1] and "3-section context, 4 questions" in lines[-1]
+    answers = list(read_jsonl(tmp_path / "answers.jsonl"))
+    assert len(answers) == 3 * 3 * 4 and {a["generator"] for a in answers} == set(result["accuracy"])
+
+
+def test_the_toy_config_parses_and_names_its_generators():
+    from pathlib import Path
+
+    from retrieval.cli import parse
+
+    path = Path(__file__).resolve().parent.parent / "configs" / "gate" / "noise_toy.yaml"
+    (args,) = parse((NoiseArgs,), ["--config", str(path)])
+    assert [k for k, _ in parse_generators(args.generators).values()] == ["vlm", "vlm-text"]
+    assert parse_levels(args.levels)[-1] == "oracle" and len(parse_levels(args.levels)) == 11
