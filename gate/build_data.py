@@ -27,7 +27,7 @@ from pathlib import Path
 
 from gate.consistency import stage_consistency
 from gate.context_data import load_questions, stage_context, stage_retrieve, vlm_answerer
-from retrieval.files import append_jsonl, completed_ids, read_jsonl, write_jsonl_atomic
+from retrieval.files import append_jsonl, completed_ids, read_jsonl, write_json_atomic, write_jsonl_atomic
 from retrieval.job_parts import JobParts
 from retrieval.placement import resolve_device
 
@@ -86,6 +86,8 @@ class BuildDataArgs:
                                                               "--judge_key_env)"})
     expander_model: str = field(default=None, metadata={"help": "expand: the endpoint's model name"})
     expansion_prompt: str = field(default=None, metadata={"help": "expand: YAML prompt file ({question}, {answer})"})
+    gate_prompt: str = field(default=None, metadata={"help": "render: the variant's prompt from a YAML file "
+                                                             "(system, user_template); train_sft and scoring use it"})
     inspector_expanded: bool = field(default=False, metadata={"help": "render inspector: FAIL completions use the "
                                                                       "expanded answers (--stage expand)"})
 
@@ -293,8 +295,13 @@ def stage_render(args: BuildDataArgs, out: Path, log=print) -> int:
     if not source.is_file():
         raise ValueError(f"render: {source} does not exist (run --stage label --variant {args.variant} first)")
     from gate.render import parse_class_targets
+    from gate.variants import load_gate_prompt, prompt_file_for, spec
 
     targets = parse_class_targets(args.class_targets) if args.class_targets else None
+    prompt = load_gate_prompt(args.gate_prompt, args.variant) if args.gate_prompt else None
+    used = spec(args.variant, args.verbalisers, prompt)
+    write_json_atomic(prompt_file_for(out, args.variant), {"system": used["system"], "user_template": used["user"],
+                                                          "source": prompt["name"] if prompt else "built-in"})
     by_split: dict[str, list[dict]] = {}
     for rec in read_jsonl(source):
         by_split.setdefault(rec.get("split") or "train", []).append(rec)
@@ -305,7 +312,8 @@ def stage_render(args: BuildDataArgs, out: Path, log=print) -> int:
         report: dict = {}
         rows = render_rows(args.variant, recs, verbalisers=args.verbalisers, max_per_class=args.max_per_class,
                            seed=args.seed if split == "train" else None, balance=args.balance and split == "train",
-                           skb_target=args.skb_target, targets=targets if split == "train" else None, report=report)
+                           skb_target=args.skb_target, targets=targets if split == "train" else None, report=report,
+                           prompt=prompt)
         write_jsonl_atomic(out / f"{args.variant}.{split}.jsonl", rows)
         log(f"render ({args.variant}, {split}): {len(rows)} rows → {out / f'{args.variant}.{split}.jsonl'}; "
             f"classes {format_balance(class_balance(rows))}")

@@ -37,11 +37,12 @@ def class_of(variant: str, rec: dict, verbalisers=None) -> str:
     return completion(s, value)
 
 
-def render_row(variant: str, rec: dict, verbalisers=None, skb_target: str = "stochastic") -> dict:
+def render_row(variant: str, rec: dict, verbalisers=None, skb_target: str = "stochastic",
+               prompt: dict | None = None) -> dict:
     """One SFT row. skb's non-integer score becomes a digit by ``skb_target``: ``round``, or ``stochastic`` (rounded
     up with probability equal to its fraction, seeded by the id: over examples the expected target is the score, the
-    soft target without a custom loss); the row keeps the score as ``target``."""
-    s = spec(variant, verbalisers)
+    soft target without a custom loss); the row keeps the score as ``target``. ``prompt`` replaces the variant's."""
+    s = spec(variant, verbalisers, prompt)
     extra = {}
     if variant == "skb":
         score = float(label_value(variant, rec))
@@ -114,10 +115,11 @@ def take_classes(rows: list[dict], take: dict[str, int], seed: int | None) -> li
 
 def render_rows(variant: str, recs: list[dict], verbalisers=None, max_per_class: int | None = None,
                 seed: int | None = 0, balance: bool = False, skb_target: str = "stochastic",
-                targets: dict[str, float] | None = None, report: dict | None = None) -> list[dict]:
+                targets: dict[str, float] | None = None, report: dict | None = None,
+                prompt: dict | None = None) -> list[dict]:
     """SFT rows; ``targets`` (``class_targets``) samples each class to its count or share, and ``report`` gets
-    {class: {available, wanted, taken}}."""
-    rows = [render_row(variant, r, verbalisers, skb_target) for r in recs]
+    {class: {available, wanted, taken}}; ``prompt`` replaces the variant's."""
+    rows = [render_row(variant, r, verbalisers, skb_target, prompt) for r in recs]
     if targets is None:
         return cap_classes(rows, max_per_class, balance, seed)
     available = dict(Counter(r["class"] for r in rows))

@@ -52,7 +52,7 @@ def load_gate(path, device: str | None = None, dtype: str | None = None):
     if not (path / GATE_FILE).is_file():
         raise ValueError(f"gate model {path}: no {GATE_FILE} (a folder written by gate/train_sft.py)")
     info = json.loads((path / GATE_FILE).read_text())
-    s = spec(info["variant"], info.get("verbalisers"))
+    s = spec(info["variant"], info.get("verbalisers"), info.get("prompt"))
     model, processor = load_model(str(path), dtype=dtype, device=device or "cpu")
     if info["variant"] in BINARY or info["variant"] == "skb":
         verbaliser_ids(processor.tokenizer, s)

@@ -91,6 +91,16 @@ def validate(args: GateArguments, training_args, model_args) -> tuple[list[dict]
     return rows, read_rows(args.eval_file) if args.eval_file else None
 
 
+def rendered_prompt(train_file: str, variant: str) -> dict | None:
+    """The prompt the rows were rendered with (``<variant>.prompt.json`` beside them, written by gate.build_data's
+    render), so the trained gate is scored with it; None for rows rendered before that file existed."""
+
+    from gate.variants import prompt_file_for
+
+    path = prompt_file_for(Path(train_file).parent, variant)
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def save_final(final: Path, model, processor, info: dict) -> None:
     """Model + processor + gate.json into a temporary sibling, then renamed: a crash leaves no half folder."""
     import os
@@ -133,7 +143,8 @@ def main(argv=None) -> dict:
 
     args, training_args, model_args = parse((GateArguments, SFTConfig, ModelConfig), argv, description=__doc__)
     rows, eval_rows = validate(args, training_args, model_args)
-    s = spec(args.variant, args.verbalisers)
+    prompt = rendered_prompt(args.train_file, args.variant)
+    s = spec(args.variant, args.verbalisers, prompt)
     processor = AutoProcessor.from_pretrained(model_args.model_name_or_path,
                                               trust_remote_code=training_args.trust_remote_code)
     if args.variant in BINARY or args.variant == "skb":
@@ -174,7 +185,8 @@ def main(argv=None) -> dict:
     else:
         model = trainer.model.merge_and_unload() if hasattr(trainer.model, "merge_and_unload") else trainer.model
     save_final(output_dir / "final", model, processor, {"variant": args.variant, "verbalisers": list(s["verbalisers"]),
-                                                        "base_model": model_args.model_name_or_path})
+                                                        "base_model": model_args.model_name_or_path,
+                                                        "prompt": {"system": s["system"], "user_template": s["user"]}})
     if zero3:
         shutil.rmtree(output_dir / "trained")  # final/ holds it, merged
     if eval_rows:

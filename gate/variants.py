@@ -59,15 +59,35 @@ VARIANTS = {
 BINARY = tuple(v for v, s in VARIANTS.items() if len(s["verbalisers"]) == 2)
 
 
+def load_gate_prompt(path: str, variant: str) -> dict:
+    """A variant's prompt from a YAML file (rl.prompts.load_prompt), its user template holding the placeholders the
+    variant fills ({question}, and {context} for the variants that read a section)."""
+    from rl.prompts import load_prompt
+
+    needs = ("{question}", "{context}") if "{context}" in check_variant(variant)["user"] else ("{question}",)
+    return load_prompt(path, {}, needs, "--gate_prompt")
+
+
+def prompt_file_for(folder, variant: str):
+    """Where render writes the prompt a variant's rows were rendered with (read by train_sft into gate.json)."""
+    from pathlib import Path
+
+    return Path(folder) / f"{variant}.prompt.json"
+
+
 def check_variant(name: str) -> dict:
     if name not in VARIANTS:
         raise ValueError(f"unknown gate variant {name!r}: choose one of {', '.join(VARIANTS)}")
     return VARIANTS[name]
 
 
-def spec(name: str, verbalisers=None) -> dict:
-    """The variant's spec, with the verbalisers optionally replaced (a model whose tokenizer splits the defaults)."""
+def spec(name: str, verbalisers=None, prompt: dict | None = None) -> dict:
+    """The variant's spec, with the verbalisers optionally replaced (a model whose tokenizer splits the defaults) and
+    its prompt optionally replaced (``prompt``: {system, user_template}, e.g. a paper's published wording from a file:
+    ``gate_prompt``)."""
     s = dict(check_variant(name), name=name, prefix=VARIANTS[name].get("prefix", ""))
+    if prompt:
+        s["system"], s["user"] = prompt["system"], prompt["user_template"]
     if verbalisers:
         verbalisers = tuple(verbalisers)
         if len(verbalisers) != len(s["verbalisers"]) or len(set(verbalisers)) != len(verbalisers):

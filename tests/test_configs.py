@@ -1,6 +1,7 @@
 """The shipped configs parse with TRL's parser into our dataclasses (GRPO, SFT, gate data, pipeline); the real SFT
 configs carry the paper's settings; a tiny toy SFT config runs as shipped with only its paths pointed at test data."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -64,20 +65,28 @@ def test_toy_data_config_parses():
 
 def test_a_toy_sft_config_runs_as_shipped(tiny_world, tiny_gate_vlm, tmp_path):
     from gate.render import render_rows
+    from gate.scoring import load_gate
     from gate.train_sft import main
-    from retrieval.files import write_jsonl_atomic
+    from gate.variants import prompt_file_for
+    from retrieval.files import write_json_atomic, write_jsonl_atomic
 
     images = sorted((tiny_world / "images").glob("*_test*.png"))[:6]
     recs = [{"id": f"q{i}", "question": "Where?", "image_path": str(p), "search": i % 2 == 0} for i, p in
             enumerate(images)]
-    write_jsonl_atomic(tmp_path / "ret.jsonl", render_rows("ret", recs))
+    # rendered with a replacement prompt, as --stage render --gate_prompt writes it: the gate keeps and scores with it
+    prompt = {"system": "Published RET wording.", "user_template": "Q: {question}"}
+    write_jsonl_atomic(tmp_path / "ret.jsonl", render_rows("ret", recs, prompt=prompt))
+    write_json_atomic(prompt_file_for(tmp_path, "ret"), {**prompt, "source": "published.yaml"})
     shipped = yaml.safe_load(open(ROOT / "configs" / "sft" / "toy_ret.yaml"))
     result = main(["--config", str(ROOT / "configs" / "sft" / "toy_ret.yaml"), "--train_file", str(tmp_path / "ret.jsonl"),
                    "--eval_file", str(tmp_path / "ret.jsonl"), "--model_name_or_path", str(tiny_gate_vlm),
                    "--output_dir", str(tmp_path / "out"), "--max_steps", "2", "--per_device_train_batch_size", "3",
                    "--disable_tqdm", "true"])
     assert shipped["use_peft"] and result["eval"]["n"] == 6
-    assert (tmp_path / "out" / "final" / "gate.json").is_file()
+    info = json.loads((tmp_path / "out" / "final" / "gate.json").read_text())
+    assert info["prompt"] == {"system": "Published RET wording.", "user_template": "Q: {question}"}
+    _, _, s = load_gate(tmp_path / "out" / "final")
+    assert (s["system"], s["user"]) == ("Published RET wording.", "Q: {question}")
 
 
 @pytest.mark.parametrize("name", ["toy", "infoseek", "evqa"])

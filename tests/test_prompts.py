@@ -1,6 +1,8 @@
 """Prompts replaced from files: the refiner's (training data, run record, so export and rl.refine use it too) and the
 pipeline generator's; each file checked for the placeholders its stage fills."""
 
+import json
+
 import pytest
 
 from rl.prompts import REFINER_PROMPTS, load_prompt, prompt_spec
@@ -47,3 +49,25 @@ def test_a_generator_prompt_file_needs_context_and_question(tmp_path):
 def test_a_prompt_name_that_is_neither_built_in_nor_a_file_is_named():
     with pytest.raises(ValueError, match=r"--prompt: unknown prompt 'poem': choose one of wikiseeker, toy, or give"):
         load_prompt("poem", REFINER_PROMPTS)
+
+
+def test_a_gate_prompt_file_renders_the_rows_and_is_recorded_beside_them(tmp_path):
+    from gate.build_data import BuildDataArgs, stage_render
+    from retrieval.files import read_jsonl, write_jsonl_atomic
+
+    write_jsonl_atomic(tmp_path / "labels-inspector.jsonl", [
+        {"id": "q1", "question": "Where?", "context": "A section.", "image_path": "/i.png", "variant": "inspector",
+         "pass": True, "inspector": {"pass": "true"}}])
+    good, bad = tmp_path / "inspector.yaml", tmp_path / "no-context.yaml"
+    good.write_text("system: The published Inspector prompt.\nuser_template: '{context} / {question}'\n")
+    bad.write_text("system: s\nuser_template: '{question}'\n")
+    stage_render(BuildDataArgs(stage="render", out=str(tmp_path), variant="inspector", gate_prompt=str(good)),
+                 tmp_path, log=lambda *a: None)
+    (row,) = read_jsonl(tmp_path / "inspector.train.jsonl")
+    assert row["prompt"] == [{"role": "system", "content": "The published Inspector prompt."},
+                             {"role": "user", "content": "A section. / Where?"}]
+    recorded = json.loads((tmp_path / "inspector.prompt.json").read_text())
+    assert recorded["source"] == str(good) and recorded["user_template"] == "{context} / {question}"
+    with pytest.raises(ValueError, match=r"--gate_prompt .*no-context.yaml: user_template lacks \{context\}"):
+        stage_render(BuildDataArgs(stage="render", out=str(tmp_path), variant="inspector", gate_prompt=str(bad)),
+                     tmp_path, log=lambda *a: None)
