@@ -112,12 +112,14 @@ class ArticleStore:
 
     def sections(self, entity_id, skip_titles: Iterable[str] = ()) -> list[dict]:
         """Every section of an article in upstream order, as KB-entry-like dicts (``entry_id`` = entity#s<idx>);
-        sections whose title is in ``skip_titles`` (compared lowercased) are left out."""
-        skip = {t.lower() for t in skip_titles}
+        sections whose title contains one of ``skip_titles`` (case-insensitive, as EchoSight skips "external links"
+        and "references": "Notes and references" goes too) are left out."""
+        skip = [t.lower() for t in skip_titles if t]
         rows = self.db.execute("SELECT s.idx, s.section_title, s.text, a.title FROM sections s JOIN articles a "
                                "USING (entity_id) WHERE s.entity_id=? ORDER BY s.idx", (str(entity_id),)).fetchall()
         return [{"entry_id": f"{entity_id}#s{idx}", "entity_id": str(entity_id), "title": title, "section": idx,
-                 "section_title": st, "text": text} for idx, st, text, title in rows if st.lower() not in skip]
+                 "section_title": st, "text": text} for idx, st, text, title in rows
+                if not any(word in st.lower() for word in skip)]
 
     def entry(self, entry_id) -> dict | None:
         """An index row as a KB entry (``entry_id``, ``entity_id``, ``title``, ``section_title``, ``text``, ``image``,

@@ -11,14 +11,16 @@ the KB's URLs):
         [--require_entity false] [--entity_map qid2url.tsv] [--kb kb.jsonl]
 KBs (index rows to ``--out``, every section of every article to ``--articles``, default ``<out>`` with
 ``.articles.sqlite``):
-    python -m retrieval.convert --format evqa-kb --input encyclopedic_kb_wiki.json --out kb.jsonl \
-        (--image_map url2path.json | --image_dir DIR_OF_<md5(url)>.jpg | --image_csv "wiki_image_url_part_*.csv")
-    python -m retrieval.convert --format wiki6m --input Wiki6M_ver_1_0.jsonl --images_root IMAGES --out kb.jsonl
+    python -m retrieval.convert --format evqa-kb --input encyclopedic_kb_wiki.zip --out kb.jsonl \
+        (--image_map url2path.json | --image_dir DIR_OF_<md5(url)>.jpg |
+         --image_csv "wiki_image_url_part_*.csv" --images_root WIKI_IMAGES)
+    python -m retrieval.convert --format wiki6m --input Wiki6M_ver_1_0.jsonl.gz --images_root IMAGES --out kb.jsonl
     python -m retrieval.convert --format articles --input kb.jsonl --out kb.articles.sqlite
-    python -m retrieval.convert --format qid-map --input Wiki6M_ver_1_0.jsonl --out qid2url.tsv
-    python -m retrieval.convert --format qid-map --input infoseek_test.csv --withkb infoseek_val_withkb.jsonl \
+    python -m retrieval.convert --format qid-map --input Wiki6M_ver_1_0.jsonl.gz --out qid2url.tsv
+    python -m retrieval.convert --format qid-map --input infoseek_test_filtered.csv --withkb infoseek_val_withkb.jsonl \
         --out qid2url.tsv          (EchoSight's CSV joined with the withkb file: the URLs of its 100K KB)
 
+Inputs are read as the downloads pack them: plain, gzipped (``.jsonl.gz``) or the one data file of a ``.zip``.
 Every row not converted is listed with its reason in ``<out>.skipped.jsonl``; nothing is dropped silently.
 """
 
@@ -35,15 +37,17 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from retrieval.articles import ArticleStore, ArticleWriter, store_from_kb_rows, store_path_for
-from retrieval.files import atomic_path, read_jsonl, write_jsonl_atomic
+from retrieval.files import atomic_path, write_jsonl_atomic
 from retrieval.upstream_kb import (
     canonical_url,
     evqa_article,
     image_resolver,
     iter_evqa_kb,
+    open_upstream,
     qid_map_from_echosight,
     qid_map_from_wiki6m,
     read_entity_map,
+    read_upstream_jsonl,
     remap_entity,
     title_images,
     wiki6m_article,
@@ -116,6 +120,9 @@ def validate(args: ConvertArgs) -> None:
         raise ValueError("evqa-kb needs exactly one of --image_map, --image_dir, --image_csv to find the image files")
     if args.image_csv and not glob.glob(args.image_csv):
         raise ValueError(f"--image_csv: no file matches {args.image_csv}")
+    if args.image_csv and not args.images_root:
+        raise ValueError("--image_csv needs --images_root: the CSVs' image paths are relative to it, and only files "
+                         "that exist there become index rows (as OMGM's and WikiSeeker's loaders keep them)")
     if args.image_layout not in ("oven", "flat"):
         raise ValueError(f"--image_layout must be oven or flat, got {args.image_layout!r}")
     parse_subdirs(args.image_dirs)
@@ -143,7 +150,7 @@ class KBEntities:
         if path.endswith(".sqlite"):
             self.store, self.ids = ArticleStore(path), None
         else:
-            self.store, self.ids = None, {str(r["entity_id"]) for r in read_jsonl(path)}
+            self.store, self.ids = None, {str(r["entity_id"]) for r in read_upstream_jsonl(path)}
 
     def __contains__(self, entity) -> bool:
         if self.ids is not None:
@@ -162,9 +169,9 @@ def convert_questions(args: ConvertArgs, skip) -> list[dict]:
     if not args.images_root:
         log.warning("no --images_root: image files are not checked, the first candidate path is written")
     if args.format == "infoseek":
-        withkb = rows_by_id(read_jsonl(args.withkb), "entity_id", args.withkb) if args.withkb else {}
-        qtype = rows_by_id(read_jsonl(args.qtype), "question_type", args.qtype) if args.qtype else {}
-        rows = infoseek_questions(read_jsonl(args.input), find, skip, withkb=withkb, layout=args.image_layout,
+        withkb = rows_by_id(read_upstream_jsonl(args.withkb), "entity_id", args.withkb) if args.withkb else {}
+        qtype = rows_by_id(read_upstream_jsonl(args.qtype), "question_type", args.qtype) if args.qtype else {}
+        rows = infoseek_questions(read_upstream_jsonl(args.input), find, skip, withkb=withkb, layout=args.image_layout,
                                   qtype_of={k: v["question_type"] for k, v in qtype.items()},
                                   require_entity=args.require_entity)
     else:
@@ -205,16 +212,15 @@ def report_absent(records: list[dict], kb: KBEntities, out: str) -> list[dict]:
 def convert_kb(args: ConvertArgs, skip) -> int:
     """Stream an upstream KB into index rows (``--out``) and the article store (``--articles``)."""
     articles_path = args.articles or store_path_for(args.out)
+    mapping = read_json_object(args.image_map, "image_map") if args.image_map else None
     if args.format == "evqa-kb":
-        mapping = json.loads(Path(args.image_map).read_text()) if args.image_map else None
         resolve = image_resolver(mapping, args.image_dir) if not args.image_csv else None
-        titled = title_images(sorted(glob.glob(args.image_csv)), args.images_root) if args.image_csv else None
+        titled = title_images(sorted(glob.glob(args.image_csv)), args.images_root, skip) if args.image_csv else None
         pairs = (evqa_article(url, art, resolve, skip, titled) for url, art in iter_evqa_kb(args.input))
     else:
-        mapping = json.loads(Path(args.image_map).read_text()) if args.image_map else None
         resolve = image_resolver(mapping, args.image_dir) if (mapping or args.image_dir) else None
         find = wiki6m_image_finder(args.images_root, resolve)
-        pairs = (wiki6m_article(row, find, skip) for row in read_jsonl(args.input))
+        pairs = (wiki6m_article(row, find, skip) for row in read_upstream_jsonl(args.input))
     n = 0
     with ArticleWriter(articles_path) as store, atomic_path(args.out) as tmp, open(tmp, "w") as f:
         for article, rows in tqdm(pairs, desc=f"{args.format} articles", unit="article"):
@@ -228,28 +234,51 @@ def convert_kb(args: ConvertArgs, skip) -> int:
     return n
 
 
+def read_json_object(path: str, flag: str) -> dict:
+    with open_upstream(path) as (f, _):
+        data = json.load(f)
+    if not isinstance(data, dict):
+        raise ValueError(f"--{flag}: {path} is not a JSON object")
+    return data
+
+
+def is_csv(path: str) -> bool:
+    return Path(path).name.lower().removesuffix(".gz").endswith(".csv")
+
+
+def convert_qid_map(args: ConvertArgs, log) -> int:
+    """QID → URL pairs to a TSV; an input that yields none is an error naming why, and nothing is written."""
+    if is_csv(args.input):
+        if not args.withkb:
+            raise ValueError("qid-map from an EchoSight CSV needs --withkb (the InfoSeek *_withkb.jsonl file)")
+        pairs = qid_map_from_echosight(read_csv_rows(args.input),
+                                       rows_by_id(read_upstream_jsonl(args.withkb), "entity_id", args.withkb))
+        none = (f"no data_id of {args.input} is in {args.withkb} with a wikipedia_url to map to: pass the withkb file "
+                "of the same split (infoseek_train_filtered.csv ↔ infoseek_train_withkb.jsonl, "
+                "infoseek_test_filtered.csv ↔ infoseek_val_withkb.jsonl)")
+    else:
+        pairs = qid_map_from_wiki6m(read_upstream_jsonl(args.input))
+        none = f"no row of {args.input} has both wikidata_id and wikipedia_title (is it Wiki6M?)"
+    n = 0
+    with atomic_path(args.out) as tmp, open(tmp, "w") as f:
+        for qid, url in tqdm(pairs, desc="qid-map", unit="pair"):
+            f.write(f"{qid}\t{url}\n")
+            n += 1
+        if n == 0:
+            raise ValueError(f"qid-map: {none}; nothing written to {args.out}")
+    log(f"wrote {n} QID → URL pairs to {args.out}")
+    return n
+
+
 def convert(args: ConvertArgs, log=print) -> int:
     validate(args)
     if args.format == "articles":
-        counts = store_from_kb_rows(read_jsonl(args.input), args.out)
+        counts = store_from_kb_rows(read_upstream_jsonl(args.input), args.out)
         log(f"wrote {args.out}: {counts['articles']} articles, {counts['sections']} sections, "
             f"{counts['entries']} index rows")
         return counts["entries"]
     if args.format == "qid-map":
-        if args.input.endswith(".csv"):
-            if not args.withkb:
-                raise ValueError("qid-map from an EchoSight CSV needs --withkb (the InfoSeek *_withkb.jsonl file)")
-            pairs = qid_map_from_echosight(read_csv_rows(args.input),
-                                           rows_by_id(read_jsonl(args.withkb), "entity_id", args.withkb))
-        else:
-            pairs = qid_map_from_wiki6m(read_jsonl(args.input))
-        n = 0
-        with atomic_path(args.out) as tmp, open(tmp, "w") as f:
-            for qid, url in tqdm(pairs, desc="qid-map", unit="pair"):
-                f.write(f"{qid}\t{url}\n")
-                n += 1
-        log(f"wrote {n} QID → URL pairs to {args.out}")
-        return n
+        return convert_qid_map(args, log)
     with skip_log(args.out) as (skip, counts):
         if args.format in KB_FORMATS:
             n = convert_kb(args, skip)

@@ -12,6 +12,7 @@ Converters from the upstream files live in ``retrieval.upstream_questions`` and 
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 KB_FIELDS = ("entry_id", "entity_id", "title", "section_title", "text", "image")
@@ -50,8 +51,16 @@ def check_images(rows: list[dict], root: str | Path, source: str | Path) -> None
         raise ValueError(f"{len(missing)} question(s) in {source} have no image file: {shown}")
 
 
+# Local image files larger than PIL's decompression-bomb limit (2 × Image.MAX_IMAGE_PIXELS, ~179 MP: Wikipedia has
+# scans and panoramas that big) are decoded downscaled instead of refused, up to this many pixels (~537 MP). A JPEG is
+# decoded at 1/2 … 1/8 scale (cheap); other formats are decoded whole, then reduced (up to ~1.6 GB while it lasts).
+LARGE_IMAGE_PIXELS = 1 << 29
+_PIXEL_LIMIT = threading.Lock()
+
+
 def load_image(path: str | Path):
-    """(RGB PIL image, None) when the file decodes, else (None, why not: missing, unreadable or corrupt)."""
+    """(RGB PIL image, None) when the file decodes, else (None, why not: missing, unreadable or corrupt). An image
+    past PIL's pixel limit comes back downscaled to within ``Image.MAX_IMAGE_PIXELS`` (aspect kept)."""
     from PIL import Image
 
     path = Path(path)
@@ -60,7 +69,44 @@ def load_image(path: str | Path):
     try:
         with Image.open(path) as im:
             return im.convert("RGB"), None
-    except Exception as e:  # PIL raises OSError, SyntaxError, ValueError, DecompressionBombError, …
+    except Image.DecompressionBombError:
+        return _load_large(path)
+    except Exception as e:  # PIL raises OSError, SyntaxError, ValueError, …
+        return None, f"image unreadable: {path} ({type(e).__name__}: {e})"
+
+
+def _load_large(path: Path):
+    """An image past PIL's limit: its header read without PIL's check (for this call only), refused past
+    ``LARGE_IMAGE_PIXELS``, else decoded at a reduced scale (JPEG draft) and reduced until it is within
+    ``Image.MAX_IMAGE_PIXELS``."""
+    import math
+
+    from PIL import Image
+
+    target = Image.MAX_IMAGE_PIXELS or LARGE_IMAGE_PIXELS
+    try:
+        with _PIXEL_LIMIT:
+            limit, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None  # the size is checked just below
+            try:
+                im = Image.open(path)
+            finally:
+                Image.MAX_IMAGE_PIXELS = limit
+        with im:
+            w, h = im.size
+            if w * h > LARGE_IMAGE_PIXELS:
+                return None, (f"image unreadable: {path} ({w}×{h} = {w * h} pixels, more than the {LARGE_IMAGE_PIXELS} "
+                              "this loader decodes)")
+            factor = math.sqrt(w * h / target)
+            im.draft("RGB", (math.ceil(w / factor), math.ceil(h / factor)))  # JPEG: decoded at a smaller scale
+            im.load()
+            if im.mode not in ("RGB", "L", "RGBA"):
+                im = im.convert("RGB")
+            if im.width * im.height > target:
+                im = im.reduce(math.ceil(math.sqrt(im.width * im.height / target)))
+            while im.width * im.height > target:  # reduce rounds sizes up
+                im = im.reduce(2)
+            return im.convert("RGB"), None
+    except Exception as e:
         return None, f"image unreadable: {path} ({type(e).__name__}: {e})"
 
 

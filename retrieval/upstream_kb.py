@@ -3,9 +3,11 @@
 - E-VQA ``encyclopedic_kb_wiki.json`` (2M articles keyed by Wikipedia URL) and EchoSight's InfoSeek 100K KB in the same
   format, streamed with ijson (memory flat in the number of articles); mKG-RAG's JSONL variant (one ``{url: entry}``
   a line) too.
-- OVEN's ``Wiki6M_ver_1_0.jsonl`` (entity = Wikidata QID; summary and content as sections).
+- OVEN's ``Wiki6M_ver_1_0.jsonl.gz`` (entity = Wikidata QID; summary and content as sections).
+- Every input is read as the downloads pack it (``open_upstream``): plain, gzipped, or the one data file of a ``.zip``.
 - Images: an explicit url → path map, a folder of ``md5(url).<ext>`` files, WikiSeeker/OMGM's title-keyed image CSVs,
-  or (Wiki6M) UniIR's ``<QID[:4]>/<QID>.jpg`` layout.
+  or (Wiki6M) UniIR's ``<QID[:4]>/<QID>.jpg`` layout (what OVEN's ``all_wikipedia_images.tar`` holds). SVG files
+  (PIL cannot decode them) never become index rows: they are listed as skipped.
 - Entity keys: a QID → URL map, built from Wiki6M titles or read from a file, so InfoSeek's QID questions meet a
   URL-keyed KB.
 
@@ -16,38 +18,112 @@ Each article yields ``(article, rows)``: the article with every section (for the
 from __future__ import annotations
 
 import csv
+import gzip
 import hashlib
+import io
 import json
 import urllib.parse
+import zipfile
+import zlib
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+from retrieval.files import json_record
 from retrieval.kb import kb_entry
 
 # --------------------------------------------------------------------------- reading
 
+GZIP_MAGIC, ZIP_MAGIC = b"\x1f\x8b", b"PK\x03\x04"
+DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".tsv")
+
+
+@contextmanager
+def open_upstream(path: str | Path, text: bool = True):
+    """``(stream, name)`` for an upstream file as the downloads pack it: plain, gzipped (``Wiki6M_ver_1_0.jsonl.gz``;
+    recognised by its magic bytes, whatever its name) or a ``.zip`` holding one data file (``encyclopedic_kb_wiki.zip``,
+    EchoSight's ``infoseek_100k_wiki.zip``), read in place. ``name`` is the data file's own name (``.gz`` removed, the
+    zip member's name), which tells JSON from JSONL."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic[:2] == GZIP_MAGIC:
+        raw, name = gzip.open(path, "rb"), path.name.removesuffix(".gz")
+    elif magic == ZIP_MAGIC:
+        archive = zipfile.ZipFile(path)
+        members = [m for m in archive.infolist() if not m.is_dir() and not m.filename.startswith("__MACOSX/")
+                   and not Path(m.filename).name.startswith(".")]
+        data = [m for m in members if m.filename.lower().endswith(DATA_SUFFIXES)]
+        if len(data) != 1:
+            archive.close()
+            listed = ", ".join(m.filename for m in members[:10]) or "nothing"
+            raise ValueError(f"{path}: expected a zip archive holding one .json/.jsonl/.csv file, found {listed}; "
+                             "unzip it and pass the data file")
+        raw, name = archive.open(data[0]), Path(data[0].filename).name
+    else:
+        raw, name = open(path, "rb"), path.name
+    stream = io.TextIOWrapper(raw, encoding="utf-8", newline="" if name.endswith((".csv", ".tsv")) else None) \
+        if text else raw
+    try:
+        yield stream, name
+    except (EOFError, gzip.BadGzipFile, zipfile.BadZipFile, zlib.error) as e:
+        raise ValueError(f"{path}: the download is truncated or corrupt ({type(e).__name__}: {e}); fetch it again") \
+            from None
+    finally:
+        stream.close()
+        if magic == ZIP_MAGIC:
+            archive.close()
+
+
+def read_upstream_jsonl(path: str | Path) -> Iterator[dict]:
+    """Stream the records of a JSONL file, plain, gzipped or zipped; a bad line is an error naming file and line."""
+    with open_upstream(path) as (f, _):
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                yield json_record(line, path, lineno)
+
 
 def iter_evqa_kb(path: str | Path) -> Iterator[tuple[str, dict]]:
-    """(url, article) pairs of an E-VQA-format KB, streamed: a JSON object read with ijson, or JSONL lines each
-    holding ``{url: article}``."""
-    path = Path(path)
-    if path.suffix == ".jsonl":
-        with open(path) as f:
+    """(url, article) pairs of an E-VQA-format KB, streamed (plain, gzipped or zipped): a JSON object read with
+    ijson, or JSONL lines each holding ``{url: article}`` (mKG-RAG)."""
+    with open_upstream(path, text=False) as (f, name):
+        if name.endswith(".jsonl"):
             for lineno, line in enumerate(f, 1):
                 if line.strip():
-                    obj = json.loads(line)
-                    if not isinstance(obj, dict):
-                        raise ValueError(f"{path}:{lineno}: expected an object {{url: article}}")
+                    obj = json_record(line, path, lineno)
                     yield from obj.items()
-        return
-    import ijson
-
-    with open(path, "rb") as f:
-        first = f.read(1024).lstrip()[:1]
-        if first != b"{":
+            return
+        first = f.read(1024)
+        if first.lstrip()[:1] != b"{":
             raise ValueError(f"{path}: expected a JSON object keyed by Wikipedia URL (E-VQA KB format)")
-        f.seek(0)
-        yield from ijson.kvitems(f, "", use_float=True)
+        import ijson
+
+        yield from ijson.kvitems(_Prefixed(first, f), "", use_float=True)
+
+
+class _Prefixed(io.RawIOBase):
+    """A binary stream: ``head`` (already read) then the rest of ``stream`` (no seeking back in gzip/zip members)."""
+
+    def __init__(self, head: bytes, stream):
+        self.head, self.stream = head, stream
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:
+        if self.head:
+            n = min(len(buf), len(self.head))
+            buf[:n], self.head = self.head[:n], self.head[n:]
+            return n
+        data = self.stream.read(len(buf))
+        buf[:len(data)] = data
+        return len(data)
+
+    def read(self, size: int = -1) -> bytes:
+        if size is None or size < 0:
+            out, self.head = self.head + self.stream.read(), b""
+            return out
+        return super().read(size)
 
 
 # --------------------------------------------------------------------------- images
@@ -58,12 +134,23 @@ def url_hash(url: str) -> str:
     return hashlib.md5(url.encode("utf-8")).hexdigest()
 
 
+def svg_problem(path: str | None) -> str | None:
+    """Why a KB image file cannot be indexed before it is read: an SVG (flags, maps, coats of arms), which PIL cannot
+    decode; None otherwise."""
+    if path is not None and str(path).lower().endswith((".svg", ".svgz")):
+        return (f"SVG image {path}: PIL cannot decode it; run retrieval.fetch_images again (it fetches Wikimedia's PNG "
+                "rendering of an SVG, or rasterises it with cairosvg when that is installed)")
+    return None
+
+
 def image_resolver(mapping: dict[str, str] | None = None, folder: str | Path | None = None) -> Callable:
-    """URL → local image path (or None): from an explicit mapping, else ``folder/<md5(url)>.<any ext>``."""
+    """URL → local image path (or None): from an explicit mapping, else ``folder/<md5(url)>.<any ext>`` (a raster
+    file before an SVG of the same URL left by an older fetch)."""
     by_hash: dict[str, str] = {}
     if folder is not None:
-        for p in Path(folder).iterdir():
-            by_hash.setdefault(p.stem, p.name)
+        for p in sorted(Path(folder).iterdir(), key=lambda p: svg_problem(p.name) is not None):
+            if not p.name.startswith("."):
+                by_hash.setdefault(p.stem, p.name)
 
     def resolve(url: str) -> str | None:
         if mapping and url in mapping:
@@ -73,22 +160,31 @@ def image_resolver(mapping: dict[str, str] | None = None, folder: str | Path | N
     return resolve
 
 
-def title_images(csv_paths: Iterable[str | Path], images_root: str | Path | None = None,
+def title_images(csv_paths: Iterable[str | Path], images_root: str | Path, skip: Callable[[dict], None],
                  per_title: int = 10) -> dict[str, list[str]]:
-    """WikiSeeker/OMGM image CSVs (column 0 article title, column 2 image path, header row) → {title: paths}, at most
-    ``per_title`` distinct paths a title, files missing under ``images_root`` left out (as their loaders do)."""
+    """WikiSeeker/OMGM image CSVs (column 0 article title, column 2 image path relative to ``images_root``, header
+    row) → {title: paths}: at most ``per_title`` distinct paths a title whose files exist (as their loaders keep
+    them). Each row left out otherwise (no file, an SVG, past ``per_title``, too few columns) goes to ``skip``."""
     out: dict[str, list[str]] = {}
-    root = Path(images_root) if images_root else None
+    root = Path(images_root)
     for p in csv_paths:
-        with open(p, newline="") as f:
+        with open_upstream(p) as (f, _):
             reader = csv.reader(f)
             next(reader, None)
-            for row in reader:
+            for n, row in enumerate(reader, 2):
+                where = {"csv": str(p), "row": n}
                 if len(row) < 3:
+                    skip({**where, "reason": f"fewer than 3 columns ({len(row)})"})
                     continue
                 title, image = row[0], row[2]
                 paths = out.setdefault(title, [])
-                if len(paths) >= per_title or image in paths or (root is not None and not (root / image).is_file()):
+                if image in paths:
+                    continue
+                why = ("no file under " + str(root)) if not (root / image).is_file() else svg_problem(image) or \
+                    (f"more than {per_title} images for this title (the first {per_title} are kept, as OMGM does)"
+                     if len(paths) >= per_title else None)
+                if why:
+                    skip({**where, "title": title, "image": image, "reason": why})
                     continue
                 paths.append(image)
     return out
@@ -112,7 +208,11 @@ def evqa_article(url: str, art: dict, resolve_image: Callable[[str], str | None]
     article = {"entity_id": entity, "title": title, "url": entity, "sections": sections}
     rows = []
     if titled is not None:
-        for j, image in enumerate(titled.get(title, [])):
+        images = titled.get(title, [])
+        if not images:
+            skip({"entity_id": entity, "title": title, "reason": "no image for this title in the image CSVs (the "
+                                                                "article is in the store, with no index row)"})
+        for j, image in enumerate(images):
             rows.append(kb_entry(f"{entity}#image{j}", entity, title, sections[0][1] if sections else "",
                                  sections[0][2] if sections else "", image, section=0))
         return article, rows
@@ -122,6 +222,9 @@ def evqa_article(url: str, art: dict, resolve_image: Callable[[str], str | None]
         path = resolve_image(image_url)
         if path is None:
             skip({"entry_id": entry_id, "reason": f"no local file for image {image_url}"})
+            continue
+        if svg_problem(path):
+            skip({"entry_id": entry_id, "reason": svg_problem(path)})
             continue
         s = indices[j] if j < len(indices) else None
         if not isinstance(s, int) or not (0 <= s < len(texts)) or not str(texts[s]).strip():
@@ -143,19 +246,25 @@ def wiki6m_url(title: str) -> str:
 
 def wiki6m_article(row: dict, find_image: Callable[[dict], tuple[str | None, str | None]],
                    skip: Callable[[dict], None]) -> tuple[dict, list[dict]]:
-    """One Wiki6M row → (article: summary as section 0, content as section 1; one index row when the entity has an
-    image, paired with the summary)."""
+    """One Wiki6M row → (article: the summary as section 0 — the content when the summary is empty — and the content
+    as section 1 when it differs; one index row when the entity has an image, paired with section 0, whose text it
+    embeds)."""
     qid, title = str(row.get("wikidata_id") or ""), row.get("wikipedia_title") or ""
     if not qid:
         raise ValueError(f"Wiki6M row without wikidata_id: {str(row)[:120]}")
     summary, content = row.get("wikipedia_summary") or "", row.get("wikipedia_content") or ""
-    sections = [(0, title, summary)] + ([(1, "content", content)] if content and content != summary else [])
+    lead = summary or content
+    sections = [(0, title, lead)] + ([(1, "content", content)] if content and content != lead else [])
     article = {"entity_id": qid, "title": title, "url": wiki6m_url(title) if title else None, "sections": sections}
+    if not lead.strip():
+        skip({"entry_id": f"{qid}#image0", "reason": "no text: wikipedia_summary and wikipedia_content are empty "
+                                                     "(the article is in the store, with no index row)"})
+        return article, []
     image, why = find_image(row)
     if image is None:
         skip({"entry_id": f"{qid}#image0", "reason": why})
         return article, []
-    return article, [kb_entry(f"{qid}#image0", qid, title, title, summary or content, image, section=0)]
+    return article, [kb_entry(f"{qid}#image0", qid, title, title, lead, image, section=0)]
 
 
 def wiki6m_image_finder(images_root: str | Path | None, resolve_url: Callable[[str], str | None] | None) -> Callable:
@@ -165,17 +274,19 @@ def wiki6m_image_finder(images_root: str | Path | None, resolve_url: Callable[[s
 
     def find(row: dict):
         url, qid = row.get("wikipedia_image_url"), str(row.get("wikidata_id"))
+        svg = None
         if url and resolve_url is not None:
             path = resolve_url(url)
-            if path is not None:
+            svg = svg_problem(path)
+            if path is not None and svg is None:
                 return path, None
         tried = [f"{qid[:4]}/{qid}.jpg", f"{qid[:4]}/{qid}.JPEG"]
         if root is not None:
             for rel in tried:
                 if (root / rel).is_file():
                     return rel, None
-        return None, ("no image url and " if not url else f"no local file for {url} and ") + \
-            (f"none of {', '.join(tried)} under {root}" if root else "no --images_root to look in")
+        return None, ("no image url and " if not url else f"{svg} and " if svg else f"no local file for {url} and ") \
+            + (f"none of {', '.join(tried)} under {root}" if root else "no --images_root to look in")
 
     return find
 

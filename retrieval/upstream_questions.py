@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from retrieval.kb import question_record
+from retrieval.upstream_kb import open_upstream
+
+log = logging.getLogger("refine_rl.convert")
 
 # the question types the reference systems (EchoSight, WikiSeeker) keep; their E-VQA_{i} counts these rows only
 KEPT_EVQA_TYPES = ("automatic", "templated", "multi_answer", "infoseek")
@@ -29,13 +33,15 @@ EXTENSIONS = (".jpg", ".JPEG")
 def evqa_image_candidates(image_id: str, dataset_name: str, inat_id2name: dict | None = None) -> list[str]:
     """Relative paths an E-VQA image may have, in order of preference, inside its dataset's folder.
 
-    landmarks (GLDv2): ``<id[0]>/<id[1]>/<id[2]>/<id>.jpg``; inaturalist: the ``*_id2name.json`` file name
-    (EchoSight) when a map is given, else a flat ``<id>.jpg`` (OMGM / WikiSeeker renaming); infoseek: flat.
+    landmarks (GLDv2): ``<id[0]>/<id[1]>/<id[2]>/<id>.jpg`` (GLDv2's own layout, EchoSight), then a flat ``<id>.jpg``
+    (OMGM); inaturalist: the ``*_id2name.json`` file name (EchoSight) when a map is given, else a flat ``<id>.jpg``
+    (OMGM / WikiSeeker renaming); infoseek: flat.
     """
     if dataset_name == "landmarks":
         if len(image_id) < 3:
             return []
-        return [f"{image_id[0]}/{image_id[1]}/{image_id[2]}/{image_id}{ext}" for ext in EXTENSIONS]
+        return [f"{image_id[0]}/{image_id[1]}/{image_id[2]}/{image_id}{ext}" for ext in EXTENSIONS] + \
+            [f"{image_id}{ext}" for ext in EXTENSIONS]
     if dataset_name == "inaturalist" and inat_id2name is not None:
         name = inat_id2name.get(image_id)
         return [name] if name else []
@@ -92,6 +98,16 @@ def _bars(text) -> list[str]:
     return [x.strip() for x in str(text or "").split("|") if x.strip()]
 
 
+def section_index(text: str) -> int | None:
+    """An ``evidence_section_id`` value as an integer: ``3``, or ``3.0`` as pandas writes an integer column with
+    gaps; None for anything else (the caller says so)."""
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return int(value) if value.is_integer() and value >= 0 else None
+
+
 def evqa_questions(rows: Iterable[dict], find_image: Callable, skip: Callable[[dict], None], *, split: str,
                    include_two_hop: bool = False, all_images: bool = False, inat_id2name: dict | None = None,
                    id_prefix: str = "evqa") -> Iterator[dict]:
@@ -102,7 +118,8 @@ def evqa_questions(rows: Iterable[dict], find_image: Callable, skip: Callable[[d
     rows of the kept types (automatic, templated, multi_answer, as EchoSight and WikiSeeker load them), or the
     ``data_id`` of an EchoSight InfoSeek row (which is also its id). ``answer``: ``|`` alternatives, ``&&`` parts
     (``answer_parts``). 2-hop rows are left out unless ``include_two_hop``; then ``entity_id`` and
-    ``evidence_section_id`` are lists (one per hop), never joined strings.
+    ``evidence_section_id`` are lists (one per hop), never joined strings. A section id that is not an integer
+    (``3.0`` is: pandas writes those) is dropped with a warning naming the row.
     """
     if not split or not str(split).strip() or any(c.isspace() for c in str(split)):
         raise ValueError(f"evqa_questions: split must name the CSV's split (train, val, test), got {split!r}")
@@ -118,14 +135,18 @@ def evqa_questions(rows: Iterable[dict], find_image: Callable, skip: Callable[[d
             skip({"row": i, "reason": f"unknown question_type {qtype!r}"})
             continue
         if two_hop and not include_two_hop:
+            skip({"row": i, "reason": "2_hop question, left out as the papers do (--include_two_hop keeps it)"})
             continue
         urls, sections = _bars(r.get("wikipedia_url")), _bars(r.get("evidence_section_id"))
         if not urls:
             skip({"row": i, "reason": "no wikipedia_url"})
             continue
         entity = urls if two_hop else urls[0]
-        section = ([int(s) if s.isdigit() else s for s in sections] if two_hop else
-                   (int(sections[0]) if sections and sections[0].isdigit() else None))
+        indices = [section_index(s) for s in sections]
+        if any(x is None for x in indices):
+            log.warning("row %d: evidence_section_id %r is not an integer section index; kept without it", i,
+                        r.get("evidence_section_id"))
+        section = indices if two_hop else (indices[0] if indices else None)
         alternatives = _bars(r.get("answer"))
         parts = [[p.strip() for p in a.split("&&") if p.strip()] for a in alternatives]
         dataset = str(r.get("dataset_name") or "").strip()
@@ -155,13 +176,15 @@ def evqa_questions(rows: Iterable[dict], find_image: Callable, skip: Callable[[d
 
 
 def read_csv_rows(path: str | Path) -> Iterator[dict]:
-    with open(path, newline="") as f:
+    """The rows of a CSV by column name (plain, gzipped or zipped)."""
+    with open_upstream(path) as (f, _):
         yield from csv.DictReader(f)
 
 
 def read_id2name(path: str | Path) -> dict[str, str]:
     """EchoSight's iNaturalist ``*_id2name.json``: {image id: file name}."""
-    data = json.loads(Path(path).read_text())
+    with open_upstream(path) as (f, _):
+        data = json.load(f)
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object mapping iNaturalist image ids to file names")
     return {str(k): str(v) for k, v in data.items()}

@@ -284,7 +284,7 @@ def test_fetch_images_names_files_by_url_hash_resumes_and_lists_failures(tmp_pat
         urls = [f"{base}/a.jpg", f"{base}/b.png", f"{base}/gone.jpg", f"{base}/page.html"]
         kb = {ZORVAK: {**EVQA_KB[ZORVAK], "image_urls": urls + [f"{base}/a.jpg"]}}  # a repeated URL: once
         (tmp_path / "kb.json").write_text(json.dumps(kb))
-        args = FetchArgs(kb=str(tmp_path / "kb.json"), out=str(tmp_path / "imgs"), workers=2, timeout=5)
+        args = FetchArgs(kb=str(tmp_path / "kb.json"), out=str(tmp_path / "imgs"), workers=2, timeout=5, user_agent=UA)
         first = fetch_images(args, log=quiet)
         assert first == {"fetched": 2, "failed": 2, "already there": 0}
         assert (tmp_path / "imgs" / file_name(urls[0])).read_bytes() == b"\xff\xd8 jpeg bytes"
@@ -298,3 +298,302 @@ def test_fetch_images_names_files_by_url_hash_resumes_and_lists_failures(tmp_pat
         assert n == 3  # a.jpg twice (two image slots) and b.png
     finally:
         server.shutdown()
+
+
+# --------------------------------------------------------------------------- upstream issues: one table each
+
+
+def kb_with_images(tmp_path, urls, name="kb.json"):
+    kb = {ZORVAK: {**EVQA_KB[ZORVAK], "image_urls": urls, "image_section_indices": [0] * len(urls),
+                   "image_reference_descriptions": [""] * len(urls)}}
+    (tmp_path / name).write_text(json.dumps(kb))
+    return tmp_path / name
+
+
+UA = "Test Runner (tests@example.org)"
+WIKI_SVG = "/wikipedia/commons/a/ab/Flag_of_Zorvak.svg"
+WIKI_THUMB = "/wikipedia/commons/thumb/a/ab/Flag_of_Zorvak.svg/960px-Flag_of_Zorvak.svg.png"
+
+
+@pytest.mark.parametrize("case", [
+    # SVG on Wikimedia's upload layout: its PNG rendering is fetched (Wikimedia serves /thumb/…/<w>px-<name>.svg.png)
+    dict(name="wikimedia svg", path=WIKI_SVG, rasteriser=False, old_svg=False, fetched=1, row=".png"),
+    # an SVG elsewhere with no rasteriser installed: listed as failed with the reason, no file a build would drop
+    dict(name="svg elsewhere, no rasteriser", path="/static/logo.svg", rasteriser=False, old_svg=False, fetched=0,
+         row=None, failed="SVG"),
+    # an SVG elsewhere with a rasteriser (cairosvg when installed; a stand-in here): a PNG is written
+    dict(name="svg elsewhere, rasteriser", path="/static/logo.svg", rasteriser=True, old_svg=False, fetched=1,
+         row=".png"),
+    # an .svg left by an earlier run: the converter lists its row as skipped; fetching again replaces it by the PNG
+    dict(name="svg left by an older run", path=WIKI_SVG, rasteriser=False, old_svg=True, fetched=1, row=".png"),
+], ids=lambda c: c["name"])
+def test_svg_kb_images_become_png_or_are_listed(tmp_path, monkeypatch, case):
+    from upstream_site import SVG, Site, ok, png_bytes
+
+    import retrieval.fetch_images as fi
+
+    routes = {WIKI_THUMB: [ok(png_bytes())], WIKI_SVG: [ok(SVG, "image/svg+xml")],
+              "/static/logo.svg": [ok(SVG, "image/svg+xml")]}
+    monkeypatch.setattr(fi, "svg_rasteriser", (lambda: (lambda data, width: png_bytes())) if case["rasteriser"]
+                        else (lambda: None))
+    with Site(routes) as site:
+        url = site.url(case["path"])
+        kb = kb_with_images(tmp_path, [url])
+        imgs = tmp_path / "imgs"
+        if case["old_svg"]:
+            imgs.mkdir()
+            (imgs / f"{url_hash(url)}.svg").write_bytes(SVG)
+            convert(ConvertArgs(format="evqa-kb", input=str(kb), image_dir=str(imgs), out=str(tmp_path / "old.jsonl")),
+                    log=quiet)
+            (skip,) = read_jsonl(tmp_path / "old.jsonl.skipped.jsonl")
+            assert "SVG" in skip["reason"] and not list(read_jsonl(tmp_path / "old.jsonl"))
+        counts = fi.fetch_images(fi.FetchArgs(kb=str(kb), out=str(imgs), workers=1, timeout=5, user_agent=UA),
+                                 log=quiet)
+        assert counts["fetched"] == case["fetched"]
+        if case["path"] == WIKI_SVG:
+            assert site.paths() == [WIKI_THUMB]  # the rendering, never the SVG itself
+    n = convert(ConvertArgs(format="evqa-kb", input=str(kb), image_dir=str(imgs), out=str(tmp_path / "kb.jsonl")),
+                log=quiet)
+    rows = list(read_jsonl(tmp_path / "kb.jsonl"))
+    if case["row"]:
+        assert n == 1 and rows[0]["image"] == f"{url_hash(url)}{case['row']}"
+        from retrieval.kb import image_problem
+
+        assert image_problem(imgs / rows[0]["image"]) is None  # what the build decodes
+    else:
+        assert n == 0
+        (failed,) = read_jsonl(imgs / "failed.jsonl")
+        assert case["failed"] in failed["reason"] and "cairosvg" in failed["reason"]
+    if case["old_svg"]:
+        assert (imgs / f"{url_hash(url)}.svg").exists()  # nothing already there is lost
+
+
+def pack(path: Path, packing: str) -> Path:
+    """The file as the downloads pack it: as it is, gzipped (.gz) or inside a .zip."""
+    import gzip
+    import zipfile
+
+    if packing == "plain":
+        return path
+    if packing == "gz":
+        out = path.with_name(path.name + ".gz")
+        out.write_bytes(gzip.compress(path.read_bytes()))
+    else:
+        out = path.with_name(path.stem + ".zip")
+        with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as z:
+            z.write(path, f"some_folder/{path.name}")
+    path.unlink()
+    return out
+
+
+@pytest.mark.parametrize("fmt,packing", [
+    ("wiki6m", "gz"), ("wiki6m", "zip"),              # OVEN publishes Wiki6M_ver_1_0.jsonl.gz only
+    ("evqa-kb", "zip"), ("evqa-kb", "gz"),            # encyclopedic_kb_wiki.zip, EchoSight's infoseek_100k_wiki.zip
+    ("evqa-kb-jsonl", "gz"),                          # mKG-RAG's JSONL variant, gzipped
+    ("qid-map", "gz"),                                # the QID → URL map straight from the .jsonl.gz
+])
+def test_kb_inputs_are_read_as_downloaded(tmp_path, fmt, packing):
+    def run(where: Path) -> list:
+        where.mkdir()
+        if fmt == "evqa-kb":
+            src = where / "encyclopedic_kb_wiki.json"
+            src.write_text(json.dumps(EVQA_KB))
+        elif fmt == "evqa-kb-jsonl":
+            src = where / "kb.jsonl"
+            src.write_text("".join(json.dumps({k: v}) + "\n" for k, v in EVQA_KB.items()))
+        else:
+            src = where / "Wiki6M_ver_1_0.jsonl"
+            src.write_text("".join(json.dumps(r) + "\n" for r in wiki6m_rows()))
+        src = pack(src, packing if where.name == "packed" else "plain")
+        folder = image_folder(where, ["http://img/a.jpg", "http://img/eiffel.jpg"])
+        out = where / ("m.tsv" if fmt == "qid-map" else "kb.jsonl")
+        args = dict(format=fmt.removesuffix("-jsonl"), input=str(src), out=str(out))
+        if fmt != "qid-map":
+            args["image_dir"] = str(folder)
+        n = convert(ConvertArgs(**args), log=quiet)
+        assert n > 0
+        text = out.read_text()
+        if fmt != "qid-map":
+            text += ArticleStore(store_path_for(out)).counts().__repr__()
+        return text.replace(str(where), "")
+
+    assert run(tmp_path / "packed") == run(tmp_path / "plain")
+
+
+def test_fetch_images_reads_a_gzipped_wiki6m(tmp_path):
+    import gzip
+
+    from upstream_site import Site, ok, png_bytes
+
+    from retrieval.fetch_images import FetchArgs, fetch_images
+
+    with Site({"/e.png": [ok(png_bytes())]}) as site:
+        rows = [{"wikidata_id": "Q243", "wikipedia_title": "Eiffel Tower", "wikipedia_summary": "A tower.",
+                 "wikipedia_content": "A tower.", "wikipedia_image_url": site.url("/e.png")}]
+        (tmp_path / "Wiki6M_ver_1_0.jsonl.gz").write_bytes(gzip.compress(json.dumps(rows[0]).encode() + b"\n"))
+        counts = fetch_images(FetchArgs(kb=str(tmp_path / "Wiki6M_ver_1_0.jsonl.gz"), kb_format="wiki6m",
+                                        out=str(tmp_path / "imgs"), user_agent=UA), log=quiet)
+    assert counts["fetched"] == 1 and (tmp_path / "imgs" / f"{url_hash(site.url('/e.png'))}.png").is_file()
+
+
+@pytest.mark.parametrize("summary,content,sections,text", [
+    ("A tower.", "A tower. Built 1889.", ["A tower.", "A tower. Built 1889."], "A tower."),
+    ("", "Only content.", ["Only content."], "Only content."),       # the store's section 0 holds what is embedded
+    (None, "Only content.", ["Only content."], "Only content."),
+    ("A tower.", "", ["A tower."], "A tower."),
+    ("A tower.", "A tower.", ["A tower."], "A tower."),
+    ("", "", [""], None),                                             # nothing to embed: listed, article kept
+])
+def test_wiki6m_index_row_text_is_the_store_section(tmp_path, summary, content, sections, text):
+    row = {"wikidata_id": "Q243", "wikipedia_title": "Eiffel Tower", "wikipedia_summary": summary,
+           "wikipedia_content": content, "wikipedia_image_url": "http://img/eiffel.jpg"}
+    (tmp_path / "w.jsonl").write_text(json.dumps(row) + "\n")
+    folder = image_folder(tmp_path, ["http://img/eiffel.jpg"])
+    convert(ConvertArgs(format="wiki6m", input=str(tmp_path / "w.jsonl"), image_dir=str(folder),
+                        out=str(tmp_path / "kb.jsonl")), log=quiet)
+    store = ArticleStore(store_path_for(tmp_path / "kb.jsonl"))
+    assert [s["text"] for s in store.sections("Q243")] == sections
+    rows = list(read_jsonl(tmp_path / "kb.jsonl"))
+    if text is None:
+        (skip,) = read_jsonl(tmp_path / "kb.jsonl.skipped.jsonl")
+        assert rows == [] and "no text" in skip["reason"] and "Q243" in store
+    else:
+        assert [r["text"] for r in rows] == [text] and store.entry(rows[0]["entry_id"])["text"] == text
+
+
+@pytest.mark.parametrize("source,match", [
+    ("csv", "no data_id of .*infoseek_test_filtered.csv is in .*withkb.jsonl"),  # ids that do not join
+    ("wiki6m", "no row of .*Wiki6M_ver_1_0.jsonl has both wikidata_id and wikipedia_title"),
+])
+def test_qid_map_with_nothing_to_join_is_an_error(tmp_path, source, match):
+    if source == "csv":
+        with open(tmp_path / "infoseek_test_filtered.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=["data_id", "wikipedia_url"])
+            w.writeheader()
+            w.writerow({"data_id": "infoseek_val_1", "wikipedia_url": "https://en.wikipedia.org/wiki/Paris"})
+        (tmp_path / "withkb.jsonl").write_text('{"data_id": "infoseek_train_7", "entity_id": "Q90"}\n')
+        args = ConvertArgs(format="qid-map", input=str(tmp_path / "infoseek_test_filtered.csv"),
+                           withkb=str(tmp_path / "withkb.jsonl"), out=str(tmp_path / "m.tsv"))
+    else:
+        (tmp_path / "Wiki6M_ver_1_0.jsonl").write_text('{"wikidata_id": "Q1", "wikipedia_title": null}\n')
+        args = ConvertArgs(format="qid-map", input=str(tmp_path / "Wiki6M_ver_1_0.jsonl"), out=str(tmp_path / "m.tsv"))
+    with pytest.raises(ValueError, match=match):
+        convert(args, log=quiet)
+    assert not (tmp_path / "m.tsv").exists()
+
+
+@pytest.mark.parametrize("title,kept", [
+    ("History", True), ("See also", True), ("Reference works", True), ("Further reading", True),
+    ("References", False), ("REFERENCES", False), ("Notes and references", False),
+    ("External links", False), ("External links and further reading", False),
+])
+def test_sections_skipped_when_the_title_contains_a_skipped_word(tmp_path, title, kept):
+    from retrieval.articles import ArticleWriter
+
+    with ArticleWriter(tmp_path / "a.sqlite") as w:
+        w.add_article("E", "Entity", None, [(0, "Entity", "lead"), (1, title, "text")])
+    titles = [s["section_title"] for s in ArticleStore(tmp_path / "a.sqlite").sections(
+        "E", skip_titles=("external links", "references"))]  # gate.stages.SKIPPED_SECTIONS, as EchoSight
+    assert titles == (["Entity", title] if kept else ["Entity"])
+
+
+@pytest.mark.parametrize("image,file,outcome", [
+    ("split1/zorvak_0.jpg", True, "row"),
+    ("split1/not_downloaded.jpg", False, "no file"),   # listed, never a row pointing nowhere
+    ("split1/flag.svg", True, "SVG"),                  # a file PIL cannot decode: listed
+])
+def test_title_keyed_image_csvs_list_what_they_leave_out(tmp_path, image, file, outcome):
+    root = tmp_path / "wiki_images"
+    root.mkdir()
+    if file:
+        (root / image).parent.mkdir(parents=True, exist_ok=True)
+        (root / image).write_bytes(b"x")
+    with open(tmp_path / "wiki_image_url_part_1.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["title", "url", "path", "caption"])
+        w.writerow(["Zorvak", "u0", image, ""])
+    (tmp_path / "kb.json").write_text(json.dumps(EVQA_KB))
+    args = dict(format="evqa-kb", input=str(tmp_path / "kb.json"), out=str(tmp_path / "kb.jsonl"),
+                image_csv=str(tmp_path / "wiki_image_url_part_*.csv"))
+    with pytest.raises(ValueError, match="--image_csv needs --images_root"):
+        convert(ConvertArgs(**args), log=quiet)
+    n = convert(ConvertArgs(**args, images_root=str(root)), log=quiet)
+    skipped = list(read_jsonl(tmp_path / "kb.jsonl.skipped.jsonl"))
+    no_image = [s for s in skipped if s.get("entity_id") == "https://en.wikipedia.org/wiki/No_picture"]
+    assert len(no_image) == 1 and "no image" in no_image[0]["reason"]  # an article that gets no image is listed
+    if outcome == "row":
+        assert n == 1 and next(read_jsonl(tmp_path / "kb.jsonl"))["image"] == image
+    else:
+        (left,) = [s for s in skipped if s.get("image") == image]
+        assert n == 0 and outcome in left["reason"] and left["csv"].endswith("wiki_image_url_part_1.csv")
+        zorvak = [s for s in skipped if s.get("entity_id") == ZORVAK]
+        assert len(zorvak) == 1 and "no image" in zorvak[0]["reason"]
+
+
+@pytest.mark.parametrize("user_agent,ok", [
+    (None, False), ("refine-rl image fetcher", False), ("", False),
+    ("Jane Doe (jane@example.org)", True), ("KBFetch/1.0 (https://example.org/me) python", True),
+])
+def test_fetch_images_needs_a_user_agent_with_a_contact(tmp_path, user_agent, ok):
+    from upstream_site import Site, png_bytes
+    from upstream_site import ok as served
+
+    from retrieval.fetch_images import FetchArgs, fetch_images
+
+    with Site({"/a.png": [served(png_bytes())]}) as site:
+        kb = kb_with_images(tmp_path, [site.url("/a.png")])
+        args = FetchArgs(kb=str(kb), out=str(tmp_path / "imgs"), user_agent=user_agent)
+        if not ok:
+            with pytest.raises(ValueError, match="--user_agent"):
+                fetch_images(args, log=quiet)
+            assert site.requests == []
+        else:
+            fetch_images(args, log=quiet)
+            assert site.requests == [("/a.png", user_agent)]
+
+
+@pytest.mark.parametrize("responses,sleeps,fetched", [
+    ([(429, {"Retry-After": "3"})], [3], True),                  # the server's Retry-After, in seconds
+    ([(429, {}), (429, {})], [1, 2], True),                      # no Retry-After: exponential back-off
+    ([(503, {"Retry-After": "2"})], [2], True),
+    ([(429, {"Retry-After": "Wed, 21 Oct 2015 07:28:00 GMT"})], [], True),  # a date already past: no wait
+    ([(429, {"Retry-After": "1"})] * 3, [1, 1], False),          # still 429 after --max_retries: listed as failed
+])
+def test_fetch_images_backs_off_on_429(tmp_path, monkeypatch, responses, sleeps, fetched):
+    from upstream_site import Site, ok, png_bytes
+
+    import retrieval.fetch_images as fi
+
+    slept = []
+    monkeypatch.setattr(fi, "_sleep", slept.append)
+    with Site({"/a.png": [(s, h, b"") for s, h in responses] + [ok(png_bytes())]}) as site:
+        kb = kb_with_images(tmp_path, [site.url("/a.png")])
+        counts = fi.fetch_images(fi.FetchArgs(kb=str(kb), out=str(tmp_path / "imgs"), user_agent=UA, max_retries=2),
+                                 log=quiet)
+    assert [round(s) for s in slept] == sleeps
+    assert counts["fetched"] == int(fetched) and counts["failed"] == int(not fetched)
+    if not fetched:
+        (failed,) = read_jsonl(tmp_path / "imgs" / "failed.jsonl")
+        assert "429" in failed["reason"]
+
+
+@pytest.mark.parametrize("damage,match", [
+    ("truncated gz", "truncated or corrupt"),
+    ("zip of two data files", "one .json/.jsonl/.csv file, found a.jsonl, b.jsonl"),
+])
+def test_a_damaged_or_ambiguous_download_is_refused_naming_it(tmp_path, damage, match):
+    import gzip
+    import zipfile
+
+    rows = "".join(json.dumps(r) + "\n" for r in wiki6m_rows() * 50)
+    if damage == "truncated gz":
+        path = tmp_path / "Wiki6M_ver_1_0.jsonl.gz"
+        path.write_bytes(gzip.compress(rows.encode())[:-40])
+    else:
+        path = tmp_path / "kb.zip"
+        with zipfile.ZipFile(path, "w") as z:
+            z.writestr("a.jsonl", rows)
+            z.writestr("b.jsonl", rows)
+    with pytest.raises(ValueError, match=f"{path.name}.*{match}"):
+        convert(ConvertArgs(format="wiki6m", input=str(path), out=str(tmp_path / "kb.jsonl")), log=quiet)
+    assert not (tmp_path / "kb.jsonl").exists()

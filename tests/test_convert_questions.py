@@ -79,8 +79,9 @@ def test_evqa_csv_per_dataset_image_rules_ids_and_upstream_names(tmp_path):
     # E-VQA_{k} counts kept-type rows as EchoSight/WikiSeeker load them: the skipped row 3 still takes E-VQA_2
     assert rows["Second image"]["upstream_id"] == "E-VQA_3" and rows["Second image"]["image"] == "inaturalist/2222.jpg"
     skipped = list(read_jsonl(tmp_path / "q.jsonl.skipped.jsonl"))
-    assert [(s["row"], s["image_id"]) for s in skipped] == [(3, "9999")]
-    assert "inaturalist/9999.jpg" in skipped[0]["reason"] and "inaturalist/9999.JPEG" in skipped[0]["reason"]
+    assert [(s["row"], s.get("image_id")) for s in skipped] == [(1, None), (3, "9999")]  # the 2-hop row is listed too
+    assert "2_hop" in skipped[0]["reason"]
+    assert "inaturalist/9999.jpg" in skipped[1]["reason"] and "inaturalist/9999.JPEG" in skipped[1]["reason"]
 
 
 def test_evqa_two_hop_gives_lists_never_joined_strings(tmp_path):
@@ -230,3 +231,63 @@ def test_landmark_candidates_nest_by_the_first_three_characters(image_id):
 def test_oven_candidates_use_the_id_slice(image_id):
     nested = infoseek_image_candidates(image_id, "oven")[0]
     assert nested.split("/") == [image_id[-8:-6], f"{image_id}.jpg"]
+
+
+# --------------------------------------------------------------------------- upstream issues: one table each
+
+
+@pytest.mark.parametrize("include_two_hop,written,skipped_rows", [
+    (False, 5, [1, 2]),   # the 2-hop row is left out as the papers do, and listed
+    (True, 6, [2]),
+])
+def test_every_row_left_out_is_listed_two_hop_included(tmp_path, include_two_hop, written, skipped_rows):
+    root = tmp_path / "images"
+    for i in ("1", "3", "4", "5", "6", "7"):
+        touch(root, f"inaturalist/{i}.jpg")
+    write_csv(tmp_path / "val.csv", [
+        evqa_row(dataset_image_ids="1"),
+        evqa_row(question_type="2_hop", dataset_image_ids="7", evidence_section_id="2|5",
+                 wikipedia_url="https://en.wikipedia.org/wiki/A|https://en.wikipedia.org/wiki/B"),
+        evqa_row(dataset_image_ids="2", question_type="automatic"),      # no image file
+        evqa_row(dataset_image_ids="3", question_type="multi_answer", answer="a && b"),
+        evqa_row(dataset_image_ids="4"), evqa_row(dataset_image_ids="5", question_type="automatic"),
+        evqa_row(dataset_image_ids="6"),
+    ])
+    messages = []
+    n = convert(ConvertArgs(format="evqa-questions", input=str(tmp_path / "val.csv"), split="val", images_root=str(root),
+                            include_two_hop=include_two_hop, out=str(tmp_path / "q.jsonl")), log=messages.append)
+    skipped = list(read_jsonl(tmp_path / "q.jsonl.skipped.jsonl"))
+    assert n == written and sorted(s["row"] for s in skipped) == skipped_rows
+    assert f"wrote {written} records" in messages[0] and f"{len(skipped_rows)} skipped" in messages[0]
+    if not include_two_hop:
+        (hop,) = [s for s in skipped if s["row"] == 1]
+        assert "2_hop" in hop["reason"] and "--include_two_hop" in hop["reason"]
+
+
+@pytest.mark.parametrize("layout,path", [
+    ("GLDv2 nested (EchoSight)", f"landmarks/8/b/3/{LANDMARK}.jpg"),
+    ("flat <id>.jpg (OMGM)", f"landmarks/{LANDMARK}.jpg"),
+])
+def test_landmark_images_nested_or_flat(tmp_path, layout, path):
+    root = tmp_path / "images"
+    touch(root, path)
+    write_csv(tmp_path / "test.csv", [evqa_row(dataset_name="landmarks", dataset_image_ids=LANDMARK)])
+    n = convert(ConvertArgs(format="evqa-questions", input=str(tmp_path / "test.csv"), split="test",
+                            images_root=str(root), out=str(tmp_path / "q.jsonl")), log=quiet)
+    assert n == 1 and next(read_jsonl(tmp_path / "q.jsonl"))["image"] == path
+
+
+@pytest.mark.parametrize("qtype,value,section", [
+    ("templated", "3", 3),
+    ("templated", "3.0", 3),          # what pandas writes for an integer column with gaps
+    ("templated", " 3 ", 3),
+    ("templated", "", None),
+    ("2_hop", "2|5", [2, 5]),
+    ("2_hop", "2.0|5.0", [2, 5]),
+])
+def test_evidence_section_id_written_as_a_float_keeps_its_section(tmp_path, qtype, value, section):
+    url = "https://en.wikipedia.org/wiki/A|https://en.wikipedia.org/wiki/B" if qtype == "2_hop" else \
+        "https://en.wikipedia.org/wiki/A"
+    rows = [evqa_row(question_type=qtype, evidence_section_id=value, wikipedia_url=url)]
+    (q,) = evqa_questions(rows, ImageFinder(None), quiet, split="val", include_two_hop=True)
+    assert q.get("evidence_section_id") == section
