@@ -66,6 +66,8 @@ class BuildArgs:
     text_template: str = field(default="{title}. {section_title}. {text}", metadata={"help": "text embedded per KB row"})
     device: str = field(default=None, metadata={"help": "cuda / cuda:N / cpu (default: this process's own: cuda:LOCAL_RANK when CUDA is available, else cpu)"})
     trust_remote_code: bool = field(default=False, metadata={"help": "allow remote code in the encoders' repositories (EVA-CLIP-8B needs it)"})
+    summaries: str = field(default=None, metadata={"help": "summaries JSONL (retrieval.summarize): long sections "
+                                                           "embedded as their summary instead of truncated"})
     overwrite: bool = field(default=False, metadata={"help": "discard an existing or partial index in --out"})
     dist_timeout_minutes: int = field(default=1440, metadata={"help": "how long a process that finished its shards waits for the others at the barrier"})
 
@@ -75,7 +77,8 @@ def _settings(args: BuildArgs, fingerprint: str) -> dict:
     return dict(kb_fingerprint=fingerprint, image_encoder=args.image_encoder, image_processor=args.image_processor,
                 text_encoder=args.text_encoder, text_max_seq_length=args.text_max_seq_length, factory=args.factory,
                 shard_size=args.shard_size, batch_size=args.batch_size, text_batch_size=_text_batch(args),
-                text_template=args.text_template, trust_remote_code=args.trust_remote_code)
+                text_template=args.text_template, trust_remote_code=args.trust_remote_code,
+                summaries=file_fingerprint(args.summaries) if args.summaries else None)
 
 
 IDENTITY_IGNORES = ("shard_size", "batch_size", "text_batch_size")  # a finished index is reused whatever these were
@@ -100,6 +103,8 @@ def validate(args: BuildArgs) -> None:
         raise ValueError(f"workers must be a non-negative integer, got {args.workers!r}")
     if args.image_processor and not args.image_encoder.startswith("hf:"):
         raise ValueError(f"--image_processor applies to hf: image encoders only, not {args.image_encoder!r}")
+    if args.summaries:
+        require_file(args.summaries, "summaries")
     check_factory(args.factory)
     check_image_encoder_name(args.image_encoder)
     check_text_encoder_name(args.text_encoder)
@@ -290,6 +295,9 @@ def _assemble(out: Path, build_dir: Path, scan: KBScan, items, settings: dict, a
         "rows": int(index.ntotal), "entities": len(entities), "skipped": len(skipped),
         "text_rows": n_rows, "texts_encoded": sum(m["texts"] for m in text_metas), "texts_used": len(used_texts),
         "texts_truncated": sum(m["truncated"] for m in text_metas),
+        "text_summaries": {"file": str(Path(args.summaries).resolve()),
+                           "texts_summarized": sum(m.get("summarized", 0) for m in text_metas)}
+        if args.summaries else None,
         "encoded_on": {"image": sorted(image_devices), "text": sorted({m["encoded_on"] for m in text_metas})},
         "kb_path": str(Path(args.kb).resolve()), "images_root": str(Path(args.images_root or Path(args.kb).parent).resolve()),
         "versions": _versions(),

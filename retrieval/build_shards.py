@@ -4,6 +4,7 @@ first, then its ``.json``, whose presence means the shard is complete."""
 
 from __future__ import annotations
 
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -31,13 +32,28 @@ def save_shard(build_dir: Path, kind: str, i: int, emb: np.ndarray, meta: dict) 
     write_json_atomic(meta_path, meta)  # written last: its presence means the shard is complete
 
 
+@lru_cache(maxsize=2)
+def summaries_of(path: str | None) -> dict[str, str]:
+    from retrieval.summarize import load_summaries
+
+    return load_summaries(path) if path else {}
+
+
 def encode_text_shard(j: int, scan: KBScan, txt_enc, args, build_dir: Path) -> None:
+    """Embed text shard ``j``; a section with a summary (``args.summaries``, retrieval.summarize) is embedded as its
+    summary."""
+    from retrieval.summarize import summarized
+
+    summaries = summaries_of(getattr(args, "summaries", None))
     rows = scan.text_rows[j * args.shard_size:(j + 1) * args.shard_size]
-    texts = [entry_text(rec, args.text_template) for rec in scan.read(rows)]
+    recs = list(scan.read(rows))
+    shown = [summarized(rec, summaries) for rec in recs]
+    texts = [entry_text(rec, args.text_template) for rec in shown]
     lengths = [len(ids) for ids in txt_enc.model.tokenizer(texts, add_special_tokens=True, verbose=False)["input_ids"]]
     emb = txt_enc.encode(texts, is_query=False)
     save_shard(build_dir, "text", j, emb, {
         "texts": len(texts), "truncated": sum(n > (txt_enc.max_seq_length or n) for n in lengths),
+        "summarized": sum(a is not b for a, b in zip(shown, recs)),
         "max_seq_length": txt_enc.max_seq_length, "query_instruction": txt_enc.query_prompt,
         "encoded_on": f"{txt_enc.device} {str(txt_enc.dtype).replace('torch.', '')}"})
 

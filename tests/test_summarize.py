@@ -1,0 +1,96 @@
+"""Long KB sections summarised before embedding: which sections, resume, failures counted, a prompt file, and the
+build embedding the summary in place of the section's text (the manifest saying how many)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from retrieval.files import read_jsonl, write_jsonl_atomic
+from retrieval.summarize import SummarizeArgs, long_sections, summarize_kb, text_sha
+
+QUIET = dict(log=lambda *a: None)
+WORDS = lambda text: len(text.split())  # noqa: E731  a stand-in tokenizer: one token per word
+
+
+def kb_rows(n: int) -> list[dict]:
+    """Rows whose section text has 3 + 4·(i mod 4) words; rows i and i + 4 share a section."""
+    return [{"entry_id": f"r{i}", "entity_id": f"E{i % 4}", "title": f"T{i % 4}", "section_title": "S",
+             "text": " ".join(["word"] * (3 + 4 * (i % 4))) + f" of E{i % 4}", "image": f"images/{i}.png"}
+            for i in range(n)]
+
+
+def test_long_sections_are_the_distinct_texts_over_the_limit():
+    path_rows = kb_rows(8)
+    long, distinct = long_sections_from(path_rows, max_tokens=10)
+    assert distinct == 4 and [r["entity_id"] for r in long] == ["E1", "E2", "E3"]  # 11, 15, 19 words; E0 has 7
+    assert all(r["tokens"] > 10 for r in long)
+
+
+def long_sections_from(rows, max_tokens):
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as d:
+        write_jsonl_atomic(Path(d) / "kb.jsonl", rows)
+        return long_sections(Path(d) / "kb.jsonl", "{title}. {section_title}. {text}", WORDS, max_tokens)
+
+
+class Interrupted(Exception):
+    pass
+
+
+def test_summaries_resume_count_failures_and_take_a_prompt_file(tmp_path):
+    write_jsonl_atomic(tmp_path / "kb.jsonl", kb_rows(40) + [{**r, "entity_id": f"F{i}", "text": f"long {i} " * 20}
+                                                              for i, r in enumerate(kb_rows(6))])
+    (tmp_path / "p.yaml").write_text("system: Published summary prompt.\nuser_template: 'Summarise: {text}'\n")
+    calls = []
+
+    def summarize(users):
+        calls.append(users)
+        if len(calls) == 2:
+            raise Interrupted
+        return ["" if "long 3 " in u else "a short summary" for u in users]
+
+    args = SummarizeArgs(kb=str(tmp_path / "kb.jsonl"), out=str(tmp_path / "s.jsonl"), max_tokens=10, batch_size=3,
+                         summary_prompt=str(tmp_path / "p.yaml"))
+    with pytest.raises(Interrupted):
+        summarize_kb(args, summarize=summarize, count_tokens=WORDS, **QUIET)
+    counts = summarize_kb(args, summarize=summarize, count_tokens=WORDS, **QUIET)
+    assert calls[0][0].startswith("Summarise: ") and sum(len(c) for c in calls[2:]) == 6  # 9 long, 3 done before
+    assert counts["over_max_tokens"] == 9 and counts["summaries"] == 8 and counts["failed_now"] == 1
+    assert json.loads((tmp_path / "s.jsonl.counts.json").read_text()) == counts
+    with pytest.raises(ValueError, match=r"--summary_prompt .*user_template lacks \{text\}"):
+        (tmp_path / "bad.yaml").write_text("system: s\nuser_template: '{title}'\n")
+        summarize_kb(SummarizeArgs(**{**args.__dict__, "summary_prompt": str(tmp_path / "bad.yaml")}),
+                     summarize=summarize, count_tokens=WORDS, **QUIET)
+
+
+def test_the_build_embeds_summaries_in_place_of_long_sections(tiny_world, encoders, tmp_path):
+    from retrieval.build_index import BuildArgs, build_index
+    from tests.test_build import vectors
+
+    kb = list(read_jsonl(tiny_world / "kb.jsonl"))[:12]
+    write_jsonl_atomic(tmp_path / "kb.jsonl", kb)
+    summary = "A short summary."
+    write_jsonl_atomic(tmp_path / "s.jsonl", [{"text_sha": text_sha(kb[0]["text"]), "summary": summary, "tokens": 99}])
+    settings = dict(kb=str(tmp_path / "kb.jsonl"), images_root=str(tiny_world), image_encoder="tiny",
+                    text_encoder="tiny", shard_size=8, batch_size=4, device="cpu")
+    plain = build_index(BuildArgs(**settings, out=str(tmp_path / "plain")), encoders=encoders, **QUIET)
+    summed = build_index(BuildArgs(**settings, out=str(tmp_path / "summed"), summaries=str(tmp_path / "s.jsonl")),
+                         encoders=encoders, **QUIET)
+    assert plain["text_summaries"] is None and summed["text_summaries"]["texts_summarized"] == 1
+    a, b = vectors(tmp_path / "plain"), vectors(tmp_path / "summed")
+    same_text = [i for i, r in enumerate(kb) if r["text"] == kb[0]["text"]]
+    others = [i for i in range(len(kb)) if i not in same_text]
+    image_dim = plain["image_dim"]
+    np.testing.assert_allclose(a[others], b[others], atol=1e-6)  # only the summarised section's rows changed
+    expected = encoders[1].encode([f"{kb[0]['title']}. {kb[0]['section_title']}. {summary}"], is_query=False)[0]
+    for i in same_text:
+        text_part = b[i, image_dim:]
+        np.testing.assert_allclose(text_part / np.linalg.norm(text_part), expected / np.linalg.norm(expected),
+                                   atol=1e-5)
+    with pytest.raises(ValueError, match="other settings"):  # another summaries file is another index
+        write_jsonl_atomic(tmp_path / "s.jsonl", [])
+        build_index(BuildArgs(**settings, out=str(tmp_path / "summed"), summaries=str(tmp_path / "s.jsonl")),
+                    encoders=encoders, **QUIET)
