@@ -82,6 +82,15 @@ def question_dataset(path: str | Path, images_root: str | Path | None = None, pr
     return Dataset.from_list(rows).cast_column("image", Image())
 
 
+def warn_absent_entities(index, data, name: str) -> None:
+    """Questions whose gold entity is not in the index can only miss (constant reward, no gradient): say so."""
+    absent = sorted({e for e in data["entity_id"] if not index.has_entity(e)})
+    if absent:
+        shown = ", ".join(absent[:5]) + (" …" if len(absent) > 5 else "")
+        print(f"warning: {name}: {len(absent)} gold entities are not in the index (their questions always miss): "
+              f"{shown}; python -m rl.data drops such questions")
+
+
 # --------------------------------------------------------------------------- stratified RL data
 
 @dataclass

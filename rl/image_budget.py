@@ -185,6 +185,25 @@ def check_same_image_tokens(processor, folder: str | Path, budget: dict | None) 
     return ours
 
 
+def vllm_model_dir(output_dir: Path, process_index: int, num_processes: int, local_processes: int) -> Path:
+    """``<output_dir>/vllm-model``; with several nodes, one folder per node (``vllm-model-node<k>``), so nodes that
+    share a file system never replace a folder another node's vLLM is reading."""
+    nodes = max(1, num_processes // max(1, local_processes))
+    return output_dir / ("vllm-model" if nodes == 1 else f"vllm-model-node{process_index // local_processes}")
+
+
+def write_vllm_model(state, model_path: str, processor, output_dir: Path) -> Path:
+    """The folder TRL's vLLM loads on this node (rl.image_budget.vllm_model_folder), written by the node's local main
+    process while the node's other processes wait: each node's vLLM reads a folder on that node's disk."""
+    from retrieval.placement import local_world_size
+
+    folder = vllm_model_dir(output_dir, state.process_index, state.num_processes, local_world_size())
+    with state.local_main_process_first():
+        if state.is_local_main_process:
+            vllm_model_folder(model_path, processor, folder)
+    return folder
+
+
 @dataclass
 class FolderArgs:
     model: str = field(default=None, metadata={"help": "the policy: a model folder or hub name (cached)"})

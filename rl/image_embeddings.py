@@ -139,6 +139,18 @@ def preload_reward_cache(cache: dict, queries: str | Path, image_paths: list[str
     return sum(f"path:{p}" in cache for p in image_paths)
 
 
+def stored_image_embeddings(reward, index, args, train_data, eval_data) -> tuple[int, int]:
+    """The reward's image cache filled from the train and eval files' embedding stores (rl.image_embeddings):
+    (questions whose image has a stored embedding, questions)."""
+    covered = total = 0
+    for path, data in ((args.train_file, train_data), (args.eval_file, eval_data)):
+        if data is not None:
+            root = Path(args.images_root or Path(path).parent)
+            covered += preload_reward_cache(reward.image_cache, path, data["image_path"], root, index.manifest)
+            total += len(data)
+    return covered, total
+
+
 @dataclass
 class EmbedArgs:
     queries: str = field(default=None, metadata={"help": "question JSONL whose images to embed"})

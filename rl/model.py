@@ -186,3 +186,12 @@ def check_fits(parts: dict[str, float], device_bytes: float, what: str) -> float
                          f"against {device_bytes / GB:.1f} GB. Use DeepSpeed (configs/accelerate/zero2.yaml or "
                          f"zero3.yaml), or LoRA (--use_peft)")
     return need
+
+
+def restore_base_path(trained, model, model_path: str) -> None:
+    """The model's own path in its config and in every LoRA adapter's ``base_model_name_or_path``, where it had been
+    pointed at ``vllm-model/`` for TRL's vLLM (a folder of links into this run): an adapter naming that folder could
+    not be merged on another machine."""
+    model.name_or_path = model.config._name_or_path = model_path
+    for config in (getattr(trained, "peft_config", None) or {}).values():
+        config.base_model_name_or_path = model_path

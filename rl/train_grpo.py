@@ -25,6 +25,8 @@ import time  # noqa: E402
 import warnings  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 
+from rl.embedded_default import per_device_batch  # noqa: E402
+
 DEFAULT_CONFIG = ROOT / "configs" / "grpo" / "toy.yaml"
 
 
@@ -65,14 +67,6 @@ class RefinerArguments:
                 "(0 = per_device_train_batch_size as given)"})
     completions_log: bool = field(default=False, metadata={"help": "append every completion this rank scores to "
                                                                    "completions.rank<R>.jsonl in the output dir"})
-
-
-def per_device_batch(total: int, processes: int, accumulation: int, name: str) -> int:
-    """The per-process batch that makes ``total`` examples per optimizer step over ``processes`` × ``accumulation``."""
-    if total <= 0 or total % (processes * accumulation):
-        raise ValueError(f"{name} ({total}) must be a positive multiple of processes ({processes}) × "
-                         f"gradient_accumulation_steps ({accumulation}) = {processes * accumulation}")
-    return total // (processes * accumulation)
 
 
 def with_completions_per_step(argv: list[str], args: RefinerArguments, training_args, processes: int) -> list[str]:
@@ -129,40 +123,6 @@ def validate_files(args: RefinerArguments) -> None:
         require_file(args.eval_file, "eval_file")
 
 
-def prepare_embedded_default(args: RefinerArguments, model_args, seed: int, output_dir: Path, procs) -> str:
-    """Toy world + index if missing, tiny base model if asked, supervised warm start if asked → model path.
-
-    Process 0 builds the toy world, its index and the tiny base model while the others wait; the warm start is one
-    SFT job over all processes (``warm_start_batch_size`` examples per step in total)."""
-    from retrieval.placement import outside_zero3_init
-    from retrieval.toyworld import build, world_args
-    from rl.tiny_vlm import build_tiny_vlm
-    from rl.toy import run_warm_start, tokenizer_corpus
-
-    tiny = model_args.model_name_or_path == "tiny"
-    if tiny and not args.toy_world:
-        raise ValueError("--model_name_or_path tiny builds its tokenizer from the toy world: set --toy_world")
-    if args.warm_start_steps > 0 and not args.toy_world:
-        raise ValueError("--warm_start_steps needs --toy_world (the warm start is the toy world's)")
-    # one tiny base per seed: its random initialisation is the seed's
-    model_path = str(output_dir / f"tiny-base-seed{seed}") if tiny else model_args.model_name_or_path
-    if procs.rank == 0:
-        # models built by one process only (the index's encoders, the tiny base) must be built whole: inside
-        # DeepSpeed ZeRO-3's partitioned init every new parameter is a collective the other processes never join
-        with outside_zero3_init():
-            if args.toy_world:
-                build(world_args(args.toy_world, args.alpha))
-            if tiny:
-                build_tiny_vlm(model_path, tokenizer_corpus(Path(args.toy_world)), seed=seed)
-    procs.barrier("process 0 built the toy world, its index and the tiny base model")
-    if args.warm_start_steps > 0:
-        batch = per_device_batch(args.warm_start_batch_size, procs.count, 1, "warm_start_batch_size")
-        model_path = str(run_warm_start(Path(model_path), Path(args.toy_world), output_dir / "warm_start",
-                                        args.warm_start_steps, batch, args.warm_start_learning_rate,
-                                        args.warm_start_shift, seed=seed, procs=procs))
-    return model_path
-
-
 def main(argv=None) -> dict:
     from accelerate import PartialState
     from transformers.integrations import is_deepspeed_zero3_enabled
@@ -174,13 +134,16 @@ def main(argv=None) -> dict:
     from retrieval.index import MultimodalIndex
     from retrieval.placement import Processes, configure_threads
     from rewards import FormatReward, RetrievalReward, parse_tiers
-    from rl.data import question_dataset
+    from rl.data import question_dataset, warn_absent_entities
+    from rl.embedded_default import learning_table, prepare_embedded_default
     from rl.image_budget import (
         apply_image_budget,
         check_budget,
         check_image_tokens,
         check_same_image_tokens,
+        write_vllm_model,
     )
+    from rl.image_embeddings import stored_image_embeddings
     from rl.model import (
         check_fits,
         ddp_full_finetune_bytes,
@@ -188,6 +151,7 @@ def main(argv=None) -> dict:
         freeze_vision_tower,
         load_model,
         master_dtype,
+        restore_base_path,
         trainable_names,
         trainable_parameters,
         vision_tower,
@@ -343,95 +307,6 @@ def main(argv=None) -> dict:
     if args.learning_table and state.is_main_process:
         result["learning"] = learning_table(args, index, model_path, processor, output_dir, t_start)
     return result
-
-
-def vllm_model_dir(output_dir: Path, process_index: int, num_processes: int, local_processes: int) -> Path:
-    """``<output_dir>/vllm-model``; with several nodes, one folder per node (``vllm-model-node<k>``), so nodes that
-    share a file system never replace a folder another node's vLLM is reading."""
-    nodes = max(1, num_processes // max(1, local_processes))
-    return output_dir / ("vllm-model" if nodes == 1 else f"vllm-model-node{process_index // local_processes}")
-
-
-def write_vllm_model(state, model_path: str, processor, output_dir: Path) -> Path:
-    """The folder TRL's vLLM loads on this node (rl.image_budget.vllm_model_folder), written by the node's local main
-    process while the node's other processes wait: each node's vLLM reads a folder on that node's disk."""
-    from retrieval.placement import local_world_size
-    from rl.image_budget import vllm_model_folder
-
-    folder = vllm_model_dir(output_dir, state.process_index, state.num_processes, local_world_size())
-    with state.local_main_process_first():
-        if state.is_local_main_process:
-            vllm_model_folder(model_path, processor, folder)
-    return folder
-
-
-def restore_base_path(trained, model, model_path: str) -> None:
-    """The model's own path in its config and in every LoRA adapter's ``base_model_name_or_path``, where it had been
-    pointed at ``vllm-model/`` for TRL's vLLM (a folder of links into this run): an adapter naming that folder could
-    not be merged on another machine."""
-    model.name_or_path = model.config._name_or_path = model_path
-    for config in (getattr(trained, "peft_config", None) or {}).values():
-        config.base_model_name_or_path = model_path
-
-
-def stored_image_embeddings(reward, index, args, train_data, eval_data) -> tuple[int, int]:
-    """The reward's image cache filled from the train and eval files' embedding stores (rl.image_embeddings):
-    (questions whose image has a stored embedding, questions)."""
-    from rl.image_embeddings import preload_reward_cache
-
-    covered = total = 0
-    for path, data in ((args.train_file, train_data), (args.eval_file, eval_data)):
-        if data is not None:
-            root = Path(args.images_root or Path(path).parent)
-            covered += preload_reward_cache(reward.image_cache, path, data["image_path"], root, index.manifest)
-            total += len(data)
-    return covered, total
-
-
-def warn_absent_entities(index, data, name: str) -> None:
-    """Questions whose gold entity is not in the index can only miss (constant reward, no gradient): say so."""
-    absent = sorted({e for e in data["entity_id"] if not index.has_entity(e)})
-    if absent:
-        shown = ", ".join(absent[:5]) + (" …" if len(absent) > 5 else "")
-        print(f"warning: {name}: {len(absent)} gold entities are not in the index (their questions always miss): "
-              f"{shown}; python -m rl.data drops such questions")
-
-
-def learning_table(args, index, warm_path, processor, output_dir: Path, t_start: float) -> dict:
-    """Test-set R@k and attribute accuracy: original question, warm-started refiner, GRPO refiner."""
-    from tqdm import tqdm
-
-    from retrieval.files import write_json_atomic, write_jsonl_atomic
-    from retrieval.placement import outside_zero3_init
-    from rl.model import load_trained
-    from rl.toy import evaluate_refiner, format_learning_table
-
-    world = Path(args.toy_world)
-    table, samples = {}, {}
-    t0 = time.time()
-    # process 0 alone, outside the ZeRO-3 registration: it loads whole models, and generate() would otherwise sync
-    # every decoding step with the other processes (synced_gpus), which have finished
-    with outside_zero3_init(), tqdm(total=3, desc="evaluation (test set)", unit="refiner") as bar:
-        table["original"], samples["original"] = evaluate_refiner(index, world, args.alpha)
-        bar.update()
-        # loaded whole from disk (under ZeRO-3 the engine's model is partitioned)
-        warm, warm_processor = load_trained(warm_path)
-        table["warm_start"], samples["warm_start"] = evaluate_refiner(index, world, args.alpha, warm, warm_processor)
-        bar.update()
-        model, _ = load_trained(output_dir / "final", base=warm_path)
-        table["grpo"], samples["grpo"] = evaluate_refiner(index, world, args.alpha, model, processor)
-        bar.update()
-    print(f"evaluation: original question, warm start and GRPO refiner on {len(samples['original'])} test "
-          f"questions in {time.time() - t0:.0f} s")
-    table["wall_seconds"] = time.time() - t_start
-    table["test_questions"] = len(samples["original"])
-    write_json_atomic(output_dir / "learning.json", table)
-    for name, recs in samples.items():
-        write_jsonl_atomic(output_dir / f"test_queries_{name}.jsonl", recs)
-    print(f"\ntoy-world test set ({table['test_questions']} held-out questions), α = {args.alpha}:")
-    print(format_learning_table(table))
-    print(f"wall time {table['wall_seconds']:.0f}s; written to {output_dir / 'learning.json'}")
-    return table
 
 
 if __name__ == "__main__":

@@ -198,7 +198,9 @@ def test_vllm_loads_the_policy_with_the_training_image_budget(config, tiny_refin
     (0, 16, 8, "vllm-model-node0"), (8, 16, 8, "vllm-model-node1"), (15, 16, 8, "vllm-model-node1"),
 ])
 def test_each_node_has_its_own_vllm_folder(index, processes, local, folder, tmp_path):
-    assert tg.vllm_model_dir(tmp_path, index, processes, local) == tmp_path / folder
+    from rl.image_budget import vllm_model_dir
+
+    assert vllm_model_dir(tmp_path, index, processes, local) == tmp_path / folder
 
 
 def test_each_nodes_local_main_process_writes_its_vllm_folder(tiny_refiner, tmp_path, monkeypatch):
@@ -208,12 +210,14 @@ def test_each_nodes_local_main_process_writes_its_vllm_folder(tiny_refiner, tmp_
 
     from transformers import AutoProcessor
 
+    from rl.image_budget import write_vllm_model
+
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     processor = AutoProcessor.from_pretrained(str(tiny_refiner))
     for index in (8, 9):
         state = SimpleNamespace(process_index=index, num_processes=16, is_local_main_process=index % 8 == 0,
                                 local_main_process_first=nullcontext)
-        folder = tg.write_vllm_model(state, str(tiny_refiner), processor, tmp_path / f"p{index}")
+        folder = write_vllm_model(state, str(tiny_refiner), processor, tmp_path / f"p{index}")
         assert folder.name == "vllm-model-node1" and folder.exists() == (index == 8)
     assert (tmp_path / "p8" / "vllm-model-node1" / "config.json").is_symlink()
 
