@@ -134,7 +134,7 @@ class ConsistencyChecker:
     """A trained mct gate over the first-stage sections: one strategy decision per question."""
 
     def __init__(self, path: str, strategy: str, max_new_tokens: int, device: str, dtype: str | None):
-        from gate.stages import gate_of
+        from gate.scoring import gate_of
 
         if strategy not in STRATEGIES:
             raise ValueError(f"consistency strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")

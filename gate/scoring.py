@@ -59,6 +59,14 @@ def load_gate(path, device: str | None = None, dtype: str | None = None):
     return model.eval(), processor, s
 
 
+def gate_of(path: str, device: str, dtype: str | None, *variants):
+    """``load_gate``, refusing a gate of another variant than ``variants`` (the pipeline's stages)."""
+    model, processor, s = load_gate(path, device=device, dtype=dtype)
+    if s["name"] not in variants:
+        raise ValueError(f"{path} is a {s['name']} gate; expected {' or '.join(variants)}")
+    return model, processor, s
+
+
 def _prompt_texts(processor, s: dict, questions, contexts, with_prefix: bool) -> list[str]:
     contexts = contexts if contexts is not None else [None] * len(questions)
     return [processor.apply_chat_template(messages(s, q, c, with_image_block=True), add_generation_prompt=True,

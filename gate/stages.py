@@ -9,6 +9,7 @@ import numpy as np
 
 from gate.context_data import resolve_alpha, section_text, vlm_answerer
 from gate.metrics import official_correct, token_accuracy
+from gate.scoring import gate_of
 
 BOUNDARY_VARIANTS = ("hkb", "skb", "kbm-acc", "kbm-cert", "ret")
 GENERATOR_PROMPTS = {
@@ -29,15 +30,6 @@ def generator_prompt(value: str) -> dict:
     from rl.prompts import load_prompt
 
     return load_prompt(value, GENERATOR_PROMPTS, ("{question}", "{context}"), "--generator_prompt")
-
-
-def gate_of(path: str, device: str, dtype: str | None, *variants):
-    from gate.scoring import load_gate
-
-    model, processor, s = load_gate(path, device=device, dtype=dtype)
-    if s["name"] not in variants:
-        raise ValueError(f"{path} is a {s['name']} gate; expected {' or '.join(variants)}")
-    return model, processor, s
 
 
 class BoundaryGate:

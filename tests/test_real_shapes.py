@@ -23,7 +23,7 @@ from rl.image_budget import (
     image_token_count,
     max_image_tokens,
 )
-from rl.real_shapes import EMBEDDING_06B, VLM_3B, build_real_width_embedder, build_real_width_vlm
+from tests.real_shapes import EMBEDDING_06B, VLM_3B, build_real_width_embedder, build_real_width_vlm
 from tests.test_train_grpo import weights
 
 REAL_VLM = json.loads((VLM_3B / "config.json").read_text())
@@ -45,7 +45,7 @@ def test_published_config_files_parse_to_the_real_values():
     """transformers reads the hub's files (the 3B's legacy flat layout included) into the values the tests rely on."""
     from transformers import Qwen3Config
 
-    from rl.real_shapes import real_image_processor, real_vlm_config
+    from tests.real_shapes import real_image_processor, real_vlm_config
 
     vlm = real_vlm_config()
     t, v = vlm.text_config, vlm.vision_config
