@@ -16,8 +16,6 @@ and ``user_template`` holding ``{question}`` and ``{answer}``).
 
 from __future__ import annotations
 
-import json
-import re
 from pathlib import Path
 
 from retrieval.answers import answer_in_passage
@@ -35,13 +33,10 @@ EXPANDED_FILE = "expanded-inspector.jsonl"
 
 def parse_expansion(text) -> str | None:
     """The ``expanded_answer`` string of the first JSON object in ``text`` that has one, stripped; else None."""
-    text, decoder = str(text or ""), json.JSONDecoder()
-    for start in (m.start() for m in re.finditer(r"\{", text)):
-        try:
-            obj = decoder.raw_decode(text, start)[0]
-        except json.JSONDecodeError:
-            continue
-        if isinstance(obj, dict) and isinstance(obj.get("expanded_answer"), str) and obj["expanded_answer"].strip():
+    from rl.prompts import json_objects
+
+    for obj in json_objects(text):
+        if isinstance(obj.get("expanded_answer"), str) and obj["expanded_answer"].strip():
             return obj["expanded_answer"].strip()
     return None
 
@@ -59,20 +54,12 @@ def expansion_target(short: str, reply) -> dict:
 
 def expander(args, prompt: dict):
     """(questions, short answers) → replies (None for a failed request), from an endpoint or a local text LLM."""
-    from gate.generator import endpoint_generator, text_generator
+    from gate.generator import replier
 
-    one_turn = {"system": prompt["system"], "user_template": "{question}"}  # the user turn is formatted here
-    if args.expander_url:
-        generate = endpoint_generator(args.expander_url, args.expander_model, one_turn, args.judge_key_env,
-                                      args.max_new_tokens)
-    else:
-        generate = text_generator(args.expander, one_turn, args.max_new_tokens, device=args.device or "cpu",
-                                  dtype=None if args.dtype == "auto" else args.dtype)
-
-    def expand(questions, answers):
-        users = [prompt["user_template"].format(question=q, answer=a) for q, a in zip(questions, answers)]
-        return [text for text, _ in generate([None] * len(users), users, [""] * len(users))]
-    return expand
+    reply = replier(prompt["system"], args.max_new_tokens, args.expander_url, args.expander_model, args.judge_key_env,
+                    args.expander, device=args.device or "cpu", dtype=None if args.dtype == "auto" else args.dtype)
+    return lambda questions, answers: reply([prompt["user_template"].format(question=q, answer=a)
+                                             for q, a in zip(questions, answers)])
 
 
 def stage_expand(args, out: Path, log=print, expand=None) -> int:

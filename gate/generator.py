@@ -103,3 +103,15 @@ def text_generator(name_or_path: str, prompt: dict, max_new_tokens: int, device:
         answers = tokenizer.batch_decode(ids[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
         return [(a.strip() or None, None if a.strip() else "empty answer") for a in answers]
     return generate
+
+
+def replier(system: str, max_new_tokens: int, url: str | None = None, model: str | None = None,
+            api_key_env: str = "OPENAI_API_KEY", local: str | None = None, device: str = "cpu",
+            dtype: str | None = None):
+    """replies(user_turns) → one reply per already formatted user turn (None when it failed), from an
+    OpenAI-compatible endpoint (``url`` + ``model``) or else a local text LLM (``local``), with ``system`` as the
+    system prompt: for stages whose user turn is not a question and a context (answer expansion, section summaries)."""
+    one_turn = {"system": system, "user_template": "{question}"}  # the user turn arrives formatted
+    generate = endpoint_generator(url, model, one_turn, api_key_env, max_new_tokens) if url else \
+        text_generator(local, one_turn, max_new_tokens, device=device, dtype=dtype)
+    return lambda users: [text for text, _ in generate([None] * len(users), users, [""] * len(users))]

@@ -84,15 +84,10 @@ class SummarizeArgs:
 
 def summarizer(args: SummarizeArgs, prompt: dict):
     """texts (formatted user turns) → summaries (None for a failed one)."""
-    from gate.generator import endpoint_generator, text_generator  # the project's chat and LLM callers
+    from gate.generator import replier  # the project's chat and LLM callers
 
-    one_turn = {"system": prompt["system"], "user_template": "{question}"}
-    if args.summarizer_url:
-        generate = endpoint_generator(args.summarizer_url, args.summarizer_model, one_turn, args.key_env,
-                                      args.max_new_tokens)
-    else:
-        generate = text_generator(args.summarizer, one_turn, args.max_new_tokens, device=args.device or "cpu")
-    return lambda users: [text for text, _ in generate([None] * len(users), users, [""] * len(users))]
+    return replier(prompt["system"], args.max_new_tokens, args.summarizer_url, args.summarizer_model, args.key_env,
+                   args.summarizer, device=args.device or "cpu")
 
 
 def summarize_kb(args: SummarizeArgs, log=print, summarize=None, count_tokens=None) -> dict:

@@ -24,8 +24,6 @@ The shipped prompt is our own wording; ``--prompt_file`` takes the published one
 
 from __future__ import annotations
 
-import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,7 +31,7 @@ from retrieval.cli import require_file
 from retrieval.files import check_unique_ids, read_jsonl
 from retrieval.job_parts import JobParts
 from retrieval.kb import check_images
-from rl.prompts import load_prompt
+from rl.prompts import json_objects, load_prompt
 
 BASELINE_PROMPT = {
     "name": "query_baselines",
@@ -49,15 +47,8 @@ BASELINES = ("query_caption", "query_zs_expansion", "query_zs_expansion+caption"
 def parse_baseline(text: str) -> dict[str, str]:
     """The ``caption`` and ``query`` strings of the first JSON object in ``text`` that parses ({} when none does);
     a field that is missing, empty or not a string is left out."""
-    text, decoder = str(text or ""), json.JSONDecoder()
-    for start in (m.start() for m in re.finditer(r"\{", text)):
-        try:
-            obj = decoder.raw_decode(text, start)[0]
-        except json.JSONDecodeError:
-            continue
-        if isinstance(obj, dict):
-            return {k: v.strip() for k in ("caption", "query") if isinstance(v := obj.get(k), str) and v.strip()}
-    return {}
+    obj = next(json_objects(text), {})
+    return {k: v.strip() for k in ("caption", "query") if isinstance(v := obj.get(k), str) and v.strip()}
 
 
 def baseline_queries(parsed: dict[str, str], question: str) -> tuple[dict[str, str], list[str]]:

@@ -78,3 +78,19 @@ def prompt_spec(prompt: str) -> dict:
     """What an exported refiner needs to rebuild its prompt (written into refiner.json): a built-in prompt by name, or
     a prompt file's contents."""
     return load_prompt(prompt, REFINER_PROMPTS)
+
+
+def json_objects(text):
+    """Every JSON object (dict) that parses at a ``{`` of a model's reply, in order: how the stages that answer in
+    JSON (query baselines, answer expansion) find theirs amid other text or code fences."""
+    import json
+    import re
+
+    text, decoder = str(text or ""), json.JSONDecoder()
+    for match in re.finditer(r"\{", text):
+        try:
+            obj = decoder.raw_decode(text, match.start())[0]
+        except json.JSONDecodeError:
+            continue
+        if isinstance(obj, dict):
+            yield obj

@@ -122,3 +122,20 @@ def test_fail_answers_are_expanded_resumably_and_rendered_with_the_published_bal
     (tmp_path / "expanded-inspector.jsonl").write_text("")
     with pytest.raises(ValueError, match=r"8 FAIL example\(s\) have no expanded answer"):
         stage_render(render, tmp_path, log=lambda *a: None)
+
+
+def test_expand_asks_an_openai_compatible_endpoint_with_the_stages_prompt(tmp_path, stub):
+    """The expansion stage on the wire (gate.generator.replier, shared with section summaries): the system prompt and
+    the formatted user turn reach the endpoint, its JSON reply becomes the target."""
+    from gate.answer_expansion import EXPANSION_PROMPT
+
+    write_jsonl_atomic(tmp_path / "labels-inspector.jsonl", label_rows(2))  # q0 PASS, q1 FAIL ("10 m")
+    server = stub(['{"expanded_answer": "Tower 1 is 10 m tall."}'])
+    stage_expand(BuildDataArgs(stage="expand", out=str(tmp_path), expander_url=server.url, expander_model="m"),
+                 tmp_path, log=lambda *a: None)
+    (sent,) = server.requests
+    assert sent["body"]["model"] == "m" and sent["body"]["messages"] == [
+        {"role": "system", "content": EXPANSION_PROMPT["system"]},
+        {"role": "user", "content": "Question: How tall is tower 1?\nShort answer: 10 m"}]
+    (row,) = read_jsonl(tmp_path / "expanded-inspector.jsonl")
+    assert row["id"] == "q1" and row["target"] == "Tower 1 is 10 m tall." and row["expanded"]
