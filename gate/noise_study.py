@@ -88,18 +88,26 @@ def parse_generators(text: str) -> dict[str, tuple[str, str]]:
     return out
 
 
-def noisy_context(relevant: list[str], distractors: list[str], level: str, n: int, seed: int) -> list[str]:
+def noisy_context(relevant: list[str], pool: list[tuple[str, str]], entity: str, level: str, n: int, seed: int,
+                  entity_in_pool: int | None = None) -> list[str]:
     """The sections of one context: ``oracle`` → the first relevant section alone; a share → round(share × n)
-    relevant sections (cycled) and n minus that many distractors (drawn without replacement), shuffled with ``seed``."""
+    relevant sections (cycled) and n minus that many distractors — sections of ``pool`` ((entity, text) pairs) of
+    another entity than ``entity``, drawn without replacement — shuffled with ``seed``. ``entity_in_pool``: how many
+    pool sections are ``entity``'s (counted here when not given; the study counts once per question)."""
     if not relevant:
         raise ValueError("a context needs at least one relevant section")
     if level == "oracle":
         return [relevant[0]]
     k = round(float(level) * n)
-    if n - k > len(distractors):
-        raise ValueError(f"{n - k} distractor sections wanted, {len(distractors)} available")
+    if entity_in_pool is None:
+        entity_in_pool = sum(e == entity for e, _ in pool)
+    if n - k > len(pool) - entity_in_pool:
+        raise ValueError(f"{n - k} distractor sections wanted, {len(pool) - entity_in_pool} available")
     rng = random.Random(seed)
-    sections = [relevant[j % len(relevant)] for j in range(k)] + rng.sample(distractors, n - k)
+    # enough draws that, with every one of the entity's own sections among them, n − k others remain
+    drawn = rng.sample(range(len(pool)), min(len(pool), n - k + entity_in_pool))
+    others = [pool[i][1] for i in drawn if pool[i][0] != entity][:n - k]
+    sections = [relevant[j % len(relevant)] for j in range(k)] + others
     rng.shuffle(sections)
     return sections
 
@@ -147,36 +155,40 @@ def load_generator(kind: str, target: str, args: NoiseArgs, prompt: dict, device
     return lambda images, questions, contexts: [a for a, _ in generate(images, questions, contexts)]
 
 
-def study_rows(args: NoiseArgs, log) -> tuple[list[dict], int]:
-    """(questions with their relevant sections and a distractor pool, questions left out for want of one)."""
+def study_rows(args: NoiseArgs, log) -> tuple[list[dict], list[tuple[str, str]], int]:
+    """(questions with their relevant sections, the distractor pool of (entity, section text) — a seeded reservoir
+    of at most 20,000 KB sections, shared by every question — and how many questions were left out)."""
+    from collections import Counter
+
     from gate.context_data import load_questions, section_text
 
     questions, _ = load_questions(args.queries, args.images_root)
     gold = {str(q["entity_id"]) for q in questions}
     by_entity: dict[str, list[dict]] = {}
-    pool: list[dict] = []  # a seeded reservoir of other entities' sections
+    reservoir: list[dict] = []
     rng, seen = random.Random(args.seed), 0
     for row in read_jsonl(args.kb):
         if str(row.get("entity_id")) in gold:
             by_entity.setdefault(str(row["entity_id"]), []).append(row)
         seen += 1
-        if len(pool) < 20_000:
-            pool.append(row)
-        elif (j := rng.randrange(seen)) < len(pool):
-            pool[j] = row
+        if len(reservoir) < 20_000:
+            reservoir.append(row)
+        elif (j := rng.randrange(seen)) < len(reservoir):
+            reservoir[j] = row
+    pool = [(str(r.get("entity_id")), section_text(r)) for r in reservoir]
+    in_pool = Counter(e for e, _ in pool)
     rows, left_out = [], 0
     for q in questions:
         relevant = relevant_sections(q, by_entity.get(str(q["entity_id"]), []))
         if not relevant:
             left_out += 1
             continue
-        others = [section_text(r) for r in pool if str(r.get("entity_id")) != str(q["entity_id"])]
-        rows.append({**q, "relevant": relevant, "distractors": others})
+        rows.append({**q, "relevant": relevant, "entity_in_pool": in_pool[str(q["entity_id"])]})
         if args.limit and len(rows) >= args.limit:
             break
     if left_out:
         log(f"noise study: {left_out} question(s) left out: no section of the gold entity contains a gold answer")
-    return rows, left_out
+    return rows, pool, left_out
 
 
 def run_study(args: NoiseArgs, log=print, generators: dict | None = None) -> dict:
@@ -199,7 +211,7 @@ def run_study(args: NoiseArgs, log=print, generators: dict | None = None) -> dic
     prompt = generator_prompt(args.generator_prompt)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows, left_out = study_rows(args, log)
+    rows, pool, left_out = study_rows(args, log)
     answers_path = out / "answers.jsonl"
     done = completed_ids(answers_path)
     device = resolve_device(args.device)
@@ -210,9 +222,9 @@ def run_study(args: NoiseArgs, log=print, generators: dict | None = None) -> dic
         generate = generators[name] if generators is not None else load_generator(*spec, args, prompt, device)
         for start in tqdm(range(0, len(todo), args.batch_size), desc=f"noise study: {name}"):
             batch = todo[start:start + args.batch_size]
-            contexts = ["\n\n".join(noisy_context(q["relevant"], q["distractors"], lv, args.n_sections,
-                                                  args.seed + zlib.crc32(f"{lv}|{q['id']}".encode())))
-                        for lv, q in batch]
+            contexts = ["\n\n".join(noisy_context(q["relevant"], pool, str(q["entity_id"]), lv, args.n_sections,
+                                                  args.seed + zlib.crc32(f"{lv}|{q['id']}".encode()),
+                                                  q["entity_in_pool"])) for lv, q in batch]
             images = [Image.open(q["image_path"]).convert("RGB") for _, q in batch]
             answers = generate(images, [q["question"] for _, q in batch], contexts)
             append_jsonl(answers_path, [{"id": f"{name}|{lv}|{q['id']}", "generator": name, "level": lv,

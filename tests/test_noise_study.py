@@ -33,17 +33,24 @@ def test_levels_and_generators_parse_and_bad_ones_are_named():
 
 
 @given(st.integers(1, 5), st.integers(1, 12), st.sampled_from([0, 0.1, 0.25, 0.5, 0.9, 1, "oracle"]),
-       st.integers(0, 99))
-def test_a_context_holds_the_share_of_relevant_sections_asked_for(n_relevant, n, level, seed):
-    relevant, distractors = [f"R{i}" for i in range(n_relevant)], [f"D{i}" for i in range(20)]
-    sections = noisy_context(relevant, distractors, str(level), n, seed)
+       st.integers(0, 99), st.integers(0, 8))
+def test_a_context_holds_the_share_of_relevant_sections_asked_for(n_relevant, n, level, seed, own_in_pool):
+    relevant = [f"R{i}" for i in range(n_relevant)]
+    pool = [("other", f"D{i}") for i in range(20)] + [("gold", f"G{i}") for i in range(own_in_pool)]
+    sections = noisy_context(relevant, pool, "gold", str(level), n, seed)
     if level == "oracle":
         assert sections == ["R0"]
         return
     k = round(level * n)
     assert len(sections) == n and sum(s.startswith("R") for s in sections) == k
+    assert not any(s.startswith("G") for s in sections)  # never a section of the question's own entity
     assert len({s for s in sections if s.startswith("D")}) == n - k  # distractors drawn without replacement
-    assert noisy_context(relevant, distractors, str(level), n, seed) == sections  # seeded
+    assert noisy_context(relevant, pool, "gold", str(level), n, seed, own_in_pool) == sections  # seeded; count given
+
+
+def test_a_pool_too_small_for_the_context_is_named():
+    with pytest.raises(ValueError, match="5 distractor sections wanted, 3 available"):
+        noisy_context(["R"], [("o", "D1"), ("o", "D2"), ("o", "D3"), ("g", "G")], "g", "0", 5, 0)
 
 
 def test_relevant_sections_hold_an_answer_with_the_evidence_section_first():
