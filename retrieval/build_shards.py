@@ -44,7 +44,7 @@ def encode_text_shard(j: int, scan: KBScan, txt_enc, args, build_dir: Path) -> N
     summary."""
     from retrieval.summarize import summarized
 
-    summaries = summaries_of(getattr(args, "summaries", None))
+    summaries = summaries_of(args.summaries)
     rows = scan.text_rows[j * args.shard_size:(j + 1) * args.shard_size]
     recs = list(scan.read(rows))
     shown = [summarized(rec, summaries) for rec in recs]

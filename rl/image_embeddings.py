@@ -131,12 +131,17 @@ def embed_images(queries: str | Path, images: list[str], root: Path, index, stat
 
 def preload_reward_cache(cache: dict, queries: str | Path, image_paths: list[str], root: Path,
                          manifest: dict) -> int:
-    """Put the stored embeddings of these questions' images into the reward's cache (keyed ``path:<absolute>``, as
-    ``rewards.retrieval.image_keys`` keys them); returns how many of ``image_paths`` (absolute) now have one."""
+    """Put the stored embeddings of these questions' images into the reward's cache, under the keys the reward looks
+    them up by (``rewards.retrieval.image_keys`` of the ``image_path`` column, which ``rl.data.image_path_of``
+    writes); returns how many of ``image_paths`` (absolute) now have one."""
+    from rewards.retrieval import image_keys
+    from rl.data import image_path_of
+
     stored = load_store(queries, manifest)
-    for image, vector in stored.items():
-        cache.setdefault(f"path:{(root / image).resolve()}", vector)
-    return sum(f"path:{p}" in cache for p in image_paths)
+    keys = image_keys([image_path_of({"image": image}, root) for image in stored], [])
+    for key, vector in zip(keys, stored.values()):
+        cache.setdefault(key, vector)
+    return sum(key in cache for key in image_keys(list(image_paths), []))
 
 
 def stored_image_embeddings(reward, index, args, train_data, eval_data) -> tuple[int, int]:
