@@ -27,7 +27,7 @@ import numpy as np
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from retrieval.toyworld import make_entities, sections  # noqa: E402
+from toy.world import make_entities, sections  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--rows", type=int, default=1200, help="KB rows for the workers × processes table")

@@ -2,7 +2,7 @@
 
 Writes a synthetic KB in the upstream format (one JSON object keyed by URL, ``--sections`` sections of ~600 characters
 and ``--images`` image URLs an article, images named md5(url) in an ``--image_map``), then runs
-``python -m retrieval.convert --format evqa-kb`` on it in a fresh process and reads that process's peak resident
+``python -m retrieval.upstream.convert --format evqa-kb`` on it in a fresh process and reads that process's peak resident
 memory (``VmHWM`` of the child). Reported per size: input MB, articles/s, index rows, article-store MB and
 peak RSS. A converter that read the file with one ``json.loads`` would grow ~10× the input size.
 
@@ -34,7 +34,7 @@ args = parser.parse_args()
 # resets (ru_maxrss would carry over the benchmark's own peak from the fork)
 CHILD = """
 import json, re, sys
-from retrieval.convert import main
+from retrieval.upstream.convert import main
 main(json.loads(sys.argv[1]))
 print(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1))
 """

@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from rl.toy import ATTRIBUTES  # noqa: E402
+from toy.refiner import ATTRIBUTES  # noqa: E402
 
 PHASES = {"warm start s": r"^warm start \(SFT\): \d+ steps in (\d+) s", "GRPO s": r"^GRPO: \d+ steps in (\d+) s"}
 

@@ -19,9 +19,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import yaml  # noqa: E402
 
-from gate.pipeline import PipelineArgs, run, stage_names  # noqa: E402
-from gate.stages import Stages  # noqa: E402
-from retrieval.files import read_jsonl  # noqa: E402
+from common.files import read_jsonl  # noqa: E402
+from gate.pipeline.run import PipelineArgs, run, stage_names  # noqa: E402
+from gate.pipeline.stages import Stages  # noqa: E402
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--config", default="configs/pipeline/toy.yaml")

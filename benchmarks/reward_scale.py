@@ -34,8 +34,8 @@ import faiss  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from common.placement import configure_threads, usable_cores  # noqa: E402
 from retrieval.index import MultimodalIndex, _read_faiss, build_faiss_index_from_chunks  # noqa: E402
-from retrieval.placement import configure_threads, usable_cores  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--sizes", default="100000,500000,1000000")

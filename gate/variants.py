@@ -1,6 +1,6 @@
 """Every gate variant as data: its prompt, what it is trained to output, and how that output is read back.
 
-A variant's labels come from ``gate.labels`` (via ``gate.build_data``); here a label becomes a completion string
+A variant's labels come from ``gate.train.labels`` (via ``gate.train.build_data``); here a label becomes a completion string
 (``completion``) and a completion or first-token probability becomes a decision again (``parse_completion``,
 ``gate.scoring``). Binary variants have two verbalisers, positive first: the positive one means "search" for the
 boundary gates, "relevant" for ``srt`` and "pass" for the Inspector. ``prefix`` is the part of the completion that
@@ -62,7 +62,7 @@ BINARY = tuple(v for v, s in VARIANTS.items() if len(s["verbalisers"]) == 2)
 def load_gate_prompt(path: str, variant: str) -> dict:
     """A variant's prompt from a YAML file (rl.prompts.load_prompt), its user template holding the placeholders the
     variant fills ({question}, and {context} for the variants that read a section)."""
-    from rl.prompts import load_prompt
+    from common.prompts import load_prompt
 
     needs = ("{question}", "{context}") if "{context}" in check_variant(variant)["user"] else ("{question}",)
     return load_prompt(path, {}, needs, "--gate_prompt")

@@ -32,10 +32,10 @@ from pathlib import Path
 
 import numpy as np
 
+from common.cli import require_file
+from common.files import atomic_path, file_fingerprint, write_json_atomic, write_jsonl_atomic
 from retrieval.build_shards import encode_image_shards, encode_text_shard, shard_paths, work_items
-from retrieval.cli import require_file
 from retrieval.encoders import check_image_encoder_name, check_text_encoder_name, image_encoder, text_encoder
-from retrieval.files import atomic_path, file_fingerprint, write_json_atomic, write_jsonl_atomic
 from retrieval.index import (
     INDEX_FILE,
     MANIFEST_FILE,
@@ -123,7 +123,7 @@ def build_index(args: BuildArgs, log=print, encoders=None, state=None) -> dict |
     ``encoders``: an already-built (image, text) encoder pair whose names match ``args`` (saves a reload).
     ``state``: an accelerate ``PartialState`` of a multi-process build (None: this process builds alone).
     """
-    from retrieval.placement import Processes, configure_threads, decode_workers, resolve_device
+    from common.placement import Processes, configure_threads, decode_workers, resolve_device
 
     procs = Processes(state)
     validate(args)
@@ -322,8 +322,8 @@ def _versions() -> dict:
 
 
 def main(argv=None) -> None:
-    from retrieval.cli import parse
-    from retrieval.placement import process_state
+    from common.cli import parse
+    from common.placement import process_state
 
     (args,) = parse((BuildArgs,), argv, description=__doc__)
     validate(args)
@@ -331,6 +331,6 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    from retrieval.cli import run
+    from common.cli import run
 
     run(main)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from retrieval.files import atomic_path, write_json_atomic
+from common.files import atomic_path, write_json_atomic
 from retrieval.kb import entry_text
 from retrieval.kb_scan import KBScan
 

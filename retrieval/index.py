@@ -20,8 +20,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from common.placement import configure_threads, index_to_device, log, outside_zero3_init, resolve_device
 from retrieval.encoders import ImageEncoder, TextEncoder, image_encoder, l2_normalize, resolve_query_prompt
-from retrieval.placement import configure_threads, index_to_device, log, outside_zero3_init, resolve_device
 
 INDEX_FILE = "index.faiss"
 ROWS_FILE = "rows.parquet"
@@ -152,7 +152,7 @@ class MultimodalIndex:
     def load(cls, path, image_encoder=None, text_encoder=None, device: str | None = None,
              query_instruction: str | None = None, nprobe: int = 32, rank_method: str = "auto",
              search_device: str | None = None, threads: int | None = None) -> MultimodalIndex:
-        """Load an index directory for this process (the policy of retrieval.placement, logged in one line).
+        """Load an index directory for this process (the policy of common.placement, logged in one line).
 
         ``device``: where this process's replica and encoders live ("cpu", "cuda:N"; None → ``cuda:LOCAL_RANK``
         when CUDA is available, else cpu). ``search_device``: where the FAISS index for top-k search lives (default:
@@ -430,3 +430,11 @@ def ranks_of(ranked: list[Ranked], gold: Sequence[int]) -> list[int | None]:
         pos = np.flatnonzero(rk.entities == g)
         out.append(int(pos[0]) + 1 if len(pos) else None)
     return out
+
+
+def require_index(value, flag: str = "index") -> dict:
+    """The manifest of a finished index directory, else a ValueError naming the flag."""
+    manifest = Path(value or "") / MANIFEST_FILE
+    if not value or not manifest.is_file():
+        raise ValueError(f"--{flag}: {value!r} is not a finished index directory (no {MANIFEST_FILE})")
+    return json.loads(manifest.read_text())

@@ -6,8 +6,8 @@ Question:
     {"id", "image", "question", "entity_id", "answers": [...], optional "answer_eval", "question_type", "split",
      "upstream_id"}
 
-Converters from the upstream files live in ``retrieval.upstream_questions`` and ``retrieval.upstream_kb``;
-``retrieval.convert`` is the CLI. A 2-hop E-VQA question's ``entity_id`` is a list (one URL per hop).
+Converters from the upstream files live in ``retrieval.upstream.questions`` and ``retrieval.upstream.kb``;
+``retrieval.upstream.convert`` is the CLI. A 2-hop E-VQA question's ``entity_id`` is a list (one URL per hop).
 """
 
 from __future__ import annotations

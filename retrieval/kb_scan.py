@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from retrieval.files import json_record
+from common.files import json_record
 from retrieval.kb import entry_text
 
 _PAIR = np.dtype([("hi", "<u8"), ("lo", "<u8")])  # a 16-byte digest, sortable by np.unique

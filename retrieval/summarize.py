@@ -21,8 +21,8 @@ import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from retrieval.cli import require_file
-from retrieval.files import append_jsonl, read_jsonl, write_json_atomic
+from common.cli import require_file
+from common.files import append_jsonl, read_jsonl, write_json_atomic
 from retrieval.kb import entry_text
 
 SUMMARY_PROMPT = {
@@ -84,7 +84,7 @@ class SummarizeArgs:
 
 def summarizer(args: SummarizeArgs, prompt: dict):
     """texts (formatted user turns) → summaries (None for a failed one)."""
-    from gate.generator import replier  # the project's chat and LLM callers
+    from common.llm import replier  # the project's chat and LLM callers
 
     return replier(prompt["system"], args.max_new_tokens, args.summarizer_url, args.summarizer_model, args.key_env,
                    args.summarizer, device=args.device or "cpu")
@@ -95,7 +95,7 @@ def summarize_kb(args: SummarizeArgs, log=print, summarize=None, count_tokens=No
     ``<out>.counts.json``)."""
     from tqdm import tqdm
 
-    from rl.prompts import load_prompt
+    from common.prompts import load_prompt
 
     require_file(args.kb, "kb")
     if not args.out:
@@ -136,13 +136,13 @@ def summarize_kb(args: SummarizeArgs, log=print, summarize=None, count_tokens=No
 
 
 def main(argv=None) -> None:
-    from retrieval.cli import parse
+    from common.cli import parse
 
     (args,) = parse((SummarizeArgs,), argv, description=__doc__)
     summarize_kb(args)
 
 
 if __name__ == "__main__":
-    from retrieval.cli import run
+    from common.cli import run
 
     run(main)

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import math
 
+# WikiSeeker's rank-tier retrieval reward (its reward definition for the refiner's GRPO; docs/design.md, "Rewards"):
+# the gold entity's rank → reward, and DEFAULT_MISS beyond rank 200 or when it is not retrieved. The one place these
+# values are stated: RefinerArguments' defaults (rl/arguments.py: reward_tiers, miss_reward, depth) are built from
+# them, and the real GRPO configs (configs/grpo/{evqa,infoseek}.yaml) leave them to those defaults.
 DEFAULT_TIERS: tuple[tuple[int, int, float], ...] = (
     (1, 5, 4.0), (6, 10, 3.5), (11, 20, 3.0), (21, 50, 1.0), (51, 100, 0.5), (101, 200, 0.1),
 )

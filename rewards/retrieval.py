@@ -50,8 +50,16 @@ class RetrievalReward:
         self.last: list[dict] = []  # the latest call's per-completion details (for tables)
         self.images: dict[str, object] = {}  # the latest call's images by image key (for tables)
         self.completions_log = completions_log  # a JSONL file every scored completion is appended to, or None
-        self.mode = lambda: "train"  # the trainer sets this to tell evaluation calls apart
+        self.trainer = None  # set by follow(): its model's training flag tells evaluation calls apart
         self.totals: dict[str, dict[str, list[float]]] = {}  # mode → metric → [sum, count] since the last take
+
+    def follow(self, trainer) -> None:
+        """Tell training calls from evaluation calls by ``trainer.model.training`` (read at each call: the trainer
+        may wrap or replace its model after construction)."""
+        self.trainer = trainer
+
+    def mode(self) -> str:
+        return "eval" if self.trainer is not None and not self.trainer.model.training else "train"
 
     # ------------------------------------------------------------------ image embeddings
 
@@ -117,7 +125,7 @@ class RetrievalReward:
                      for j, (q, r, w, e, i, k) in enumerate(zip(queries, ranks, rewards, entity_id, ids, keys))]
         self.images = dict(zip(keys, images))
         if self.completions_log is not None:
-            from retrieval.files import append_jsonl
+            from common.files import append_jsonl
 
             state = kwargs.get("trainer_state")
             step = None if state is None else state.global_step + 1

@@ -12,7 +12,7 @@ expanded ``query``; three baseline queries are read from it (``BASELINES``):
 
 An answer that does not parse, or lacks the field a baseline needs, falls back to the original question for that
 baseline (``baseline_fallback`` lists which). Each output record is the input record plus those fields,
-``baseline_raw`` and ``baseline_parsed``. Resumable and split over processes like rl.refine (retrieval.job_parts).
+``baseline_raw`` and ``baseline_parsed``. Resumable and split over processes like rl.refine (common.job_parts).
 Then every method is a row of one table:
 
     python -m retrieval.evaluate --index DIR --alpha A --queries refined_and_baselines.jsonl \
@@ -27,11 +27,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from retrieval.cli import require_file
-from retrieval.files import check_unique_ids, read_jsonl
-from retrieval.job_parts import JobParts
+from common.cli import require_file
+from common.files import check_unique_ids, read_jsonl
+from common.job_parts import JobParts
+from common.placement import resolve_device
+from common.prompts import json_objects, load_prompt
 from retrieval.kb import check_images
-from rl.prompts import json_objects, load_prompt
+from rl.generate import vlm_generator
 
 BASELINE_PROMPT = {
     "name": "query_baselines",
@@ -75,23 +77,8 @@ class BaselineArgs:
 
 def generator(args: BaselineArgs, prompt: dict, device: str | None):
     """(images, questions) → raw answers, greedy, on the chosen backend."""
-    if args.backend == "vllm":
-        from transformers import AutoProcessor
-
-        from rl.generate import generate_vllm, load_vllm
-
-        llm, processor = load_vllm(args.model), AutoProcessor.from_pretrained(args.model)
-        return lambda images, questions: generate_vllm(llm, processor, images, questions, prompt, args.max_new_tokens)
-    from retrieval.placement import resolve_device
-    from rl.generate import generate_completions
-    from rl.model import load_model
-
-    device = resolve_device(device)
-    model, processor = load_model(args.model, None, device=device)
-    model = model.to(device)
-    return lambda images, questions: generate_completions(model, processor, images, questions, prompt,
-                                                          batch_size=args.batch_size,
-                                                          max_new_tokens=args.max_new_tokens)
+    return vlm_generator(args.model, prompt, args.max_new_tokens, args.backend, resolve_device(device),
+                         batch_size=args.batch_size)
 
 
 def run_baselines(args: BaselineArgs, log=print, state=None, generate=None) -> int:
@@ -138,14 +125,14 @@ def run_baselines(args: BaselineArgs, log=print, state=None, generate=None) -> i
 
 
 def main(argv=None) -> None:
-    from retrieval.cli import parse
-    from retrieval.placement import process_state
+    from common.cli import parse
+    from common.placement import process_state
 
     (args,) = parse((BaselineArgs,), argv, description=__doc__)
     run_baselines(args, state=process_state(args.device))
 
 
 if __name__ == "__main__":
-    from retrieval.cli import run
+    from common.cli import run
 
     run(main)

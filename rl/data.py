@@ -20,19 +20,15 @@ from pathlib import Path
 
 import numpy as np
 
-from retrieval.cli import require_file, require_index
-from retrieval.files import check_unique_ids, pyplot, read_jsonl, save_figure, write_json_atomic, write_jsonl_atomic
-from retrieval.index import check_alpha
-from retrieval.job_parts import JobParts
+from common.cli import require_file
+from common.files import check_unique_ids, pyplot, read_jsonl, save_figure, write_json_atomic, write_jsonl_atomic
+from common.job_parts import JobParts
+from retrieval.index import check_alpha, require_index
 from retrieval.kb import image_problem
+from rl.image_embeddings import embed_images, image_path_of
 from rl.prompts import prompt_messages, prompt_spec
 
 NOT_IN_INDEX = "gold entity not in the index"
-
-
-def image_path_of(rec: dict, root: Path) -> str:
-    """The question's image as an absolute path string (the key of the reward's image-embedding cache)."""
-    return str((root / str(rec.get("image"))).resolve())
 
 
 def verify_images(rows: list[dict], root: Path, limit: int | None = None) -> tuple[list[dict], list[dict]]:
@@ -170,13 +166,13 @@ def baseline_ranks(index, rows: list[dict], root: Path, args: RLDataArgs, state=
     """Rank each question's gold entity with the original question: (ranked rows, their ranks, skip records for
     questions whose image is missing or unreadable).
 
-    The questions are split over the processes of ``state`` in batches (retrieval.job_parts): each decodes its
+    The questions are split over the processes of ``state`` in batches (common.job_parts): each decodes its
     images with DataLoader workers, embeds them and the questions, ranks, and appends ``{id, rank}`` (or ``{id,
     problem}``) to its part of ``<out>.baseline.jsonl``; an interrupted run goes on from that file. Every process
     returns the whole result."""
     from tqdm import tqdm
 
-    from retrieval.placement import decode_workers
+    from common.placement import decode_workers
 
     parts = JobParts(Path(f"{args.out}.baseline.jsonl"), state)
     settings = {"queries": str(Path(args.queries).resolve()), "index": str(Path(args.index).resolve()),
@@ -218,9 +214,8 @@ def build_rl_data(args: RLDataArgs, log=print, state=None) -> dict:
     """The RL training file, its skip list, bucket report and plot (process 0), and the sampled questions' image
     embeddings (rl.image_embeddings; every process takes part). With ``state`` of N processes the baseline retrieval
     and the embedding are split over them."""
+    from common.placement import Processes, decode_workers
     from retrieval.index import MultimodalIndex
-    from retrieval.placement import Processes, decode_workers
-    from rl.image_embeddings import embed_images
 
     require_file(args.queries, "queries")
     require_index(args.index)
@@ -289,8 +284,8 @@ def _plot(report: dict, path: str) -> None:
 
 
 def main(argv=None) -> None:
-    from retrieval.cli import parse
-    from retrieval.placement import process_state
+    from common.cli import parse
+    from common.placement import process_state
 
     (args,) = parse((RLDataArgs,), argv, description=__doc__)
     state = process_state(args.device)
@@ -298,6 +293,6 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    from retrieval.cli import run
+    from common.cli import run
 
     run(main)

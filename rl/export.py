@@ -5,11 +5,12 @@
 ``--checkpoint`` is a trainer checkpoint (full weights, a PEFT adapter whose LoRA is merged into the base weights, or
 only DeepSpeed ZeRO shards, gathered by DeepSpeed's zero_to_fp32), a run's ``final`` folder, or a run's output dir
 (its best checkpoint by ``metric_for_best_model``, else its latest). The folder gets safetensors weights (sharded when large), config, processor, tokenizer and chat
-template, ``generation_config.json`` (the run's sampling settings) and ``refiner.json`` (prompt, output format and
-parser version, the index's α and encoders, training step, held-out metrics at that step).
+template, ``generation_config.json`` (the run's sampling settings), ``refiner.json`` (prompt, output format and
+parser version, the index's α and encoders, training step, held-out metrics at that step) and ``README.md``, its
+model card (rl.model_card: base model, task, reward, index, held-out figures, the serving commands).
 
 It is written to a temporary sibling, reloaded in a fresh process with AutoModelForImageTextToText +
-AutoProcessor, made to generate for one toy example whose output must parse, and only then renamed to ``--out``.
+AutoProcessor, made to generate for the run's first held-out question (``probe_question``), whose output must parse, and only then renamed to ``--out``.
 """
 
 from __future__ import annotations
@@ -22,9 +23,12 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from retrieval.files import write_json_atomic
+from common.cli import check_choices
+from common.files import write_json_atomic
+from common.model_card import write_card
 from rewards.format import PARSER_VERSION
 from rl.image_budget import apply_image_budget
+from rl.model_card import held_out, refiner_card, vllm_serve_command
 from rl.run_record import RUN_RECORD, find_run_record
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -34,7 +38,7 @@ DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 class ExportArgs:
     checkpoint: str = field(default=None, metadata={"help": "checkpoint, final folder, or run output dir"})
     out: str = field(default=None, metadata={"help": "serving folder to write"})
-    dtype: str = field(default="bf16", metadata={"help": "bf16 | fp16 | fp32"})
+    dtype: str = field(default="bf16", metadata={"help": "the exported weights' dtype", "choices": tuple(DTYPES)})
     force: bool = field(default=False, metadata={"help": "replace a non-empty --out"})
     max_shard_size: str = field(default="2GB", metadata={"help": "safetensors shard size"})
 
@@ -72,9 +76,7 @@ def step_and_metrics(ckpt: Path) -> tuple[int | None, dict]:
         return None, {}
     state = json.loads(state_file.read_text())
     step = state.get("global_step")
-    evals = [h for h in state.get("log_history", []) if any(k.startswith("eval_") for k in h)
-             and (step is None or h.get("step", 0) <= step)]
-    return step, ({k: v for k, v in evals[-1].items() if k.startswith("eval_") or k == "step"} if evals else {})
+    return step, held_out(state.get("log_history", []), step)
 
 
 def load_for_export(ckpt: Path, record: dict, dtype: str):
@@ -133,22 +135,37 @@ def from_zero_shards(ckpt: Path, dtype):
     return model.to(dtype)
 
 
-def verify(folder: Path) -> str:
-    """In this process: reload the folder, generate for one toy example, require that the output parses."""
-    import numpy as np
+def probe_question(record: dict) -> tuple[str | None, str]:
+    """(image path, question) of the run's own first held-out question (its eval file, else its train file) to verify
+    an export with; (None, a plain question) when neither file is on this machine."""
+    args = record.get("refiner_args", {})
+    for name in ("eval_file", "train_file"):
+        path = Path(args.get(name) or "")
+        if path.is_file():
+            with path.open() as f:
+                first = json.loads(next((line for line in f if line.strip()), "null") or "null")
+            if first and first.get("image"):
+                image = Path(args.get("images_root") or path.parent) / first["image"]
+                if image.is_file():
+                    return str(image), first["question"]
+    return None, "What is shown in this image?"
+
+
+def verify(folder: Path, image_path: str | None = None, question: str = "What is shown in this image?") -> str:
+    """In this process: reload the folder, generate for one question (a plain grey image without ``image_path``),
+    require that the output parses."""
     import torch
+    from PIL import Image
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from retrieval.toyworld import make_entities, render
     from rewards import parse_query
     from rl.generate import generate_completions
 
     spec = json.loads((folder / "refiner.json").read_text())
     model = AutoModelForImageTextToText.from_pretrained(str(folder), dtype=torch.float32)
     processor = AutoProcessor.from_pretrained(str(folder))
-    image = render(make_entities(1, 0)[0], np.random.default_rng(0))
-    text = generate_completions(model, processor, [image], ["Where does this creature live?"],
-                                prompt=spec["prompt"]["name"],
+    image = Image.open(image_path).convert("RGB") if image_path else Image.new("RGB", (224, 224), (128, 128, 128))
+    text = generate_completions(model, processor, [image], [question], prompt=spec["prompt"]["name"],
                                 max_new_tokens=spec["generation"]["max_new_tokens"])[0]
     if parse_query(text) is None:
         raise ValueError(f"exported model's output does not parse: {text[:200]!r}")
@@ -156,8 +173,7 @@ def verify(folder: Path) -> str:
 
 
 def export(args: ExportArgs, log=print) -> Path:
-    if args.dtype not in DTYPES:
-        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {args.dtype!r}")
+    check_choices(args)
     if not args.checkpoint or not Path(args.checkpoint).is_dir():
         raise ValueError(f"--checkpoint: folder {args.checkpoint!r} does not exist")
     if not args.out:
@@ -193,8 +209,11 @@ def export(args: ExportArgs, log=print) -> Path:
             "index": record["index"], "generation": gen, "training_step": step, "held_out_metrics": metrics,
             "source_checkpoint": str(ckpt.resolve()), "dtype": args.dtype, "image_budget": budget,
         })
-        result = subprocess.run([sys.executable, "-m", "rl.export", "--verify", str(tmp)], capture_output=True,
-                                text=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+        write_card(tmp, refiner_card(record, metrics, name=out.resolve().name, step=step, folder=out.resolve(),
+                                     export={"dtype": DTYPES[args.dtype], "source": str(ckpt.resolve())}))
+        image_path, question = probe_question(record)
+        result = subprocess.run([sys.executable, "-m", "rl.export", "--verify", str(tmp), image_path or "", question],
+                                capture_output=True, text=True)
         if result.returncode != 0:
             raise ValueError(f"verification of the exported folder failed: {result.stderr.strip().splitlines()[-1:]}")
         if out.exists():
@@ -207,26 +226,18 @@ def export(args: ExportArgs, log=print) -> Path:
     return out
 
 
-def vllm_serve_command(folder, dtype: str, budget: dict | None) -> str:
-    """The ``vllm serve`` command for an exported folder, with the training image budget."""
-    cmd = f"vllm serve {folder} --served-model-name refiner --dtype {dtype} --limit-mm-per-prompt '{{\"image\": 1}}'"
-    if budget:
-        cmd += f" --mm-processor-kwargs '{json.dumps(budget)}'"
-    return cmd
-
-
 def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--verify"]:
-        print("generated:", verify(Path(argv[1])))
+        print("generated:", verify(Path(argv[1]), *(argv[2:3] if argv[2:3] != [""] else [None]), *argv[3:4]))
         return
-    from retrieval.cli import parse
+    from common.cli import parse
 
     (args,) = parse((ExportArgs,), argv, description=__doc__)
     export(args)
 
 
 if __name__ == "__main__":
-    from retrieval.cli import run
+    from common.cli import run
 
     run(main)

@@ -1,9 +1,11 @@
-"""Batched generation of refined queries with a VLM and its processor (greedy by default)."""
+"""Batched generation with a VLM and its processor (greedy by default): refined queries, and any stage's replies
+(``vlm_generator``: one loader for the HF and vLLM backends)."""
 
 from __future__ import annotations
 
 import torch
 
+from rl.model import load_model
 from rl.prompts import prompt_messages
 
 
@@ -53,3 +55,27 @@ def generate_vllm(llm, processor, images: list, questions: list[str], prompt: st
                                                         add_generation_prompt=True, tokenize=False),
                 "multi_modal_data": {"image": img}} for img, q in zip(images, questions)]
     return [o.outputs[0].text for o in llm.generate(prompts, params)]
+
+
+def vlm_generator(model_path: str, prompt: dict, max_new_tokens: int, backend: str = "hf", device: str = "cpu",
+                  dtype: str | None = None, batch_size: int | None = None, temperature: float = 1.0):
+    """``generate(images, texts, sample=False)`` → one reply per input from any AutoModelForImageTextToText VLM
+    (``backend="hf"``, on ``device`` in ``dtype``) or a vLLM engine (``"vllm"``, when vLLM is installed), with
+    ``prompt`` ({system, user_template}); the query baselines, the gates' answerer and the pipeline's VLM stages."""
+    if backend == "vllm":
+        from transformers import AutoProcessor
+
+        llm, processor = load_vllm(model_path), AutoProcessor.from_pretrained(model_path)
+        return lambda images, texts, sample=False: generate_vllm(llm, processor, images, texts, prompt,
+                                                                 max_new_tokens, do_sample=sample,
+                                                                 temperature=temperature)
+    if backend != "hf":
+        raise ValueError(f"--backend must be hf or vllm, got {backend!r}")
+    model, processor = load_model(model_path, dtype=dtype, device=device)
+
+    def generate(images, texts, sample=False):
+        return generate_completions(model, processor, images, texts, prompt=prompt,
+                                    batch_size=batch_size or max(len(texts), 1), max_new_tokens=max_new_tokens,
+                                    do_sample=sample, temperature=temperature)
+
+    return generate

@@ -195,7 +195,7 @@ def vllm_model_dir(output_dir: Path, process_index: int, num_processes: int, loc
 def write_vllm_model(state, model_path: str, processor, output_dir: Path) -> Path:
     """The folder TRL's vLLM loads on this node (rl.image_budget.vllm_model_folder), written by the node's local main
     process while the node's other processes wait: each node's vLLM reads a folder on that node's disk."""
-    from retrieval.placement import local_world_size
+    from common.placement import local_world_size
 
     folder = vllm_model_dir(output_dir, state.process_index, state.num_processes, local_world_size())
     with state.local_main_process_first():
@@ -217,7 +217,7 @@ def main(argv=None) -> None:
     `trl vllm-serve --model DIR`, with the training pixel budget in its processor."""
     from transformers import AutoProcessor
 
-    from retrieval.cli import parse
+    from common.cli import parse
 
     (args,) = parse((FolderArgs,), argv, description=main.__doc__)
     if not args.model or not args.out:
@@ -229,6 +229,6 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    from retrieval.cli import run
+    from common.cli import run
 
     run(main)

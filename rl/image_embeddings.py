@@ -3,7 +3,7 @@
     accelerate launch [--num_processes N] -m rl.image_embeddings --queries rl_train.jsonl --index DIR [--images_root R]
 
 The reward's image side is the query image's embedding, which never changes during training. Embedded once here (the
-images decoded by DataLoader workers, the job split over processes and resumable, retrieval.job_parts), they are
+images decoded by DataLoader workers, the job split over processes and resumable, common.job_parts), they are
 stored in ``<queries>.image-embeddings/<encoder>/`` and the trainer fills the reward's cache from them: when every
 train and eval image has one, it never builds the image encoder (for the paper's EVA-CLIP-8B, ~15 GB of fp16 weights
 per training GPU). ``python -m rl.data`` writes the store for the questions it samples.
@@ -27,14 +27,20 @@ from pathlib import Path
 
 import numpy as np
 
-from retrieval.cli import require_file, require_index
-from retrieval.files import read_jsonl, write_json_atomic, write_text_atomic
-from retrieval.job_parts import JobParts
+from common.cli import require_file
+from common.files import read_jsonl, write_json_atomic, write_text_atomic
+from common.job_parts import JobParts
+from retrieval.index import require_index
 
 EMBEDDINGS_FILE = "embeddings.npy"
 IMAGES_FILE = "images.json"
 MANIFEST_FILE = "manifest.json"
 WORK_FILE = "work.jsonl"  # the resumable job's records (base64 float32), removed once the store is written
+
+
+def image_path_of(rec: dict, root: Path) -> str:
+    """The question's image as an absolute path string (the key of the reward's image-embedding cache)."""
+    return str((root / str(rec.get("image"))).resolve())
 
 
 def encoder_identity(manifest: dict) -> dict:
@@ -132,11 +138,9 @@ def embed_images(queries: str | Path, images: list[str], root: Path, index, stat
 def preload_reward_cache(cache: dict, queries: str | Path, image_paths: list[str], root: Path,
                          manifest: dict) -> int:
     """Put the stored embeddings of these questions' images into the reward's cache, under the keys the reward looks
-    them up by (``rewards.retrieval.image_keys`` of the ``image_path`` column, which ``rl.data.image_path_of``
+    them up by (``rewards.retrieval.image_keys`` of the ``image_path`` column, which ``image_path_of``
     writes); returns how many of ``image_paths`` (absolute) now have one."""
     from rewards.retrieval import image_keys
-    from rl.data import image_path_of
-
     stored = load_store(queries, manifest)
     keys = image_keys([image_path_of({"image": image}, root) for image in stored], [])
     for key, vector in zip(keys, stored.values()):
@@ -168,9 +172,9 @@ class EmbedArgs:
 
 
 def main(argv=None) -> None:
-    from retrieval.cli import parse
+    from common.cli import parse
+    from common.placement import decode_workers, process_state
     from retrieval.index import MultimodalIndex
-    from retrieval.placement import decode_workers, process_state
 
     (args,) = parse((EmbedArgs,), argv, description=__doc__)
     require_file(args.queries, "queries")
@@ -183,6 +187,6 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    from retrieval.cli import run
+    from common.cli import run
 
     run(main)

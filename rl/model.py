@@ -6,17 +6,7 @@ import logging
 
 import torch
 
-DTYPES = {"auto": "auto", "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
-          "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
-
-
-def resolve_dtype(name: str | None, device: str = "cpu"):
-    """``None``/"auto" → bf16 on GPU, fp32 on CPU; otherwise one of DTYPES."""
-    if name in (None, "auto"):
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
-    if name not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
-    return DTYPES[name]
+from common.placement import resolve_dtype
 
 
 def vision_tower(model):
@@ -127,7 +117,7 @@ def load_trained(folder, dtype: str | None = None, device: str = "cpu", base: st
     import json
     from pathlib import Path
 
-    from retrieval.placement import outside_zero3_init
+    from common.placement import outside_zero3_init
 
     folder = Path(folder)
     adapter = folder / "adapter_config.json"

@@ -11,7 +11,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 
-from retrieval.files import pyplot, save_figure, write_json_atomic
+from common.files import pyplot, save_figure, write_json_atomic
 
 
 def wandb_credentials() -> bool:

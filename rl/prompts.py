@@ -10,7 +10,7 @@ wording is our own; a replacement must keep the output format the stage parses (
 
 from __future__ import annotations
 
-from pathlib import Path
+from common.prompts import load_prompt
 
 SYSTEM_PROMPTS = {
     "wikiseeker": (
@@ -25,33 +25,6 @@ SYSTEM_PROMPTS = {
            "<answer></answer>.",
 }
 USER_TEMPLATE = "{question}"
-
-
-def is_prompt_file(value) -> bool:
-    return isinstance(value, str) and value.endswith((".yaml", ".yml"))
-
-
-def load_prompt(value: str, builtin: dict[str, dict], placeholders: tuple[str, ...] = ("{question}",),
-                flag: str = "--prompt") -> dict:
-    """{name, system, user_template} for a built-in prompt name or a YAML prompt file (checked: both strings present,
-    every placeholder in the template)."""
-    if not is_prompt_file(value):
-        if value not in builtin:
-            raise ValueError(f"{flag}: unknown prompt {value!r}: choose one of {', '.join(builtin)}, or give a "
-                             f".yaml file with system and user_template")
-        return {"name": value, **builtin[value]}
-    import yaml
-
-    path = Path(value)
-    if not path.is_file():
-        raise ValueError(f"{flag}: prompt file {path} does not exist")
-    spec = yaml.safe_load(path.read_text())
-    if not isinstance(spec, dict) or not all(isinstance(spec.get(k), str) for k in ("system", "user_template")):
-        raise ValueError(f"{flag} {path}: needs string fields 'system' and 'user_template'")
-    missing = [x for x in placeholders if x not in spec["user_template"]]
-    if missing:
-        raise ValueError(f"{flag} {path}: user_template lacks {', '.join(missing)}")
-    return {"name": str(path), "system": spec["system"], "user_template": spec["user_template"]}
 
 
 REFINER_PROMPTS = {name: {"system": system, "user_template": USER_TEMPLATE} for name, system in SYSTEM_PROMPTS.items()}
@@ -78,19 +51,3 @@ def prompt_spec(prompt: str) -> dict:
     """What an exported refiner needs to rebuild its prompt (written into refiner.json): a built-in prompt by name, or
     a prompt file's contents."""
     return load_prompt(prompt, REFINER_PROMPTS)
-
-
-def json_objects(text):
-    """Every JSON object (dict) that parses at a ``{`` of a model's reply, in order: how the stages that answer in
-    JSON (query baselines, answer expansion) find theirs amid other text or code fences."""
-    import json
-    import re
-
-    text, decoder = str(text or ""), json.JSONDecoder()
-    for match in re.finditer(r"\{", text):
-        try:
-            obj = decoder.raw_decode(text, match.start())[0]
-        except json.JSONDecodeError:
-            continue
-        if isinstance(obj, dict):
-            yield obj

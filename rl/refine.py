@@ -8,7 +8,7 @@
 ``raw_output`` and ``format_ok``; a completion that does not parse falls back to the original question. Resumable:
 ids already in ``--out`` are skipped, and every batch is appended and flushed, so an interrupted run loses nothing
 it wrote. ``accelerate launch -m rl.refine …`` splits the questions over processes (each on its own device, every
-N-th batch) and merges their parts into ``--out`` in input order (retrieval.job_parts). Greedy by default; ``--sample`` uses the sampling settings of ``generation_config.json``.
+N-th batch) and merges their parts into ``--out`` in input order (common.job_parts). Greedy by default; ``--sample`` uses the sampling settings of ``generation_config.json``.
 
 Python API: ``Refiner.load(path)`` and ``refiner.refine(images, questions) -> list[str]``.
 """
@@ -19,11 +19,11 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from retrieval.cli import require_file
-from retrieval.files import check_unique_ids, read_jsonl
-from retrieval.job_parts import JobParts
+from common.cli import require_file
+from common.files import check_unique_ids, read_jsonl
+from common.job_parts import JobParts
+from common.placement import process_state
 from retrieval.kb import check_images
-from retrieval.placement import process_state
 from rewards.format import parse_query
 from rl.prompts import prompt_spec
 from rl.run_record import find_run_record
@@ -67,7 +67,7 @@ class Refiner:
 
             llm = load_vllm(path, image_budget=budget)
             return cls(None, apply_image_budget(AutoProcessor.from_pretrained(str(path)), budget), spec, "vllm", llm)
-        from retrieval.placement import resolve_device
+        from common.placement import resolve_device
         from rl.model import load_model
 
         device = resolve_device(device)
@@ -119,7 +119,7 @@ class RefineArgs:
 
 def refine_file(args: RefineArgs, log=print, refiner: Refiner | None = None, state=None) -> int:
     """Refine every question not yet in ``args.out``; with an accelerate ``state`` of N processes each takes every
-    N-th batch and the output is merged in input order (retrieval.job_parts). Returns the questions refined here."""
+    N-th batch and the output is merged in input order (common.job_parts). Returns the questions refined here."""
     from PIL import Image
     from tqdm import tqdm
 
@@ -153,13 +153,13 @@ def refine_file(args: RefineArgs, log=print, refiner: Refiner | None = None, sta
 
 
 def main(argv=None) -> None:
-    from retrieval.cli import parse
+    from common.cli import parse
 
     (args,) = parse((RefineArgs,), argv, description=__doc__)
     refine_file(args, state=process_state())
 
 
 if __name__ == "__main__":
-    from retrieval.cli import run
+    from common.cli import run
 
     run(main)

@@ -7,7 +7,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from retrieval.files import write_json_atomic
+from common.files import write_json_atomic
 from retrieval.index import MANIFEST_FILE
 from rl.prompts import prompt_spec
 

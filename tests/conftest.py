@@ -24,7 +24,7 @@ def pytest_collection_modifyitems(config, items):
 
     chosen = config.getoption("-m") or ""
     no_gpu = pytest.mark.skip(reason="needs a CUDA GPU (none here): run `pytest -m gpu` on a machine with one")
-    not_asked = pytest.mark.skip(reason="slow: run with `pytest -m slow` (README, \"Tests\")")
+    not_asked = pytest.mark.skip(reason="slow: run with `pytest -m slow` (docs/testing.md)")
     for item in items:
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(no_gpu)
@@ -48,7 +48,7 @@ def encoders():
 @pytest.fixture(scope="session")
 def tiny_world(tmp_path_factory):
     """24 entities, 2 KB images, 2 train + 2 test questions each; no index."""
-    from retrieval.toyworld import ToyWorldArgs, generate
+    from toy.world import ToyWorldArgs, generate
 
     out = tmp_path_factory.mktemp("world")
     generate(ToyWorldArgs(out=str(out), entities=24, train_images=2, test_images=2), log=lambda *a: None)
@@ -60,7 +60,7 @@ def small_default_world(tmp_path_factory):
     """The embedded default's kind of world (its generator, MiniLM text, α 0.3) with its index, smaller: 48 entities
     with 4 train images and 1 test image each instead of 180 with 20 and 2, so runs of the embedded default on it take
     seconds, not minutes (test_toyworld.py checks the full default world)."""
-    from retrieval.toyworld import ToyWorldArgs, build
+    from toy.world import ToyWorldArgs, build
 
     out = tmp_path_factory.mktemp("default") / "toyworld"
     build(ToyWorldArgs(out=str(out), alpha=0.3, entities=48, train_images=4, test_images=1), log=lambda *a: None)
@@ -87,8 +87,8 @@ def tiny_index(tiny_index_dir, encoders):
 @pytest.fixture(scope="session")
 def tiny_refiner(tiny_world, tmp_path_factory):
     """A tiny Qwen2.5-VL with a short supervised warm start: most of its samples parse, not all."""
-    from rl.tiny_vlm import build_tiny_vlm
-    from rl.toy import run_warm_start, tokenizer_corpus
+    from toy.refiner import run_warm_start, tokenizer_corpus
+    from toy.tiny_vlm import build_tiny_vlm
 
     root = tmp_path_factory.mktemp("refiner")
     base = build_tiny_vlm(root / "base", tokenizer_corpus(tiny_world))
@@ -116,7 +116,7 @@ def config(tiny_world, tiny_index_dir, tiny_refiner, tmp_path):
 @pytest.fixture(scope="session")
 def tiny_gate_vlm(tiny_world, tiny_refiner, tmp_path_factory):
     """A tiny VLM whose tokenizer has every gate verbaliser as one token, seeing through the refiner's vision tower."""
-    from gate.toy import build_toy_vlm
+    from toy.gates import build_toy_vlm
 
     return build_toy_vlm(tmp_path_factory.mktemp("gate") / "toy-vlm", tiny_world, vision_from=tiny_refiner)
 

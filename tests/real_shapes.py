@@ -2,7 +2,7 @@
 
 Every width is the real one (Qwen2.5-VL-3B-Instruct: text 2048 × 11008, 16/2 heads, vision 1280 × 3420, patch 14,
 merge 2; Qwen3-Embedding-0.6B: 1024 × 3072, 16/8 heads, head_dim 128); only the depth is cut (a few layers) and the
-vocabulary is a local byte-level BPE (``rl.tiny_vlm.build_tokenizer``), so the shapes, dtypes and image-token counts
+vocabulary is a local byte-level BPE (``toy.tiny_vlm.build_tokenizer``), so the shapes, dtypes and image-token counts
 of the real code path are exercised on a CPU without downloading any weights. Weights are random.
 """
 
@@ -57,7 +57,7 @@ def build_real_width_vlm(out: str | Path, corpus: list[str], text_layers: int = 
     from transformers import AutoModelForImageTextToText, Qwen2_5_VLConfig, Qwen2_5_VLProcessor
     from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
 
-    from rl.tiny_vlm import CHAT_TEMPLATE, build_tokenizer
+    from toy.tiny_vlm import CHAT_TEMPLATE, build_tokenizer
 
     tokenizer = build_tokenizer(corpus, vocab_size)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>", "<|image_pad|>",
@@ -96,7 +96,7 @@ def build_real_width_embedder(out: str | Path, corpus: list[str], layers: int = 
     from tokenizers import processors
     from transformers import Qwen3Config, Qwen3Model
 
-    from rl.tiny_vlm import build_tokenizer
+    from toy.tiny_vlm import build_tokenizer
 
     tokenizer = build_tokenizer(corpus, vocab_size)
     eos = "<|endoftext|>"

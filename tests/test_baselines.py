@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from retrieval.files import read_jsonl, write_jsonl_atomic
+from common.files import read_jsonl, write_jsonl_atomic
+from common.prompts import load_prompt
 from rl.baselines import BASELINES, BaselineArgs, baseline_queries, parse_baseline, run_baselines
-from rl.prompts import load_prompt
 
 QUIET = dict(log=lambda *a: None)
 
@@ -117,7 +117,7 @@ def test_baselines_resume_and_make_every_method_a_row(tiny_world, tiny_index_dir
 def test_the_toy_configs_name_every_table8_row():
     from pathlib import Path
 
-    from retrieval.cli import parse
+    from common.cli import parse
     from retrieval.evaluate import EvalArgs, compare_fields
 
     configs = Path(__file__).resolve().parent.parent / "configs"

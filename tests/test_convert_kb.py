@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from retrieval.articles import ArticleStore, store_from_kb_rows, store_path_for
-from retrieval.convert import ConvertArgs, convert
-from retrieval.files import read_jsonl
-from retrieval.upstream_kb import canonical_url, url_hash, wiki6m_url
+from common.files import read_jsonl
+from retrieval.upstream.articles import ArticleStore, store_from_kb_rows, store_path_for
+from retrieval.upstream.convert import ConvertArgs, convert
+from retrieval.upstream.kb import canonical_url, url_hash, wiki6m_url
 
 REAL = Path(__file__).resolve().parent / "data" / "realdata"  # real rows, their sources in SOURCES.md
 ZORVAK = "https://en.wikipedia.org/wiki/Zorvak"
@@ -265,7 +265,7 @@ def test_fetch_images_names_files_by_url_hash_resumes_and_lists_failures(tmp_pat
     import http.server
     import threading
 
-    from retrieval.fetch_images import FetchArgs, fetch_images, file_name
+    from retrieval.upstream.fetch_images import FetchArgs, fetch_images, file_name
 
     site = tmp_path / "site"
     site.mkdir()
@@ -330,7 +330,7 @@ WIKI_THUMB = "/wikipedia/commons/thumb/a/ab/Flag_of_Zorvak.svg/960px-Flag_of_Zor
 def test_svg_kb_images_become_png_or_are_listed(tmp_path, monkeypatch, case):
     from upstream_site import SVG, Site, ok, png_bytes
 
-    import retrieval.fetch_images as fi
+    import retrieval.upstream.fetch_images as fi
 
     routes = {WIKI_THUMB: [ok(png_bytes())], WIKI_SVG: [ok(SVG, "image/svg+xml")],
               "/static/logo.svg": [ok(SVG, "image/svg+xml")]}
@@ -425,7 +425,7 @@ def test_fetch_images_reads_a_gzipped_wiki6m(tmp_path):
 
     from upstream_site import Site, ok, png_bytes
 
-    from retrieval.fetch_images import FetchArgs, fetch_images
+    from retrieval.upstream.fetch_images import FetchArgs, fetch_images
 
     with Site({"/e.png": [ok(png_bytes())]}) as site:
         rows = [{"wikidata_id": "Q243", "wikipedia_title": "Eiffel Tower", "wikipedia_summary": "A tower.",
@@ -488,12 +488,12 @@ def test_qid_map_with_nothing_to_join_is_an_error(tmp_path, source, match):
     ("External links", False), ("External links and further reading", False),
 ])
 def test_sections_skipped_when_the_title_contains_a_skipped_word(tmp_path, title, kept):
-    from retrieval.articles import ArticleWriter
+    from retrieval.upstream.articles import ArticleWriter
 
     with ArticleWriter(tmp_path / "a.sqlite") as w:
         w.add_article("E", "Entity", None, [(0, "Entity", "lead"), (1, title, "text")])
     titles = [s["section_title"] for s in ArticleStore(tmp_path / "a.sqlite").sections(
-        "E", skip_titles=("external links", "references"))]  # gate.stages.SKIPPED_SECTIONS, as EchoSight
+        "E", skip_titles=("external links", "references"))]  # gate.pipeline.stages.SKIPPED_SECTIONS, as EchoSight
     assert titles == (["Entity", title] if kept else ["Entity"])
 
 
@@ -538,7 +538,7 @@ def test_fetch_images_needs_a_user_agent_with_a_contact(tmp_path, user_agent, ok
     from upstream_site import Site, png_bytes
     from upstream_site import ok as served
 
-    from retrieval.fetch_images import FetchArgs, fetch_images
+    from retrieval.upstream.fetch_images import FetchArgs, fetch_images
 
     with Site({"/a.png": [served(png_bytes())]}) as site:
         kb = kb_with_images(tmp_path, [site.url("/a.png")])
@@ -562,7 +562,7 @@ def test_fetch_images_needs_a_user_agent_with_a_contact(tmp_path, user_agent, ok
 def test_fetch_images_backs_off_on_429(tmp_path, monkeypatch, responses, sleeps, fetched):
     from upstream_site import Site, ok, png_bytes
 
-    import retrieval.fetch_images as fi
+    import retrieval.upstream.fetch_images as fi
 
     slept = []
     monkeypatch.setattr(fi, "_sleep", slept.append)

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from retrieval.convert import ConvertArgs, convert
-from retrieval.files import read_jsonl
-from retrieval.upstream_questions import ImageFinder, evqa_image_candidates, evqa_questions, infoseek_image_candidates
+from common.files import read_jsonl
+from retrieval.upstream.convert import ConvertArgs, convert
+from retrieval.upstream.questions import ImageFinder, evqa_image_candidates, evqa_questions, infoseek_image_candidates
 
 REAL = Path(__file__).resolve().parent / "data" / "realdata"  # real rows, their sources in SOURCES.md
 EVQA_COLUMNS = ["question", "answer", "dataset_image_ids", "dataset_name", "dataset_category_id", "question_type",

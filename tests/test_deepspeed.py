@@ -8,7 +8,7 @@ user launches them (`accelerate launch --config_file configs/accelerate/zero{2,3
 - Resuming from the step-2 ZeRO-3 checkpoint gives the uninterrupted run's step-3 and step-4 losses and weights.
 - LoRA under ZeRO-3 saves an adapter that ``rl.export`` merges from a ZeRO checkpoint folder; ``rl.export`` gathers
   a checkpoint that holds only ZeRO shards.
-- gate/train_sft.py under ZeRO-3 writes a merged ``final/`` and its held-out evaluation.
+- gate/train/sft.py under ZeRO-3 writes a merged ``final/`` and its held-out evaluation.
 - A barrier nobody reaches: tests/test_multiprocess.py.
 """
 
@@ -149,12 +149,12 @@ def test_lora_under_zero3_exports_merged_from_final_and_from_a_checkpoint(tiny_w
 
 
 def test_gate_sft_under_zero3(tiny_world, tiny_gate_vlm, tmp_path):
-    from gate.render import render_rows
+    from gate.train.render import render_rows
     from tests.test_gate_sft import gate_records, sft_config
 
     rows = render_rows("hkb", gate_records(tiny_world))
     argv = sft_config(tmp_path, tiny_gate_vlm, "hkb", rows, per_device_train_batch_size=2, ddp_timeout=120)
-    launch(3, [str(ROOT / "gate" / "train_sft.py"), *argv], tmp_path)
+    launch(3, [str(ROOT / "gate" / "train" / "sft.py"), *argv], tmp_path)
     base, tuned = weights(tiny_gate_vlm), weights(tmp_path / "hkb" / "final")
     assert base.keys() == tuned.keys()
     changed = {k for k in base if not torch.equal(base[k], tuned[k])}

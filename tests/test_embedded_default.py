@@ -9,8 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from rl import train_grpo as tg
+from common.placement import per_device_batch
+from rl import arguments as tg
 from tests.test_multiprocess import encoder_elements, two_processes
+from toy.embedded_default import Arguments as ToyArguments
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -22,51 +24,51 @@ ROOT = Path(__file__).resolve().parent.parent
     (32, 1, 1, 32), (32, 2, 1, 16), (32, 2, 2, 8), (16, 8, 1, 2), (160, 8, 1, 20),
 ])
 def test_per_device_batch_splits_the_total(total, processes, accumulation, per_device):
-    assert tg.per_device_batch(total, processes, accumulation, "x") == per_device
+    assert per_device_batch(total, processes, accumulation, "x") == per_device
     assert per_device * processes * accumulation == total
 
 
 @pytest.mark.parametrize("total,processes,accumulation", [(32, 3, 1), (0, 1, 1), (16, 2, 3), (-8, 2, 1)])
 def test_per_device_batch_refuses_an_uneven_split_naming_the_setting(total, processes, accumulation):
     with pytest.raises(ValueError, match=r"completions_per_step \(" + str(total)):
-        tg.per_device_batch(total, processes, accumulation, "completions_per_step")
+        per_device_batch(total, processes, accumulation, "completions_per_step")
 
 
 def parse_toy(extra=()):
     from trl import GRPOConfig, ModelConfig
 
-    from retrieval.cli import parse
+    from common.cli import parse
 
     argv = ["--config", str(tg.DEFAULT_CONFIG), *extra]
-    return argv, parse((tg.RefinerArguments, GRPOConfig, ModelConfig), argv)
+    return argv, parse((tg.RefinerArguments, GRPOConfig, ModelConfig, ToyArguments), argv)
 
 
 @pytest.mark.parametrize("processes", [1, 2, 4])
 def test_the_embedded_default_takes_32_completions_a_step_however_many_processes(processes):
     from trl import GRPOConfig, ModelConfig
 
-    from retrieval.cli import parse
+    from common.cli import parse
 
-    argv, (args, training, _) = parse_toy()
+    argv, (args, training, _, _) = parse_toy()
     assert args.completions_per_step == 32
     argv = tg.with_completions_per_step(argv, args, training, processes)
-    _, training, _ = parse((tg.RefinerArguments, GRPOConfig, ModelConfig), argv)
+    _, training, _, _ = parse((tg.RefinerArguments, GRPOConfig, ModelConfig, ToyArguments), argv)
     assert training.per_device_train_batch_size * processes * training.gradient_accumulation_steps == 32
     assert "4 prompts × 8 generations = 32 completions" in tg.validate(args, training, SimpleNamespace(
         model_name_or_path="tiny"), processes)
 
 
 def test_an_explicit_per_device_batch_that_disagrees_is_an_error_naming_both():
-    argv, (args, training, _) = parse_toy(["--per_device_train_batch_size", "8"])
+    argv, (args, training, _, _) = parse_toy(["--per_device_train_batch_size", "8"])
     with pytest.raises(ValueError, match="completions_per_step 32 over 2 processes means "
                                          "--per_device_train_batch_size 16, but --per_device_train_batch_size 8"):
         tg.with_completions_per_step(argv, args, training, 2)
-    argv, (args, training, _) = parse_toy(["--per_device_train_batch_size=8"])  # the `=` form too
+    argv, (args, training, _, _) = parse_toy(["--per_device_train_batch_size=8"])  # the `=` form too
     with pytest.raises(ValueError, match="but --per_device_train_batch_size 8 was given"):
         tg.with_completions_per_step(argv, args, training, 2)
-    argv, (args, training, _) = parse_toy(["--per_device_train_batch_size", "16"])
+    argv, (args, training, _, _) = parse_toy(["--per_device_train_batch_size", "16"])
     assert tg.with_completions_per_step(argv, args, training, 2)[-2:] == ["--per_device_train_batch_size", "16"]
-    argv, (args, training, _) = parse_toy(["--completions_per_step", "0", "--per_device_train_batch_size", "8"])
+    argv, (args, training, _, _) = parse_toy(["--completions_per_step", "0", "--per_device_train_batch_size", "8"])
     assert tg.with_completions_per_step(argv, args, training, 2) == argv
 
 
@@ -75,7 +77,7 @@ def test_an_explicit_per_device_batch_that_disagrees_is_an_error_naming_both():
 
 def test_a_finished_warm_start_is_reused_only_with_the_same_settings(tmp_path, monkeypatch):
     import rl.model
-    from rl.toy import run_warm_start
+    from toy.refiner import run_warm_start
 
     base, out = tmp_path / "base", tmp_path / "warm"
     out.mkdir()

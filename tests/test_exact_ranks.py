@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from retrieval import placement
+from common import placement
 from retrieval.encoders import l2_normalize
 from retrieval.exact import ExactRanker, flat_storage, rows_view
 from retrieval.index import FAISS_GPU_MAX_K, MultimodalIndex, build_faiss_index, query_vectors

@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 import rl.export as ex
@@ -20,12 +21,21 @@ def weights(folder):
     return out
 
 
+def our_card(folder, base_model) -> str:
+    """folder/README.md is our refiner card (rl.model_card), not TRL's or PEFT's placeholder."""
+    card = (folder / "README.md").read_text()
+    assert "[None]" not in card and "fine-tuned version of" not in card
+    assert yaml.safe_load(card.split("---\n")[1])["base_model"] == str(base_model.resolve())
+    assert f"Base model: `{base_model.resolve()}`" in card and "- α (image weight of a query): 0.5" in card
+    return card
+
+
 def train(config, tmp_path, name, **kw):
     tg.main(config(max_steps=1, save_strategy="steps", save_steps=1, output_dir=str(tmp_path / name), **kw))
     return tmp_path / name
 
 
-def test_full_fine_tune_round_trip(config, tmp_path):
+def test_full_fine_tune_round_trip(config, tmp_path, tiny_refiner):
     run = train(config, tmp_path, "full")
     out = export(ExportArgs(checkpoint=str(run), out=str(tmp_path / "serve"), dtype="fp32"), **QUIET)
     trained, exported = weights(run / "checkpoint-1"), weights(out)
@@ -38,6 +48,11 @@ def test_full_fine_tune_round_trip(config, tmp_path):
     assert gen["temperature"] == 1.0 and gen["max_new_tokens"] == 40
     assert (out / "chat_template.jinja").exists() or "chat_template" in (out / "tokenizer_config.json").read_text()
     assert not list(tmp_path.glob(".serve.tmp-*"))
+    card = our_card(out, tiny_refiner)  # the export's card, written before the rename
+    assert ex.vllm_serve_command(out.resolve(), "float32", spec["image_budget"]) in card
+    assert f"python -m rl.refine --model {out.resolve()}" in card and "No held-out figures" in card
+    for folder in (run, run / "final"):  # the run's, over the card TRL wrote at its checkpoint
+        assert "python -m rl.export" in our_card(folder, tiny_refiner)
 
 
 def test_lora_is_merged(config, tmp_path, tiny_refiner):
@@ -58,6 +73,7 @@ def test_lora_is_merged(config, tmp_path, tiny_refiner):
     assert all(torch.allclose(exported[k], merged[k], atol=1e-6) for k in merged)
     changed = [k for k in merged if not torch.allclose(merged[k], original[k])]
     assert changed and all("q_proj" in k or "v_proj" in k for k in changed)  # the LoRA update, and only it
+    assert f"Exported from `{(run / 'checkpoint-1').resolve()}`" in our_card(out, tiny_refiner)
 
 
 def test_failed_verification_leaves_no_folder(config, tmp_path, monkeypatch):

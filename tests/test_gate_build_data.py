@@ -1,10 +1,10 @@
-"""gate.build_data: sample → judge → label, resumable per question id, polarity of the labels."""
+"""gate.train.build_data: sample → judge → label, resumable per question id, polarity of the labels."""
 
 import json
 
 import pytest
 
-from gate.build_data import BuildDataArgs, build, stage_sample
+from gate.train.build_data import BuildDataArgs, build, stage_sample
 
 QUIET = dict(log=lambda *a: None)
 
@@ -72,8 +72,13 @@ def test_sample_with_a_real_tiny_vlm(questions, tiny_world, tiny_refiner, tmp_pa
 
 
 @pytest.mark.parametrize("kw,match", [
-    (dict(stage="nope", out="x"), "--stage"),
-    (dict(stage="label", out="X", variant="odd"), "--variant"),
+    (dict(stage="nope", out="x"), "--stage: 'nope' is not one of sample, judge"),
+    (dict(out="x"), "--stage is required"),
+    (dict(stage="label", out="X", variant="odd"), "--variant: 'odd' is not one of hkb, skb"),
+    (dict(stage="render", out="X"), "--stage render needs --variant"),
+    (dict(stage="label", out="X", variant="mct", mct_rule="vote"), "--mct_rule: 'vote' is not one of srt, gold-entity"),
+    (dict(stage="label", out="X", variant="ret", alone_rule="vote"), "--alone_rule: 'vote' is not one of greedy"),
+    (dict(stage="render", out="X", variant="skb", skb_target="floor"), "--skb_target: 'floor' is not one of"),
     (dict(stage="judge", out="X"), "run --stage sample first"),
     (dict(stage="sample", out="X", queries="/none.jsonl"), "--queries"),
     (dict(stage="judge", out="X", judge="vibes"), "unknown judge"),
@@ -108,7 +113,7 @@ def test_sample_and_judge_resume_after_an_interruption(questions, tiny_world, tm
     rows = [json.loads(x) for x in open(tmp_path / "d" / "samples.jsonl")]
     assert [r["id"] for r in rows] == [p["id"] for p in picked] and rows[0]["samples"] == ["red"] * 3
 
-    import gate.judges as judges
+    import gate.pipeline.judges as judges
     real, seen = judges.judge_all, []
 
     def judge_dies(batch, judge, cache):
@@ -137,7 +142,7 @@ def test_retrieve_context_and_the_retrieval_labels(questions, tiny_world, tiny_i
                  generate=lambda i, t, s: [gold[t[0]] if t[0] == picked[0]["question"] else "no idea"] * len(t),
                  **QUIET)
     build(BuildDataArgs(stage="judge", out=str(out)), **QUIET)
-    from gate.context_data import stage_context, stage_retrieve
+    from gate.pipeline.context import stage_context, stage_retrieve
 
     assert stage_retrieve(BuildDataArgs(stage="retrieve", index=str(tiny_index_dir), **common), out,
                           index=tiny_index, **QUIET) == 2
@@ -181,7 +186,7 @@ def test_retrieve_context_and_the_retrieval_labels(questions, tiny_world, tiny_i
 
     # MCT (Algorithm 3): without an srt gate, a document is relevant when the answer with it was judged right — here
     # the gold entity's only, so no question has two relevant documents and mct has no example
-    from gate.consistency import stage_consistency
+    from gate.pipeline.consistency import stage_consistency
 
     summaries = []
 
@@ -216,14 +221,14 @@ def test_vllm_sampling_backend_without_vllm_is_a_clear_error(questions, tiny_wor
                          out=str(tmp_path / "d"), backend="vllm")
     with pytest.raises(ValueError, match="needs vLLM"):
         build(args, **QUIET)
-    with pytest.raises(ValueError, match="--backend must be"):
+    with pytest.raises(ValueError, match="--backend: 'tgi' is not one of hf, vllm"):
         build(BuildDataArgs(stage="sample", out=str(tmp_path / "d"), backend="tgi"), **QUIET)
 
 
 def test_answerable_without_retrieval_by_the_greedy_answer_or_the_sampled_majority(tmp_path):
     """MMKB-RAG's RET/SRT labels read the VLM's one greedy answer; the sampled-majority rule is the option. Here the
     greedy answer is right but most samples are wrong, so the two rules disagree."""
-    from gate.build_data import label_records
+    from gate.train.build_data import label_records
 
     rec = {"id": "q1", "question": "What does it eat?", "answers": ["seeds"], "samples": ["x", "y", "seeds"],
            "scores": [1.0, 1.0, 5.0], "greedy": "seeds", "greedy_score": 5.0}

@@ -3,7 +3,7 @@
 
 import pytest
 
-from gate.judges import LLMJudge, judge_all, make_judge, parse_score
+from gate.pipeline.judges import LLMJudge, judge_all, make_judge, parse_score
 
 
 @pytest.mark.parametrize("reply,score", [

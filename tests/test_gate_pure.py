@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gate.labels import certainty, hkb_label, judged_mean, kbm_accuracy_label, kbm_certainty_label, skb_label
-from gate.metrics import harmonic_mean, infoseek_match, normalize_answer, token_accuracy
+from gate.pipeline.metrics import harmonic_mean, infoseek_match, normalize_answer, token_accuracy
+from gate.train.labels import certainty, hkb_label, judged_mean, kbm_accuracy_label, kbm_certainty_label, skb_label
 
 # ---------------------------------------------------------------- metrics
 
@@ -130,7 +130,7 @@ def test_certainty_in_unit_interval_and_one_iff_unanimous(answers):
 
 
 # ---------------------------------------------------------------- MMKB and Inspector labels
-from gate.labels import inspector_label, ret_label, srt_label  # noqa: E402
+from gate.train.labels import inspector_label, ret_label, srt_label  # noqa: E402
 
 
 @pytest.mark.parametrize("correct,label", [(True, "NoRet"), (False, "Ret")])

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from gate.scoring import decisions, first_token_scores, sweep, verbaliser_ids
+from gate.scoring import decisions, first_token_scores, verbaliser_ids
+from gate.train.evaluation import sweep
 from gate.variants import spec
 
 

@@ -1,4 +1,4 @@
-"""gate/train_sft.py: two SFT steps per variant family on a tiny VLM (LoRA weights change, the vision tower does
+"""gate/train/sft.py: two SFT steps per variant family on a tiny VLM (LoRA weights change, the vision tower does
 not), the saved gate loads for scoring, and bad configs fail before any model loads."""
 
 import json
@@ -8,8 +8,9 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from gate.render import render_rows
-from retrieval.files import write_jsonl_atomic
+from common.files import write_jsonl_atomic
+from common.model_card import format_value
+from gate.train.render import render_rows
 
 
 def gate_records(world, n=8):
@@ -25,7 +26,7 @@ def sft_config(tmp_path, model, variant, rows, **overrides):
     write_jsonl_atomic(data, rows)
     cfg = dict(variant=variant, train_file=str(data), eval_file=str(data), model_name_or_path=str(model),
                use_peft=True, lora_r=4, lora_alpha=16, lora_target_modules=["q_proj", "k_proj", "v_proj"],
-               output_dir=str(tmp_path / variant), max_steps=2, per_device_train_batch_size=4, learning_rate=5e-2,
+               output_dir=str(tmp_path / f"{variant}"), max_steps=2, per_device_train_batch_size=4, learning_rate=5e-2,
                max_length=None, save_strategy="no", report_to="none", use_cpu=True, bf16=False,
                activation_checkpointing=False, dataloader_num_workers=0, disable_tqdm=True, logging_steps=1, seed=0)
     cfg.update(overrides)
@@ -43,7 +44,7 @@ ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 def test_two_sft_steps_change_lora_weights_not_the_vision_tower(variant, targets, tiny_world, tiny_gate_vlm,
                                                                 tmp_path):
     from gate.scoring import load_gate
-    from gate.train_sft import main
+    from gate.train.sft import main
 
     rows = render_rows(variant, gate_records(tiny_world))
     result = main(sft_config(tmp_path, tiny_gate_vlm, variant, rows, lora_target_modules=targets))
@@ -59,16 +60,23 @@ def test_two_sft_steps_change_lora_weights_not_the_vision_tower(variant, targets
     assert metrics["n"] == len(rows) and 0.0 <= metrics["accuracy"] <= 1.0
     model, processor, s = load_gate(tmp_path / variant / "final")
     assert s["name"] == variant and not model.training
+    # the gate's model card (gate.train.model_card) in final/ and the output dir, with the held-out figures
+    card = (tmp_path / variant / "final" / "README.md").read_text()
+    assert card == (tmp_path / variant / "README.md").read_text() and "[None]" not in card
+    assert yaml.safe_load(card.split("---\n")[1])["base_model"] == str(tiny_gate_vlm)
+    assert f"- Variant: `{variant}`" in card and all(f"`{v}`" in card or f'"{v}"' in card for v in s["verbalisers"])
+    assert f"| accuracy | {format_value(metrics['accuracy'])} |" in card and "load_gate(" in card
 
 
 @pytest.mark.parametrize("variant,overrides,rows_of,match", [
-    ("nope", {}, "hkb", "unknown gate variant"),
+    ("nope", {}, "hkb", "--variant: 'nope' is not one of hkb, skb"),
+    (None, {}, "hkb", "--variant is required"),
     ("hkb", {"train_file": "/none.jsonl"}, "hkb", "--train_file"),
     ("hkb", {}, "one-class", "has no example"),
     ("hkb", {"verbalisers": ["Y", "N"]}, "hkb", "not verbalisers of hkb"),
 ])
 def test_bad_configs_fail_before_a_model_loads(variant, overrides, rows_of, match, tiny_world, tmp_path):
-    from gate.train_sft import main
+    from gate.train.sft import main
 
     recs = gate_records(tiny_world)
     if rows_of == "one-class":
@@ -79,7 +87,7 @@ def test_bad_configs_fail_before_a_model_loads(variant, overrides, rows_of, matc
 
 
 def test_verbalisers_the_tokenizer_splits_are_refused(tiny_world, tiny_refiner, tmp_path):
-    from gate.train_sft import main
+    from gate.train.sft import main
 
     argv = sft_config(tmp_path, tiny_refiner, "hkb", render_rows("hkb", gate_records(tiny_world)))
     with pytest.raises(ValueError, match="single tokens"):

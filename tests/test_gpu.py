@@ -53,7 +53,7 @@ def test_faiss_puts_one_fp16_replica_on_this_gpu_and_caps_k():
     faiss = pytest.importorskip("faiss")
     if not hasattr(faiss, "StandardGpuResources") or faiss.get_num_gpus() == 0:
         pytest.skip("this FAISS has no GPU support: pip install faiss-gpu (the gpu extra)")
-    from retrieval import placement
+    from common import placement
     from tests.test_exact_ranks import FakeFaissIndex, brute_force_bounds, make
 
     index, rows, ents = make([3000] + [1] * 300, seed=2, rank_method="search")  # one entity owns 3,000 rows

@@ -7,7 +7,7 @@ import shutil
 import numpy as np
 import pytest
 
-from retrieval.files import read_jsonl, write_jsonl_atomic
+from common.files import read_jsonl, write_jsonl_atomic
 from rl.image_embeddings import embed_images, load_store, store_dir
 
 QUIET = dict(log=lambda *a: None)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import yaml
 
-from retrieval.files import read_jsonl, write_json_atomic, write_jsonl_atomic
+from common.files import read_jsonl, write_json_atomic, write_jsonl_atomic
 from tests.test_multiprocess import two_processes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,8 +52,8 @@ def gate_folders(tiny_gate_vlm, tmp_path):
 
 def test_pipeline_on_two_processes_equals_one(gate_folders, tiny_gate_vlm, tiny_refiner, tiny_world, tiny_index_dir,
                                               tmp_path):
-    from gate.pipeline import PipelineArgs, run
-    from gate.toy import gate_questions
+    from gate.pipeline.run import PipelineArgs, run
+    from toy.gates import gate_questions
 
     rows = gate_questions(list(read_jsonl(tiny_world / "test.jsonl")), 4, seed=0)  # 8 questions, 4 batches
     write_jsonl_atomic(tmp_path / "q.jsonl", rows)
@@ -78,15 +78,15 @@ def test_pipeline_on_two_processes_equals_one(gate_folders, tiny_gate_vlm, tiny_
 
 
 def test_gate_data_sampling_on_two_processes_equals_one(tiny_gate_vlm, tiny_world, tmp_path):
-    """gate.build_data --stage sample: seeded per batch, so two processes draw the very samples one process draws."""
-    from gate.build_data import BuildDataArgs, build
+    """gate.train.build_data --stage sample: seeded per batch, so two processes draw the very samples one process draws."""
+    from gate.train.build_data import BuildDataArgs, build
 
     rows = list(read_jsonl(tiny_world / "test.jsonl"))[:6]
     write_jsonl_atomic(tmp_path / "q.jsonl", rows)
     config = dict(stage="sample", queries=str(tmp_path / "q.jsonl"), images_root=str(tiny_world),
                   model=str(tiny_gate_vlm), samples=3, batch_size=2, max_new_tokens=4, device="cpu")
     build(BuildDataArgs(**config, out=str(tmp_path / "one")), **QUIET)
-    proc = torchrun_module("gate.build_data", {**config, "out": str(tmp_path / "two")}, tmp_path)
+    proc = torchrun_module("gate.train.build_data", {**config, "out": str(tmp_path / "two")}, tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "sample, process 1/2" in proc.stdout + proc.stderr
     one = list(read_jsonl(tmp_path / "one" / "samples.jsonl"))

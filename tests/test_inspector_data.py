@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gate.answer_expansion import expansion_target, parse_expansion, stage_expand
-from gate.build_data import BuildDataArgs, stage_render
-from gate.render import class_targets, parse_class_targets
-from retrieval.files import read_jsonl, write_jsonl_atomic
+from common.files import read_jsonl, write_jsonl_atomic
+from gate.train.answer_expansion import expansion_target, parse_expansion, stage_expand
+from gate.train.build_data import BuildDataArgs, stage_render
+from gate.train.render import class_targets, parse_class_targets
 
 
 @pytest.mark.parametrize("text,sentence", [
@@ -125,9 +125,9 @@ def test_fail_answers_are_expanded_resumably_and_rendered_with_the_published_bal
 
 
 def test_expand_asks_an_openai_compatible_endpoint_with_the_stages_prompt(tmp_path, stub):
-    """The expansion stage on the wire (gate.generator.replier, shared with section summaries): the system prompt and
+    """The expansion stage on the wire (common.llm.replier, shared with section summaries): the system prompt and
     the formatted user turn reach the endpoint, its JSON reply becomes the target."""
-    from gate.answer_expansion import EXPANSION_PROMPT
+    from gate.train.answer_expansion import EXPANSION_PROMPT
 
     write_jsonl_atomic(tmp_path / "labels-inspector.jsonl", label_rows(2))  # q0 PASS, q1 FAIL ("10 m")
     server = stub(['{"expanded_answer": "Tower 1 is 10 m tall."}'])

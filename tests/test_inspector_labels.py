@@ -3,7 +3,8 @@ names one (E-VQA's evidence_section_id), else by gold entity — and the optiona
 
 import pytest
 
-from gate.labels import inspector_label, is_gold_section
+from gate.pipeline.end_to_end import is_gold_section
+from gate.train.labels import inspector_label
 
 URL = "https://en.wikipedia.org/wiki/X"
 

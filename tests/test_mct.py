@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gate.consistency import apply_strategy
-from gate.labels import mct_example, stochastic_digit
+from gate.pipeline.consistency import apply_strategy
+from gate.train.labels import mct_example, stochastic_digit
 
 
 @given(st.lists(st.floats(0, 1), max_size=8), st.floats(0, 1), st.integers(0, 10**6))

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gate.metrics import (
+from gate.pipeline.metrics import (
     answer_in_passage,
     evqa_correct,
     evqa_correct_batch,
@@ -15,8 +15,8 @@ from gate.metrics import (
     infoseek_scores,
     numeric_answer,
     official_correct,
-    vqa_accuracy,
 )
+from gate.pipeline.vqa_accuracy import vqa_accuracy
 
 # ---------------------------------------------------------------- E-VQA
 
@@ -204,7 +204,7 @@ def test_an_answer_between_spaces_is_always_found(answer, before, after):
 def test_bem_input_is_cls_candidate_sep_reference_sep_question_sep(tiny_bem):
     from transformers import AutoTokenizer
 
-    from gate.bem import bem_inputs
+    from gate.pipeline.bem import bem_inputs
 
     tok = AutoTokenizer.from_pretrained(tiny_bem)
     batch = bem_inputs(tok, ["William and Mary Menger"], ["the Menger family"], [Q])
@@ -217,7 +217,7 @@ def test_bem_input_is_cls_candidate_sep_reference_sep_question_sep(tiny_bem):
 def test_bem_scores_are_softmax_index_1_and_feed_the_official_rule(tiny_bem):
     import math
 
-    from gate.bem import BEMScorer
+    from gate.pipeline.bem import BEMScorer
 
     bem = BEMScorer(str(tiny_bem), device="cpu", batch_size=2, log=lambda *a: None)
     probs = bem(["the Baker family"] * 3, ["the Menger family"] * 3, [Q] * 3)
@@ -315,7 +315,7 @@ def test_bem_question_segment_follows_the_model(tmp_path, type_vocab_size, quest
     two segment embeddings and its card gives reference and question both 1 — each model gets what it can read."""
     import torch
 
-    from gate.bem import BEMScorer, bem_inputs
+    from gate.pipeline.bem import BEMScorer, bem_inputs
 
     bem = BEMScorer(str(_tiny_bert(tmp_path, type_vocab_size)), device="cpu", log=lambda *a: None)
     assert bem.question_segment == question_segment
@@ -364,7 +364,7 @@ def test_infoseek_question_without_prediction_is_left_out_officially():
 @given(st.lists(st.tuples(st.booleans(), st.sampled_from([True, False, None])), min_size=1, max_size=30))
 def test_infoseek_official_and_all_question_figures(rows):
     """5, as a property: the official split score is over answered questions, ours over all; ours is never higher."""
-    from gate.metrics import infoseek_report
+    from gate.pipeline.metrics import infoseek_report
 
     records = [dict(id=str(i), question_type="String", data_split="val_unseen_question" if q else "val_unseen_entity")
                for i, (q, _) in enumerate(rows)]
@@ -408,7 +408,7 @@ def test_infoseek_other_question_types_score_as_string(prediction, answer_eval, 
     ("", ["x"], "String", False), ("...", ["an"], "String", True), ("x", ["A"], "String", False),
 ])
 def test_infoseek_empty_prediction_matches_an_empty_alias(prediction, answer_eval, qtype, ok):
-    from gate.metrics import infoseek_match
+    from gate.pipeline.metrics import infoseek_match
 
     assert infoseek_correct(prediction, answer_eval, qtype) is ok
     assert infoseek_match(prediction, answer_eval) is False  # the untyped rule (gate labels): "" never matches
@@ -417,7 +417,7 @@ def test_infoseek_empty_prediction_matches_an_empty_alias(prediction, answer_eva
 def test_vqa_scores_are_the_official_report():
     """8: per-question accuracies in % rounded to 2 decimals; overall, per question type and per answer type from the
     unrounded ones, each rounded to 2 decimals."""
-    from gate.metrics import vqa_scores
+    from gate.pipeline.vqa_accuracy import vqa_scores
 
     def rec(qid, prediction, answers, qtype, atype):
         return dict(question_id=qid, prediction=prediction, answers=answers, question_type=qtype, answer_type=atype)
@@ -436,7 +436,7 @@ def test_vqa_scores_are_the_official_report():
 def test_vqa_rounding_is_the_official_python_2_rounding():
     """8: the official evaluator is Python 2 code, whose round() takes an exact tie away from zero (Python 3's goes
     to even): 1 right out of 800 is 0.125 % → 0.13."""
-    from gate.metrics import vqa_scores
+    from gate.pipeline.vqa_accuracy import vqa_scores
 
     records = [dict(question_id=i, prediction="cat" if i == 0 else "dog", answers=["cat"] * 10, question_type="what",
                     answer_type="other") for i in range(800)]
@@ -448,14 +448,14 @@ def test_vqa_rounding_is_the_official_python_2_rounding():
     ("'ows'at", "ow's'at"), ("'ow'sat", "ow's'at"), ("ow's'at", "'ows'at"),
 ])
 def test_vqa_contractions(prediction, gold):
-    from gate.metrics import vqa_normalize
+    from gate.pipeline.vqa_accuracy import vqa_normalize
 
     assert vqa_normalize(prediction) == vqa_normalize(gold) == "'ow's'at"
     assert vqa_accuracy(prediction, [gold] * 3 + ["x"] * 7) == pytest.approx(0.9)
 
 
 def _vqa(**kw):
-    from gate.metrics import vqa_scores
+    from gate.pipeline.vqa_accuracy import vqa_scores
 
     return vqa_scores([dict(dict(question_id="q7", prediction="cat", answers=["cat"] * 3, question_type="what",
                                  answer_type="other"), **kw)])

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gate.noise_study import (
+from common.files import read_jsonl
+from gate.pipeline.noise_study import (
     NoiseArgs,
     accuracy_table,
     noisy_context,
@@ -15,7 +16,6 @@ from gate.noise_study import (
     relevant_sections,
     run_study,
 )
-from retrieval.files import read_jsonl
 
 QUIET = dict(log=lambda *a: None)
 
@@ -120,7 +120,7 @@ def test_the_toy_world_study_with_a_vlm_with_and_without_the_image_and_a_text_ll
 def test_the_toy_config_parses_and_names_its_generators():
     from pathlib import Path
 
-    from retrieval.cli import parse
+    from common.cli import parse
 
     path = Path(__file__).resolve().parent.parent / "configs" / "gate" / "noise_toy.yaml"
     (args,) = parse((NoiseArgs,), ["--config", str(path)])

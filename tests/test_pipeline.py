@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from gate.pipeline import PipelineArgs, run
-from retrieval.files import read_jsonl, write_json_atomic, write_jsonl_atomic
+from common.files import read_jsonl, write_json_atomic, write_jsonl_atomic
+from gate.pipeline.run import PipelineArgs, run
 
 QUIET = dict(log=lambda *a: None)
 
@@ -30,7 +30,7 @@ def gates(tiny_gate_vlm, tmp_path_factory):
 
 @pytest.fixture()
 def queries(tiny_world, tmp_path):
-    from gate.toy import gate_questions
+    from toy.gates import gate_questions
 
     rows = gate_questions(list(read_jsonl(tiny_world / "test.jsonl")), 3, seed=0)  # 3 knowledge + 3 attribute
     path = tmp_path / "q.jsonl"
@@ -119,7 +119,7 @@ def test_endpoint_generator_answers_and_failures(make_args, queries, stub):
 
 
 def test_resume_after_an_interruption(make_args, monkeypatch):
-    import gate.pipeline as pipeline
+    import gate.pipeline.run as pipeline
 
     real, calls = pipeline.run_batch, []
 
@@ -154,7 +154,7 @@ def test_missing_image_is_skipped_and_the_run_goes_on(make_args, queries):
     (dict(inspector="/no/inspector"), "--inspector: /no/inspector"),
     (dict(generator="endpoint"), "generator_url"),
     (dict(generator_prompt="poem"), "--generator_prompt"),
-    (dict(consistency_strategy="vote"), "--consistency_strategy must be one of filter, merge, rerank"),
+    (dict(consistency_strategy="vote"), "--consistency_strategy: 'vote' is not one of filter, merge, rerank"),
     (dict(consistency="/no/mct"), "--consistency: /no/mct"),
 ])
 def test_bad_input_is_named_before_models_load(make_args, override, match):
@@ -190,8 +190,8 @@ def test_the_e_vqa_metric_asks_bem_once_per_batch_about_undecided_answers(make_a
     the rest, in one call per batch for both paths; the report adds single-hop / two-hop / overall accuracy."""
     import torch
 
-    import gate.bem as gb
-    from gate.stages import Stages
+    import gate.pipeline.bem as gb
+    from gate.pipeline.stages import Stages
 
     rows = [dict(r, question_type="automatic" if i % 2 else "2_hop") for i, r in enumerate(queries[1])]
     write_jsonl_atomic(queries[0], rows)
@@ -244,8 +244,8 @@ def test_an_untrained_mct_gate_falls_back_to_the_first_stage(make_args, gates):
 @pytest.mark.parametrize("strategy", ["filter", "merge", "rerank"])
 def test_mct_strategies_decide_what_the_generator_reads(make_args, gates, stub, strategy):
     """A scripted mct gate lists the 3rd and 2nd first-stage sections; the endpoint generator shows the context."""
-    from gate.consistency import apply_strategy
-    from gate.stages import Stages
+    from gate.pipeline.consistency import apply_strategy
+    from gate.pipeline.stages import Stages
 
     server = stub(["x"] * 12)
     args = make_args(consistency=gates["mct"], consistency_strategy=strategy, generator="endpoint",

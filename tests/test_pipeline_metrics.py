@@ -2,7 +2,7 @@
 
 import pytest
 
-from gate.pipeline_metrics import baselines, format_table, split_accuracy, summarize, system_correct, threshold_curve
+from gate.pipeline.end_to_end import baselines, format_table, split_accuracy, summarize, system_correct, threshold_curve
 
 
 def rec(alone, rag, retrieve, score=None, split="test", section_right=True, inspector=None, **kw):
@@ -91,7 +91,7 @@ def test_split_accuracy_with_the_infoseek_harmonic_mean():
 
 
 def test_hop_accuracy_is_the_e_vqa_report():
-    from gate.pipeline_metrics import hop_accuracy
+    from gate.pipeline.end_to_end import hop_accuracy
 
     recs = [rec(ok, ok, False) for ok in (True, True, False, True)]
     for r, t in zip(recs, ["templated", "multi_answer", "2_hop", "automatic"]):
@@ -110,7 +110,7 @@ def test_threshold_curve_sweeps_one_scoring_pass():
 def test_rerank_score_is_the_beta_mix():
     import numpy as np
 
-    from gate.rerank import combine, unflatten
+    from gate.pipeline.rerank import combine, unflatten
 
     assert combine([1.0, 0.0], [0.0, 1.0], 0.25).tolist() == pytest.approx([0.25, 0.75])
     with pytest.raises(ValueError, match="β"):

@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from rl.prompts import REFINER_PROMPTS, load_prompt, prompt_spec
+from common.prompts import load_prompt
+from rl.prompts import REFINER_PROMPTS, prompt_spec
 
 
 @pytest.fixture()
@@ -34,7 +35,7 @@ def test_the_run_record_carries_the_files_wording_for_export_and_refine(refiner_
 
 
 def test_a_generator_prompt_file_needs_context_and_question(tmp_path):
-    from gate.stages import GENERATOR_PROMPTS, generator_prompt
+    from gate.pipeline.stages import GENERATOR_PROMPTS, generator_prompt
 
     good = tmp_path / "gen.yaml"
     good.write_text("system: Published.\nuser_template: '{context} Q: {question} A:'\n")
@@ -52,8 +53,8 @@ def test_a_prompt_name_that_is_neither_built_in_nor_a_file_is_named():
 
 
 def test_a_gate_prompt_file_renders_the_rows_and_is_recorded_beside_them(tmp_path):
-    from gate.build_data import BuildDataArgs, stage_render
-    from retrieval.files import read_jsonl, write_jsonl_atomic
+    from common.files import read_jsonl, write_jsonl_atomic
+    from gate.train.build_data import BuildDataArgs, stage_render
 
     write_jsonl_atomic(tmp_path / "labels-inspector.jsonl", [
         {"id": "q1", "question": "Where?", "context": "A section.", "image_path": "/i.png", "variant": "inspector",

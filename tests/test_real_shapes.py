@@ -74,7 +74,7 @@ def test_published_config_files_parse_to_the_real_values():
 @pytest.fixture(scope="module")
 def real_vlm(tiny_world, tmp_path_factory):
     """Qwen2.5-VL-3B-Instruct cut to 1 text layer and 2 vision blocks (≈156M parameters), saved in bf16."""
-    from rl.toy import tokenizer_corpus
+    from toy.refiner import tokenizer_corpus
 
     return build_real_width_vlm(tmp_path_factory.mktemp("real-vlm") / "qwen2.5-vl-3b-cut", tokenizer_corpus(tiny_world))
 
@@ -190,7 +190,7 @@ def test_two_grpo_steps_at_real_width_stay_within_the_image_budget(config, real_
         model.register_forward_pre_hook(record, with_kwargs=True)
         return model, processor
 
-    monkeypatch.setattr(rl.model, "load_model", load_and_watch)
+    monkeypatch.setattr("rl.trainer_parts.load_model", load_and_watch)
     # a random model never writes the <think>/<answer> format, so every completion would score the same and GRPO's
     # advantage (reward − group mean) would be zero: no update. The retrieval reward reads the raw completion as the
     # query instead, ranked by its text alone (α = 0) with one reward step per rank (24 entities), so the random
@@ -223,7 +223,7 @@ def test_two_grpo_steps_at_real_width_stay_within_the_image_budget(config, real_
 
 @pytest.fixture(scope="module")
 def real_embedder(tiny_world, tmp_path_factory):
-    from rl.toy import tokenizer_corpus
+    from toy.refiner import tokenizer_corpus
 
     return build_real_width_embedder(tmp_path_factory.mktemp("real-emb") / "qwen3-embedding-cut",
                                      tokenizer_corpus(tiny_world))
@@ -285,8 +285,8 @@ def test_retrieval_reward_at_1024_plus_1024_matches_a_numpy_brute_force(real_tex
     it, ranks each refined query (encoded with the instruction) exactly as a numpy brute force does."""
     from retrieval.encoders import l2_normalize
     from retrieval.index import MultimodalIndex, build_faiss_index
-    from retrieval.toyworld import COLOURS, PATTERNS, SHAPES
     from rewards import RetrievalReward, format_completion, rank_reward
+    from toy.world import COLOURS, PATTERNS, SHAPES
 
     rng = np.random.default_rng(0)
     enc, images_enc, alpha, n_ent, per_ent, g = real_text_encoder, PixelProjection(), 0.63, 300, 10, 4

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gate.rerank import combine, within_article
+from gate.pipeline.rerank import combine, within_article
 
 scores = st.lists(st.floats(0, 1), min_size=1, max_size=8)
 
@@ -47,9 +47,9 @@ def test_a_vlm_scores_relevance_zero_shot_by_its_first_token(tiny_gate_vlm, tiny
     that is not one token of the model is refused by name."""
     from PIL import Image
 
-    from gate.rerank import FirstTokenReranker, load_reranker, load_text_reranker
+    from common.files import read_jsonl
+    from gate.pipeline.rerank import FirstTokenReranker, load_reranker, load_text_reranker
     from gate.scoring import first_token_scores
-    from retrieval.files import read_jsonl
 
     rr = load_reranker(f"vlm:{tiny_gate_vlm}", device="cpu", verbalisers=("Rel", "NoRel"))
     assert isinstance(rr, FirstTokenReranker) and "Reply Rel or NoRel" in rr.spec["system"]

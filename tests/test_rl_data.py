@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from retrieval.files import check_unique_ids
+from common.files import check_unique_ids
 from rl.data import (
     NOT_IN_INDEX,
     RLDataArgs,
@@ -15,7 +15,7 @@ from rl.data import (
     question_dataset,
     stratified_sample,
 )
-from rl.toy import COLOUR_SHIFT, attribute_stats, learning_row, warm_start_rows
+from toy.refiner import COLOUR_SHIFT, attribute_stats, learning_row, warm_start_rows
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -180,7 +180,7 @@ def test_a_zero_count_bucket_takes_nothing():
     ("evqa", "data/evqa/train.jsonl", 0.59, "1-5:500,6-10:1000,11-20:1000,21-200:2500,miss:2000"),
 ])
 def test_rl_data_configs_carry_the_papers_strata(name, queries, alpha, strata):
-    from retrieval.cli import parse
+    from common.cli import parse
 
     (args,) = parse((RLDataArgs,), ["--config", str(CONFIGS / "grpo" / f"rl_data_{name}.yaml")])
     assert (args.queries, args.alpha, args.strata, args.seed) == (queries, alpha, strata, 0)
@@ -224,8 +224,8 @@ def test_warm_start_shift_is_seeded_and_partial(tiny_world):
 def test_paper_configs_parse_and_match_the_paper(name, alpha):
     from trl import GRPOConfig, ModelConfig
 
-    from retrieval.cli import parse
-    from rl.train_grpo import RefinerArguments, validate
+    from common.cli import parse
+    from rl.arguments import RefinerArguments, validate
 
     args, training, model = parse((RefinerArguments, GRPOConfig, ModelConfig),
                                   ["--config", str(CONFIGS / "grpo" / f"{name}.yaml"), "--use_cpu", "true",

@@ -1,6 +1,8 @@
 """Device and dtype plumbing of the stages' model loader, and first-token scoring that computes only the last
 position's logits (logits_to_keep=1) yet gives the same probabilities as the full forward pass."""
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -20,9 +22,9 @@ def test_load_model_places_the_model_in_the_requested_dtype(tiny_gate_vlm):
 def test_first_token_scores_keep_only_the_last_position(tiny_gate_vlm, tiny_world, monkeypatch):
     from PIL import Image
 
+    from common.files import read_jsonl
     from gate.scoring import first_token_scores
     from gate.variants import spec
-    from retrieval.files import read_jsonl
     from rl.model import load_model
 
     model, processor = load_model(str(tiny_gate_vlm), device="cpu")
@@ -62,10 +64,10 @@ def test_every_pipeline_stage_loads_on_the_device_and_dtype_asked(tiny_world, ti
     import shutil
 
     import rl.model as rm
-    from gate.pipeline import PipelineArgs, run
+    from common.files import read_jsonl, write_json_atomic, write_jsonl_atomic
+    from gate.pipeline.run import PipelineArgs, run
+    from gate.pipeline.stages import Stages
     from gate.scoring import GATE_FILE
-    from gate.stages import Stages
-    from retrieval.files import read_jsonl, write_json_atomic, write_jsonl_atomic
 
     gates = {}
     for variant in ("ret", "inspector", "srt"):
@@ -76,8 +78,14 @@ def test_every_pipeline_stage_loads_on_the_device_and_dtype_asked(tiny_world, ti
     write_jsonl_atomic(tmp_path / "q.jsonl", rows)
     loads = []
     real = rm.load_model
-    monkeypatch.setattr(rm, "load_model", lambda path, dtype=None, device="cpu", **kw:
-                        loads.append((dtype, device)) or real(path, dtype=dtype, device=device, **kw))
+
+    def spy(path, dtype=None, device="cpu", **kw):
+        loads.append((dtype, device))
+        return real(path, dtype=dtype, device=device, **kw)
+
+    for module in list(sys.modules.values()):  # wherever a module holds rl.model.load_model under that name
+        if getattr(module, "load_model", None) is real:
+            monkeypatch.setattr(module, "load_model", spy)
     args = PipelineArgs(queries=str(tmp_path / "q.jsonl"), images_root=str(tiny_world), out=str(tmp_path / "out"),
                         gate=gates["ret"], answerer=str(tiny_gate_vlm), refiner=str(tiny_refiner),
                         index=str(tiny_index_dir), alpha=0.5, k=2, reranker=f"gate:{gates['srt']}",

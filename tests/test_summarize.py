@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from retrieval.files import read_jsonl, write_jsonl_atomic
+from common.files import read_jsonl, write_jsonl_atomic
 from retrieval.summarize import SummarizeArgs, long_sections, summarize_kb, text_sha
 
 QUIET = dict(log=lambda *a: None)

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from retrieval.toyworld import (
+from toy.world import (
     ATTRIBUTES,
     ToyWorldArgs,
     bucket_histogram,

@@ -5,9 +5,11 @@ import json
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 import rl.train_grpo as tg
+from common.model_card import format_value
 
 
 def weights(folder):
@@ -16,6 +18,15 @@ def weights(folder):
     for f in files:
         out.update(load_file(str(f)))
     return out
+
+
+def our_card(folder, base_model) -> str:
+    """folder/README.md is our refiner card (rl.model_card), not TRL's or PEFT's placeholder."""
+    card = (folder / "README.md").read_text()
+    assert "[None]" not in card and "fine-tuned version of" not in card
+    assert yaml.safe_load(card.split("---\n")[1])["base_model"] == str(base_model.resolve())
+    assert f"Base model: `{base_model.resolve()}`" in card and "- α (image weight of a query): 0.5" in card
+    return card
 
 
 def test_two_steps_train_the_text_model_not_the_vision_tower(config, tiny_refiner, tmp_path):
@@ -45,6 +56,7 @@ def test_lora_trains_adapters_only(config, tiny_refiner, tmp_path):
     adapter = load_file(str(tmp_path / "run" / "final" / "adapter_model.safetensors"))
     assert adapter and all("lora_" in k for k in adapter) and not any("visual." in k for k in adapter)
     assert any(v.abs().sum() > 0 for k, v in adapter.items() if "lora_B" in k)  # B starts at zero: it moved
+    assert "No held-out figures" in our_card(tmp_path / "run" / "final", tiny_refiner)  # over PEFT's adapter card
 
 
 def test_resume_continues_from_the_saved_step(config, tmp_path):
@@ -76,14 +88,13 @@ def test_resume_continues_from_the_saved_step(config, tmp_path):
     (dict(train_file="/does/not/exist.jsonl"), "--train_file"),
 ])
 def test_bad_settings_fail_before_any_model_loads(config, monkeypatch, overrides, match):
-    import rl.model
 
-    monkeypatch.setattr(rl.model, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr("rl.trainer_parts.load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     with pytest.raises(ValueError, match=match):
         tg.main(config(**overrides))
 
 
-def test_held_out_eval_selects_the_best_checkpoint(config, tiny_world, tmp_path):
+def test_held_out_eval_selects_the_best_checkpoint(config, tiny_world, tiny_refiner, tmp_path):
     """The eval split is scored with the same reward, its metrics are exact means over every eval completion (not
     means of batch means: 5 questions × 4 generations in batches of 8, 8 and 4), and metric_for_best_model can
     pick by held-out hit@1."""
@@ -105,6 +116,10 @@ def test_held_out_eval_selects_the_best_checkpoint(config, tiny_world, tmp_path)
     state = json.loads((tmp_path / "run" / "checkpoint-2" / "trainer_state.json").read_text())
     assert state["best_metric"] == pytest.approx(max(h["eval_retrieval/hit@1"] for h in evals))
     assert state["best_model_checkpoint"].endswith(("checkpoint-1", "checkpoint-2"))
+    # our card, over the one TRL wrote into the output dir at each checkpoint, with the last held-out figures
+    card = our_card(tmp_path / "run", tiny_refiner)
+    assert card == our_card(tmp_path / "run" / "final", tiny_refiner)
+    assert f"| retrieval/hit@1 | {format_value(evals[-1]['eval_retrieval/hit@1'])} |" in card
 
 
 @pytest.mark.parametrize("requested,peft,stage,mixed,loaded,said", [
@@ -144,7 +159,6 @@ def test_one_step_at_lr_1e6_moves_full_finetuned_weights_in_the_real_precision(c
                                                                               monkeypatch):
     """The real configs' precision (dtype bfloat16, bf16 autocast) without DeepSpeed or LoRA: fp32 master weights, so
     one step at the paper's lr 1e-6 changes them; loaded in bf16 as asked (the old behaviour) almost nothing moves."""
-    import rl.model
 
     run = dict(dtype="bfloat16", bf16=True, learning_rate=1e-6, max_steps=1, lr_scheduler_type="constant")
     tg.main(config(**run, output_dir=str(tmp_path / "fp32")))
@@ -152,7 +166,7 @@ def test_one_step_at_lr_1e6_moves_full_finetuned_weights_in_the_real_precision(c
     after = weights(tmp_path / "fp32" / "final")
     assert all(v.dtype == torch.float32 for v in after.values())
     moved = changed_share(before, after)
-    monkeypatch.setattr(rl.model, "master_dtype", lambda requested, *a: (requested, "as asked"))
+    monkeypatch.setattr("rl.trainer_parts.master_dtype", lambda requested, *a: (requested, "as asked"))
     tg.main(config(**run, output_dir=str(tmp_path / "bf16")))
     after_bf16 = weights(tmp_path / "bf16" / "final")
     stuck = changed_share({k: v.to(torch.bfloat16) for k, v in before.items()}, after_bf16)
@@ -163,7 +177,6 @@ def test_vllm_loads_the_policy_with_the_training_image_budget(config, tiny_refin
     """With use_vllm, TRL builds LLM(model=model.name_or_path) and lets vLLM process the raw images itself: the
     entry point points name_or_path at a folder whose processor has the training budget (vLLM cannot run here, so
     the trainer is stopped at construction and the folder checked on the HF side)."""
-    import trl
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from rl.image_budget import image_token_count, probe_image
@@ -177,7 +190,7 @@ def test_vllm_loads_the_policy_with_the_training_image_budget(config, tiny_refin
         seen.update(path=model.name_or_path, use_vllm=args.use_vllm, processor=processing_class)
         raise Stop
 
-    monkeypatch.setattr(trl, "GRPOTrainer", fake_trainer)
+    monkeypatch.setattr("rl.train_grpo.GRPOTrainer", fake_trainer)
     budget = dict(min_pixels=112 * 112, max_pixels=32 * 28 * 28)
     with pytest.raises(Stop):
         tg.main(config(use_vllm=True, vllm_mode="colocate", **budget))

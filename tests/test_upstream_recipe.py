@@ -1,9 +1,10 @@
-"""The README's recipe ("Reproducing the paper") run as it is written: its first commands (image fetching, KB and
-question conversion) parsed out of the README and run through the modules' ``main(argv)`` on tiny fixtures named and
-packed exactly as the downloads are (``encyclopedic_kb_wiki.zip``, EchoSight's ``infoseek_100k_wiki.zip`` and
-``infoseek_{train,test}_filtered.csv``, OVEN's ``Wiki6M_ver_1_0.jsonl.gz`` and ``all_wikipedia_images.tar``), with a
-local HTTP server in Wikimedia's upload layout standing in for the network. Also: the recipe's names and settings, the
-index build keeping KB images past PIL's pixel limit, and no file pointing outside the repository."""
+"""The recipe in docs/reproducing.md ("Reproducing the paper") run as it is written: its first commands (image
+fetching, KB and question conversion) parsed out of that file and run through the modules' ``main(argv)`` on tiny
+fixtures named and packed exactly as the downloads are (``encyclopedic_kb_wiki.zip``, EchoSight's
+``infoseek_100k_wiki.zip`` and ``infoseek_{train,test}_filtered.csv``, OVEN's ``Wiki6M_ver_1_0.jsonl.gz`` and
+``all_wikipedia_images.tar``), with a local HTTP server in Wikimedia's upload layout standing in for the network.
+Also: the recipe's names and settings, the index build keeping KB images past PIL's pixel limit, and no file pointing
+outside the repository."""
 
 import csv
 import gzip
@@ -20,19 +21,19 @@ import pytest
 import yaml
 from upstream_site import SVG, Site, jpeg_bytes, ok, png_bytes
 
-from retrieval.articles import ArticleStore
-from retrieval.files import read_jsonl
-from retrieval.upstream_kb import url_hash
+from common.files import read_jsonl
+from retrieval.upstream.articles import ArticleStore
+from retrieval.upstream.kb import url_hash
 
 REPO = Path(__file__).resolve().parents[1]
 COMMAND_WORDS = ("python ", "accelerate ", "cat ", "tar ", "mkdir ", "for ", "done")
 
 
-# --------------------------------------------------------------------------- the recipe, read from the README
+# --------------------------------------------------------------------------- the recipe, read from docs/reproducing.md
 
 
 def recipe_section() -> str:
-    text = (REPO / "README.md").read_text()
+    text = (REPO / "docs/reproducing.md").read_text()
     start = text.index("## Reproducing the paper")
     end = text.find("\n## ", start + 1)
     return text[start:end if end > 0 else None]
@@ -80,15 +81,15 @@ def commands(block: str, alternative: bool = False) -> list[list[str]]:
 
 def run_recipe(cmds: list[list[str]], cwd: Path, monkeypatch) -> list[list[str]]:
     """Run the commands up to the first that needs models (the index build): returns those run."""
-    from retrieval import convert, fetch_images
+    from retrieval.upstream import convert, fetch_images
 
     monkeypatch.chdir(cwd)
     done = []
     for argv in cmds:
         argv = [str(REPO / t) if t.startswith("configs/") else t for t in argv]
-        if argv[:3] == ["python", "-m", "retrieval.convert"]:
+        if argv[:3] == ["python", "-m", "retrieval.upstream.convert"]:
             convert.main(argv[3:])
-        elif argv[:3] == ["python", "-m", "retrieval.fetch_images"]:
+        elif argv[:3] == ["python", "-m", "retrieval.upstream.fetch_images"]:
             fetch_images.main(argv[3:])
         elif argv[0] == "cat" and argv[-2] == ">":
             Path(argv[-1]).write_bytes(b"".join(Path(p).read_bytes() for p in argv[1:-2]))
@@ -243,8 +244,8 @@ def test_recipe_evqa_first_steps_on_the_downloads(tmp_path, monkeypatch):
         evqa_downloads(tmp_path, site)
         ran = run_recipe(commands(bash_blocks()[0]), tmp_path, monkeypatch)
         agents = {ua for _, ua in site.requests}
-    assert [a[2] for a in ran] == ["retrieval.fetch_images", "retrieval.convert"] + ["retrieval.convert"] * 3
-    assert len(agents) == 1 and "@" in agents.pop()  # the README's User-Agent, with a contact
+    assert [a[2] for a in ran] == ["retrieval.upstream.fetch_images", "retrieval.upstream.convert"] + ["retrieval.upstream.convert"] * 3
+    assert len(agents) == 1 and "@" in agents.pop()  # the recipe's User-Agent, with a contact
     data = tmp_path / "data/evqa"
     kb = {r["image"]: r for r in read_jsonl(data / "kb.jsonl")}
     urls = evqa_kb(site)[ZORVAK]["image_urls"]
@@ -270,7 +271,7 @@ def test_recipe_infoseek_first_steps_with_echosight_kb(tmp_path, monkeypatch):
         infoseek_downloads(tmp_path, site)
         ran = run_recipe(commands(bash_blocks()[1]), tmp_path, monkeypatch)
     assert [a[2] if a[0] == "python" else a[0] for a in ran] == \
-        ["retrieval.fetch_images"] + ["retrieval.convert"] * 3 + ["cat"] + ["retrieval.convert"] * 2
+        ["retrieval.upstream.fetch_images"] + ["retrieval.upstream.convert"] * 3 + ["cat"] + ["retrieval.upstream.convert"] * 2
     data = tmp_path / "data/infoseek"
     assert len(list(read_jsonl(data / "kb.jsonl"))) == 2
     assert sorted(set((data / "qid2url.tsv").read_text().splitlines())) == [  # Q90 in both maps
@@ -324,7 +325,7 @@ def all_commands() -> list[list[str]]:
     return [c for b in bash_blocks() for alt in (False, True) for c in commands(b, alt)]
 
 
-@pytest.mark.parametrize("argv", [c for c in all_commands() if c[:3] == ["python", "-m", "retrieval.fetch_images"]],
+@pytest.mark.parametrize("argv", [c for c in all_commands() if c[:3] == ["python", "-m", "retrieval.upstream.fetch_images"]],
                          ids=lambda c: c[c.index("--kb") + 1])
 def test_recipe_fetches_with_a_user_agent_naming_a_contact(argv):
     assert "--user_agent" in argv

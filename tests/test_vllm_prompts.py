@@ -145,7 +145,7 @@ def test_training_is_refused_when_vllm_would_sample_from_another_prompt(config, 
     the run before any training step."""
     import rl.train_grpo as tg
 
-    monkeypatch.setattr("rl.vllm_prompts.fix_colocated_vllm_prompts", lambda *a: False)
+    monkeypatch.setattr("rl.trainer_parts.fix_colocated_vllm_prompts", lambda *a: False)
     with pytest.raises(RuntimeError, match=r"its prompt has \d+ tokens with image-token runs \[23\], the trainer's "
                                            r"\d+ with \[12\]"):
         tg.main(config(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=False, max_steps=1))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from accelerate import PartialState
 
-from retrieval.placement import Processes
+from common.placement import Processes
 
 state = PartialState(cpu=True, timeout=timedelta(seconds=int(sys.argv[1])))
 procs, done = Processes(state), Path(sys.argv[2])

@@ -1,0 +1,48 @@
+"""Command-line plumbing shared by every entry point: TRL's parser (YAML via --config, flags override) and a
+clean one-line error for bad input instead of a traceback."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+
+def parse(dataclass_types, argv=None, description: str | None = None):
+    """Parse ``--config X.yaml`` plus flags into the given dataclasses with TRL's parser."""
+    from trl import TrlParser
+
+    parser = TrlParser(dataclass_types, description=description)
+    return parser.parse_args_and_config(argv)
+
+
+def run(main: Callable[[], object]) -> None:
+    """Call ``main``; a ValueError/FileNotFoundError (bad input) becomes ``error: …`` and exit status 2."""
+    try:
+        main()
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def require_file(value, flag: str) -> Path:
+    """``value`` as a Path if it names an existing file, else a ValueError naming the flag."""
+    if not value or not Path(value).is_file():
+        raise ValueError(f"--{flag}: file {value!r} does not exist")
+    return Path(value)
+
+
+def check_choices(obj) -> None:
+    """Every field of the dataclass ``obj`` whose metadata lists ``choices`` holds one of them (None, unset, passes;
+    a list, each item), else a ValueError naming the flag. argparse checks a flag's choices, but not a value from a
+    ``--config`` file (TRL's parser makes those the defaults) nor one of a dataclass built directly."""
+    from dataclasses import fields
+
+    for f in fields(obj):
+        choices = f.metadata.get("choices")
+        if choices is None:
+            continue
+        value = getattr(obj, f.name)
+        for v in value if isinstance(value, (list, tuple)) else (value,):
+            if v is not None and v not in choices:
+                raise ValueError(f"--{f.name}: {v!r} is not one of {', '.join(map(str, choices))}")

@@ -1,0 +1,90 @@
+"""A resumable JSONL job (one output record per input record, keyed by ``id``) split across processes.
+
+    accelerate launch --num_processes 8 -m gate.pipeline --config …      (likewise rl.refine)
+
+The input's records still to do are cut into batches exactly as one process would cut them; batch b goes to process
+b mod N, which appends its results to its own part file ``<out>.part<rank>``. Process 0 merges the parts into
+``<out>`` in input order — at the start (what an earlier, interrupted run left behind, with any process count) and at
+the end, after one barrier — so the output equals a one-process run's, and the job resumes from whatever was done.
+With one process (or none: ``state`` None) nothing changes but the file names in between.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from common.files import append_jsonl, atomic_path, completed_ids
+from common.placement import Processes
+
+
+class JobParts(Processes):
+    def __init__(self, out: str | Path, state=None):
+        super().__init__(state)
+        self.out = Path(out)
+
+    @property
+    def part(self) -> Path:
+        return self.out.with_name(f"{self.out.name}.part{self.rank}")
+
+    def _parts(self) -> list[Path]:
+        return sorted(self.out.parent.glob(f"{self.out.name}.part*"))
+
+    def started(self) -> bool:
+        """Whether an earlier run of this job left results behind (its output or part files)."""
+        return self.out.exists() or bool(self._parts())
+
+    def merge(self, order: Sequence[str]) -> None:
+        """Process 0: ``out`` ∪ every part file → ``out`` in the order of ``order`` (ids not in it last, each id once);
+        the parts are removed. A last line cut short by a crash is dropped first."""
+        if self.rank != 0:
+            return
+        parts = self._parts()
+        if not parts:
+            return
+        by_id: dict[str, str] = {}
+        for path in [self.out, *parts]:
+            if not path.exists():
+                continue
+            completed_ids(path)  # drops a cut last line, atomically
+            for line in path.read_text().splitlines():
+                if line.strip():
+                    by_id.setdefault(str(json.loads(line)["id"]), line)
+        ranked = {i: n for n, i in enumerate(order)}
+        with atomic_path(self.out) as tmp, open(tmp, "w") as fh:
+            fh.writelines(by_id[i] + "\n" for i in sorted(by_id, key=lambda i: (ranked.get(i, len(ranked)), i)))
+        for path in parts:
+            path.unlink()
+
+    def start(self, rows: Sequence[dict], batch_size: int) -> list[list[dict]]:
+        """This process's batches of the rows not done yet (after merging leftovers); ``mine`` counts their rows and
+        ``status`` says, in one line, how many are done and how many are to go here."""
+        order = [str(r["id"]) for r in rows]
+        if self.rank == 0:
+            self.merge(order)
+            completed_ids(self.out)  # a last line cut short by a crash is dropped before anyone reads the file
+        self.barrier()  # everyone reads the merged output; no part is written before
+        done = _ids(self.out)
+        todo = [r for r in rows if str(r["id"]) not in done]
+        batches = [todo[s:s + batch_size] for s in range(0, len(todo), batch_size)][self.rank::self.count]
+        self.mine = sum(len(b) for b in batches)
+        self.status = (f"process {self.rank}/{self.count}: {len(done)} of {len(rows)} done in {self.out}, "
+                       f"{self.mine} to go here")
+        return batches
+
+    def append(self, records: list[dict]) -> None:
+        append_jsonl(self.part, records)
+
+    def finish(self, rows: Sequence[dict]) -> bool:
+        """Barrier, then process 0 merges every part into ``out``; True on the process holding the whole output."""
+        self.barrier()
+        self.merge([str(r["id"]) for r in rows])
+        return self.rank == 0
+
+
+def _ids(path: Path) -> set[str]:
+    """Ids in a file process 0 has just rewritten whole (no cut line to fix, so no write here)."""
+    if not path.exists():
+        return set()
+    return {str(json.loads(line)["id"]) for line in path.read_text().splitlines() if line.strip()}

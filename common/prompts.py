@@ -1,0 +1,49 @@
+"""Prompt files and model replies, for every stage that prompts a model (refiner, generator, query baselines, answer
+expansion, section summaries, gates): a built-in prompt by name or a YAML file with ``system`` and ``user_template``,
+its placeholders checked; and the JSON objects in a reply."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import yaml
+
+
+def is_prompt_file(value) -> bool:
+    return isinstance(value, str) and value.endswith((".yaml", ".yml"))
+
+
+def load_prompt(value: str, builtin: dict[str, dict], placeholders: tuple[str, ...] = ("{question}",),
+                flag: str = "--prompt") -> dict:
+    """{name, system, user_template} for a built-in prompt name or a YAML prompt file (checked: both strings present,
+    every placeholder in the template)."""
+    if not is_prompt_file(value):
+        if value not in builtin:
+            raise ValueError(f"{flag}: unknown prompt {value!r}: choose one of {', '.join(builtin)}, or give a "
+                             f".yaml file with system and user_template")
+        return {"name": value, **builtin[value]}
+    path = Path(value)
+    if not path.is_file():
+        raise ValueError(f"{flag}: prompt file {path} does not exist")
+    spec = yaml.safe_load(path.read_text())
+    if not isinstance(spec, dict) or not all(isinstance(spec.get(k), str) for k in ("system", "user_template")):
+        raise ValueError(f"{flag} {path}: needs string fields 'system' and 'user_template'")
+    missing = [x for x in placeholders if x not in spec["user_template"]]
+    if missing:
+        raise ValueError(f"{flag} {path}: user_template lacks {', '.join(missing)}")
+    return {"name": str(path), "system": spec["system"], "user_template": spec["user_template"]}
+
+
+def json_objects(text):
+    """Every JSON object (dict) that parses at a ``{`` of a model's reply, in order: how the stages that answer in
+    JSON (query baselines, answer expansion) find theirs amid other text or code fences."""
+    text, decoder = str(text or ""), json.JSONDecoder()
+    for match in re.finditer(r"\{", text):
+        try:
+            obj = decoder.raw_decode(text, match.start())[0]
+        except json.JSONDecodeError:
+            continue
+        if isinstance(obj, dict):
+            yield obj

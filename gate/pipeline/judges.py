@@ -1,0 +1,112 @@
+"""Judges that score a sampled answer against the gold answers on the paper's 1–5 scale (5 = correct).
+
+Factories keyed by plain strings: ``exact`` (InfoSeek normalisation and numeric ranges: 5 or 1), ``token`` (token
+recall r of the gold answer in the prediction: 1 + 4r), ``llm`` (an OpenAI-compatible chat endpoint, a 1–5
+correctness prompt in the style of LlamaIndex's CorrectnessEvaluator; the API key is read from an environment
+variable and never logged; an unparseable reply is retried, then recorded as a failure — ``None`` — never a score).
+``judge_all`` judges each distinct (question, normalised answer) once, through a cache.
+"""
+
+from __future__ import annotations
+
+import re
+
+from common.llm import ask_with_retries, chat, chat_url
+from gate.pipeline.metrics import infoseek_match, normalize_answer, token_accuracy
+
+CORRECTNESS_SYSTEM = (
+    "You are an expert evaluation system for a question answering chatbot.\n"
+    "You are given a user query, a reference answer, and a generated answer.\n"
+    "Judge the relevance and correctness of the generated answer. Output a single score that represents a "
+    "holistic evaluation, on a line by itself as 'Score: N', followed by your reasoning on the next line.\n"
+    "The score must be a number between 1 and 5, where 1 is the worst and 5 is the best.\n"
+    "If the generated answer is not relevant to the query, give a score of 1.\n"
+    "If the generated answer is relevant but contains mistakes, give a score between 2 and 3.\n"
+    "If the generated answer is relevant and fully correct, give a score between 4 and 5."
+)
+CORRECTNESS_USER = "## User Query\n{question}\n\n## Reference Answer\n{reference}\n\n## Generated Answer\n{answer}"
+_SCORE = re.compile(r"score\s*[:=]?\s*([1-5](?:\.\d+)?)", re.I)
+
+
+def parse_score(reply: str) -> float | None:
+    """The 1–5 score in a judge reply ('Score: 4' or a reply that starts with the number), else None."""
+    if not isinstance(reply, str):
+        return None
+    m = _SCORE.search(reply) or re.match(r"\s*([1-5](?:\.\d+)?)\b", reply)
+    if not m:
+        return None
+    value = float(m.group(1))
+    return value if 1.0 <= value <= 5.0 else None
+
+
+class ExactJudge:
+    name = "exact"
+
+    def score(self, question: str, answer: str, golds, answer_eval=None) -> float:
+        return 5.0 if infoseek_match(answer, answer_eval if answer_eval is not None else golds) else 1.0
+
+
+class TokenJudge:
+    name = "token"
+
+    def score(self, question: str, answer: str, golds, answer_eval=None) -> float:
+        return 1.0 + 4.0 * token_accuracy(answer, golds)
+
+
+class LLMJudge:
+    name = "llm"
+
+    def __init__(self, url: str, model: str, api_key_env: str = "OPENAI_API_KEY", retries: int = 3,
+                 timeout: float = 60.0, backoff: float = 1.0):
+        if not url or not model:
+            raise ValueError("the llm judge needs --judge_url (an OpenAI-compatible endpoint) and --judge_model")
+        self.url = chat_url(url)
+        self.model, self.api_key_env = model, api_key_env
+        self.retries, self.timeout, self.backoff = retries, timeout, backoff
+        self.failures = 0
+
+    def _ask(self, question: str, answer: str, golds) -> str:
+        messages = [{"role": "system", "content": CORRECTNESS_SYSTEM},
+                    {"role": "user", "content": CORRECTNESS_USER.format(
+                        question=question, reference=" | ".join(map(str, golds)), answer=answer)}]
+        return chat(self.url, self.model, messages, self.api_key_env, self.timeout)
+
+    def score(self, question: str, answer: str, golds, answer_eval=None) -> float | None:
+        value, reason = ask_with_retries(lambda: self._ask(question, answer, golds), parse_score, self.retries,
+                                         self.backoff, "unparseable reply")
+        if value is None:
+            self.failures += 1
+            self.last_failure = reason
+        return value
+
+
+def make_judge(name: str, **kwargs):
+    judges = {"exact": ExactJudge, "token": TokenJudge, "llm": LLMJudge}
+    if name not in judges:
+        raise ValueError(f"unknown judge {name!r}: choose one of {', '.join(judges)}")
+    return judges[name](**kwargs) if name == "llm" else judges[name]()
+
+
+def judge_from_args(args):
+    """The judge a data-construction config names (``judge``, and for ``llm`` its URL, model and key variable)."""
+    kwargs = dict(url=args.judge_url, model=args.judge_model, api_key_env=args.judge_key_env) \
+        if args.judge == "llm" else {}
+    return make_judge(args.judge, **kwargs)
+
+
+def judge_all(records: list[dict], judge, cache: dict | None = None) -> list[list[float | None]]:
+    """Scores for each record's ``samples``, judging each distinct (question id, normalised answer) once.
+
+    A record: {"id", "question", "answers" (golds), optional "answer_eval", "samples": [str, ...]}.
+    """
+    cache = {} if cache is None else cache
+    out = []
+    for rec in records:
+        scores = []
+        for sample in rec["samples"]:
+            key = (str(rec["id"]), normalize_answer(sample))
+            if key not in cache:
+                cache[key] = judge.score(rec["question"], sample, rec.get("answers") or [], rec.get("answer_eval"))
+            scores.append(cache[key])
+        out.append(scores)
+    return out

@@ -1,0 +1,370 @@
+"""The full KB-VQA pipeline: gate → refine → retrieve → rerank → inspect → generate, and its evaluation.
+
+    python -m gate.pipeline --config configs/pipeline/X.yaml --queries q.jsonl --out DIR
+
+Per question: the boundary gate (a trained hkb/skb/kbm/ret gate, or ``always`` / ``never``) decides whether to
+retrieve; without retrieval the VLM (``answerer``) answers alone. With retrieval: the refiner rewrites the question
+(``none`` = the question itself), the index returns the top-k entities' best sections, a reranker (optional) rescores
+them (β1) and the sections of the chosen article (β2), the Inspector (optional) passes or fails the selected
+section — PASS → the generator answers with it, FAIL → the Inspector's own answer (decoupled generation).
+
+With ``baselines: true`` (default) every question goes through both paths, so No RAG, All RAG, a random gate at the
+same retrieval ratio and the oracle gate come from the same run and table; ``baselines: false`` runs only the path
+the gate chose. Every stage is batched with its own progress bar; each finished question is appended (resumable: ids
+already done are skipped). ``accelerate launch -m gate.pipeline …`` splits the questions over processes, every model
+of a process on its own device, and merges their parts into ``predictions.jsonl`` in input order. Writes ``metrics.json``, ``metrics.md`` and
+``accuracy_vs_retrieval.png`` (the gate's threshold swept over one scoring pass, with the baselines).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from common.cli import check_choices
+from gate.pipeline.consistency import STRATEGIES
+from gate.pipeline.context import section_text
+from gate.pipeline.metrics import METRICS
+from gate.pipeline.stages import Stages, generator_prompt
+
+
+@dataclass
+class PipelineArgs:
+    queries: str = field(default=None, metadata={"help": "question JSONL"})
+    out: str = field(default=None, metadata={"help": "output folder (predictions.jsonl appended; resumable)"})
+    images_root: str = field(default=None, metadata={"help": "default: the queries file's folder"})
+    gate: str = field(default="always", metadata={"help": "always | never | trained boundary gate folder"})
+    gate_threshold: float = field(default=None, metadata={"help": "scoring threshold γ on the gate's probability (default 0.5; the KBM label threshold τ is a separate build_data setting) or ε for skb (default 3)"})
+    answerer: str = field(default=None, metadata={"help": "the VLM that answers without retrieval"})
+    refiner: str = field(default="none", metadata={"help": "exported refiner folder, or none"})
+    index: str = field(default=None, metadata={"help": "index directory"})
+    kb: str = field(default=None, metadata={"help": "KB JSONL (default: the one the index was built from)"})
+    articles: str = field(default=None, metadata={"help": "article store (default: <kb>.articles.sqlite beside the KB, "
+                                                           "built from the KB rows when missing)"})
+    alpha: float = field(default=None, metadata={"help": "α (default: the refiner's index α)"})
+    k: int = field(default=5, metadata={"help": "entities (sections) retrieved per question"})
+    reranker: str = field(default="none", metadata={"help": "first stage over the top-k sections (β1): none | vlm:<VLM> (zero-shot, first-token P(Yes)) | gate:<srt dir> | a CrossEncoder (text) | tiny"})
+    reranker_verbalisers: str = field(default="Yes,No", metadata={"help": "vlm: reranker: the positive and negative first tokens"})
+    text_reranker: str = field(default="none", metadata={"help": "within the chosen article (β2): none (text similarity alone) | a CrossEncoder such as BAAI/bge-reranker-v2-m3 | tiny"})
+    beta1: float = field(default=0.6, metadata={"help": "section stage: β1·retrieval + (1−β1)·reranker (WikiSeeker: "
+                                                        "0.6 E-VQA, 0.8 InfoSeek)"})
+    beta2: float = field(default=0.2, metadata={"help": "within the chosen article: (1−β2)·text similarity + "
+                                                        "β2·text reranker (WikiSeeker: 0.2)"})
+    consistency: str = field(default="none", metadata={"help": "none | trained mct gate folder (MMKB-RAG's MCT over the first-stage top-k sections)"})
+    consistency_strategy: str = field(default="filter", metadata={"help": "what the generator gets from the mct gate: filter (the listed sections) | merge (its summary) | rerank (the first listed section's article)",
+                                                                  "choices": STRATEGIES})
+    consistency_max_new_tokens: int = field(default=128, metadata={"help": "mct gate output length (list + summary)"})
+    inspector: str = field(default="none", metadata={"help": "none | trained inspector gate folder"})
+    inspector_threshold: float = field(default=0.5, metadata={"help": "PASS when P(pass) ≥ this"})
+    generator: str = field(default=None, metadata={"help": "model path/name, or endpoint (generator_url)"})
+    generator_url: str = field(default=None, metadata={"help": "OpenAI-compatible base URL (generator: endpoint)"})
+    generator_model: str = field(default=None, metadata={"help": "model name at the endpoint"})
+    generator_key_env: str = field(default="OPENAI_API_KEY", metadata={"help": "env var holding the endpoint key"})
+    generator_retries: int = field(default=3, metadata={"help": "endpoint attempts per question"})
+    generator_backoff: float = field(default=1.0, metadata={"help": "endpoint backoff seconds (× attempt)"})
+    generator_prompt: str = field(default="infoseek", metadata={"help": "infoseek | evqa | toy | a .yaml "
+                                                                                "prompt file ({context}, {question})"})
+    generator_image: bool = field(default=False, metadata={"help": "a VLM generator also sees the image"})
+    max_new_tokens: int = field(default=24, metadata={"help": "answer length"})
+    batch_size: int = field(default=32, metadata={"help": "questions per batch"})
+    metric: str = field(default="infoseek", metadata={"help": "the benchmark's official answer rule: infoseek (per question type; String/Time exact, Numerical ranges) or evqa (exact match, multi-answer IoU, then BEM)",
+                                                      "choices": METRICS})
+    bem: str = field(default="kortukov/answer-equivalence-bem", metadata={"help": "metric evqa: the BEM model (transformers), or none for exact match only"})
+    bem_device: str = field(default=None, metadata={"help": "device for BEM (default: this process's own)"})
+    device: str = field(default=None, metadata={"help": "device of every stage's model: cuda:N / cpu (default: this process's own, cuda:LOCAL_RANK or cpu)"})
+    dtype: str = field(default="auto", metadata={"help": "weights of every stage's model: auto (bf16 on a GPU, fp32 on the CPU), bf16, fp16, fp32"})
+    baselines: bool = field(default=True, metadata={"help": "run both paths for every question (baselines)"})
+    limit: int = field(default=None, metadata={"help": "only the first N questions"})
+
+
+def validate(args: PipelineArgs) -> None:
+    """Every input checked before any model loads; each stage's model named when it is missing."""
+    from common.cli import require_file
+    from retrieval.index import require_index
+
+    check_choices(args)
+    require_file(args.queries, "queries")
+    if not args.out:
+        raise ValueError("--out is required")
+    if args.batch_size <= 0 or args.k <= 0:
+        raise ValueError("--batch_size and --k must be positive")
+    generator_prompt(args.generator_prompt)  # a name, or a prompt file that exists and holds its placeholders
+    needs_rag = args.gate != "never" or args.baselines
+    needs_alone = args.gate != "always" or args.baselines
+    if needs_alone and not args.answerer:
+        raise ValueError("--answerer (the VLM that answers without retrieval) is required")
+    if needs_rag:
+        require_index(args.index)
+        if not args.generator and args.inspector == "none":
+            raise ValueError("--generator is required")
+    for stage, value in (("gate", args.gate), ("answerer", args.answerer), ("refiner", args.refiner),
+                         ("consistency", args.consistency), ("inspector", args.inspector), ("generator", args.generator),
+                         ("reranker", args.reranker.split(":", 1)[1] if args.reranker.startswith(("gate:", "vlm:"))
+                          else None)):
+        if value in (None, "none", "always", "never", "endpoint") or not _looks_local(value):
+            continue
+        if not (Path(value) / "config.json").is_file():
+            raise ValueError(f"--{stage}: {value} is not a model folder (no config.json)")
+    if args.generator == "endpoint" and not (args.generator_url and args.generator_model):
+        raise ValueError("--generator endpoint needs --generator_url and --generator_model")
+
+
+def _looks_local(value: str) -> bool:
+    return value.startswith((".", "/", "~")) or Path(value).exists() or value.count("/") != 1
+
+
+RESUME_FREE = ("out", "batch_size", "limit", "generator_retries", "generator_backoff")
+
+
+def check_same_config(out: Path, args: PipelineArgs) -> None:
+    """A folder resumes only the run that started it: predictions from other settings are never mixed in."""
+    from dataclasses import asdict
+
+    from common.files import write_json_atomic
+
+    current = {k: v for k, v in asdict(args).items() if k not in RESUME_FREE}
+    path = out / "pipeline_config.json"
+    if path.is_file():
+        before = json.loads(path.read_text())
+        changed = sorted(k for k in set(before) | set(current) if before.get(k) != current.get(k))
+        if changed and (out / "predictions.jsonl").is_file():
+            raise ValueError(f"--out {out} holds predictions made with other settings ({', '.join(changed)}); "
+                             "use another --out, or delete it to start over")
+    write_json_atomic(path, current)
+
+
+# ---------------------------------------------------------------- one batch, in the order of WikiSeeker's Figure 2
+
+
+class Clock:
+    """Seconds per stage for one batch; per-question latency = batch seconds / questions in the stage."""
+
+    def __init__(self, bars: dict | None = None):
+        self.seconds: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+        self.bars = bars or {}
+
+    def time(self, stage: str, n: int, fn, *a, **kw):
+        t = time.perf_counter()
+        result = fn(*a, **kw)
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - t
+        self.counts[stage] = self.counts.get(stage, 0) + n
+        if stage in self.bars:
+            self.bars[stage].update(n)
+        return result
+
+    def per_question(self) -> dict[str, float]:
+        return {s: self.seconds[s] / max(1, self.counts[s]) for s in self.seconds}
+
+
+def answered(answer: str | None, failed: str | None = None) -> dict:
+    """An answer, or why there is none (a failed answer is judged wrong)."""
+    return {"answer": answer} if answer is not None else {"answer": None, "failed": failed or "no answer"}
+
+
+def stage_names(consistency: bool) -> list[str]:
+    """The pipeline's timed stages in order (progress bars, latency, benchmarks/pipeline.py)."""
+    return ["gate", "answer alone", "refine", "retrieve", "rerank"] + ["consistency"] * consistency + \
+        ["section", "inspect", "generate"]
+
+
+def context_of(mct: dict | None, chosen: dict, picked: list[dict]) -> tuple[list[dict], str]:
+    """The sections the generator's context comes from, and the context: the chosen section, or by the MCT strategy
+    the listed sections (filter) or the gate's summary of them (merge); rerank only changed the chosen article."""
+    if mct is None or mct["fallback"] or mct["strategy"] == "rerank":
+        return [chosen], section_text(chosen)
+    if mct["summary"] is not None:
+        return picked, mct["summary"]
+    return picked, "\n\n".join(section_text(e) for e in picked)
+
+
+def rag_path(st: Stages, batch: list[dict], images, clock: Clock) -> list[dict]:
+    """refine → retrieve → rerank → inspect → generate for a batch; one result dict per question."""
+    from gate.pipeline.end_to_end import is_gold_section
+
+    n = len(batch)
+    if not n:
+        return []
+    questions = [r["question"] for r in batch]
+    queries = clock.time("refine", n, st.refiner.refine, images, questions, batch_size=n) \
+        if st.refiner is not None else questions
+    text_emb, hits, ranks = clock.time("retrieve", n, st.retrieve, images, queries, [r.get("entity_id") for r in batch])
+    ranked = clock.time("rerank", n, st.rerank.first_stage, images, questions, hits)
+    mct = clock.time("consistency", n, st.consistency, images, questions,
+                     [[section_text(e) for e in es] for es in ranked]) if st.consistency else [None] * n
+    picked = [[es[j] for j in m["docs"]] if m else es[:1] for es, m in zip(ranked, mct)]
+    chosen = clock.time("section", n, st.rerank.within, images, questions, text_emb,
+                        [p[0]["entity_id"] for p in picked])
+    shown, contexts = map(list, zip(*[context_of(m, c, p) for m, c, p in zip(mct, chosen, picked)]))
+    verdicts = clock.time("inspect", n, st.inspect, images, questions, contexts) if st.inspect else [None] * n
+    # with baselines, the generator also answers where the Inspector failed the section: the pipeline without the
+    # Inspector (WikiSeeker's ablation) comes from the same run
+    to_generate = [i for i in range(n) if verdicts[i] is None or verdicts[i]["pass"] or st.args.baselines]
+    generated = dict(zip(to_generate, clock.time(
+        "generate", len(to_generate), st.generate, [images[i] for i in to_generate],
+        [questions[i] for i in to_generate], [contexts[i] for i in to_generate]))) if to_generate else {}
+    results = []
+    for i, r in enumerate(batch):
+        if verdicts[i] is None or verdicts[i]["pass"]:
+            answer, reason = generated[i]
+        else:
+            answer = verdicts[i]["answer"]
+            reason = None if answer else "the Inspector failed the section and gave no parseable answer"
+        results.append({"query": queries[i], "retrieved": [h.entity_id for h in hits[i]], "gold_rank": ranks[i],
+                        "section": chosen[i]["entry_id"],
+                        "section_right": any(is_gold_section(e["entity_id"], e.get("section"), r.get("entity_id"),
+                                                             r.get("evidence_section_id")) for e in shown[i]),
+                        **({"consistency": mct[i]} if mct[i] is not None else {}),
+                        "inspector": verdicts[i], **answered(answer, reason)})
+        if verdicts[i] is not None and i in generated:  # the generator's answer with this section, Inspector or not
+            results[-1]["without_inspector"] = answered(*generated[i])
+    return results
+
+
+def run_batch(st: Stages, batch: list[dict], images, bars: dict | None = None) -> list[dict]:
+    """The gate decides; the VLM answers alone and/or the RAG path answers (both with baselines); the judge scores."""
+    args, n = st.args, len(batch)
+    clock = Clock(bars)
+    questions = [r["question"] for r in batch]
+    if st.gate is not None:
+        scores = clock.time("gate", n, st.gate, images, questions)
+        retrieve = [bool(x >= st.gate.threshold) for x in scores]
+    else:
+        scores, retrieve = [None] * n, [args.gate == "always"] * n
+    alone_idx = [i for i in range(n) if args.baselines or not retrieve[i]]
+    rag_idx = [i for i in range(n) if args.baselines or retrieve[i]]
+    alone = dict(zip(alone_idx, clock.time("answer alone", len(alone_idx), st.answer,
+                                           [images[i] for i in alone_idx], [questions[i] for i in alone_idx])))\
+        if alone_idx else {}
+    rag = dict(zip(rag_idx, rag_path(st, [batch[i] for i in rag_idx], [images[i] for i in rag_idx], clock)))
+    alone = {i: answered(a) for i, a in alone.items()}
+    st.judge([(batch[i], a) for i, a in alone.items()] + [(batch[i], x) for i, x in rag.items()] +
+             [(batch[i], x["without_inspector"]) for i, x in rag.items() if "without_inspector" in x])
+    per_question = clock.per_question()
+    out = []
+    for i, r in enumerate(batch):
+        a = alone.get(i)
+        chosen = rag.get(i) if retrieve[i] else a
+        went = {"gate"} | ({"answer alone"} if i in alone else set())
+        if i in rag:
+            verdict = rag[i]["inspector"]
+            went |= {"refine", "retrieve", "rerank", "consistency", "section", "inspect"} | \
+                ({"generate"} if not verdict or verdict["pass"] else set())
+        latency = {s: v for s, v in per_question.items() if s in went}  # summed over questions = stage seconds
+        out.append({"id": r["id"], "split": r.get("split"), "question": r["question"], "answers": r.get("answers"),
+                    "entity_id": r.get("entity_id"), "question_type": r.get("question_type"),
+                    "gate": {"score": None if scores[i] is None else float(scores[i]), "retrieve": retrieve[i]},
+                    "alone": a, "rag": rag.get(i), "answer": chosen["answer"], "correct": chosen["correct"],
+                    "latency": latency})
+    return out
+
+
+def run(args: PipelineArgs, log=print, stages: Stages | None = None, state=None) -> dict | None:
+    """Answer every question not yet in ``predictions.jsonl`` and report. With an accelerate ``state`` of N processes
+    each answers every N-th batch on its own device and process 0 merges the parts in input order and reports (the
+    others return None): the same predictions as one process (common.job_parts)."""
+    from PIL import Image
+    from tqdm import tqdm
+
+    from common.files import check_unique_ids, read_jsonl
+    from common.job_parts import JobParts
+
+    validate(args)
+    rows = list(read_jsonl(args.queries))[:args.limit]
+    check_unique_ids(rows, args.queries)
+    root = Path(args.images_root or Path(args.queries).parent)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    check_same_config(out, args)
+    target = out / "predictions.jsonl"
+    parts = JobParts(target, state)
+    batches = parts.start(rows, args.batch_size)
+    log(f"pipeline, {parts.status}")
+    if batches:
+        stages = stages or Stages(args)  # every model loads (or fails, named) before the first question
+        log("placement: " + "; ".join(f"{k}: {v}" for k, v in stages.placement.items()))
+        names = stage_names(stages.consistency is not None)
+        bars = {s: tqdm(total=parts.mine, desc=f"{s:>12}", position=i, unit="q") for i, s in enumerate(names)}
+        for batch in batches:
+            present = [r for r in batch if (root / str(r.get("image"))).is_file()]
+            skipped = [{"id": r["id"], "skipped": f"image file missing: {root / str(r.get('image'))}"}
+                       for r in batch if r not in present]
+            images = [Image.open(root / r["image"]).convert("RGB") for r in present]
+            parts.append(skipped + (run_batch(stages, present, images, bars) if present else []))
+        for bar in bars.values():
+            bar.close()
+    if not parts.finish(rows):
+        return None
+    ids = {str(r["id"]) for r in rows}
+    records = [r for r in read_jsonl(target) if str(r["id"]) in ids]
+    return report(records, out, args, log)
+
+
+def report(records: list[dict], out: Path, args: PipelineArgs, log=print) -> dict:
+    from common.files import pyplot, save_figure, write_json_atomic, write_text_atomic
+    from gate.pipeline.end_to_end import format_table, summarize, threshold_curve
+
+    complete = [r for r in records if "skipped" not in r]
+    both = bool(complete) and all(r["alone"] is not None and r["rag"] is not None for r in complete)
+    metrics = summarize(records) if both else _summarize_chosen(records)
+    gate_scores = [r["gate"]["score"] for r in complete if r["gate"]["score"] is not None]
+    if both and gate_scores:
+        grid = np.linspace(1, 5, 21) if max(gate_scores) > 1 else np.linspace(0, 1, 21)
+        metrics["threshold_curve"] = threshold_curve(records, grid)
+    write_json_atomic(out / "metrics.json", metrics)
+    system = f"pipeline (gate: {gate_name(args.gate)})"
+    table = format_table(metrics, system) if "accuracy" in metrics else "no answered questions"
+    write_text_atomic(out / "metrics.md", table + "\n")
+    if both:
+        plt = pyplot()
+        fig, ax = plt.subplots(figsize=(5.5, 4))
+        if "threshold_curve" in metrics:
+            c = metrics["threshold_curve"]
+            ax.plot([p["retrieval_ratio"] for p in c], [p["accuracy"] for p in c], marker=".", label="gate thresholds")
+        for name, b in metrics["baselines"].items():
+            ax.scatter([b["retrieval_ratio"]], [b["accuracy"]], label=name, zorder=3)
+        ax.scatter([metrics["retrieval_ratio"]], [metrics["accuracy"]], marker="*", s=150, label="this run", zorder=4)
+        ax.set_xlabel("retrieval ratio")
+        ax.set_ylabel("accuracy")
+        ax.legend(fontsize=7)
+        save_figure(fig, out / "accuracy_vs_retrieval.png")
+    log(table)
+    log(json.dumps({k: v for k, v in metrics.items() if k not in ("baselines", "threshold_curve")}, indent=1))
+    return metrics
+
+
+def gate_name(gate: str) -> str:
+    """always / never, or the trained gate's variant and folder."""
+    info = Path(gate) / "gate.json"
+    if gate in ("always", "never") or not info.is_file():
+        return gate
+    return f"{json.loads(info.read_text())['variant']}, {gate}"
+
+
+def _summarize_chosen(records: list[dict]) -> dict:
+    """Without baselines: accuracy and retrieval ratio of the chosen answers only."""
+    done = [r for r in records if "skipped" not in r]
+    if not done:
+        return {"n": 0, "skipped": len(records)}
+    return {"n": len(done), "skipped": len(records) - len(done), "accuracy": float(np.mean([r["correct"] for r in done])),
+            "retrieval_ratio": float(np.mean([r["gate"]["retrieve"] for r in done])), "baselines": {},
+            "latency_s": {s: float(np.mean([r["latency"].get(s, 0.0) for r in done]))
+                          for s in sorted({s for r in done for s in r["latency"]})}}
+
+
+def main(argv=None) -> None:
+    from common.cli import parse
+    from common.placement import process_state
+
+    (args,) = parse((PipelineArgs,), argv, description=__doc__)
+    run(args, state=process_state(args.device))
+
+
+if __name__ == "__main__":
+    from common.cli import run as run_cli
+
+    run_cli(main)

@@ -1,0 +1,245 @@
+"""Supervised fine-tuning of a gate (knowledge boundary, KBM, token system, Inspector) on rendered gate data.
+
+    accelerate launch gate/train/sft.py --config configs/sft/paper.yaml --variant hkb [--any_field value ...]
+
+Arguments are TRL's (SFTConfig, ModelConfig: LoRA through PEFT with ``use_peft``) plus GateArguments. One config
+serves every variant of a family: ``{variant}`` in ``train_file``, ``eval_file``, ``output_dir`` and ``run_name`` is
+replaced by ``--variant`` (an error without it). The loop is
+TRL's SFTTrainer on a conversational prompt–completion dataset with one image per row (``gate.train.build_data --stage
+render``), loss on the completion only, vision tower frozen. Everything checkable is checked before a model loads:
+the variant, the files, the class balance (printed; an empty class is an error unless ``allow_single_class``), and
+that the verbalisers are single tokens of the model's tokenizer.
+
+Writes ``output_dir/final``: the merged model (LoRA folded in), its processor and ``gate.json`` (variant,
+verbalisers), loadable by ``gate.scoring.load_gate``; and, with ``eval_file``, ``output_dir/gate_eval.json``: the
+held-out accuracy of first-token scoring at the default threshold next to the majority-class baseline.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common.cli import check_choices, parse
+from gate.variants import VARIANTS
+
+PLACEHOLDER = "{variant}"
+
+
+@dataclass
+class GateArguments:
+    variant: str = field(default=None, metadata={"help": "the gate variant; fills {variant} in train_file, eval_file, "
+                                                         "output_dir and run_name", "choices": tuple(VARIANTS)})
+    train_file: str = field(default=None, metadata={"help": "rendered rows (<variant>.train.jsonl; may hold {variant})"})
+    eval_file: str = field(default=None, metadata={"help": "held-out rendered rows, scored after training (may hold "
+                                                           "{variant})"})
+    verbalisers: list[str] = field(default=None, metadata={"help": "the verbalisers the data was rendered with"})
+    freeze_vision_tower: bool = field(default=True, metadata={"help": "train no vision-tower parameter"})
+    allow_single_class: bool = field(default=False, metadata={"help": "train even if a class has no example"})
+    eval_batch_size: int = field(default=16, metadata={"help": "examples per forward pass when scoring eval_file"})
+
+
+def fill_variant(args: GateArguments, training_args) -> None:
+    """``{variant}`` in ``train_file``, ``eval_file`` and the SFTConfig's ``output_dir`` and ``run_name`` replaced by
+    ``--variant``, in place. Nothing else of the SFTConfig is derived from those two when it is built (transformers
+    5's TrainingArguments.__post_init__ only expands ``~`` in output_dir, which a placeholder does not change; the
+    hub id and W&B's run name are read from them at training time)."""
+    check_choices(args)
+    for obj, name in ((args, "train_file"), (args, "eval_file"), (training_args, "output_dir"),
+                      (training_args, "run_name")):
+        value = getattr(obj, name, None)
+        if not isinstance(value, str) or PLACEHOLDER not in value:
+            continue
+        if not args.variant:
+            raise ValueError(f"--{name} {value!r} holds {PLACEHOLDER}: give --variant ({', '.join(VARIANTS)})")
+        setattr(obj, name, value.replace(PLACEHOLDER, args.variant))
+
+
+def parse_args(argv=None):
+    """(GateArguments, SFTConfig, ModelConfig) from ``--config`` and flags, ``{variant}`` filled."""
+    from trl import ModelConfig, SFTConfig
+
+    args, training_args, model_args = parse((GateArguments, SFTConfig, ModelConfig), argv, description=__doc__)
+    fill_variant(args, training_args)
+    return args, training_args, model_args
+
+
+def read_rows(path) -> list[dict]:
+    from common.files import read_jsonl
+
+    rows = list(read_jsonl(path))
+    if not rows:
+        raise ValueError(f"{path} has no rows")
+    missing = [r.get("id") for r in rows if not Path(r.get("image") or "").is_file()]
+    if missing:
+        raise ValueError(f"{path}: {len(missing)} row(s) have no image file (first: {missing[:3]})")
+    return rows
+
+
+def check_balance(args: GateArguments, rows: list[dict], log=print) -> dict:
+    """Print the class balance; an empty class of a binary gate is an error unless allowed."""
+    from gate.train.render import class_balance, format_balance
+    from gate.variants import BINARY, completion, spec
+
+    balance = class_balance(rows)
+    log(f"{args.variant} training data: {len(rows)} rows; classes {format_balance(balance)}")
+    if args.variant in BINARY:
+        s = spec(args.variant, args.verbalisers)
+        expected = {completion(s, True) if args.variant != "inspector" else "pass",
+                    completion(s, False) if args.variant != "inspector" else "fail"}
+        empty = sorted(expected - set(balance))
+        unknown = sorted(set(balance) - expected)
+        if unknown:
+            raise ValueError(f"{args.train_file}: classes {unknown} are not verbalisers of {args.variant} "
+                             f"{sorted(expected)} (rendered with other --verbalisers?)")
+        if empty and not args.allow_single_class:
+            raise ValueError(f"{args.train_file}: class {empty} has no example; the gate would learn one answer "
+                             "(set allow_single_class to train anyway)")
+    return balance
+
+
+def validate(args: GateArguments, training_args, model_args) -> tuple[list[dict], list[dict] | None]:
+    from common.cli import require_file
+    from gate.variants import spec
+
+    check_choices(args)
+    if not args.variant:
+        raise ValueError(f"--variant is required ({', '.join(VARIANTS)})")
+    spec(args.variant, args.verbalisers)
+    require_file(args.train_file, "train_file")
+    if args.eval_file:
+        require_file(args.eval_file, "eval_file")
+    if not model_args.model_name_or_path:
+        raise ValueError("--model_name_or_path is required")
+    if getattr(training_args, "max_length", None) is not None:
+        print(f"note: max_length = {training_args.max_length} truncates image tokens; gate configs leave it unset")
+    rows = read_rows(args.train_file)
+    check_balance(args, rows)
+    return rows, read_rows(args.eval_file) if args.eval_file else None
+
+
+def rendered_prompt(train_file: str, variant: str) -> dict | None:
+    """The prompt the rows were rendered with (``<variant>.prompt.json`` beside them, written by gate.train.build_data's
+    render), so the trained gate is scored with it; None for rows rendered before that file existed."""
+
+    from gate.variants import prompt_file_for
+
+    path = prompt_file_for(Path(train_file).parent, variant)
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def save_final(final: Path, model, processor, info: dict) -> None:
+    """Model + processor + gate.json into a temporary sibling, then renamed: a crash leaves no half folder."""
+    import os
+    import shutil
+
+    from common.files import write_json_atomic
+    from gate.scoring import GATE_FILE
+
+    tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    processor.save_pretrained(tmp)
+    write_json_atomic(tmp / GATE_FILE, info)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+
+
+def main(argv=None) -> dict:
+    import shutil
+
+    from accelerate import PartialState
+    from datasets import Dataset, Image
+    from transformers import AutoProcessor
+    from transformers.integrations import is_deepspeed_zero3_enabled
+    from trl import SFTTrainer, get_peft_config
+
+    from common.files import write_json_atomic
+    from common.placement import Processes, outside_zero3_init
+    from gate.scoring import verbaliser_ids
+    from gate.variants import BINARY, spec
+    from rl.model import (
+        exclude_vision_tower,
+        freeze_vision_tower,
+        load_model,
+        load_trained,
+        trainable_parameters,
+        vision_tower,
+    )
+
+    args, training_args, model_args = parse_args(argv)
+    rows, eval_rows = validate(args, training_args, model_args)
+    prompt = rendered_prompt(args.train_file, args.variant)
+    s = spec(args.variant, args.verbalisers, prompt)
+    processor = AutoProcessor.from_pretrained(model_args.model_name_or_path,
+                                              trust_remote_code=training_args.trust_remote_code)
+    if args.variant in BINARY or args.variant == "skb":
+        verbaliser_ids(processor.tokenizer, s)  # before the model loads
+    # CPU processes under torchrun form one gloo group only when the first state knows use_cpu; every collective
+    # waits at most ddp_timeout seconds
+    state = PartialState(cpu=training_args.use_cpu, timeout=training_args.ddp_timeout_delta)
+    model, processor = load_model(model_args.model_name_or_path, model_args.dtype, device=str(state.device),
+                                  trust_remote_code=training_args.trust_remote_code,
+                                  attn_implementation=model_args.attn_implementation)
+    if args.freeze_vision_tower:
+        print(f"vision tower frozen ({freeze_vision_tower(model):,} parameters)")
+    data = Dataset.from_list([{"prompt": r["prompt"], "completion": r["completion"], "image": r["image"]}
+                              for r in rows]).cast_column("image", Image())
+    peft_config = get_peft_config(model_args)
+    if args.freeze_vision_tower:
+        peft_config = exclude_vision_tower(model, peft_config)
+    trainer = SFTTrainer(model=model, args=training_args, train_dataset=data, processing_class=processor,
+                         peft_config=peft_config)
+    if args.freeze_vision_tower and trainable_parameters(vision_tower(trainer.model)):
+        raise RuntimeError("vision-tower parameters are trainable despite freeze_vision_tower")
+    print(f"trainable parameters: {trainable_parameters(trainer.model):,}")
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+
+    result = {"log_history": trainer.state.log_history}
+    output_dir = Path(training_args.output_dir)
+    zero3 = is_deepspeed_zero3_enabled()
+    if zero3:
+        # the engine's model is partitioned: every process gathers the trained weights (an adapter, or whole weights)
+        # into trained/, and process 0 alone loads them whole, merged, for final/ and the evaluation
+        trainer.save_model(str(output_dir / "trained"))
+        Processes(state).barrier("the trained weights were saved")
+    if not state.is_main_process:
+        return result
+    if zero3:
+        model, _ = load_trained(output_dir / "trained", model_args.dtype, device=str(state.device),
+                                base=model_args.model_name_or_path)
+    else:
+        model = trainer.model.merge_and_unload() if hasattr(trainer.model, "merge_and_unload") else trainer.model
+    save_final(output_dir / "final", model, processor, {"variant": args.variant, "verbalisers": list(s["verbalisers"]),
+                                                        "base_model": model_args.model_name_or_path,
+                                                        "prompt": {"system": s["system"], "user_template": s["user"]}})
+    if zero3:
+        shutil.rmtree(output_dir / "trained")  # final/ holds it, merged
+    if eval_rows:
+        with outside_zero3_init():  # process 0 alone: generate() must not sync with the others (synced_gpus)
+            metrics = evaluate(args, s, model, processor, eval_rows)
+        write_json_atomic(output_dir / "gate_eval.json", metrics)
+        print("held-out: " + json.dumps(metrics))
+        result["eval"] = metrics
+    from gate.train.model_card import write_gate_cards
+
+    write_gate_cards(output_dir, result.get("eval"))  # our card over TRL's placeholder, after every save
+    return result
+
+
+def evaluate(args: GateArguments, s: dict, model, processor, eval_rows: list[dict]) -> dict:
+    """Held-out metrics of the trained gate: scored verbalisers (binary and SKB variants) or generated answers."""
+    from gate.train.evaluation import evaluate_gate, evaluate_generated
+    from gate.variants import BINARY
+
+    if args.variant in BINARY or args.variant == "skb":
+        metrics = evaluate_gate(model.eval(), processor, s, eval_rows, batch_size=args.eval_batch_size)
+        return {k: v for k, v in metrics.items() if k not in ("scores", "truth")}
+    return evaluate_generated(model.eval(), processor, s, eval_rows, batch_size=args.eval_batch_size)
+
+
+if __name__ == "__main__":
+    from common.cli import run
+
+    run(main)

@@ -1,0 +1,145 @@
+"""rl/train_grpo.py's arguments: RefinerArguments beside TRL's GRPOConfig and ModelConfig, parsed by TRL's parser from
+YAML and flags, and every check that needs no file, made before anything loads.
+
+``world`` names a module (the embedded default's ``toy.embedded_default``) whose ``Arguments`` dataclass joins the
+parse and whose ``prepare`` / ``report`` run before the model loads and after training: how the toy world reaches the
+entry point without it importing anything of the toy world.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from common.cli import parse, require_file
+from common.placement import per_device_batch
+from retrieval.encoders import check_image_encoder_name, check_text_encoder_name
+from retrieval.index import check_alpha, check_k, require_index
+from rewards.format import INVALID_REWARD, MAX_QUERY_TOKENS, VALID_REWARD
+from rewards.rank import DEFAULT_MISS, DEFAULT_TIERS, max_depth, parse_tiers, validate_tiers
+from rl.image_budget import PAPER_MAX_PIXELS, PAPER_MIN_PIXELS, check_budget
+from rl.prompts import check_prompt
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "grpo" / "toy.yaml"  # the embedded default
+# the paper's reward and image budget are stated once, in rewards/ and rl/image_budget.py: these defaults are them, and
+# the real GRPO configs (configs/grpo/{evqa,infoseek}.yaml) leave them to these defaults
+PAPER_TIERS = ",".join(f"{lo}-{hi}:{reward:g}" for lo, hi, reward in DEFAULT_TIERS)  # "1-5:4,6-10:3.5,…"
+
+
+@dataclass
+class RefinerArguments:
+    index: str = field(default=None, metadata={"help": "index directory (retrieval.build_index output)"})
+    alpha: float = field(default=0.63, metadata={"help": "image weight α of the query"})
+    train_file: str = field(default=None, metadata={"help": "question JSONL for RL (rl.data output)"})
+    eval_file: str = field(default=None, metadata={"help": "held-out question JSONL scored during training"})
+    eval_limit: int = field(default=None, metadata={"help": "use only the first N eval questions"})
+    images_root: str = field(default=None, metadata={"help": "image folder (default: each question file's folder)"})
+    prompt: str = field(default="wikiseeker", metadata={"help": "refiner prompt: wikiseeker | toy | a .yaml "
+                                                                            "file (rl/prompts.py)"})
+    depth: int = field(default=max_depth(DEFAULT_TIERS), metadata={"help": "rank depth of the retrieval reward (the "
+                                                                            "paper's last tier's end by default)"})
+    reward_tiers: str = field(default=PAPER_TIERS, metadata={"help": "rank tiers lo-hi:reward (the paper's by default)"})
+    miss_reward: float = field(default=DEFAULT_MISS, metadata={"help": "retrieval reward beyond the last tier"})
+    unparseable_retrieval_reward: float = field(default=DEFAULT_MISS, metadata={
+        "help": "retrieval reward of a completion that does not parse (the miss reward's default)"})
+    format_valid_reward: float = field(default=VALID_REWARD, metadata={"help": "format reward when the format holds"})
+    format_invalid_reward: float = field(default=INVALID_REWARD, metadata={"help": "format reward otherwise"})
+    max_query_tokens: int = field(default=MAX_QUERY_TOKENS, metadata={"help": "longer queries count as invalid format"})
+    freeze_vision_tower: bool = field(default=True, metadata={"help": "train no vision-tower parameter"})
+    log_table_steps: int = field(default=50, metadata={"help": "completions table every N steps (0 = never)"})
+    min_pixels: int = field(default=PAPER_MIN_PIXELS, metadata={"help": "image budget: fewest pixels an image is "
+                                                                        "resized to (training, vLLM, export, refine)"})
+    max_pixels: int = field(default=PAPER_MAX_PIXELS, metadata={"help": "image budget: most pixels an image is resized "
+                                                                        "to (Qwen2.5-VL: ≤ max_pixels/28² image tokens)"})
+    completions_per_step: int = field(default=0, metadata={
+        "help": "completions per optimizer step over all processes: sets per_device_train_batch_size to this ÷ "
+                "(processes × gradient_accumulation_steps), so one process and several run the same recipe "
+                "(0 = per_device_train_batch_size as given)"})
+    world: str = field(default=None, metadata={"help": "a module that builds what the run needs before the model loads "
+                                                       "(prepare) and reports after training (report): "
+                                                       "toy.embedded_default for the embedded default's toy world"})
+    completions_log: bool = field(default=False, metadata={"help": "append every completion this rank scores to "
+                                                                   "completions.rank<R>.jsonl in the output dir"})
+
+
+def with_completions_per_step(argv: list[str], args: RefinerArguments, training_args, processes: int) -> list[str]:
+    """``argv`` with the per-device batch ``completions_per_step`` implies for this many processes (unchanged when
+    it is 0); an explicit ``--per_device_train_batch_size`` that disagrees is an error naming both."""
+    if not args.completions_per_step:
+        return argv
+    n = per_device_batch(args.completions_per_step, processes, training_args.gradient_accumulation_steps,
+                         "completions_per_step")
+    flag = "--per_device_train_batch_size"
+    given = [a.split("=", 1)[1] if a.startswith(flag + "=") else argv[i + 1]
+             for i, a in enumerate(argv) if a.startswith(flag + "=") or (a == flag and i + 1 < len(argv))]
+    if given and int(given[-1]) != n:
+        raise ValueError(f"completions_per_step {args.completions_per_step} over {processes} processes means "
+                         f"{flag} {n}, but {flag} {given[-1]} was given: set one of them (--completions_per_step 0 "
+                         f"to use {flag} as given)")
+    return [*argv, flag, str(n)]
+
+
+def validate(args: RefinerArguments, training_args, model_args, num_processes: int) -> str:
+    """Settings that need no files: fail before anything loads, naming the setting. Returns the batch geometry."""
+    check_alpha(args.alpha)
+    check_budget(args.min_pixels, args.max_pixels)
+    check_k(args.depth, "depth")
+    check_prompt(args.prompt)
+    validate_tiers(parse_tiers(args.reward_tiers), args.miss_reward)
+    if not model_args.model_name_or_path:
+        raise ValueError("--model_name_or_path is required")
+    per_step = training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps * num_processes
+    if per_step % training_args.num_generations:
+        raise ValueError(f"batch geometry: per_device_train_batch_size ({training_args.per_device_train_batch_size}) "
+                         f"× gradient_accumulation_steps ({training_args.gradient_accumulation_steps}) × processes "
+                         f"({num_processes}) = {per_step} completions per step is not a multiple of "
+                         f"num_generations ({training_args.num_generations})")
+    return (f"batch geometry: {per_step // training_args.num_generations} prompts × {training_args.num_generations} "
+            f"generations = {per_step} completions per optimizer step ({num_processes} processes × "
+            f"{training_args.per_device_train_batch_size} × {training_args.gradient_accumulation_steps} accumulation)")
+
+
+def validate_files(args: RefinerArguments) -> None:
+    manifest = require_index(args.index)
+    check_image_encoder_name(manifest["image_encoder"])
+    check_text_encoder_name(manifest["text_encoder"])
+    require_file(args.train_file, "train_file")
+    if args.eval_file:
+        require_file(args.eval_file, "eval_file")
+
+
+def world_module(argv: list[str]):
+    """The module named by ``--world`` or by the ``world`` entry of the ``--config`` file (None when neither names
+    one): read before the parse, since its Arguments join it."""
+    name = argv[argv.index("--world") + 1] if "--world" in argv[:-1] else None
+    if name is None and "--config" in argv[:-1]:
+        config = yaml.safe_load(Path(argv[argv.index("--config") + 1]).read_text()) or {}
+        name = config.get("world")
+    return importlib.import_module(name) if name else None
+
+
+def parse_arguments(argv=None):
+    """(args, training_args, model_args, world, world_args, state) from the command line; with no ``--config`` the
+    embedded default's. The first accelerate state of the process is made here: under torchrun on CPUs it must know
+    use_cpu, or every process believes it is alone; every collective waits at most ddp_timeout seconds."""
+    from accelerate import PartialState
+    from trl import GRPOConfig, ModelConfig
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    embedded_default = "--config" not in argv
+    if embedded_default:
+        argv = ["--config", str(DEFAULT_CONFIG), *argv]
+    world = world_module(argv)
+    types = (RefinerArguments, GRPOConfig, ModelConfig, *((world.Arguments,) if world else ()))
+    args, training_args, model_args, *world_args = parse(types, argv)
+    state = PartialState(cpu=training_args.use_cpu, timeout=training_args.ddp_timeout_delta)
+    if args.completions_per_step:  # GRPOConfig derives its generation batch from the per-device batch when built
+        argv = with_completions_per_step(argv, args, training_args, state.num_processes)
+        args, training_args, model_args, *world_args = parse(types, argv)
+    if embedded_default and state.is_main_process:
+        print(f"no --config given: running the embedded default ({DEFAULT_CONFIG.relative_to(DEFAULT_CONFIG.parents[2])})")
+    return args, training_args, model_args, world, (world_args or [None])[0], state

@@ -1,0 +1,383 @@
+"""A procedurally generated, deterministic KB-VQA world for the embedded default and the tests.
+
+    python -m toy.world --out DIR [--entities 180] [--seed 0] [--alpha 0.1]
+
+Each entity is a made-up creature with a name, a habitat and a diet, and a visual identity made of three
+attributes from small closed sets (colour × shape × white pattern) that a tiny vision model reads quickly and the
+real MiniLM text encoder understands as words. Images are 56 px drawings with jittered position, size, colour,
+noise and a distractor blob. KB sections say the attributes in plain words. Questions are vague ("Where does this
+creature live?") on held-out image variants; they carry the gold entity, answers and gold attributes.
+
+Writes DIR/{kb,train,val,test,entities}.jsonl, DIR/images/, DIR/index/ (built with the chosen encoders) and
+DIR/calibration.json: where original questions rank (the paper's reward tiers), and how much stating the
+attributes helps — the properties a refiner needs to be able to learn from retrieval reward.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from common.files import file_fingerprint, write_json_atomic, write_jsonl_atomic
+from retrieval.upstream.articles import store_from_kb_rows, store_path_for
+
+COLOURS = {
+    "red": (210, 40, 40), "orange": (240, 140, 30), "yellow": (235, 215, 40), "green": (50, 160, 60),
+    "blue": (40, 80, 210), "purple": (130, 50, 180), "pink": (240, 120, 180), "brown": (120, 75, 35),
+}
+SHAPES = ["circle", "square", "triangle", "star", "cross", "diamond"]
+PATTERNS = ["plain", "striped", "dotted", "checkered"]
+HABITATS = ["mossy caves", "salt marshes", "pine forests", "coral reefs", "desert dunes", "river deltas",
+            "mountain cliffs", "bamboo groves", "frozen tundra", "volcanic slopes", "mangrove swamps",
+            "open grasslands"]
+DIETS = ["beetles", "seaweed", "berries", "small fish", "tree bark", "mushrooms", "nectar", "seeds", "snails",
+         "algae"]
+SYLLABLES = ["ka", "lo", "mi", "zu", "ren", "tal", "vor", "shi", "bel", "dro", "fen", "gil", "nax", "pim", "qua",
+             "sol", "tev", "ul", "wyn", "yor", "bri", "cas", "dun", "eth", "hol", "jor", "kel", "mur", "ost", "rag"]
+QUESTIONS = {
+    "habitat": "Where does this creature live?",
+    "diet": "What does this creature eat?",
+    "name": "What is this creature called?",
+}
+ATTRIBUTES = ("colour", "shape", "pattern")
+ATTRIBUTE_VALUES = {"colour": list(COLOURS), "shape": SHAPES, "pattern": PATTERNS}
+IMAGE_SIZE = 56
+WORLD_VERSION = 3  # bump when rendering or wording changes, so existing worlds are regenerated
+# The paper's Table 5 buckets (hit-rank strata of the RL data)
+BUCKETS = [("1-5", 1, 5), ("6-10", 6, 10), ("11-20", 11, 20), ("21-200", 21, 200)]
+
+
+@dataclass
+class ToyWorldArgs:
+    out: str = field(default="outputs/toyworld", metadata={"help": "folder to write the world into"})
+    entities: int = field(default=180, metadata={"help": f"number of entities (≤ {len(COLOURS) * len(SHAPES) * len(PATTERNS)})"})
+    seed: int = field(default=0, metadata={"help": "world seed"})
+    kb_images: int = field(default=2, metadata={"help": "KB images per entity"})
+    train_images: int = field(default=20, metadata={"help": "train question images per entity"})
+    val_images: int = field(default=1, metadata={"help": "validation question images per entity (checkpoint selection)"})
+    test_images: int = field(default=2, metadata={"help": "held-out test question images per entity"})
+    noise: float = field(default=8.0, metadata={"help": "pixel noise σ"})
+    alpha: float = field(default=0.3, metadata={"help": "α used to calibrate the world (the embedded default's α)"})
+    image_encoder: str = field(default="tiny", metadata={"help": "image encoder for the world's index"})
+    text_encoder: str = field(default="minilm", metadata={"help": "text encoder for the world's index"})
+    depth: int = field(default=200, metadata={"help": "rank depth for the calibration"})
+    skip_index: bool = field(default=False, metadata={"help": "only write the data, build no index"})
+
+
+# --------------------------------------------------------------------------- entities and text
+
+
+def make_entities(n: int, seed: int) -> list[dict]:
+    combos = [(c, s, p) for c in COLOURS for s in SHAPES for p in PATTERNS]
+    if not 1 <= n <= len(combos):
+        raise ValueError(f"--entities must be between 1 and {len(combos)} (one per attribute combination), got {n}")
+    rng = np.random.default_rng(seed)
+    chosen = [combos[i] for i in rng.permutation(len(combos))[:n]]
+    names: set[str] = set()
+    entities = []
+    for i, (colour, shape, pattern) in enumerate(chosen):
+        while True:
+            name = "".join(rng.choice(SYLLABLES, size=int(rng.integers(2, 4)))).capitalize()
+            if name not in names:
+                names.add(name)
+                break
+        entities.append(dict(entity_id=f"E{i:04d}", name=name, colour=colour, shape=shape, pattern=pattern,
+                             habitat=str(rng.choice(HABITATS)), diet=str(rng.choice(DIETS)), category="creature"))
+    return entities
+
+
+def describe(e: dict) -> str:
+    return f"The {e['name']} is a {e['colour']} {e['pattern']} {e['shape']}."
+
+
+def sections(e: dict) -> list[tuple[str, str]]:
+    head = describe(e)
+    return [
+        ("Habitat", f"{head} This {e['colour']} {e['shape']} creature lives in the {e['habitat']}."),
+        ("Diet", f"{head} This {e['colour']} {e['shape']} creature eats {e['diet']}."),
+    ]
+
+
+def answers_for(e: dict, qtype: str) -> list[str]:
+    return [e[qtype]]
+
+
+def attribute_words(attrs: dict, keys=ATTRIBUTES) -> str:
+    """The attribute words in a fixed order, e.g. 'red star striped'."""
+    return " ".join(attrs[k] for k in keys)
+
+
+# --------------------------------------------------------------------------- images
+
+
+def _shape_polygon(shape: str, cx: float, cy: float, r: float):
+    if shape == "square":
+        return [(cx - r, cy - r), (cx + r, cy - r), (cx + r, cy + r), (cx - r, cy + r)]
+    if shape == "diamond":
+        return [(cx, cy - r), (cx + r, cy), (cx, cy + r), (cx - r, cy)]
+    if shape == "triangle":
+        return [(cx, cy - r), (cx + r, cy + r * 0.8), (cx - r, cy + r * 0.8)]
+    if shape == "star":
+        pts = []
+        for k in range(10):
+            rad = r if k % 2 == 0 else r * 0.45
+            a = -math.pi / 2 + k * math.pi / 5
+            pts.append((cx + rad * math.cos(a), cy + rad * math.sin(a)))
+        return pts
+    if shape == "cross":
+        w = r * 0.38
+        return [(cx - w, cy - r), (cx + w, cy - r), (cx + w, cy - w), (cx + r, cy - w), (cx + r, cy + w),
+                (cx + w, cy + w), (cx + w, cy + r), (cx - w, cy + r), (cx - w, cy + w), (cx - r, cy + w),
+                (cx - r, cy - w), (cx - w, cy - w)]
+    raise ValueError(f"unknown shape {shape!r}")
+
+
+def _pattern_mask(pattern: str, size: int, phase: int) -> np.ndarray:
+    yy, xx = np.mgrid[0:size, 0:size]
+    if pattern == "plain":
+        return np.zeros((size, size), bool)
+    if pattern == "striped":
+        return ((yy + phase) // 4) % 2 == 0
+    if pattern == "dotted":
+        return (((yy + phase) % 7) < 3) & (((xx + phase) % 7) < 3)
+    if pattern == "checkered":
+        return (((yy + phase) // 5) + ((xx + phase) // 5)) % 2 == 0
+    raise ValueError(f"unknown pattern {pattern!r}")
+
+
+def _erode(mask: np.ndarray) -> np.ndarray:
+    """Pixels whose four neighbours are all inside ``mask``."""
+    m = np.pad(mask, 1)
+    return m[1:-1, 1:-1] & m[:-2, 1:-1] & m[2:, 1:-1] & m[1:-1, :-2] & m[1:-1, 2:]
+
+
+def render(e: dict, rng: np.random.Generator, noise: float = 8.0):
+    """Draw one image of entity ``e`` with per-image variation; returns a PIL image."""
+    from PIL import Image, ImageDraw
+
+    s = IMAGE_SIZE
+    bg = int(rng.integers(200, 236))
+    canvas = np.full((s, s, 3), bg, np.float32)
+    # distractor: a small grey blob somewhere
+    if rng.random() < 0.7:
+        dx, dy, dr = rng.integers(4, s - 4), rng.integers(4, s - 4), rng.integers(2, 5)
+        yy, xx = np.mgrid[0:s, 0:s]
+        canvas[(yy - dy) ** 2 + (xx - dx) ** 2 <= dr * dr] = float(rng.integers(90, 170))
+    r = float(rng.uniform(15, 21))
+    cx, cy = rng.uniform(r + 2, s - r - 2, size=2)
+    mask_img = Image.new("L", (s, s), 0)
+    if e["shape"] == "circle":
+        ImageDraw.Draw(mask_img).ellipse([cx - r, cy - r, cx + r, cy + r], fill=255)
+    else:
+        ImageDraw.Draw(mask_img).polygon(_shape_polygon(e["shape"], cx, cy, r), fill=255)
+    mask = np.asarray(mask_img) > 127
+    colour = np.clip(np.asarray(COLOURS[e["colour"]], np.float32) + rng.normal(0, 12, 3), 0, 255)
+    canvas[mask] = colour
+    canvas[mask & _pattern_mask(e["pattern"], s, int(rng.integers(0, 6)))] = 250.0
+    canvas[mask & ~_erode(_erode(mask))] = 45.0  # a dark outline keeps the silhouette when the pattern is white
+    canvas += rng.normal(0, noise, canvas.shape)
+    return Image.fromarray(np.clip(canvas, 0, 255).astype(np.uint8))
+
+
+# --------------------------------------------------------------------------- world files
+
+
+def generate(args: ToyWorldArgs, log=print) -> dict:
+    """Write the world's data files (idempotent: an existing world with the same settings is kept)."""
+    out = Path(args.out)
+    settings = {k: getattr(args, k) for k in ("entities", "seed", "kb_images", "train_images", "val_images", "test_images",
+                                    "noise")}
+    settings["version"] = WORLD_VERSION
+    world_file = out / "world.json"
+    if world_file.exists() and json.loads(world_file.read_text()).get("settings") == settings:
+        log(f"toy world in {out} already generated")
+        return json.loads(world_file.read_text())
+    from tqdm import tqdm
+
+    t0 = time.perf_counter()
+    entities = make_entities(args.entities, args.seed)
+    (out / "images").mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(args.seed + 1)
+    kb, questions = [], {"train": [], "val": [], "test": []}
+    qtypes = list(QUESTIONS)
+    for e in tqdm(entities, desc="toy world", unit="entity"):
+        eid = e["entity_id"]
+        for j in range(args.kb_images):
+            image = f"images/{eid}_kb{j}.png"
+            render(e, rng, args.noise).save(out / image)
+            for k, (title, text) in enumerate(sections(e)):
+                kb.append(dict(entry_id=f"{eid}-img{j}-sec{k}", entity_id=eid, title=e["name"], section_title=title,
+                               text=text, image=image))
+        for split, n in (("train", args.train_images), ("val", args.val_images), ("test", args.test_images)):
+            for j in range(n):
+                image = f"images/{eid}_{split}{j}.png"
+                render(e, rng, args.noise).save(out / image)
+                qtype = qtypes[int(rng.integers(len(qtypes)))]
+                questions[split].append(dict(
+                    id=f"{eid}-{split}{j}", image=image, question=QUESTIONS[qtype], entity_id=eid,
+                    answers=answers_for(e, qtype), question_type=qtype, split=split,
+                    attributes={a: e[a] for a in ATTRIBUTES}))
+    write_jsonl_atomic(out / "entities.jsonl", entities)
+    write_jsonl_atomic(out / "kb.jsonl", kb)
+    store_from_kb_rows(kb, store_path_for(out / "kb.jsonl"))  # the same canonical path as a converted KB
+    for split, rows in questions.items():
+        write_jsonl_atomic(out / f"{split}.jsonl", rows)
+    world = {"settings": settings, "entities": len(entities), "kb_rows": len(kb),
+             **{f"{split}_questions": len(rows) for split, rows in questions.items()}}
+    write_json_atomic(world_file, world)  # last: marks the world complete
+    world["generated_now"] = True
+    log(f"toy world: {len(entities)} entities, {len(kb)} KB rows, {len(questions['train'])} train / "
+        f"{len(questions['val'])} val / {len(questions['test'])} test questions in {out} "
+        f"({time.perf_counter() - t0:.0f} s)")
+    return world
+
+
+# --------------------------------------------------------------------------- calibration
+
+
+def bucket_histogram(ranks: list[int | None]) -> dict[str, float]:
+    """Share of ranks in each Table-5 bucket (1–5, 6–10, 11–20, 21–200) and beyond (miss)."""
+    n = max(len(ranks), 1)
+    hist = {name: sum(1 for r in ranks if r is not None and lo <= r <= hi) / n for name, lo, hi in BUCKETS}
+    hist["miss"] = sum(1 for r in ranks if r is None or r > 200) / n
+    return hist
+
+
+def median_rank(ranks: list[int | None], depth: int) -> float:
+    return float(np.median([depth + 1 if r is None else r for r in ranks]))
+
+
+def calibrate(index, world_dir: Path, alpha: float, depth: int = 200, seed: int = 0) -> dict:
+    """Rank the test questions with and without attribute words; returns the calibration report."""
+    from PIL import Image
+
+    rows = [json.loads(line) for line in open(world_dir / "test.jsonl")]
+    image_emb = index.encode_images([Image.open(world_dir / r["image"]).convert("RGB") for r in rows])
+    gold = [r["entity_id"] for r in rows]
+    rng = np.random.default_rng(seed)
+
+    def ranks(texts):
+        return index.entity_ranks(image_emb, texts, gold, alpha=alpha, depth=depth)
+
+    def with_words(keys_per_row, wrong=None):
+        texts = []
+        for r, keys in zip(rows, keys_per_row):
+            words = [r["attributes"][k] for k in keys]
+            if wrong is not None:
+                k = wrong(r)
+                words.append(str(rng.choice([v for v in ATTRIBUTE_VALUES[k] if v != r["attributes"][k]])))
+            texts.append(" ".join([r["question"], *words]))
+        return texts
+
+    subsets = {n: [sorted(rng.choice(len(ATTRIBUTES), size=n, replace=False)) for _ in rows] for n in range(4)}
+    keys = {n: [[ATTRIBUTES[i] for i in s] for s in subsets[n]] for n in range(4)}
+    original = ranks([r["question"] for r in rows])
+    by_count = {n: ranks(with_words(keys[n])) for n in range(4)}
+    # two correct attribute words, plus the third one wrong
+    third = [next(a for a in ATTRIBUTES if a not in k) for k in keys[2]]
+    it = iter(third)
+    two_plus_wrong = ranks(with_words(keys[2], wrong=lambda r: next(it)))
+    medians = {n: median_rank(by_count[n], depth) for n in range(4)}
+    report = {
+        "alpha": alpha, "depth": depth, "questions": len(rows), "entities": index.num_entities,
+        "original_buckets": bucket_histogram(original),
+        "original_median_rank": median_rank(original, depth),
+        "all_attributes_top5": float(np.mean([r is not None and r <= 5 for r in by_count[3]])),
+        "median_rank_by_correct_attributes": medians,
+        "median_rank_two_correct_one_wrong": median_rank(two_plus_wrong, depth),
+    }
+    spread = sum(1 for name, _, _ in BUCKETS if report["original_buckets"][name] >= 0.05)
+    report["checks"] = {
+        "original ranks spread over ≥ 3 reward buckets (≥ 5 % each)": spread >= 3,
+        "all three attributes rank the gold entity top-5 for most questions": report["all_attributes_top5"] >= 0.7,
+        "each additional correct attribute improves the median rank":
+            all(medians[n + 1] <= medians[n] for n in range(3)) and medians[3] < medians[0],
+        "a wrong attribute word worsens the median rank": report["median_rank_two_correct_one_wrong"] > medians[2],
+    }
+    return report
+
+
+def format_report(rep: dict) -> str:
+    b = rep["original_buckets"]
+    lines = [
+        f"toy-world calibration: {rep['questions']} test questions, {rep['entities']} entities, α = {rep['alpha']}",
+        "original-question rank buckets: " + "  ".join(f"{k}: {100 * v:.0f}%" for k, v in b.items()),
+        "median rank by correct attribute words: "
+        + "  ".join(f"{n}: {v:g}" for n, v in rep["median_rank_by_correct_attributes"].items())
+        + f"   (2 correct + 1 wrong: {rep['median_rank_two_correct_one_wrong']:g})",
+        f"all three attributes → top-5: {100 * rep['all_attributes_top5']:.0f}%",
+    ]
+    lines += [f"  [{'ok' if ok else 'FAIL'}] {name}" for name, ok in rep["checks"].items()]
+    return "\n".join(lines)
+
+
+def build(args: ToyWorldArgs, log=print) -> dict:
+    """Generate the world, build its index and calibrate it; returns the calibration report (or {})."""
+    from retrieval.build_index import BuildArgs, build_index
+    from retrieval.encoders import check_image_encoder_name, check_text_encoder_name
+    from retrieval.index import MultimodalIndex, check_alpha
+
+    check_alpha(args.alpha)
+    check_image_encoder_name(args.image_encoder)
+    check_text_encoder_name(args.text_encoder)
+    out = Path(args.out)
+    fresh = generate(args, log=log).get("generated_now", False)
+    if args.skip_index:
+        return {}
+    index_dir = out / "index"
+    build_index(BuildArgs(kb=str(out / "kb.jsonl"), out=str(index_dir), images_root=str(out),
+                          image_encoder=args.image_encoder, text_encoder=args.text_encoder, factory="Flat",
+                          device="cpu", overwrite=fresh or _index_stale(index_dir, args)), log=log)
+    built = json.loads((index_dir / "manifest.json").read_text())["created"]
+    previous = out / "calibration.json"
+    if previous.exists():
+        report = json.loads(previous.read_text())
+        if (report.get("index_created"), report.get("alpha"), report.get("depth")) == (built, args.alpha, args.depth):
+            report["median_rank_by_correct_attributes"] = {
+                int(k): v for k, v in report["median_rank_by_correct_attributes"].items()}
+            log(format_report(report))
+            return report
+    index = MultimodalIndex.load(index_dir, device="cpu")
+    report = calibrate(index, out, args.alpha, args.depth, args.seed)
+    report["index_created"] = built
+    write_json_atomic(out / "calibration.json", report)
+    log(format_report(report))
+    return report
+
+
+def world_args(out: str, alpha: float) -> ToyWorldArgs:
+    """The settings of the world already generated in ``out`` (kept as it is), or the defaults for a folder with none
+    (or with a world from an older generator, which is regenerated)."""
+    world_file = Path(out) / "world.json"
+    settings = json.loads(world_file.read_text()).get("settings", {}) if world_file.exists() else {}
+    if settings.get("version") != WORLD_VERSION:
+        return ToyWorldArgs(out=str(out), alpha=alpha)
+    return ToyWorldArgs(out=str(out), alpha=alpha, **{k: v for k, v in settings.items() if k != "version"})
+
+
+def _index_stale(index_dir: Path, args: ToyWorldArgs) -> bool:
+    """An index from other encoders (or a regenerated world) is rebuilt rather than refused."""
+    manifest = index_dir / "manifest.json"
+    if not manifest.exists():
+        return False
+    m = json.loads(manifest.read_text())
+    return (m.get("image_encoder"), m.get("text_encoder"), m.get("kb_fingerprint")) != (
+        args.image_encoder, args.text_encoder, file_fingerprint(index_dir.parent / "kb.jsonl"))
+
+
+def main(argv=None) -> None:
+    from common.cli import parse
+
+    (args,) = parse((ToyWorldArgs,), argv, description=__doc__)
+    build(args)
+
+
+if __name__ == "__main__":
+    from common.cli import run
+
+    run(main)
