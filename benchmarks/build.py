@@ -26,8 +26,7 @@ import numpy as np
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-from toy.world import make_entities, sections  # noqa: E402
+from toy.world import make_entities, sections
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--rows", type=int, default=1200, help="KB rows for the workers × processes table")
@@ -86,7 +85,7 @@ entities = make_entities(192, seed=0)
 rng = np.random.default_rng(1)
 w, h = (int(x) for x in args.photo.split("x"))
 (tmp / "photos").mkdir()
-from PIL import Image  # noqa: E402
+from PIL import Image
 
 yy, xx = np.mgrid[0:h, 0:w]
 for i in range(args.pool):
@@ -139,10 +138,10 @@ for n in [int(x) for x in args.sizes.split(",")] if 2 in tables else []:
     kb_n.unlink()
 
 # ------------------------------------------------------------------ table 3: decoding cost per image, one core
-import open_clip  # noqa: E402
-import torch  # noqa: E402
+import open_clip
+import torch
 
-from retrieval.image_data import pixels  # noqa: E402
+from retrieval.image_data import pixels
 
 torch.set_num_threads(1)
 _, _, preprocess = open_clip.create_model_and_transforms("ViT-S-32", pretrained=None)  # 224 px, as EVA-CLIP-8B's

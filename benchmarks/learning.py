@@ -24,14 +24,12 @@ import os
 import re
 import resource
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-from toy.refiner import ATTRIBUTES  # noqa: E402
+from toy.refiner import ATTRIBUTES
 
 PHASES = {"warm start s": r"^warm start \(SFT\): \d+ steps in (\d+) s", "GRPO s": r"^GRPO: \d+ steps in (\d+) s"}
 

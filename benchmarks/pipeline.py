@@ -4,7 +4,7 @@
 
 Runs the pipeline twice on the same questions with ``baselines: false`` (only the path each question takes): once
 with the configured boundary gate, once with ``gate: always`` (every question retrieves). Models are loaded once
-per run and not timed. Needs the README's gate section to have been run (outputs/gate/...).
+per run and not timed. Needs docs/toy-world.md's gate section to have been run (outputs/gate/...).
 """
 
 from __future__ import annotations

@@ -28,14 +28,13 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import faiss  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import faiss
+import numpy as np
+import torch
 
-from common.placement import configure_threads, usable_cores  # noqa: E402
-from retrieval.index import MultimodalIndex, _read_faiss, build_faiss_index_from_chunks  # noqa: E402
+from common.placement import configure_threads, usable_cores
+from retrieval.index import MultimodalIndex, _read_faiss, build_faiss_index_from_chunks
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--sizes", default="100000,500000,1000000")
