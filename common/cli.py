@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from dataclasses import fields
 from pathlib import Path
 
 
@@ -36,8 +37,6 @@ def check_choices(obj) -> None:
     """Every field of the dataclass ``obj`` whose metadata lists ``choices`` holds one of them (None, unset, passes;
     a list, each item), else a ValueError naming the flag. argparse checks a flag's choices, but not a value from a
     ``--config`` file (TRL's parser makes those the defaults) nor one of a dataclass built directly."""
-    from dataclasses import fields
-
     for f in fields(obj):
         choices = f.metadata.get("choices")
         if choices is None:

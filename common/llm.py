@@ -6,10 +6,13 @@ recorded as failed — never given an empty answer). Each returns generate(image
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 import urllib.error
 import urllib.request
+
+from common.placement import resolve_dtype
 
 RETRYABLE = (urllib.error.URLError, TimeoutError, ConnectionError, ValueError, KeyError, IndexError, TypeError)
 
@@ -75,12 +78,8 @@ def text_generator(name_or_path: str, prompt: dict, max_new_tokens: int, device:
                    dtype: str | None = None):
     """A causal LM with a chat template, batched greedy generation, left padding, on ``device`` in ``dtype`` (default:
     bf16 on a GPU, fp32 on the CPU)."""
-    import logging
-
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from common.placement import resolve_dtype
 
     tokenizer = AutoTokenizer.from_pretrained(name_or_path)
     tokenizer.padding_side = "left"

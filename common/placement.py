@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 from contextlib import contextmanager
+from datetime import timedelta
 
 log = logging.getLogger("refine_rl.placement")
 
@@ -66,8 +67,6 @@ def process_state(device: str | None = None, timeout_minutes: int | None = None)
     ``torchrun`` started): on the CPU when ``device`` says so or no GPU exists — created first with ``cpu=True``, so
     CPU processes under torchrun form one gloo group instead of each believing it is alone. ``timeout_minutes``
     bounds how long a process waits for the others at a barrier."""
-    from datetime import timedelta
-
     import torch
     from accelerate import PartialState
 

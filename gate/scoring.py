@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from gate.variants import BINARY, messages, parse_completion, spec
+from rl.generate import generate_completions
+from rl.model import load_model
 
 GATE_FILE = "gate.json"
 DEFAULT_THRESHOLDS = {"skb": 3.0}  # γ = 0.5 for the binary gates (KBM's τ = 0.9 labels data only)
@@ -42,8 +44,6 @@ def verbaliser_ids(tokenizer, s: dict) -> list[int]:
 def load_gate(path, device: str | None = None, dtype: str | None = None):
     """A trained gate folder (train_sft's ``final``): model, processor and its spec from gate.json, on ``device``
     (default: cpu) in ``dtype`` (default: bf16 on a GPU, fp32 on the CPU)."""
-    from rl.model import load_model
-
     path = Path(path)
     if not (path / GATE_FILE).is_file():
         raise ValueError(f"gate model {path}: no {GATE_FILE} (a folder written by gate/train/sft.py)")
@@ -92,8 +92,6 @@ def first_token_scores(model, processor, s: dict, images, questions, contexts=No
 def generate_parsed(model, processor, s: dict, images, questions, contexts=None, batch_size: int = 16,
                     max_new_tokens: int | None = None) -> list:
     """Greedy generation, parsed by the variant (the Inspector's {"pass", "answer"}, mct's documents and summary)."""
-    from rl.generate import generate_completions
-
     max_new_tokens = max_new_tokens or (128 if s["name"] == "mct" else 48)  # mct writes a summary too
     users = [m[1]["content"] for m in (messages(s, q, c) for q, c in
                                        zip(questions, contexts if contexts is not None else [None] * len(questions)))]

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
+
+from common.prompts import load_prompt
 
 BOUNDARY_SYSTEM = (
     "You are given an image and a question about it. Decide whether you need to search an external knowledge base "
@@ -62,16 +65,12 @@ BINARY = tuple(v for v, s in VARIANTS.items() if len(s["verbalisers"]) == 2)
 def load_gate_prompt(path: str, variant: str) -> dict:
     """A variant's prompt from a YAML file (rl.prompts.load_prompt), its user template holding the placeholders the
     variant fills ({question}, and {context} for the variants that read a section)."""
-    from common.prompts import load_prompt
-
     needs = ("{question}", "{context}") if "{context}" in check_variant(variant)["user"] else ("{question}",)
     return load_prompt(path, {}, needs, "--gate_prompt")
 
 
 def prompt_file_for(folder, variant: str):
     """Where render writes the prompt a variant's rows were rendered with (read by train_sft into gate.json)."""
-    from pathlib import Path
-
     return Path(folder) / f"{variant}.prompt.json"
 
 

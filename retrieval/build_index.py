@@ -31,11 +31,19 @@ from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
-from common.cli import require_file
+from common.cli import parse, require_file
 from common.files import atomic_path, file_fingerprint, write_json_atomic, write_jsonl_atomic
+from common.placement import Processes, configure_threads, decode_workers, process_state, resolve_device
 from retrieval.build_shards import encode_image_shards, encode_text_shard, shard_paths, work_items
-from retrieval.encoders import check_image_encoder_name, check_text_encoder_name, image_encoder, text_encoder
+from retrieval.encoders import (
+    check_image_encoder_name,
+    check_text_encoder_name,
+    image_encoder,
+    resolve_query_prompt,
+    text_encoder,
+)
 from retrieval.index import (
     INDEX_FILE,
     MANIFEST_FILE,
@@ -123,8 +131,6 @@ def build_index(args: BuildArgs, log=print, encoders=None, state=None) -> dict |
     ``encoders``: an already-built (image, text) encoder pair whose names match ``args`` (saves a reload).
     ``state``: an accelerate ``PartialState`` of a multi-process build (None: this process builds alone).
     """
-    from common.placement import Processes, configure_threads, decode_workers, resolve_device
-
     procs = Processes(state)
     validate(args)
     out, kb = Path(args.out), Path(args.kb)
@@ -179,14 +185,11 @@ def build_index(args: BuildArgs, log=print, encoders=None, state=None) -> dict |
         if (img_enc.name, txt_enc.name) != (args.image_encoder, args.text_encoder):
             raise ValueError(f"encoders {img_enc.name!r}/{txt_enc.name!r} given for a build that names "
                              f"{args.image_encoder!r}/{args.text_encoder!r}")
-        from retrieval.encoders import resolve_query_prompt
 
         if txt_enc.query_prompt != resolve_query_prompt(args.query_instruction, txt_enc.model.prompts):
             raise ValueError(f"the text encoder given has query instruction {txt_enc.query_prompt!r}; the build "
                              f"asks for {args.query_instruction!r}")
     if my_text:
-        from tqdm import tqdm
-
         if txt_enc is None:
             txt_enc = text_encoder(args.text_encoder, device=device, batch_size=_text_batch(args),
                                    query_prompt=args.query_instruction, trust_remote_code=args.trust_remote_code,
@@ -218,8 +221,6 @@ def build_index(args: BuildArgs, log=print, encoders=None, state=None) -> dict |
 
 def _change_query_instruction(manifest_path: Path, manifest: dict, args: BuildArgs, log) -> dict:
     """A query-time setting: KB rows never carry the instruction, so changing it rewrites the manifest only."""
-    from retrieval.encoders import resolve_query_prompt
-
     if args.query_instruction == "auto":  # the model's own prompt: read from the model (on the CPU, once)
         resolved = text_encoder(args.text_encoder, device="cpu", query_prompt="auto",
                                 trust_remote_code=args.trust_remote_code).query_prompt
@@ -322,9 +323,6 @@ def _versions() -> dict:
 
 
 def main(argv=None) -> None:
-    from common.cli import parse
-    from common.placement import process_state
-
     (args,) = parse((BuildArgs,), argv, description=__doc__)
     validate(args)
     build_index(args, state=process_state(args.device, args.dist_timeout_minutes))

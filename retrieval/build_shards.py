@@ -8,10 +8,13 @@ from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from common.files import atomic_path, write_json_atomic
+from retrieval.image_data import KBImageRows, Waits, batches_of, loader, timed
 from retrieval.kb import entry_text
 from retrieval.kb_scan import KBScan
+from retrieval.summarize import load_summaries, summarized
 
 
 def shard_paths(build_dir: Path, kind: str, i: int) -> tuple[Path, Path]:
@@ -34,16 +37,12 @@ def save_shard(build_dir: Path, kind: str, i: int, emb: np.ndarray, meta: dict) 
 
 @lru_cache(maxsize=2)
 def summaries_of(path: str | None) -> dict[str, str]:
-    from retrieval.summarize import load_summaries
-
     return load_summaries(path) if path else {}
 
 
 def encode_text_shard(j: int, scan: KBScan, txt_enc, args, build_dir: Path) -> None:
     """Embed text shard ``j``; a section with a summary (``args.summaries``, retrieval.summarize) is embedded as its
     summary."""
-    from retrieval.summarize import summarized
-
     summaries = summaries_of(args.summaries)
     rows = scan.text_rows[j * args.shard_size:(j + 1) * args.shard_size]
     recs = list(scan.read(rows))
@@ -62,10 +61,6 @@ def encode_image_shards(shards: list[int], scan: KBScan, root: Path, img_enc, ar
                          workers: int):
     """Encode these image shards, their images decoded by ``workers`` DataLoader processes; returns the image loop's
     ``Waits`` (seconds in all, and waiting for decoded batches)."""
-    from tqdm import tqdm
-
-    from retrieval.image_data import KBImageRows, Waits, batches_of, loader, timed
-
     S = args.shard_size
     batches, owner, pending = [], [], {}
     for i in shards:

@@ -31,9 +31,13 @@ queries only, never to KB rows. ``check_*_name`` validate a name without loading
 from __future__ import annotations
 
 import os
+from importlib.metadata import entry_points
 from pathlib import Path
 
 import numpy as np
+from PIL import Image
+
+from common.placement import log, resolve_device
 
 
 def l2_normalize(x: np.ndarray) -> np.ndarray:
@@ -52,8 +56,6 @@ def registered(kind: str) -> dict:
     (``image_encoders``: a function returning an open_clip (model, preprocess); ``text_encoders``, ``cross_encoders``:
     a function returning a local model folder). The toy world's ``tiny`` models come this way (pyproject.toml,
     toy.models): these factories know no model by a special name."""
-    from importlib.metadata import entry_points
-
     return {ep.name: ep for ep in entry_points(group=f"refine_rl.{kind}")}
 
 
@@ -127,7 +129,6 @@ class ImageEncoder:
         import torch
 
         self.name = check_image_encoder_name(name)
-        from common.placement import log, resolve_device
 
         self.device = resolve_device(device)
         self.batch_size = batch_size
@@ -197,8 +198,6 @@ class HFImageEncoder:
         import torch
         from transformers import AutoConfig, AutoImageProcessor, AutoModel, CLIPVisionModelWithProjection
 
-        from common.placement import log, resolve_device
-
         self.name = check_image_encoder_name(name)
         path = name[len("hf:"):]
         self.device = resolve_device(device)
@@ -258,8 +257,6 @@ class HFImageEncoder:
 
 
 def _blank_image():
-    from PIL import Image
-
     return Image.new("RGB", (32, 32), (128, 128, 128))
 
 
@@ -284,8 +281,6 @@ class TextEncoder:
                  query_prompt: str | None = None, trust_remote_code: bool = False, max_seq_length: int | None = None):
         import torch
         from sentence_transformers import SentenceTransformer
-
-        from common.placement import log, resolve_device
 
         self.name = check_text_encoder_name(name)
         self.device = resolve_device(device)

@@ -25,8 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-from common.cli import require_file
+from common.cli import parse, require_file
 from common.files import atomic_path, pyplot, read_jsonl, save_figure, write_json_atomic, write_text_atomic
+from common.placement import decode_workers
 from retrieval.answers import answer_in_passage
 from retrieval.index import MultimodalIndex, check_alpha, check_k, ranks_of, require_index
 
@@ -154,8 +155,6 @@ def format_table(results: dict[str, dict], ks: list[int], label: str = "field") 
 
 
 def run(args: EvalArgs, log=print) -> dict:
-    from common.placement import decode_workers
-
     # ---- validate everything before any model loads
     require_index(args.index)
     require_file(args.queries, "queries")
@@ -297,8 +296,6 @@ def _write_sweep(out: Path, alphas, fields, ks, results, log) -> None:
 
 
 def main(argv=None) -> None:
-    from common.cli import parse
-
     (args,) = parse((EvalArgs,), argv, description=__doc__)
     run(args)
 

@@ -19,9 +19,12 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
+from tqdm import tqdm
 
 from common.placement import configure_threads, index_to_device, log, outside_zero3_init, resolve_device
 from retrieval.encoders import ImageEncoder, TextEncoder, image_encoder, l2_normalize, resolve_query_prompt
+from retrieval.exact import ExactRanker, StoredRows, flat_storage
+from retrieval.image_data import ImageFiles, Waits, batches_of, loader, timed
 
 INDEX_FILE = "index.faiss"
 ROWS_FILE = "rows.parquet"
@@ -245,8 +248,6 @@ class MultimodalIndex:
 
     @property
     def uses_exact_ranks(self) -> bool:
-        from retrieval.exact import flat_storage
-
         if self.rank_method == "search":
             return False
         exact_possible = flat_storage(self._cpu_faiss()) is not None
@@ -274,8 +275,6 @@ class MultimodalIndex:
     def exact(self):
         """The exact ranker's replica of the rows on this process's device (built on first use)."""
         if self._exact is None:
-            from retrieval.exact import ExactRanker
-
             self._exact = ExactRanker.from_faiss(self._cpu_faiss(), self.row_entity, self.num_entities, self.device)
             log.info("exact ranks: %d rows replicated on %s (%s, %.2f GB)", len(self), self.device,
                      str(self._exact.rows.dtype).replace("torch.", ""), self._exact.nbytes / 1e9)
@@ -297,10 +296,6 @@ class MultimodalIndex:
     def encode_image_files(self, paths: Sequence, workers: int = 0, log=None) -> tuple[np.ndarray, dict[int, str]]:
         """Embeddings of image files, decoded and preprocessed by ``workers`` DataLoader processes in batches (never
         every image in memory at once). Returns (embeddings of the decodable ones in order, {position: why not})."""
-        from tqdm import tqdm
-
-        from retrieval.image_data import ImageFiles, Waits, batches_of, loader, timed
-
         enc = self.image_encoder
         data = loader(ImageFiles(paths, enc.preprocess), batches_of(range(len(paths)), enc.batch_size), workers,
                       pin_memory=self.device.startswith("cuda"))
@@ -398,16 +393,12 @@ class MultimodalIndex:
     @property
     def is_approximate(self) -> bool:
         """True for an index whose search is approximate (HNSW, IVF, …), False for Flat / SQfp16 / SQbf16."""
-        from retrieval.exact import flat_storage
-
         return flat_storage(self._cpu_faiss()) is None
 
     def reference_ranks(self, image_emb: np.ndarray, text_emb: np.ndarray, entity_ids: Sequence[str],
                         alpha: float) -> list[int | None]:
         """Exact gold-entity ranks over every stored vector (a Flat search over the same rows), for checking an
         approximate index; rows are decoded chunk by chunk on the CPU."""
-        from retrieval.exact import ExactRanker, StoredRows
-
         q, _ = query_vectors(image_emb, text_emb, check_alpha(alpha))
         ranker = ExactRanker(StoredRows(self._cpu_faiss()), self.row_entity, self.num_entities)
         return ranker.ranks(q, [self.entity_index.get(e, -1) for e in entity_ids])

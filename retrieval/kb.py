@@ -12,8 +12,11 @@ Converters from the upstream files live in ``retrieval.upstream.questions`` and 
 
 from __future__ import annotations
 
+import math
 import threading
 from pathlib import Path
+
+from PIL import Image
 
 KB_FIELDS = ("entry_id", "entity_id", "title", "section_title", "text", "image")
 QUESTION_FIELDS = ("id", "image", "question", "entity_id", "answers")
@@ -61,8 +64,6 @@ _PIXEL_LIMIT = threading.Lock()
 def load_image(path: str | Path):
     """(RGB PIL image, None) when the file decodes, else (None, why not: missing, unreadable or corrupt). An image
     past PIL's pixel limit comes back downscaled to within ``Image.MAX_IMAGE_PIXELS`` (aspect kept)."""
-    from PIL import Image
-
     path = Path(path)
     if not path.is_file():
         return None, f"image file missing: {path}"
@@ -79,10 +80,6 @@ def _load_large(path: Path):
     """An image past PIL's limit: its header read without PIL's check (for this call only), refused past
     ``LARGE_IMAGE_PIXELS``, else decoded at a reduced scale (JPEG draft) and reduced until it is within
     ``Image.MAX_IMAGE_PIXELS``."""
-    import math
-
-    from PIL import Image
-
     target = Image.MAX_IMAGE_PIXELS or LARGE_IMAGE_PIXELS
     try:
         with _PIXEL_LIMIT:

@@ -21,8 +21,13 @@ import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.cli import require_file
+from tqdm import tqdm
+
+from common.cli import parse, require_file
 from common.files import append_jsonl, read_jsonl, write_json_atomic
+from common.llm import replier
+from common.prompts import load_prompt
+from retrieval.encoders import TextEncoder
 from retrieval.kb import entry_text
 
 SUMMARY_PROMPT = {
@@ -84,8 +89,6 @@ class SummarizeArgs:
 
 def summarizer(args: SummarizeArgs, prompt: dict):
     """texts (formatted user turns) → summaries (None for a failed one)."""
-    from common.llm import replier  # the project's chat and LLM callers
-
     return replier(prompt["system"], args.max_new_tokens, args.summarizer_url, args.summarizer_model, args.key_env,
                    args.summarizer, device=args.device or "cpu")
 
@@ -93,10 +96,6 @@ def summarizer(args: SummarizeArgs, prompt: dict):
 def summarize_kb(args: SummarizeArgs, log=print, summarize=None, count_tokens=None) -> dict:
     """Summarise every long section not yet in ``args.out``; returns the counts (also written to
     ``<out>.counts.json``)."""
-    from tqdm import tqdm
-
-    from common.prompts import load_prompt
-
     require_file(args.kb, "kb")
     if not args.out:
         raise ValueError("--out is required")
@@ -105,8 +104,6 @@ def summarize_kb(args: SummarizeArgs, log=print, summarize=None, count_tokens=No
     prompt = load_prompt(args.summary_prompt, {}, ("{text}",), "--summary_prompt") if args.summary_prompt \
         else SUMMARY_PROMPT
     if count_tokens is None:
-        from retrieval.encoders import TextEncoder
-
         tokenizer = TextEncoder(args.text_encoder, device="cpu").model.tokenizer
         count_tokens = lambda text: len(tokenizer(text, add_special_tokens=True, verbose=False)["input_ids"])  # noqa: E731
     long, distinct = long_sections(Path(args.kb), args.text_template, count_tokens, args.max_tokens)
@@ -136,8 +133,6 @@ def summarize_kb(args: SummarizeArgs, log=print, summarize=None, count_tokens=No
 
 
 def main(argv=None) -> None:
-    from common.cli import parse
-
     (args,) = parse((SummarizeArgs,), argv, description=__doc__)
     summarize_kb(args)
 

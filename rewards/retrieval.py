@@ -18,6 +18,7 @@ import math
 
 import numpy as np
 
+from common.files import append_jsonl
 from retrieval.index import MultimodalIndex, check_alpha, check_k
 from rewards.format import MAX_QUERY_TOKENS, completion_text, parse_query, query_tokens
 from rewards.rank import DEFAULT_MISS, DEFAULT_TIERS, rank_reward, validate_tiers
@@ -125,8 +126,6 @@ class RetrievalReward:
                      for j, (q, r, w, e, i, k) in enumerate(zip(queries, ranks, rewards, entity_id, ids, keys))]
         self.images = dict(zip(keys, images))
         if self.completions_log is not None:
-            from common.files import append_jsonl
-
             state = kwargs.get("trainer_state")
             step = None if state is None else state.global_step + 1
             append_jsonl(self.completions_log, [{"step": step, "mode": self.mode(), **{k: v for k, v in r.items()

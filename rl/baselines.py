@@ -27,13 +27,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.cli import require_file
+from PIL import Image
+from tqdm import tqdm
+
+from common.cli import parse, require_file
 from common.files import check_unique_ids, read_jsonl
 from common.job_parts import JobParts
-from common.placement import resolve_device
+from common.placement import process_state, resolve_device
 from common.prompts import json_objects, load_prompt
 from retrieval.kb import check_images
 from rl.generate import vlm_generator
+from rl.refine import BACKENDS
 
 BASELINE_PROMPT = {
     "name": "query_baselines",
@@ -83,11 +87,6 @@ def generator(args: BaselineArgs, prompt: dict, device: str | None):
 
 def run_baselines(args: BaselineArgs, log=print, state=None, generate=None) -> int:
     """Every question not yet in ``args.out``: one answer, three baseline queries. Returns the questions done here."""
-    from PIL import Image
-    from tqdm import tqdm
-
-    from rl.refine import BACKENDS
-
     if args.backend not in BACKENDS:
         raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {args.backend!r}")
     require_file(args.queries, "queries")
@@ -125,9 +124,6 @@ def run_baselines(args: BaselineArgs, log=print, state=None, generate=None) -> i
 
 
 def main(argv=None) -> None:
-    from common.cli import parse
-    from common.placement import process_state
-
     (args,) = parse((BaselineArgs,), argv, description=__doc__)
     run_baselines(args, state=process_state(args.device))
 

@@ -19,11 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
-from common.cli import require_file
+from common.cli import parse, require_file
 from common.files import check_unique_ids, pyplot, read_jsonl, save_figure, write_json_atomic, write_jsonl_atomic
 from common.job_parts import JobParts
-from retrieval.index import check_alpha, require_index
+from common.placement import Processes, decode_workers, process_state
+from retrieval.index import MultimodalIndex, check_alpha, require_index
 from retrieval.kb import image_problem
 from rl.image_embeddings import embed_images, image_path_of
 from rl.prompts import prompt_messages, prompt_spec
@@ -33,8 +35,6 @@ NOT_IN_INDEX = "gold entity not in the index"
 
 def verify_images(rows: list[dict], root: Path, limit: int | None = None) -> tuple[list[dict], list[dict]]:
     """(usable rows with ``image_path`` added, at most ``limit`` of them; bad ones as {id, image, reason})."""
-    from tqdm import tqdm
-
     good, bad = [], []
     for rec in tqdm(rows, desc="verifying images", total=min(limit or len(rows), len(rows))):
         path = image_path_of(rec, root)
@@ -170,10 +170,6 @@ def baseline_ranks(index, rows: list[dict], root: Path, args: RLDataArgs, state=
     images with DataLoader workers, embeds them and the questions, ranks, and appends ``{id, rank}`` (or ``{id,
     problem}``) to its part of ``<out>.baseline.jsonl``; an interrupted run goes on from that file. Every process
     returns the whole result."""
-    from tqdm import tqdm
-
-    from common.placement import decode_workers
-
     parts = JobParts(Path(f"{args.out}.baseline.jsonl"), state)
     settings = {"queries": str(Path(args.queries).resolve()), "index": str(Path(args.index).resolve()),
                 "alpha": args.alpha, "depth": args.depth}
@@ -214,9 +210,6 @@ def build_rl_data(args: RLDataArgs, log=print, state=None) -> dict:
     """The RL training file, its skip list, bucket report and plot (process 0), and the sampled questions' image
     embeddings (rl.image_embeddings; every process takes part). With ``state`` of N processes the baseline retrieval
     and the embedding are split over them."""
-    from common.placement import Processes, decode_workers
-    from retrieval.index import MultimodalIndex
-
     require_file(args.queries, "queries")
     require_index(args.index)
     if args.alpha is None:
@@ -284,9 +277,6 @@ def _plot(report: dict, path: str) -> None:
 
 
 def main(argv=None) -> None:
-    from common.cli import parse
-    from common.placement import process_state
-
     (args,) = parse((RLDataArgs,), argv, description=__doc__)
     state = process_state(args.device)
     build_rl_data(args, state=state)  # process 0 writes and reports; each process says what it takes

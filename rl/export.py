@@ -23,10 +23,14 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.cli import check_choices
+from PIL import Image
+
+from common.cli import check_choices, parse
 from common.files import write_json_atomic
 from common.model_card import write_card
+from rewards import parse_query
 from rewards.format import PARSER_VERSION
+from rl.generate import generate_completions
 from rl.image_budget import apply_image_budget
 from rl.model_card import held_out, refiner_card, vllm_serve_command
 from rl.run_record import RUN_RECORD, find_run_record
@@ -155,11 +159,7 @@ def verify(folder: Path, image_path: str | None = None, question: str = "What is
     """In this process: reload the folder, generate for one question (a plain grey image without ``image_path``),
     require that the output parses."""
     import torch
-    from PIL import Image
     from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    from rewards import parse_query
-    from rl.generate import generate_completions
 
     spec = json.loads((folder / "refiner.json").read_text())
     model = AutoModelForImageTextToText.from_pretrained(str(folder), dtype=torch.float32)
@@ -231,7 +231,6 @@ def main(argv=None) -> None:
     if argv[:1] == ["--verify"]:
         print("generated:", verify(Path(argv[1]), *(argv[2:3] if argv[2:3] != [""] else [None]), *argv[3:4]))
         return
-    from common.cli import parse
 
     (args,) = parse((ExportArgs,), argv, description=__doc__)
     export(args)

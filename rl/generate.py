@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import torch
+from tqdm import tqdm
 
 from rl.model import load_model
 from rl.prompts import prompt_messages
@@ -14,8 +15,6 @@ def generate_completions(model, processor, images: list, questions: list[str], p
                          temperature: float = 1.0, top_p: float = 1.0, progress: bool = False) -> list[str]:
     """One completion per (image, question), in input order; ``images=None``: the same model without images (the
     prompt has no image block)."""
-    from tqdm import tqdm
-
     out: list[str] = []
     starts = range(0, len(questions), batch_size)
     model.eval()

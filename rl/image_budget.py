@@ -11,8 +11,15 @@ generation of a group. vLLM runs its own processor from the model folder, so the
 from __future__ import annotations
 
 import math
+import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from PIL import Image
+
+from common.cli import parse
+from common.placement import local_world_size
 
 PAPER_MAX_PIXELS = 1024 * 28 * 28  # ≤ 1024 image tokens for Qwen2.5-VL (patch 14, merge 2)
 PAPER_MIN_PIXELS = 4 * 28 * 28
@@ -74,8 +81,6 @@ def image_token_count(processor, image) -> tuple[int, tuple[int, int, int], dict
 
 def probe_image(budget: dict | None, scale: float = 2.0):
     """A grey image larger than the budget (or 1024² without one), to check that the budget holds."""
-    from PIL import Image
-
     side = int(math.sqrt(budget["max_pixels"]) * scale) if budget else 1024
     return Image.new("RGB", (side + 37, side), (120, 130, 140))
 
@@ -156,9 +161,6 @@ def vllm_model_folder(name_or_path: str, processor, out: str | Path) -> Path:
     builds ``LLM(model=model.name_or_path)`` and runs its own image processor on the raw images, while the prompt
     token ids come from the trainer's processor: both must expand an image to the same number of tokens.
     Written to a temporary sibling and renamed (a crash leaves no half folder)."""
-    import os
-    import shutil
-
     src, out = model_files(name_or_path), Path(out)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -195,8 +197,6 @@ def vllm_model_dir(output_dir: Path, process_index: int, num_processes: int, loc
 def write_vllm_model(state, model_path: str, processor, output_dir: Path) -> Path:
     """The folder TRL's vLLM loads on this node (rl.image_budget.vllm_model_folder), written by the node's local main
     process while the node's other processes wait: each node's vLLM reads a folder on that node's disk."""
-    from common.placement import local_world_size
-
     folder = vllm_model_dir(output_dir, state.process_index, state.num_processes, local_world_size())
     with state.local_main_process_first():
         if state.is_local_main_process:
@@ -216,8 +216,6 @@ def main(argv=None) -> None:
     """python -m rl.image_budget --model M --out DIR [--min_pixels N --max_pixels N]: the model folder for
     `trl vllm-serve --model DIR`, with the training pixel budget in its processor."""
     from transformers import AutoProcessor
-
-    from common.cli import parse
 
     (args,) = parse((FolderArgs,), argv, description=main.__doc__)
     if not args.model or not args.out:

@@ -26,11 +26,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
-from common.cli import require_file
+from common.cli import parse, require_file
 from common.files import read_jsonl, write_json_atomic, write_text_atomic
 from common.job_parts import JobParts
-from retrieval.index import require_index
+from common.placement import decode_workers, process_state
+from retrieval.index import MultimodalIndex, require_index
+from rewards.retrieval import image_keys
 
 EMBEDDINGS_FILE = "embeddings.npy"
 IMAGES_FILE = "images.json"
@@ -100,8 +103,6 @@ def embed_images(queries: str | Path, images: list[str], root: Path, index, stat
     """Embed ``images`` (paths relative to ``root``) into the store beside ``queries`` for ``index``'s image encoder:
     what the store already holds is kept, the rest is split over the processes of ``state`` in batches (resumable:
     an interrupted job goes on from its work file), and process 0 writes the store whole. Returns the folder."""
-    from tqdm import tqdm
-
     folder = store_dir(queries, index.manifest)
     have = load_store(queries, index.manifest)
     wanted = list(dict.fromkeys(str(i) for i in images))
@@ -140,7 +141,6 @@ def preload_reward_cache(cache: dict, queries: str | Path, image_paths: list[str
     """Put the stored embeddings of these questions' images into the reward's cache, under the keys the reward looks
     them up by (``rewards.retrieval.image_keys`` of the ``image_path`` column, which ``image_path_of``
     writes); returns how many of ``image_paths`` (absolute) now have one."""
-    from rewards.retrieval import image_keys
     stored = load_store(queries, manifest)
     keys = image_keys([image_path_of({"image": image}, root) for image in stored], [])
     for key, vector in zip(keys, stored.values()):
@@ -172,10 +172,6 @@ class EmbedArgs:
 
 
 def main(argv=None) -> None:
-    from common.cli import parse
-    from common.placement import decode_workers, process_state
-    from retrieval.index import MultimodalIndex
-
     (args,) = parse((EmbedArgs,), argv, description=__doc__)
     require_file(args.queries, "queries")
     require_index(args.index)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import re
+from pathlib import Path
 
 import torch
 
-from common.placement import resolve_dtype
+from common.placement import outside_zero3_init, resolve_dtype
 
 
 def vision_tower(model):
@@ -114,11 +117,6 @@ def load_trained(folder, dtype: str | None = None, device: str = "cpu", base: st
     loaded whole on this process only: outside DeepSpeed ZeRO-3's partitioned init, so one process can evaluate or
     re-save it without the others (a ZeRO-3 engine's own model is partitioned; using it on one rank would wait for
     ever on the others). Returns (model, processor)."""
-    import json
-    from pathlib import Path
-
-    from common.placement import outside_zero3_init
-
     folder = Path(folder)
     adapter = folder / "adapter_config.json"
     with outside_zero3_init():
@@ -141,7 +139,6 @@ def exclude_vision_tower(model, peft_config):
     (Qwen2.5-VL's vision MLPs have gate_proj / up_proj / down_proj too)."""
     if peft_config is None:
         return None
-    import re
 
     tower = vision_tower(model)
     name = next(n for n, m in model.named_modules() if m is tower)

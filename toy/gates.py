@@ -23,6 +23,14 @@ from pathlib import Path
 
 import numpy as np
 
+from common.cli import parse, require_file
+from common.files import read_jsonl, write_jsonl_atomic
+from gate.pipeline.context import section_text
+from gate.train.render import class_balance, format_balance, render_rows
+from gate.variants import VARIANTS
+from toy.refiner import tokenizer_corpus
+from toy.tiny_vlm import build_tiny_vlm
+
 ATTRIBUTE_QUESTIONS = {"colour": "What colour is this creature?", "shape": "What shape is this creature?",
                        "pattern": "What pattern does this creature have?"}
 
@@ -54,8 +62,6 @@ def gate_questions(world_rows: list[dict], n: int, seed: int) -> list[dict]:
 def answerer_rows(questions: list[dict], world: Path, sections: dict[str, dict[str, dict]]) -> list[dict]:
     """The answerer's labelled rows: attribute questions as they are, knowledge questions with the gold entity's
     section as context (the one that answers them)."""
-    from gate.pipeline.context import section_text
-
     rows = []
     for q in questions:
         rec = {**q, "image_path": str((world / q["image"]).resolve())}
@@ -68,27 +74,17 @@ def answerer_rows(questions: list[dict], world: Path, sections: dict[str, dict[s
 
 
 def toy_vlm_corpus(world: Path) -> list[str]:
-    from gate.variants import VARIANTS
-    from toy.refiner import tokenizer_corpus
-
     texts = tokenizer_corpus(world) + [s["system"] for s in VARIANTS.values()]
     return texts + list(ATTRIBUTE_QUESTIONS.values()) * 20 + ["Context: Question:"] * 20
 
 
 def build_toy_vlm(out: Path, world: Path, vision_from=None) -> Path:
     """A tiny Qwen2.5-VL whose tokenizer knows the world's words and has every gate verbaliser as one token."""
-    from gate.variants import VARIANTS
-    from toy.tiny_vlm import build_tiny_vlm
-
     verbalisers = sorted({v for s in VARIANTS.values() for v in s["verbalisers"]})
     return build_tiny_vlm(out, toy_vlm_corpus(world), extra_tokens=verbalisers, vision_from=vision_from)
 
 
 def build(args: GateToyArgs, log=print) -> dict:
-    from common.cli import require_file
-    from common.files import read_jsonl, write_jsonl_atomic
-    from gate.train.render import class_balance, format_balance, render_rows
-
     world, out = Path(args.world), Path(args.out)
     for name in ("train.jsonl", "test.jsonl", "kb.jsonl"):
         require_file(world / name, "world")
@@ -112,8 +108,6 @@ def build(args: GateToyArgs, log=print) -> dict:
 
 
 def main(argv=None) -> None:
-    from common.cli import parse
-
     (args,) = parse((GateToyArgs,), argv, description=__doc__)
     build(args)
 

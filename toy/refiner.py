@@ -12,10 +12,15 @@ import json
 from pathlib import Path
 
 import numpy as np
+from PIL import Image
 
 from common.files import read_jsonl, write_json_atomic
+from common.placement import Processes
 from retrieval.evaluate import recall_at
 from rewards.format import format_completion, parse_query
+from rl.generate import generate_completions
+from rl.model import load_model
+from rl.monitor import PhaseProgress, use_phase_progress
 from rl.prompts import SYSTEM_PROMPTS, prompt_messages
 from toy.world import ATTRIBUTE_VALUES, ATTRIBUTES, COLOURS, attribute_words
 
@@ -58,8 +63,6 @@ def run_warm_start(base: Path, world: Path, out: Path, steps: int, batch_size: i
     """TRL SFTTrainer on the warm-start rows, as one job over ``procs`` (each process takes ``batch_size`` examples a
     step); the finished model is saved to ``out`` by process 0. A finished warm start with the same settings is
     reused; one with other settings is an error naming them (nothing is overwritten)."""
-    from common.placement import Processes
-
     procs = procs or Processes()
     settings = {"base": str(Path(base).resolve()), "steps": steps, "batch_size": batch_size * procs.count,
                 "learning_rate": learning_rate, "shift_fraction": shift_fraction, "seed": seed}
@@ -79,9 +82,6 @@ def run_warm_start(base: Path, world: Path, out: Path, steps: int, batch_size: i
         return out
     from datasets import Dataset, Image
     from trl import SFTConfig, SFTTrainer
-
-    from rl.model import load_model
-    from rl.monitor import PhaseProgress, use_phase_progress
 
     model, processor = load_model(str(base))
     data = Dataset.from_list(warm_start_rows(world, shift_fraction, seed)).cast_column("image", Image())
@@ -148,10 +148,6 @@ def evaluate_refiner(index, world: Path, alpha: float, model=None, processor=Non
                      batch_size: int = 64, max_new_tokens: int = 64) -> tuple[dict, list[dict]]:
     """Greedy refined queries for a split → (learning-table row, per-question records). Without a model the
     original question is the query. An unparseable completion falls back to the original question."""
-    from PIL import Image
-
-    from rl.generate import generate_completions
-
     rows = list(read_jsonl(world / f"{split}.jsonl"))
     images = [Image.open(world / r["image"]).convert("RGB") for r in rows]
     questions = [r["question"] for r in rows]

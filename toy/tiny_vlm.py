@@ -10,6 +10,8 @@ import os
 import shutil
 from pathlib import Path
 
+from rl.model import vision_tower
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                   "<|image_pad|>", "<|video_pad|>"]
 FORMAT_TOKENS = ["<think>", "</think>", "<answer>", "</answer>"]
@@ -85,8 +87,6 @@ def build_tiny_vlm(out: str | Path, corpus: list[str], seed: int = 0, vocab_size
         torch.manual_seed(seed)
         model = AutoModelForImageTextToText.from_config(config)
     if vision_from is not None:
-        from rl.model import vision_tower
-
         donor = AutoModelForImageTextToText.from_pretrained(str(vision_from))
         vision_tower(model).load_state_dict(vision_tower(donor).state_dict())
     model.generation_config.eos_token_id = ids["<|im_end|>"]

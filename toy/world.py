@@ -22,8 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from PIL import Image, ImageDraw
+from tqdm import tqdm
 
+from common.cli import parse
 from common.files import file_fingerprint, write_json_atomic, write_jsonl_atomic
+from retrieval.build_index import BuildArgs, build_index
+from retrieval.encoders import check_image_encoder_name, check_text_encoder_name
+from retrieval.index import MultimodalIndex, check_alpha
 from retrieval.upstream.articles import store_from_kb_rows, store_path_for
 
 COLOURS = {
@@ -158,8 +164,6 @@ def _erode(mask: np.ndarray) -> np.ndarray:
 
 def render(e: dict, rng: np.random.Generator, noise: float = 8.0):
     """Draw one image of entity ``e`` with per-image variation; returns a PIL image."""
-    from PIL import Image, ImageDraw
-
     s = IMAGE_SIZE
     bg = int(rng.integers(200, 236))
     canvas = np.full((s, s, 3), bg, np.float32)
@@ -197,7 +201,6 @@ def generate(args: ToyWorldArgs, log=print) -> dict:
     if world_file.exists() and json.loads(world_file.read_text()).get("settings") == settings:
         log(f"toy world in {out} already generated")
         return json.loads(world_file.read_text())
-    from tqdm import tqdm
 
     t0 = time.perf_counter()
     entities = make_entities(args.entities, args.seed)
@@ -254,8 +257,6 @@ def median_rank(ranks: list[int | None], depth: int) -> float:
 
 def calibrate(index, world_dir: Path, alpha: float, depth: int = 200, seed: int = 0) -> dict:
     """Rank the test questions with and without attribute words; returns the calibration report."""
-    from PIL import Image
-
     rows = [json.loads(line) for line in open(world_dir / "test.jsonl")]
     image_emb = index.encode_images([Image.open(world_dir / r["image"]).convert("RGB") for r in rows])
     gold = [r["entity_id"] for r in rows]
@@ -318,10 +319,6 @@ def format_report(rep: dict) -> str:
 
 def build(args: ToyWorldArgs, log=print) -> dict:
     """Generate the world, build its index and calibrate it; returns the calibration report (or {})."""
-    from retrieval.build_index import BuildArgs, build_index
-    from retrieval.encoders import check_image_encoder_name, check_text_encoder_name
-    from retrieval.index import MultimodalIndex, check_alpha
-
     check_alpha(args.alpha)
     check_image_encoder_name(args.image_encoder)
     check_text_encoder_name(args.text_encoder)
@@ -371,8 +368,6 @@ def _index_stale(index_dir: Path, args: ToyWorldArgs) -> bool:
 
 
 def main(argv=None) -> None:
-    from common.cli import parse
-
     (args,) = parse((ToyWorldArgs,), argv, description=__doc__)
     build(args)
 

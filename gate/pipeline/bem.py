@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from common.placement import resolve_device
+
 DEFAULT_BEM = "kortukov/answer-equivalence-bem"
 
 
@@ -49,8 +51,6 @@ class BEMScorer:
                  log=print):
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-        from common.placement import resolve_device
 
         self.device = resolve_device(device)
         self.dtype = {"auto": torch.bfloat16 if self.device.startswith("cuda") else torch.float32,

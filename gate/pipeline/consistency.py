@@ -18,9 +18,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from PIL import Image
+from tqdm import tqdm
+
 from common.files import read_jsonl
 from common.job_parts import JobParts
+from common.placement import resolve_device
 from gate.pipeline.context import section_text, vlm_answerer
+from gate.pipeline.rerank import FirstTokenReranker
+from gate.scoring import gate_of, generate_parsed
 from gate.variants import numbered_documents
 
 STRATEGIES = ("filter", "merge", "rerank")
@@ -44,8 +50,6 @@ def judged_relevance(contexts: dict, correct_score: float):
 
 def srt_relevance(path: str, device: str, dtype: str | None):
     """P(Rel) of every (image, question, document) from a trained srt gate's first token."""
-    from gate.pipeline.rerank import FirstTokenReranker
-
     reranker = FirstTokenReranker.srt_gate(path, device=device, dtype=dtype)
 
     def relevance(images, batch):
@@ -58,11 +62,6 @@ def srt_relevance(path: str, device: str, dtype: str | None):
 def stage_consistency(args, out: Path, log=print, relevance=None, summarise=None, state=None) -> int:
     """consistency.jsonl: per question the documents' P(Rel) (``relevance``: which source) and, when more than one
     is relevant, the MLLM's summary of the relevant ones."""
-    from PIL import Image
-    from tqdm import tqdm
-
-    from common.placement import resolve_device
-
     source = out / "retrieved.jsonl"
     if not source.is_file():
         raise ValueError(f"consistency: {source} does not exist (run --stage retrieve first)")
@@ -134,16 +133,12 @@ class ConsistencyChecker:
     """A trained mct gate over the first-stage sections: one strategy decision per question."""
 
     def __init__(self, path: str, strategy: str, max_new_tokens: int, device: str, dtype: str | None):
-        from gate.scoring import gate_of
-
         if strategy not in STRATEGIES:
             raise ValueError(f"consistency strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
         self.model, self.processor, self.spec = gate_of(path, device, dtype, "mct")
         self.strategy, self.max_new_tokens = strategy, max_new_tokens
 
     def __call__(self, images, questions, sections: list[list[str]]) -> list[dict]:
-        from gate.scoring import generate_parsed
-
         parsed = generate_parsed(self.model, self.processor, self.spec, images, questions,
                                  [numbered_documents(s) for s in sections], batch_size=len(questions),
                                  max_new_tokens=self.max_new_tokens)

@@ -11,13 +11,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from PIL import Image
+from tqdm import tqdm
+
 from common.cli import require_file
 from common.files import append_jsonl, completed_ids, read_jsonl
 from common.job_parts import JobParts
-from gate.variants import spec
+from common.placement import resolve_device
+from gate.pipeline.judges import judge_from_args
+from gate.variants import spec, user_text
+from retrieval import MultimodalIndex
 from retrieval.index import require_index
 from retrieval.kb import check_images
+from retrieval.upstream.articles import open_store
 from rl.generate import vlm_generator
+from rl.refine import Refiner
 
 
 def load_questions(queries, images_root) -> tuple[list[dict], Path]:
@@ -39,9 +47,6 @@ def resolve_alpha(alpha, refiner) -> float:
 
 
 def stage_retrieve(args, out: Path, log=print, index=None, refiner=None) -> int:
-    from PIL import Image
-    from tqdm import tqdm
-
     manifest = require_index(args.index) if index is None else index.manifest
     if args.refiner and refiner is None and not (Path(args.refiner) / "config.json").exists():
         raise ValueError(f"--refiner: {args.refiner} has no config.json (an exported refiner folder)")
@@ -54,15 +59,10 @@ def stage_retrieve(args, out: Path, log=print, index=None, refiner=None) -> int:
     if not todo:
         return 0
     if refiner is None and args.refiner:
-        from rl.refine import Refiner
-
         refiner = Refiner.load(args.refiner)
     alpha = resolve_alpha(args.alpha, refiner)
     if index is None:
-        from retrieval import MultimodalIndex
-
         index = MultimodalIndex.load(args.index)
-    from retrieval.upstream.articles import open_store
 
     store = open_store(kb_path, getattr(args, "articles", None), log)
     for start in tqdm(range(0, len(todo), args.batch_size), desc="retrieving"):
@@ -90,12 +90,6 @@ def section_text(hit: dict) -> str:
 
 def stage_context(args, out: Path, log=print, generate=None, state=None) -> int:
     """One greedy answer per retrieved section (the section in the prompt), judged like the samples."""
-    from PIL import Image
-    from tqdm import tqdm
-
-    from gate.pipeline.judges import judge_from_args
-    from gate.variants import spec, user_text
-
     source = out / "retrieved.jsonl"
     if not source.is_file():
         raise ValueError(f"context: {source} does not exist (run --stage retrieve first)")
@@ -107,8 +101,6 @@ def stage_context(args, out: Path, log=print, generate=None, state=None) -> int:
     batches = parts.start(rows, args.batch_size)
     log(f"context, {parts.status}")
     if generate is None and batches:
-        from common.placement import resolve_device
-
         generate = vlm_answerer(args.model, args.max_new_tokens, backend=args.backend,
                                 device=resolve_device(getattr(args, "device", None)), dtype=getattr(args, "dtype", None))
     answer = spec("answer")

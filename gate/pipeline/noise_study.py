@@ -21,11 +21,21 @@ from __future__ import annotations
 
 import random
 import zlib
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.cli import require_file
+from PIL import Image
+from tqdm import tqdm
+
+from common.cli import parse, require_file
 from common.files import append_jsonl, completed_ids, read_jsonl, write_json_atomic, write_text_atomic
+from common.llm import endpoint_generator, text_generator
+from common.placement import resolve_device
+from gate.pipeline.bem import BEMScorer
+from gate.pipeline.context import load_questions, section_text, vlm_answerer
+from gate.pipeline.metrics import official_correct
+from gate.pipeline.stages import generator_prompt
 from retrieval.answers import answer_in_passage
 
 KINDS = ("vlm", "vlm-text", "llm", "endpoint")
@@ -114,8 +124,6 @@ def noisy_context(relevant: list[str], pool: list[tuple[str, str]], entity: str,
 
 def relevant_sections(question: dict, sections: list[dict]) -> list[str]:
     """The gold entity's sections that contain a gold answer, the question's evidence section first."""
-    from gate.pipeline.context import section_text
-
     answers = [str(a) for a in question.get("answers") or []]
     evidence = question.get("evidence_section_id")
     hits = [s for s in sections if answers and answer_in_passage(answers, s.get("text", ""))]
@@ -136,16 +144,12 @@ def accuracy_table(results: dict[str, dict[str, float]], levels: list[str]) -> s
 
 def load_generator(kind: str, target: str, args: NoiseArgs, prompt: dict, device: str):
     """generate(images, questions, contexts) → answers (None for no answer)."""
-    from common.llm import endpoint_generator, text_generator
-
     if kind == "endpoint":
         model, _, url = target.partition("@")
         generate = endpoint_generator(url, model, prompt, args.key_env, args.max_new_tokens)
     elif kind == "llm":
         generate = text_generator(target, prompt, args.max_new_tokens, device=device)
     else:
-        from gate.pipeline.context import vlm_answerer
-
         vlm = vlm_answerer(target, args.max_new_tokens, system=prompt["system"], device=device)
 
         def generate(images, questions, contexts):
@@ -158,10 +162,6 @@ def load_generator(kind: str, target: str, args: NoiseArgs, prompt: dict, device
 def study_rows(args: NoiseArgs, log) -> tuple[list[dict], list[tuple[str, str]], int]:
     """(questions with their relevant sections, the distractor pool of (entity, section text) — a seeded reservoir
     of at most 20,000 KB sections, shared by every question — and how many questions were left out)."""
-    from collections import Counter
-
-    from gate.pipeline.context import load_questions, section_text
-
     questions, _ = load_questions(args.queries, args.images_root)
     gold = {str(q["entity_id"]) for q in questions}
     by_entity: dict[str, list[dict]] = {}
@@ -194,12 +194,6 @@ def study_rows(args: NoiseArgs, log) -> tuple[list[dict], list[tuple[str, str]],
 def run_study(args: NoiseArgs, log=print, generators: dict | None = None) -> dict:
     """Every (generator, level, question) not yet answered, then the scored table. ``generators`` ({name: generate})
     replaces loading them from ``args.generators`` (tests)."""
-    from PIL import Image
-    from tqdm import tqdm
-
-    from common.placement import resolve_device
-    from gate.pipeline.stages import generator_prompt
-
     require_file(args.queries, "queries")
     require_file(args.kb, "kb")
     if not args.out:
@@ -235,12 +229,8 @@ def run_study(args: NoiseArgs, log=print, generators: dict | None = None) -> dic
 
 def score(args: NoiseArgs, rows: list[dict], levels: list[str], names: list[str], answers_path: Path,
           left_out: int, log) -> dict:
-    from gate.pipeline.metrics import official_correct
-
     bem = None
     if args.metric == "evqa" and args.bem != "none":
-        from gate.pipeline.bem import BEMScorer
-
         bem = BEMScorer(args.bem, device=args.device or "cpu", batch_size=args.batch_size)
     answers = {r["id"]: r["answer"] for r in read_jsonl(answers_path)}
     results: dict[str, dict[str, float]] = {}
@@ -261,8 +251,6 @@ def score(args: NoiseArgs, rows: list[dict], levels: list[str], names: list[str]
 
 
 def main(argv=None) -> None:
-    from common.cli import parse
-
     (args,) = parse((NoiseArgs,), argv, description=__doc__)
     run_study(args)
 

@@ -14,6 +14,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from common.placement import resolve_dtype
+from gate.scoring import first_token_scores, load_gate, verbaliser_ids
+from gate.variants import spec
+from retrieval.encoders import registered
+from rl.model import load_model
+
 
 def combine(retrieval_scores, reranker_scores, beta: float) -> np.ndarray:
     """β·retrieval + (1−β)·reranker: the section stage with β = β1 (β1 = 1 keeps the retrieval order)."""
@@ -37,9 +43,6 @@ class CrossEncoderReranker:
     def __init__(self, name: str, device: str = "cpu", dtype: str | None = None):
         from sentence_transformers import CrossEncoder
 
-        from common.placement import resolve_dtype
-        from retrieval.encoders import registered
-
         path = registered("cross_encoders")[name].load()() if name in registered("cross_encoders") else name
         self.name = name
         self.model = CrossEncoder(str(path), device=device, model_kwargs={"dtype": resolve_dtype(dtype, device)})
@@ -62,8 +65,6 @@ class FirstTokenReranker:
 
     @classmethod
     def srt_gate(cls, path: str, device: str = "cpu", dtype: str | None = None) -> FirstTokenReranker:
-        from gate.scoring import load_gate
-
         model, processor, s = load_gate(path, device=device, dtype=dtype)
         if s["name"] != "srt":
             raise ValueError(f"reranker gate:{path} is a {s['name']} gate, not srt")
@@ -72,18 +73,12 @@ class FirstTokenReranker:
     @classmethod
     def vlm(cls, path: str, device: str = "cpu", dtype: str | None = None,
             verbalisers=("Yes", "No")) -> FirstTokenReranker:
-        from gate.scoring import verbaliser_ids
-        from gate.variants import spec
-        from rl.model import load_model
-
         model, processor = load_model(path, dtype=dtype, device=device)
         s = dict(spec("srt", verbalisers), system=cls.VLM_SYSTEM.replace("Yes or No", " or ".join(verbalisers)))
         verbaliser_ids(processor.tokenizer, s)  # each verbaliser must be one token of this model
         return cls(model.eval(), processor, s, f"vlm:{path}")
 
     def score(self, images, queries: list[str], sections: list[list[str]]) -> list[np.ndarray]:
-        from gate.scoring import first_token_scores
-
         flat_images = [im for im, secs in zip(images, sections) for _ in secs]
         flat_q = [q for q, secs in zip(queries, sections) for _ in secs]
         flat_s = [s for secs in sections for s in secs]

@@ -20,16 +20,23 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+from PIL import Image
+from tqdm import tqdm
 
-from common.cli import check_choices
+from common.cli import check_choices, parse, require_file
+from common.files import check_unique_ids, pyplot, read_jsonl, save_figure, write_json_atomic, write_text_atomic
+from common.job_parts import JobParts
+from common.placement import process_state
 from gate.pipeline.consistency import STRATEGIES
 from gate.pipeline.context import section_text
+from gate.pipeline.end_to_end import format_table, is_gold_section, summarize, threshold_curve
 from gate.pipeline.metrics import METRICS
 from gate.pipeline.stages import Stages, generator_prompt
+from retrieval.index import require_index
 
 
 @dataclass
@@ -83,9 +90,6 @@ class PipelineArgs:
 
 def validate(args: PipelineArgs) -> None:
     """Every input checked before any model loads; each stage's model named when it is missing."""
-    from common.cli import require_file
-    from retrieval.index import require_index
-
     check_choices(args)
     require_file(args.queries, "queries")
     if not args.out:
@@ -122,10 +126,6 @@ RESUME_FREE = ("out", "batch_size", "limit", "generator_retries", "generator_bac
 
 def check_same_config(out: Path, args: PipelineArgs) -> None:
     """A folder resumes only the run that started it: predictions from other settings are never mixed in."""
-    from dataclasses import asdict
-
-    from common.files import write_json_atomic
-
     current = {k: v for k, v in asdict(args).items() if k not in RESUME_FREE}
     path = out / "pipeline_config.json"
     if path.is_file():
@@ -184,8 +184,6 @@ def context_of(mct: dict | None, chosen: dict, picked: list[dict]) -> tuple[list
 
 def rag_path(st: Stages, batch: list[dict], images, clock: Clock) -> list[dict]:
     """refine → retrieve → rerank → inspect → generate for a batch; one result dict per question."""
-    from gate.pipeline.end_to_end import is_gold_section
-
     n = len(batch)
     if not n:
         return []
@@ -267,12 +265,6 @@ def run(args: PipelineArgs, log=print, stages: Stages | None = None, state=None)
     """Answer every question not yet in ``predictions.jsonl`` and report. With an accelerate ``state`` of N processes
     each answers every N-th batch on its own device and process 0 merges the parts in input order and reports (the
     others return None): the same predictions as one process (common.job_parts)."""
-    from PIL import Image
-    from tqdm import tqdm
-
-    from common.files import check_unique_ids, read_jsonl
-    from common.job_parts import JobParts
-
     validate(args)
     rows = list(read_jsonl(args.queries))[:args.limit]
     check_unique_ids(rows, args.queries)
@@ -305,9 +297,6 @@ def run(args: PipelineArgs, log=print, stages: Stages | None = None, state=None)
 
 
 def report(records: list[dict], out: Path, args: PipelineArgs, log=print) -> dict:
-    from common.files import pyplot, save_figure, write_json_atomic, write_text_atomic
-    from gate.pipeline.end_to_end import format_table, summarize, threshold_curve
-
     complete = [r for r in records if "skipped" not in r]
     both = bool(complete) and all(r["alone"] is not None and r["rag"] is not None for r in complete)
     metrics = summarize(records) if both else _summarize_chosen(records)
@@ -357,9 +346,6 @@ def _summarize_chosen(records: list[dict]) -> dict:
 
 
 def main(argv=None) -> None:
-    from common.cli import parse
-    from common.placement import process_state
-
     (args,) = parse((PipelineArgs,), argv, description=__doc__)
     run(args, state=process_state(args.device))
 

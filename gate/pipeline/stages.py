@@ -7,9 +7,18 @@ from __future__ import annotations
 
 import numpy as np
 
+from common.llm import endpoint_generator, text_generator
+from common.placement import resolve_device, resolve_dtype
+from common.prompts import load_prompt
+from gate.pipeline.bem import BEMScorer
+from gate.pipeline.consistency import ConsistencyChecker
 from gate.pipeline.context import resolve_alpha, section_text, vlm_answerer
 from gate.pipeline.metrics import official_correct, token_accuracy
-from gate.scoring import gate_of
+from gate.pipeline.rerank import combine, load_reranker, load_text_reranker, within_article
+from gate.scoring import DEFAULT_THRESHOLDS, first_token_scores, gate_of, generate_parsed
+from retrieval import MultimodalIndex
+from retrieval.upstream.articles import open_store
+from rl.refine import Refiner
 
 BOUNDARY_VARIANTS = ("hkb", "skb", "kbm-acc", "kbm-cert", "ret")
 GENERATOR_PROMPTS = {
@@ -27,8 +36,6 @@ GENERATOR_PROMPTS = {
 def generator_prompt(value: str) -> dict:
     """A built-in generator prompt by name (``GENERATOR_PROMPTS``) or a YAML prompt file with ``{context}`` and
     ``{question}`` in its user template (rl.prompts.load_prompt)."""
-    from common.prompts import load_prompt
-
     return load_prompt(value, GENERATOR_PROMPTS, ("{question}", "{context}"), "--generator_prompt")
 
 
@@ -37,14 +44,10 @@ class BoundaryGate:
     decision score ≥ γ (ε for skb)."""
 
     def __init__(self, path: str, threshold: float | None, device: str, dtype: str | None):
-        from gate.scoring import DEFAULT_THRESHOLDS
-
         self.model, self.processor, self.spec = gate_of(path, device, dtype, *BOUNDARY_VARIANTS)
         self.threshold = threshold if threshold is not None else DEFAULT_THRESHOLDS.get(self.spec["name"], 0.5)
 
     def __call__(self, images, questions) -> list[float]:
-        from gate.scoring import first_token_scores
-
         return [float(x) for x in first_token_scores(self.model, self.processor, self.spec, images, questions,
                                                      batch_size=len(questions))]
 
@@ -63,8 +66,6 @@ class Retriever:
     """The index: top-k entities (their best sections) and the gold entity's rank for each query."""
 
     def __init__(self, args, refiner, device: str):
-        from retrieval import MultimodalIndex
-
         self.alpha = resolve_alpha(args.alpha, refiner)
         self.k = args.k
         self.index = MultimodalIndex.load(args.index, device=device)
@@ -85,9 +86,6 @@ class SectionRanker:
     store ((1−β2)·text similarity to the query + β2·text reranker; text similarity alone without one)."""
 
     def __init__(self, args, index, device: str, dtype: str | None):
-        from gate.pipeline.rerank import load_reranker, load_text_reranker
-        from retrieval.upstream.articles import open_store
-
         self.index, self.beta1, self.beta2 = index, args.beta1, args.beta2
         self.store = open_store(args.kb or index.manifest["kb_path"], args.articles)
         self.reranker = load_reranker(args.reranker, device, dtype, tuple(args.reranker_verbalisers.split(",")))
@@ -102,8 +100,6 @@ class SectionRanker:
     def first_stage(self, images, questions, hits) -> list[list[dict]]:
         """Each question's top-k sections (article-store entries), best first by β1·retrieval + (1−β1)·reranker
         (the retrieval order without a reranker)."""
-        from gate.pipeline.rerank import combine
-
         entries = [[self.store.entry(h.entry_id) for h in hs] for hs in hits]
         missing = [h.entry_id for hs, es in zip(hits, entries) for h, e in zip(hs, es) if e is None]
         if missing:
@@ -117,8 +113,6 @@ class SectionRanker:
 
     def within(self, images, questions, text_emb, entity_ids) -> list[dict]:
         """The chosen article's best section per question: (1−β2)·text similarity to the query + β2·text reranker."""
-        from gate.pipeline.rerank import within_article
-
         template = self.index.manifest.get("text_template", "{title}. {section_title}. {text}")
         articles = [self.article_sections(e) for e in entity_ids]
         flat = [e for art in articles for e in art]
@@ -146,8 +140,6 @@ class Inspector:
         self.threshold = threshold
 
     def __call__(self, images, questions, contexts) -> list[dict]:
-        from gate.scoring import first_token_scores, generate_parsed
-
         n = len(questions)
         p = first_token_scores(self.model, self.processor, self.spec, images, questions, contexts, batch_size=n)
         fail = [i for i in range(n) if p[i] < self.threshold]
@@ -162,8 +154,6 @@ class Inspector:
 
 def load_generator(args, device: str, dtype: str | None):
     """generate(images, questions, contexts) → [(answer or None, why not)]: a text LLM, a VLM, or an endpoint."""
-    from common.llm import endpoint_generator, text_generator
-
     prompt = generator_prompt(args.generator_prompt)
     if args.generator == "endpoint":
         return endpoint_generator(args.generator_url, args.generator_model, prompt, args.generator_key_env,
@@ -185,8 +175,6 @@ class Judge:
         self.metric = args.metric
         self.bem = None
         if args.metric == "evqa" and args.bem != "none":
-            from gate.pipeline.bem import BEMScorer
-
             self.bem = BEMScorer(args.bem, device=args.bem_device or device, batch_size=args.batch_size)
 
     def __call__(self, pairs: list[tuple[dict, dict]]) -> None:
@@ -206,8 +194,6 @@ class Stages:
     ``placement`` says where each runs (printed, and in metrics.json)."""
 
     def __init__(self, args):
-        from common.placement import resolve_device, resolve_dtype
-
         self.args = args
         device, dtype = resolve_device(args.device), args.dtype
         self.device, self.dtype = device, dtype
@@ -219,15 +205,11 @@ class Stages:
         self.refiner = self.retrieve = self.rerank = None
         if args.index:
             if args.refiner != "none":
-                from rl.refine import Refiner
-
                 self.refiner = load("refiner", lambda: Refiner.load(args.refiner, device=device, dtype=dtype))
             self.retrieve = load("index", Retriever, args, self.refiner, device)
             self.rerank = load("reranker", SectionRanker, args, self.retrieve.index, device, dtype)
         self.consistency = None
         if args.index and args.consistency != "none":
-            from gate.pipeline.consistency import ConsistencyChecker
-
             self.consistency = load("consistency", ConsistencyChecker, args.consistency, args.consistency_strategy,
                                     args.consistency_max_new_tokens, device, dtype)
         self.inspect = load("inspector", Inspector, args.inspector, args.inspector_threshold, device, dtype) \

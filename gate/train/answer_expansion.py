@@ -18,7 +18,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tqdm import tqdm
+
 from common.files import append_jsonl, completed_ids, read_jsonl
+from common.llm import replier
+from common.prompts import json_objects, load_prompt
 from retrieval.answers import answer_in_passage
 
 EXPANSION_PROMPT = {
@@ -33,8 +37,6 @@ EXPANDED_FILE = "expanded-inspector.jsonl"
 
 def parse_expansion(text) -> str | None:
     """The ``expanded_answer`` string of the first JSON object in ``text`` that has one, stripped; else None."""
-    from common.prompts import json_objects
-
     for obj in json_objects(text):
         if isinstance(obj.get("expanded_answer"), str) and obj["expanded_answer"].strip():
             return obj["expanded_answer"].strip()
@@ -54,8 +56,6 @@ def expansion_target(short: str, reply) -> dict:
 
 def expander(args, prompt: dict):
     """(questions, short answers) → replies (None for a failed request), from an endpoint or a local text LLM."""
-    from common.llm import replier
-
     reply = replier(prompt["system"], args.max_new_tokens, args.expander_url, args.expander_model, args.judge_key_env,
                     args.expander, device=args.device or "cpu", dtype=None if args.dtype == "auto" else args.dtype)
     return lambda questions, answers: reply([prompt["user_template"].format(question=q, answer=a)
@@ -64,10 +64,6 @@ def expander(args, prompt: dict):
 
 def stage_expand(args, out: Path, log=print, expand=None) -> int:
     """Expand every FAIL example's answer not yet expanded; returns how many were written now."""
-    from tqdm import tqdm
-
-    from common.prompts import load_prompt
-
     source = out / "labels-inspector.jsonl"
     if not source.is_file():
         raise ValueError(f"expand: {source} does not exist (run --stage label --variant inspector first)")

@@ -22,15 +22,34 @@ for ``kbm-cert`` only (reported).
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.cli import check_choices
+from PIL import Image
+from tqdm import tqdm
+
+from common.cli import check_choices, parse
 from common.files import append_jsonl, completed_ids, read_jsonl, write_json_atomic, write_jsonl_atomic
 from common.job_parts import JobParts
-from common.placement import resolve_device
+from common.placement import process_state, resolve_device
 from gate.pipeline.consistency import stage_consistency
-from gate.pipeline.context import load_questions, stage_context, stage_retrieve, vlm_answerer
+from gate.pipeline.context import load_questions, section_text, stage_context, stage_retrieve, vlm_answerer
+from gate.pipeline.judges import judge_all, judge_from_args
+from gate.train.answer_expansion import EXPANDED_FILE, expanded_targets, stage_expand
+from gate.train.labels import (
+    certainty,
+    hkb_label,
+    inspector_label,
+    kbm_accuracy_label,
+    kbm_certainty_label,
+    mct_example,
+    ret_label,
+    skb_label,
+    srt_label,
+)
+from gate.train.render import class_balance, format_balance, parse_class_targets, render_rows
+from gate.variants import load_gate_prompt, numbered_documents, prompt_file_for, spec
 
 STAGES = ("sample", "judge", "retrieve", "context", "consistency", "label", "expand", "render")
 PARALLEL = ("sample", "context", "consistency")  # the long ones: split over processes when launched on many
@@ -102,11 +121,7 @@ class BuildDataArgs:
 
 
 def stage_sample(args: BuildDataArgs, out: Path, log=print, generate=None, state=None) -> int:
-    import zlib
-
     import torch
-    from PIL import Image
-    from tqdm import tqdm
 
     rows, _ = load_questions(args.queries, args.images_root)
     if not args.model and generate is None:
@@ -129,8 +144,6 @@ def stage_sample(args: BuildDataArgs, out: Path, log=print, generate=None, state
 
 
 def stage_judge(args: BuildDataArgs, out: Path, log=print) -> int:
-    from gate.pipeline.judges import judge_all, judge_from_args
-
     source = out / "samples.jsonl"
     if not source.is_file():
         raise ValueError(f"judge: {source} does not exist (run --stage sample first)")
@@ -182,22 +195,6 @@ def mct_from_consistency(args) -> bool:
 def label_records(variant: str, rec: dict, args: BuildDataArgs, contexts: dict | None = None) -> list[dict]:
     """The labelled examples one question yields for a variant (none when it cannot be labelled). Binary labels are
     bools whose True is the variant's positive verbaliser (search / relevant / pass)."""
-    import zlib
-
-    from gate.pipeline.context import section_text
-    from gate.train.labels import (
-        certainty,
-        hkb_label,
-        inspector_label,
-        kbm_accuracy_label,
-        kbm_certainty_label,
-        mct_example,
-        ret_label,
-        skb_label,
-        srt_label,
-    )
-    from gate.variants import numbered_documents
-
     if variant == "kbm-cert":
         return [{"search": kbm_certainty_label(rec["samples"], args.tau), "certainty": certainty(rec["samples"])}]
     if variant == "mct" and args.mct_rule == "srt":
@@ -291,13 +288,9 @@ def stage_label(args: BuildDataArgs, out: Path, log=print) -> int:
 
 def stage_render(args: BuildDataArgs, out: Path, log=print) -> int:
     """labels-<variant>.jsonl → <variant>.<split>.jsonl: TRL conversational prompt–completion rows with an image."""
-    from gate.train.render import class_balance, format_balance, render_rows
-
     source = out / f"labels-{args.variant}.jsonl"
     if not source.is_file():
         raise ValueError(f"render: {source} does not exist (run --stage label --variant {args.variant} first)")
-    from gate.train.render import parse_class_targets
-    from gate.variants import load_gate_prompt, prompt_file_for, spec
 
     targets = parse_class_targets(args.class_targets) if args.class_targets else None
     prompt = load_gate_prompt(args.gate_prompt, args.variant) if args.gate_prompt else None
@@ -330,8 +323,6 @@ def stage_render(args: BuildDataArgs, out: Path, log=print) -> int:
 def with_expanded_answers(recs: list[dict], out: Path) -> list[dict]:
     """Inspector label rows whose FAIL answer is the expanded sentence (``--stage expand``); every FAIL row must have
     one."""
-    from gate.train.answer_expansion import EXPANDED_FILE, expanded_targets
-
     targets = expanded_targets(out)
     missing = [str(r["id"]) for r in recs if not r["pass"] and str(r["id"]) not in targets]
     if missing:
@@ -354,12 +345,9 @@ def build(args: BuildDataArgs, log=print, state=None) -> int:
     if args.stage in ("label", "render") and not args.variant:
         raise ValueError(f"--stage {args.stage} needs --variant ({', '.join(LABEL_SOURCES)})")
     if args.stage in ("judge", "context"):
-        from gate.pipeline.judges import judge_from_args
-
         judge_from_args(args)  # a bad judge name or missing URL fails before any model
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from gate.train.answer_expansion import stage_expand
 
     stages = {"sample": stage_sample, "judge": stage_judge, "retrieve": stage_retrieve, "context": stage_context,
               "consistency": stage_consistency, "label": stage_label, "expand": stage_expand, "render": stage_render}
@@ -369,9 +357,6 @@ def build(args: BuildDataArgs, log=print, state=None) -> int:
 
 
 def main(argv=None) -> None:
-    from common.cli import parse
-    from common.placement import process_state
-
     (args,) = parse((BuildDataArgs,), argv, description=__doc__)
     build(args, state=process_state(args.device) if args.stage in PARALLEL else None)
 

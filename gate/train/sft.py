@@ -18,11 +18,27 @@ held-out accuracy of first-token scoring at the default threshold next to the ma
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.cli import check_choices, parse
-from gate.variants import VARIANTS
+from common.cli import check_choices, parse, require_file
+from common.files import read_jsonl, write_json_atomic
+from common.placement import Processes, outside_zero3_init
+from gate.scoring import GATE_FILE, verbaliser_ids
+from gate.train.evaluation import evaluate_gate, evaluate_generated
+from gate.train.model_card import write_gate_cards
+from gate.train.render import class_balance, format_balance
+from gate.variants import BINARY, VARIANTS, completion, prompt_file_for, spec
+from rl.model import (
+    exclude_vision_tower,
+    freeze_vision_tower,
+    load_model,
+    load_trained,
+    trainable_parameters,
+    vision_tower,
+)
 
 PLACEHOLDER = "{variant}"
 
@@ -66,8 +82,6 @@ def parse_args(argv=None):
 
 
 def read_rows(path) -> list[dict]:
-    from common.files import read_jsonl
-
     rows = list(read_jsonl(path))
     if not rows:
         raise ValueError(f"{path} has no rows")
@@ -79,9 +93,6 @@ def read_rows(path) -> list[dict]:
 
 def check_balance(args: GateArguments, rows: list[dict], log=print) -> dict:
     """Print the class balance; an empty class of a binary gate is an error unless allowed."""
-    from gate.train.render import class_balance, format_balance
-    from gate.variants import BINARY, completion, spec
-
     balance = class_balance(rows)
     log(f"{args.variant} training data: {len(rows)} rows; classes {format_balance(balance)}")
     if args.variant in BINARY:
@@ -100,9 +111,6 @@ def check_balance(args: GateArguments, rows: list[dict], log=print) -> dict:
 
 
 def validate(args: GateArguments, training_args, model_args) -> tuple[list[dict], list[dict] | None]:
-    from common.cli import require_file
-    from gate.variants import spec
-
     check_choices(args)
     if not args.variant:
         raise ValueError(f"--variant is required ({', '.join(VARIANTS)})")
@@ -123,20 +131,12 @@ def rendered_prompt(train_file: str, variant: str) -> dict | None:
     """The prompt the rows were rendered with (``<variant>.prompt.json`` beside them, written by gate.train.build_data's
     render), so the trained gate is scored with it; None for rows rendered before that file existed."""
 
-    from gate.variants import prompt_file_for
-
     path = prompt_file_for(Path(train_file).parent, variant)
     return json.loads(path.read_text()) if path.is_file() else None
 
 
 def save_final(final: Path, model, processor, info: dict) -> None:
     """Model + processor + gate.json into a temporary sibling, then renamed: a crash leaves no half folder."""
-    import os
-    import shutil
-
-    from common.files import write_json_atomic
-    from gate.scoring import GATE_FILE
-
     tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
@@ -147,26 +147,11 @@ def save_final(final: Path, model, processor, info: dict) -> None:
 
 
 def main(argv=None) -> dict:
-    import shutil
-
     from accelerate import PartialState
     from datasets import Dataset, Image
     from transformers import AutoProcessor
     from transformers.integrations import is_deepspeed_zero3_enabled
     from trl import SFTTrainer, get_peft_config
-
-    from common.files import write_json_atomic
-    from common.placement import Processes, outside_zero3_init
-    from gate.scoring import verbaliser_ids
-    from gate.variants import BINARY, spec
-    from rl.model import (
-        exclude_vision_tower,
-        freeze_vision_tower,
-        load_model,
-        load_trained,
-        trainable_parameters,
-        vision_tower,
-    )
 
     args, training_args, model_args = parse_args(argv)
     rows, eval_rows = validate(args, training_args, model_args)
@@ -222,7 +207,6 @@ def main(argv=None) -> dict:
         write_json_atomic(output_dir / "gate_eval.json", metrics)
         print("held-out: " + json.dumps(metrics))
         result["eval"] = metrics
-    from gate.train.model_card import write_gate_cards
 
     write_gate_cards(output_dir, result.get("eval"))  # our card over TRL's placeholder, after every save
     return result
@@ -230,9 +214,6 @@ def main(argv=None) -> dict:
 
 def evaluate(args: GateArguments, s: dict, model, processor, eval_rows: list[dict]) -> dict:
     """Held-out metrics of the trained gate: scored verbalisers (binary and SKB variants) or generated answers."""
-    from gate.train.evaluation import evaluate_gate, evaluate_generated
-    from gate.variants import BINARY
-
     if args.variant in BINARY or args.variant == "skb":
         metrics = evaluate_gate(model.eval(), processor, s, eval_rows, batch_size=args.eval_batch_size)
         return {k: v for k, v in metrics.items() if k not in ("scores", "truth")}

@@ -17,7 +17,7 @@ import sqlite3
 from collections.abc import Iterable
 from pathlib import Path
 
-from common.files import atomic_path
+from common.files import atomic_path, read_jsonl
 
 SCHEMA = """
 CREATE TABLE articles (entity_id TEXT PRIMARY KEY, title TEXT, url TEXT) WITHOUT ROWID;
@@ -176,7 +176,6 @@ def open_store(kb_path: str | Path, articles: str | Path | None = None, log=prin
     if not path.is_file():
         if articles:
             raise ValueError(f"--articles: {path} does not exist")
-        from common.files import read_jsonl
 
         counts = store_from_kb_rows(read_jsonl(kb_path), path)
         log(f"article store {path} built from {kb_path}: {counts['articles']} articles, {counts['sections']} sections "

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from common.cli import parse
 from common.files import atomic_path, write_jsonl_atomic
 from retrieval.upstream.articles import ArticleStore, ArticleWriter, store_from_kb_rows, store_path_for
 from retrieval.upstream.kb import (
@@ -292,8 +293,6 @@ def convert(args: ConvertArgs, log=print) -> int:
 
 
 def main(argv=None) -> None:
-    from common.cli import parse
-
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     (args,) = parse((ConvertArgs,), argv, description=__doc__)
     convert(args)

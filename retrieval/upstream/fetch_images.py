@@ -31,6 +31,7 @@ from urllib.parse import urlparse, urlunparse
 
 from tqdm.auto import tqdm
 
+from common.cli import parse
 from common.files import append_jsonl, atomic_path, read_jsonl
 from retrieval.upstream.kb import iter_evqa_kb, read_upstream_jsonl, svg_problem, url_hash
 
@@ -251,8 +252,6 @@ def fetch_images(args: FetchArgs, log=print) -> dict[str, int]:
 
 
 def main(argv=None) -> None:
-    from common.cli import parse
-
     (args,) = parse((FetchArgs,), argv, description=__doc__)
     fetch_images(args)
 
