@@ -41,9 +41,13 @@ parser.add_argument("--batch-size", type=int, default=32)
 args = parser.parse_args()
 
 tmp = Path(tempfile.mkdtemp(prefix="bench-build-"))
-env = dict(os.environ, REFINE_RL_CACHE=os.environ.get("REFINE_RL_CACHE") or str(tmp / "cache"),
-           PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
-           TOKENIZERS_PARALLELISM="false")
+env = dict(
+    os.environ,
+    REFINE_RL_CACHE=os.environ.get("REFINE_RL_CACHE") or str(tmp / "cache"),
+    PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    OMP_NUM_THREADS="1",
+    TOKENIZERS_PARALLELISM="false",
+)
 CHILD = tmp / "child.py"
 CHILD.write_text("""
 import json, resource, sys
@@ -54,30 +58,72 @@ print("RESULT " + json.dumps({"peak": me.ru_maxrss * 1024, "workers_peak": kids.
 """)
 
 
-def build(kb: Path, out: Path, image_model: str, text_model: str, workers: int, processes: int, images_root: Path,
-          photos: bool = True):
-    argv = ["--kb", str(kb), "--images_root", str(images_root), "--out", str(out), "--image_encoder", image_model,
-            "--text_encoder", text_model, "--shard_size", str(args.shard_size), "--batch_size", str(args.batch_size),
-            "--workers", str(workers), "--device", "cpu", "--overwrite", "true"]
+def build(
+    kb: Path,
+    out: Path,
+    image_model: str,
+    text_model: str,
+    workers: int,
+    processes: int,
+    images_root: Path,
+    photos: bool = True,
+):
+    argv = [
+        "--kb",
+        str(kb),
+        "--images_root",
+        str(images_root),
+        "--out",
+        str(out),
+        "--image_encoder",
+        image_model,
+        "--text_encoder",
+        text_model,
+        "--shard_size",
+        str(args.shard_size),
+        "--batch_size",
+        str(args.batch_size),
+        "--workers",
+        str(workers),
+        "--device",
+        "cpu",
+        "--overwrite",
+        "true",
+    ]
     if processes == 1:
         cmd = [sys.executable, str(CHILD), *argv]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port",
-               str(29500 + os.getpid() % 1000), str(CHILD), *argv]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(processes),
+            "--master_port",
+            str(29500 + os.getpid() % 1000),
+            str(CHILD),
+            *argv,
+        ]
     t0 = time.perf_counter()
     p = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     log = p.stdout + p.stderr
     if p.returncode != 0:
         sys.exit(f"build failed ({p.returncode}):\n{log[-5000:]}")
-    results = [json.loads(x[len("RESULT "):]) for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+    results = [json.loads(x[len("RESULT ") :]) for x in p.stdout.splitlines() if x.startswith("RESULT ")]
     manifest = json.loads((out / "manifest.json").read_text())
     waits = [int(w) for w in re.findall(r"encoder waited for decoded images (\d+)%", log)]
     encode_s = [float(s) for s in re.findall(r"images encoded in ([0-9.]+)s", log)]
     built_s = float(re.search(r"texts encoded for [0-9,]+ rows, ([0-9.]+)s", log).group(1))
-    return dict(wall=wall, built_s=built_s, manifest=manifest, peak=max(r["peak"] for r in results),
-                workers_peak=max(r["workers_peak"] for r in results), wait=max(waits) if waits else 0,
-                image_s=max(encode_s) if encode_s else 0.0)
+    return dict(
+        wall=wall,
+        built_s=built_s,
+        manifest=manifest,
+        peak=max(r["peak"] for r in results),
+        workers_peak=max(r["workers_peak"] for r in results),
+        wait=max(waits) if waits else 0,
+        image_s=max(encode_s) if encode_s else 0.0,
+    )
 
 
 # ------------------------------------------------------------------ synthetic KB
@@ -106,15 +152,27 @@ def write_kb(n: int, folder: str, ext: str) -> Path:
             e = entities[s % len(entities)]
             title, text = sections(e)[s % 2]
             text = f"{text} " + " ".join(f"Article {s // 2}, paragraph {p}: {text}" for p in range(6))
-            f.write(json.dumps(dict(entry_id=f"R{j:08d}", entity_id=f"K{s // 2:07d}", title=f"{e['name']} {s // 2}",
-                                    section_title=title, text=text,
-                                    image=f"{folder}/{'p' if ext == 'jpg' else 's'}{j % args.pool:04d}.{ext}")) + "\n")
+            f.write(
+                json.dumps(
+                    dict(
+                        entry_id=f"R{j:08d}",
+                        entity_id=f"K{s // 2:07d}",
+                        title=f"{e['name']} {s // 2}",
+                        section_title=title,
+                        text=text,
+                        image=f"{folder}/{'p' if ext == 'jpg' else 's'}{j % args.pool:04d}.{ext}",
+                    )
+                )
+                + "\n"
+            )
     return kb
 
 
 print("load average at start: %.2f %.2f %.2f (other work on the machine skews the timings)" % os.getloadavg())
-print(f"temp dir {tmp}; {os.cpu_count()} CPUs; photos {args.photo} JPEG; {args.per_section} images per section",
-      flush=True)
+print(
+    f"temp dir {tmp}; {os.cpu_count()} CPUs; photos {args.photo} JPEG; {args.per_section} images per section",
+    flush=True,
+)
 
 # ------------------------------------------------------------------ table 1: workers × processes
 tables = {int(t) for t in args.tables.split(",")}
@@ -168,33 +226,49 @@ for size in (args.photo, "2048x1536") if 3 in tables else []:
 print("load average at end:   %.2f %.2f %.2f" % os.getloadavg())
 if table1:
     m = table1[0]["manifest"]
-    print(f"\nTable 1: {args.rows:,} KB rows ({m['texts_encoded']:,} distinct sections), {args.photo} JPEGs, text: "
-          f"the real all-MiniLM-L6-v2; batch {args.batch_size}, shard {args.shard_size}; time = the build's own timer "
-          "(models load, encode, assemble); encoder wait = share of the image loop spent waiting for decoded batches "
-          "(the largest over processes); peak RSS = the largest build process / the largest decoding worker")
-    print("\n| image model | processes | decoding workers each | build s | rows/s | image loop s | encoder waits "
-          "| peak RSS MB (process / worker) |")
+    print(
+        f"\nTable 1: {args.rows:,} KB rows ({m['texts_encoded']:,} distinct sections), {args.photo} JPEGs, text: "
+        f"the real all-MiniLM-L6-v2; batch {args.batch_size}, shard {args.shard_size}; time = the build's own timer "
+        "(models load, encode, assemble); encoder wait = share of the image loop spent waiting for decoded batches "
+        "(the largest over processes); peak RSS = the largest build process / the largest decoding worker"
+    )
+    print(
+        "\n| image model | processes | decoding workers each | build s | rows/s | image loop s | encoder waits "
+        "| peak RSS MB (process / worker) |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---|")
     for r in table1:
-        print(f"| {r['model']} | {r['processes']} | {r['workers']} | {r['built_s']:.1f} | {args.rows / r['built_s']:.0f} "
-              f"| {r['image_s']:.1f} | {r['wait']}% | {r['peak'] / 2**20:.0f} / {r['workers_peak'] / 2**20:.0f} |")
-    print(f"\nSection dedup: {m['text_rows']:,} rows share {m['texts_encoded']:,} distinct section texts "
-          f"({m['text_rows'] / max(m['texts_encoded'], 1):.1f} rows per text): {m['text_rows'] - m['texts_encoded']:,} "
-          f"text encodings saved ({100 * (1 - m['texts_encoded'] / m['text_rows']):.0f} %)")
+        print(
+            f"| {r['model']} | {r['processes']} | {r['workers']} | {r['built_s']:.1f} | {args.rows / r['built_s']:.0f} "
+            f"| {r['image_s']:.1f} | {r['wait']}% | {r['peak'] / 2**20:.0f} / {r['workers_peak'] / 2**20:.0f} |"
+        )
+    print(
+        f"\nSection dedup: {m['text_rows']:,} rows share {m['texts_encoded']:,} distinct section texts "
+        f"({m['text_rows'] / max(m['texts_encoded'], 1):.1f} rows per text): {m['text_rows'] - m['texts_encoded']:,} "
+        f"text encodings saved ({100 * (1 - m['texts_encoded'] / m['text_rows']):.0f} %)"
+    )
 if table2:
-    print("\nTable 2: peak memory against KB size (tiny encoders, 56 px PNGs, 1 process, 1 decoding worker); index MB "
-          "= rows × dim × 4 bytes (what the assembled Flat index holds)")
-    print("\n| KB rows | KB file MB | distinct texts | build s | rows/s | peak RSS MB (process) | peak RSS MB (worker) "
-          "| index MB |")
+    print(
+        "\nTable 2: peak memory against KB size (tiny encoders, 56 px PNGs, 1 process, 1 decoding worker); index MB "
+        "= rows × dim × 4 bytes (what the assembled Flat index holds)"
+    )
+    print(
+        "\n| KB rows | KB file MB | distinct texts | build s | rows/s | peak RSS MB (process) | peak RSS MB (worker) "
+        "| index MB |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in table2:
         mm = r["manifest"]
-        print(f"| {r['n']:,} | {r['kb_mb']:.0f} | {mm['texts_encoded']:,} | {r['built_s']:.1f} | "
-              f"{r['n'] / r['built_s']:.0f} | {r['peak'] / 2**20:.0f} | {r['workers_peak'] / 2**20:.0f} | "
-              f"{mm['rows'] * mm['dim'] * 4 / 2**20:.1f} |")
+        print(
+            f"| {r['n']:,} | {r['kb_mb']:.0f} | {mm['texts_encoded']:,} | {r['built_s']:.1f} | "
+            f"{r['n'] / r['built_s']:.0f} | {r['peak'] / 2**20:.0f} | {r['workers_peak'] / 2**20:.0f} | "
+            f"{mm['rows'] * mm['dim'] * 4 / 2**20:.1f} |"
+        )
 if table3:
-    print("\nTable 3: decoding + preprocessing one image on one core (PIL decode, open_clip 224 px transform: resize, "
-          "centre crop, normalise), the work each DataLoader worker does per row")
+    print(
+        "\nTable 3: decoding + preprocessing one image on one core (PIL decode, open_clip 224 px transform: resize, "
+        "centre crop, normalise), the work each DataLoader worker does per row"
+    )
     print("\n| photo | JPEG KB | ms per image | images/s per core |")
     print("|---|---:|---:|---:|")
     for size, kb_size, per in table3:

@@ -2,7 +2,8 @@
 
 Writes a synthetic KB in the upstream format (one JSON object keyed by URL, ``--sections`` sections of ~600 characters
 and ``--images`` image URLs an article, images named md5(url) in an ``--image_map``), then runs
-``python -m retrieval.upstream.convert --format evqa-kb`` on it in a fresh process and reads that process's peak resident
+``python -m retrieval.upstream.convert --format evqa-kb`` on it in a fresh process and reads that process's peak
+resident
 memory (``VmHWM`` of the child). Reported per size: input MB, articles/s, index rows, article-store MB and
 peak RSS. A converter that read the file with one ``json.loads`` would grow ~10× the input size.
 
@@ -38,8 +39,10 @@ from retrieval.upstream.convert import main
 main(json.loads(sys.argv[1]))
 print(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1))
 """
-TEXT = ("The article's section text, long enough to look like an encyclopedia paragraph with dates such as 1889 "
-        "and places such as Paris. ") * 5
+TEXT = (
+    "The article's section text, long enough to look like an encyclopedia paragraph with dates such as 1889 "
+    "and places such as Paris. "
+) * 5
 
 
 def write_kb(path: Path, n: int) -> dict:
@@ -51,17 +54,24 @@ def write_kb(path: Path, n: int) -> dict:
             images = [f"https://upload.wikimedia.org/{i}/{j}.jpg" for j in range(args.images)]
             for u in images[:-1]:  # the last image of every article has no file (as ~1.25 M upstream images)
                 mapping[u] = f"kb_images/{hashlib.md5(u.encode()).hexdigest()}.jpg"
-            art = {"title": f"Article {i}", "url": url, "section_titles": [f"Article {i}"] +
-                   [f"Section {s}" for s in range(1, args.sections)], "section_texts": [TEXT] * args.sections,
-                   "image_urls": images, "image_reference_descriptions": [""] * len(images),
-                   "image_section_indices": [j % args.sections for j in range(len(images))]}
+            art = {
+                "title": f"Article {i}",
+                "url": url,
+                "section_titles": [f"Article {i}"] + [f"Section {s}" for s in range(1, args.sections)],
+                "section_texts": [TEXT] * args.sections,
+                "image_urls": images,
+                "image_reference_descriptions": [""] * len(images),
+                "image_section_indices": [j % args.sections for j in range(len(images))],
+            }
             f.write(("," if i else "") + json.dumps(url) + ":" + json.dumps(art))
         f.write("}")
     return mapping
 
 
-print(f"{'articles':>9} {'input MB':>9} {'map MB':>7} {'seconds':>8} {'articles/s':>11} {'rows':>8} "
-      f"{'store MB':>9} {'peak RSS MB':>12} {'peak, empty map':>16}")
+print(
+    f"{'articles':>9} {'input MB':>9} {'map MB':>7} {'seconds':>8} {'articles/s':>11} {'rows':>8} "
+    f"{'store MB':>9} {'peak RSS MB':>12} {'peak, empty map':>16}"
+)
 with tempfile.TemporaryDirectory() as tmp:
     tmp = Path(tmp)
     for n in [int(s) for s in args.sizes.split(",")]:
@@ -72,14 +82,21 @@ with tempfile.TemporaryDirectory() as tmp:
         def run(image_map: str, out: Path) -> tuple[float, int]:
             argv = ["--format", "evqa-kb", "--input", str(kb), "--image_map", image_map, "--out", str(out)]
             t = time.perf_counter()
-            done = subprocess.run([sys.executable, "-c", CHILD, json.dumps(argv)], check=True, capture_output=True,
-                                  text=True, env={**os.environ, "TQDM_DISABLE": "1"})
+            done = subprocess.run(
+                [sys.executable, "-c", CHILD, json.dumps(argv)],
+                check=True,
+                capture_output=True,
+                text=True,
+                env={**os.environ, "TQDM_DISABLE": "1"},
+            )
             return time.perf_counter() - t, int(done.stdout.strip().splitlines()[-1])  # KiB, that process's peak
 
         seconds, peak = run(str(tmp / "map.json"), out)
         _, peak_without = run(str(tmp / "empty.json"), tmp / f"empty{n}" / "kb.jsonl")  # every image skipped
         rows = sum(1 for _ in open(out))
         store = out.with_name("kb.articles.sqlite")
-        print(f"{n:>9} {kb.stat().st_size / 1e6:>9.1f} {(tmp / 'map.json').stat().st_size / 1e6:>7.1f} {seconds:>8.1f} "
-              f"{n / seconds:>11.0f} {rows:>8} {store.stat().st_size / 1e6:>9.1f} "
-              f"{peak / 1024:>12.0f} {peak_without / 1024:>16.0f}")
+        print(
+            f"{n:>9} {kb.stat().st_size / 1e6:>9.1f} {(tmp / 'map.json').stat().st_size / 1e6:>7.1f} {seconds:>8.1f} "
+            f"{n / seconds:>11.0f} {rows:>8} {store.stat().st_size / 1e6:>9.1f} "
+            f"{peak / 1024:>12.0f} {peak_without / 1024:>16.0f}"
+        )

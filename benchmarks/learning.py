@@ -49,20 +49,29 @@ def run_seed(seed: int, out: Path) -> dict:
     t0 = time.perf_counter()
     flags = f"--seed {seed} --output_dir {out} --run_name refine-rl-toy-seed{seed}"
     with open(out / "run.log", "w") as log:
-        subprocess.run(["make", "-s", "demo", f"ARGS={flags}"], cwd=ROOT, check=True, stdout=log,
-                       stderr=subprocess.STDOUT)
+        subprocess.run(
+            ["make", "-s", "demo", f"ARGS={flags}"], cwd=ROOT, check=True, stdout=log, stderr=subprocess.STDOUT
+        )
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     table = json.loads((out / "learning.json").read_text())
     text = (out / "run.log").read_text().replace("\r", "\n")
-    return {"seed": seed,
-            "retrieval": {"R@1 original": table["original"]["R@1"], "R@1 warm start": table["warm_start"]["R@1"],
-                          "R@1 GRPO": table["grpo"]["R@1"],
-                          "GRPO words / query": table["grpo"]["attribute_words_per_query"]},
-            "attributes": {f"{name} {a} %": table[key][f"{a}_accuracy"]
-                           for key, name in (("warm_start", "warm"), ("grpo", "GRPO")) for a in ATTRIBUTES},
-            "time": {"wall s": wall, **phase_seconds(text), "cores busy": cpu / wall}}
+    return {
+        "seed": seed,
+        "retrieval": {
+            "R@1 original": table["original"]["R@1"],
+            "R@1 warm start": table["warm_start"]["R@1"],
+            "R@1 GRPO": table["grpo"]["R@1"],
+            "GRPO words / query": table["grpo"]["attribute_words_per_query"],
+        },
+        "attributes": {
+            f"{name} {a} %": table[key][f"{a}_accuracy"]
+            for key, name in (("warm_start", "warm"), ("grpo", "GRPO"))
+            for a in ATTRIBUTES
+        },
+        "time": {"wall s": wall, **phase_seconds(text), "cores busy": cpu / wall},
+    }
 
 
 def print_table(title: str, rows: list[dict], part: str) -> None:
@@ -93,11 +102,13 @@ def main() -> None:
     for seed in args.seeds:
         rows.append(run_seed(seed, (ROOT / args.out / f"seed{seed}").resolve()))
         r = rows[-1]
-        print(f"seed {seed}: " + ", ".join(f"{k} {v:.1f}" for part in ("retrieval", "attributes", "time")
-                                           for k, v in r[part].items()), flush=True)
+        print(
+            f"seed {seed}: "
+            + ", ".join(f"{k} {v:.1f}" for part in ("retrieval", "attributes", "time") for k, v in r[part].items()),
+            flush=True,
+        )
     where = f"this machine ({os.cpu_count()} cores), `make demo` per seed"
-    print_table(f"embedded default, {len(rows)} seeds, {where}: test R@1 (360 held-out questions)", rows,
-                "retrieval")
+    print_table(f"embedded default, {len(rows)} seeds, {where}: test R@1 (360 held-out questions)", rows, "retrieval")
     print_table("accuracy per attribute of the stated query words", rows, "attributes")
     print_table("time", rows, "time")
 

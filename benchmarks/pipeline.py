@@ -44,14 +44,18 @@ for label, gate in (("with the gate", config["gate"]), ("without (always retriev
     rows.append((label, metrics, wall, seconds))
     placement = placement if rows[1:] else stages.placement  # the gated run's, which has every stage
 
-print(f"pipeline {args.config} on {args.questions} toy-world test questions, CPU ({os.cpu_count()} cores), "
-      "models loaded beforehand\n")
+print(
+    f"pipeline {args.config} on {args.questions} toy-world test questions, CPU ({os.cpu_count()} cores), "
+    "models loaded beforehand\n"
+)
 print("| run | questions/s | accuracy | retrieval ratio | " + " | ".join(f"{s} %" for s in STAGES) + " |")
 print("|---|---|---|---|" + "---|" * len(STAGES))
 for label, m, wall, seconds in rows:
     total = sum(seconds.values()) or 1.0
     shares = " | ".join(f"{100 * seconds[s] / total:.1f}" for s in STAGES)
-    print(f"| {label} | {m['n'] / wall:.1f} | {100 * m['accuracy']:.1f} | {100 * m['retrieval_ratio']:.1f} | {shares} |")
+    print(
+        f"| {label} | {m['n'] / wall:.1f} | {100 * m['accuracy']:.1f} | {100 * m['retrieval_ratio']:.1f} | {shares} |"
+    )
 
 # where each stage's model ran (Stages.placement: one device and dtype for the whole pipeline, set by device / dtype)
 print("\n| stage | device and dtype |")

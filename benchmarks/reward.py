@@ -67,8 +67,7 @@ def loop_reward() -> list[float]:
 
 
 def batched(reward) -> list[float]:
-    return reward(prompts=[None] * n, completions=completions, id=ids, entity_id=gold, image=imgs,
-                  question=questions)
+    return reward(prompts=[None] * n, completions=completions, id=ids, entity_id=gold, image=imgs, question=questions)
 
 
 def best_of(fn, repeats):
@@ -102,18 +101,23 @@ t_img, r_img, reward = cold(warm_images=True)
 t_warm, r_warm = best_of(lambda: batched(reward), args.repeats)
 unique_texts = sorted({parse_query(c[0]["content"]) for c in completions} - {None})
 t_text, _ = best_of(lambda: index.encode_texts(unique_texts), args.repeats)
-assert np.allclose(r_loop, r_cold) and np.allclose(r_cold, r_img) and np.allclose(r_img, r_warm), \
+assert np.allclose(r_loop, r_cold) and np.allclose(r_cold, r_img) and np.allclose(r_img, r_warm), (
     "batched and looped rewards differ"
+)
 
-print(f"retrieval reward on {n} completions ({args.prompts} prompts × {G}; {len(unique_texts)} distinct parseable "
-      f"queries), index {len(index)} rows, encoders {index.manifest['image_encoder']} + "
-      f"{index.manifest['text_encoder']}, best of {args.repeats}\n")
+print(
+    f"retrieval reward on {n} completions ({args.prompts} prompts × {G}; {len(unique_texts)} distinct parseable "
+    f"queries), index {len(index)} rows, encoders {index.manifest['image_encoder']} + "
+    f"{index.manifest['text_encoder']}, best of {args.repeats}\n"
+)
 print("| method | total ms | ms / completion | speed-up vs loop |")
 print("|---|---|---|---|")
-for name, t in [("per-completion loop (encode image + text, search one)", t_loop),
-                ("batched, empty caches (32 images + all queries encoded once)", t_cold),
-                ("batched, images cached (first sight of these queries)", t_img),
-                ("batched, images and queries cached (a repeated batch)", t_warm),
-                ("(for scale) one batch encoding of the distinct queries alone", t_text)]:
+for name, t in [
+    ("per-completion loop (encode image + text, search one)", t_loop),
+    ("batched, empty caches (32 images + all queries encoded once)", t_cold),
+    ("batched, images cached (first sight of these queries)", t_img),
+    ("batched, images and queries cached (a repeated batch)", t_warm),
+    ("(for scale) one batch encoding of the distinct queries alone", t_text),
+]:
     print(f"| {name} | {1000 * t:.1f} | {1000 * t / n:.3f} | {t_loop / t:.1f}× |")
 print(f"\nrewards identical across methods: yes (mean {np.mean(r_warm):.3f})")

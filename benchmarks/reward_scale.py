@@ -70,6 +70,7 @@ def chunks(n, seed=0, chunk=65536):
             x[:, :HALF] /= np.linalg.norm(x[:, :HALF], axis=1, keepdims=True)  # v̂ and t̂ each unit, as built
             x[:, HALF:] /= np.linalg.norm(x[:, HALF:], axis=1, keepdims=True)
             yield x
+
     return gen
 
 
@@ -133,10 +134,12 @@ work = Path(args.workdir or tempfile.mkdtemp(prefix="reward_scale-"))
 work.mkdir(parents=True, exist_ok=True)
 a = torch.randn(4096, 4096)
 t_peak, _ = best(lambda: a @ a, 3)
-peak = 2 * 4096 ** 3 / t_peak / 1e9
+peak = 2 * 4096**3 / t_peak / 1e9
 del a
-print(f"machine: {usable_cores()} cores, {threads} threads; torch {torch.__version__}, faiss {faiss.__version__}; "
-      f"sgemm peak {peak:.0f} GFLOP/s (4096² float32 matmul)")
+print(
+    f"machine: {usable_cores()} cores, {threads} threads; torch {torch.__version__}, faiss {faiss.__version__}; "
+    f"sgemm peak {peak:.0f} GFLOP/s (4096² float32 matmul)"
+)
 print(f"{Q} queries per step, depth {args.depth}, rows of {D} dims (float32), α = {ALPHA}\n")
 
 speed, memory = [], []
@@ -148,8 +151,10 @@ for n in [int(s) for s in args.sizes.split(",")]:
     img, txt, gold = step_queries(flat, n)
     flops = 2 * n * D * Q
     results = {}
-    for name, method, path in [("(a) FAISS Flat top-k + depth loop", "search", flat),
-                               ("(b) exact: matmul + segment max", "exact", flat)]:
+    for name, method, path in [
+        ("(a) FAISS Flat top-k + depth loop", "search", flat),
+        ("(b) exact: matmul + segment max", "exact", flat),
+    ]:
         idx, _ = load_index(path, n, method)
         t, ranks = best(lambda: idx.entity_ranks(img, txt, gold, alpha=ALPHA, depth=args.depth), args.repeats)
         results[method] = ranks
@@ -161,25 +166,50 @@ for n in [int(s) for s in args.sizes.split(",")]:
         nlist = min(1024, int(4 * np.sqrt(n)))
         ivf_path = work / f"ivf-{n}.faiss"
         t0 = time.perf_counter()
-        faiss.write_index(build_faiss_index_from_chunks(chunks(n), f"IVF{nlist},Flat", D, max_train_rows=65536),
-                          str(ivf_path))
+        faiss.write_index(
+            build_faiss_index_from_chunks(chunks(n), f"IVF{nlist},Flat", D, max_train_rows=65536), str(ivf_path)
+        )
         ivf_build = time.perf_counter() - t0
         idx, _ = load_index(ivf_path, n, "search")
         t, ranks = best(lambda: idx.entity_ranks(img, txt, gold, alpha=ALPHA, depth=args.depth), args.repeats)
         agree = sum(x == y for x, y in zip(ranks, results["exact"]))
         hit_exact = sum(r is not None for r in results["exact"])
         hit_ivf = sum(r is not None for r in ranks)
-        speed.append((n, f"(c) IVF{nlist},Flat nprobe 32 + depth loop", t, float("nan"),
-                      f"same rank as exact {agree}/{Q}; within depth {hit_ivf} vs {hit_exact}; "
-                      f"built in {ivf_build:.0f} s"))
+        speed.append(
+            (
+                n,
+                f"(c) IVF{nlist},Flat nprobe 32 + depth loop",
+                t,
+                float("nan"),
+                f"same rank as exact {agree}/{Q}; within depth {hit_ivf} vs {hit_exact}; built in {ivf_build:.0f} s",
+            )
+        )
         del idx
         ivf_path.unlink()
     # memory: one process, then two sharing the memory-mapped file (page cache)
     for procs in (1, 2):
         outs = [work / f"child-{n}-{procs}-{i}.json" for i in range(procs)]
-        children = [subprocess.Popen([sys.executable, __file__, "--child", str(flat), str(n), str(o),
-                                      "--threads", str(max(1, threads // procs)), "--depth", str(args.depth),
-                                      "--dim", str(D), "--queries", str(Q)]) for o in outs]
+        children = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    __file__,
+                    "--child",
+                    str(flat),
+                    str(n),
+                    str(o),
+                    "--threads",
+                    str(max(1, threads // procs)),
+                    "--depth",
+                    str(args.depth),
+                    "--dim",
+                    str(D),
+                    "--queries",
+                    str(Q),
+                ]
+            )
+            for o in outs
+        ]
         while not all(o.exists() for o in outs):
             time.sleep(0.2)
         stats = [json.loads(o.read_text()) for o in outs]
@@ -187,8 +217,16 @@ for n in [int(s) for s in args.sizes.split(",")]:
             o.with_suffix(".release").touch()
         for c in children:
             c.wait()
-        memory.append((n, procs, flat.stat().st_size, max(s["maxrss"] for s in stats),
-                       sum(s["Rss"] for s in stats), sum(s["Pss"] for s in stats)))
+        memory.append(
+            (
+                n,
+                procs,
+                flat.stat().st_size,
+                max(s["maxrss"] for s in stats),
+                sum(s["Rss"] for s in stats),
+                sum(s["Pss"] for s in stats),
+            )
+        )
     flat.unlink()
     print(f"N = {n:,}: index {n * D * 4 / 1e9:.1f} GB built and written in {build_s:.0f} s", flush=True)
 
@@ -219,10 +257,12 @@ rank's {per_rank_q} queries (160 per step over 8 GPUs), ~{E:,} entities:
   replica: fp16 rows {rows_bytes / 1e9:.1f} GB; ExactRanker.entity_scores upcasts each {chunk:,}-row chunk to fp32
   ({chunk * D * 4 / 1e9:.2f} GB) and multiplies it; queries per block = 256 MB / (4 B × {E:,} entities) = {block}
   → {passes} pass(es) over the rows.
-  bytes moved ≈ {passes} × ({rows_bytes / 1e9:.1f} GB fp16 read + {upcast / 1e9:.1f} GB fp32 written and read) = {moved / 1e9:.1f} GB
+  bytes moved ≈ {passes} × ({rows_bytes / 1e9:.1f} GB fp16 read + {upcast / 1e9:.1f} GB fp32 written and read) = {
+    moved / 1e9:.1f} GB
   → {1000 * moved / hbm:.0f} ms at HBM bandwidth;
   FLOPs = 2 × {N:,} × {D} × {per_rank_q} = {flop / 1e12:.2f} TFLOP → {1000 * flop / fp32:.1f} ms at FP32 peak;
   plus the segment max (scatter over {per_rank_q} × {N:,} scores, ~{per_rank_q * N * 4 * 3 / 1e9:.2f} GB of traffic).
-  Memory-bound: expected ≈ {1000 * moved / hbm:.0f}–{2 * 1000 * moved / hbm:.0f} ms per step per rank (the upcast dominates; an fp16
+  Memory-bound: expected ≈ {1000 * moved / hbm:.0f}–{2 * 1000 * moved / hbm:.0f} ms per step per rank (the upcast
+  dominates; an fp16
   matmul with fp32 accumulation would read only the {rows_bytes / 1e9:.1f} GB: ≈ {1000 * rows_bytes / hbm:.0f} ms).""")
 shutil.rmtree(work, ignore_errors=True)

@@ -46,7 +46,7 @@ def random_unit(n, seed, chunk=65536):
     rng = np.random.default_rng(seed)
     x = np.empty((n, d), np.float32)
     for s in range(0, n, chunk):
-        block = x[s:s + chunk]
+        block = x[s : s + chunk]
         rng.standard_normal(out=block, dtype=np.float32)
         block /= np.linalg.norm(block, axis=1, keepdims=True)
     return x
@@ -77,16 +77,20 @@ def recall(ids, exact):
 # ------------------------------------------------------------------ machine sgemm peak
 A = np.random.default_rng(1).standard_normal((4096, 4096), dtype=np.float32)
 sgemm_s, _ = best_time(lambda: A @ A, 3)
-sgemm = 2 * 4096 ** 3 / sgemm_s / 1e9
+sgemm = 2 * 4096**3 / sgemm_s / 1e9
 del A
-print(f"faiss {faiss.__version__}, faiss.omp_get_max_threads() = {faiss.omp_get_max_threads()}, "
-      f"os.cpu_count() = {os.cpu_count()}")
+print(
+    f"faiss {faiss.__version__}, faiss.omp_get_max_threads() = {faiss.omp_get_max_threads()}, "
+    f"os.cpu_count() = {os.cpu_count()}"
+)
 print(f"numpy sgemm peak (4096×4096 @ 4096×4096 float32, best of 3): {sgemm:.1f} GFLOP/s")
 print("load average at start: %.2f %.2f %.2f (other work on the machine skews the timings)" % os.getloadavg())
 print(f"d = {d}, {nq} queries per batch, k = {k}, best of {args.repeats} after a warm-up")
 if any(n > args.max_ann for n in sizes):
-    print(f"note: HNSW and IVF are built only for N ≤ {args.max_ann} (--max-ann): building them at larger N "
-          f"takes too long on {os.cpu_count()} cores")
+    print(
+        f"note: HNSW and IVF are built only for N ≤ {args.max_ann} (--max-ann): building them at larger N "
+        f"takes too long on {os.cpu_count()} cores"
+    )
 print()
 
 # ------------------------------------------------------------------ benchmark
@@ -117,8 +121,17 @@ for n in sizes:
         if factory == "Flat":
             exact = ids
         exhaustive = factory in (None, "Flat")
-        rows.append(dict(method=name, n=n, build=build_s if factory else None, ms=secs * 1e3, qps=nq / secs,
-                         ids=ids, gflops=flops / secs / 1e9 if exhaustive else None))
+        rows.append(
+            dict(
+                method=name,
+                n=n,
+                build=build_s if factory else None,
+                ms=secs * 1e3,
+                qps=nq / secs,
+                ids=ids,
+                gflops=flops / secs / 1e9 if exhaustive else None,
+            )
+        )
         print(f"  done: {name:28s} N={n:>9,}  {secs * 1e3:9.1f} ms", flush=True)
         index = search = None
         gc.collect()
@@ -135,5 +148,4 @@ print("|---|---:|---:|---:|---:|---:|---:|---:|")
 for r in rows:
     g = f"{r['gflops']:.1f} | {100 * r['gflops'] / sgemm:.0f}%" if r["gflops"] is not None else "– | –"
     build = "–" if r["build"] is None else f"{r['build']:.2f}"
-    print(f"| {r['method']} | {r['n']:,} | {build} | {r['ms']:.1f} | {r['qps']:,.0f} | "
-          f"{r['recall']:.3f} | {g} |")
+    print(f"| {r['method']} | {r['n']:,} | {build} | {r['ms']:.1f} | {r['qps']:,.0f} | {r['recall']:.3f} | {g} |")

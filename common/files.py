@@ -83,7 +83,9 @@ def completed_ids(out: Path) -> set[str]:
             ids.add(str(json.loads(line)["id"]))
         except (ValueError, KeyError, TypeError):
             if i != len(lines) - 1:
-                raise ValueError(f"{out}: line {i + 1} is not a JSON record with an id; fix or remove the file") from None
+                raise ValueError(
+                    f"{out}: line {i + 1} is not a JSON record with an id; fix or remove the file"
+                ) from None
             write_text_atomic(out, "".join(lines[:-1]))
     return ids
 
@@ -124,5 +126,4 @@ def check_unique_ids(rows: Iterable[dict], source: str | Path, key: str = "id", 
         seen.add(value)
     if dupes:
         names = ", ".join(list(dupes)[:shown]) + (" …" if len(dupes) > shown else "")
-        raise ValueError(f"{source}: {len(dupes)} {key} value(s) occur more than once: {names} "
-                         f"({key}s must be unique)")
+        raise ValueError(f"{source}: {len(dupes)} {key} value(s) occur more than once: {names} ({key}s must be unique)")

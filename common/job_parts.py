@@ -67,10 +67,11 @@ class JobParts(Processes):
         self.barrier()  # everyone reads the merged output; no part is written before
         done = _ids(self.out)
         todo = [r for r in rows if str(r["id"]) not in done]
-        batches = [todo[s:s + batch_size] for s in range(0, len(todo), batch_size)][self.rank::self.count]
+        batches = [todo[s : s + batch_size] for s in range(0, len(todo), batch_size)][self.rank :: self.count]
         self.mine = sum(len(b) for b in batches)
-        self.status = (f"process {self.rank}/{self.count}: {len(done)} of {len(rows)} done in {self.out}, "
-                       f"{self.mine} to go here")
+        self.status = (
+            f"process {self.rank}/{self.count}: {len(done)} of {len(rows)} done in {self.out}, {self.mine} to go here"
+        )
         return batches
 
     def append(self, records: list[dict]) -> None:

@@ -22,8 +22,15 @@ def chat_url(url: str) -> str:
     return url if url.endswith("/chat/completions") else url + "/chat/completions"
 
 
-def chat(url: str, model: str, messages: list[dict], api_key_env: str = "OPENAI_API_KEY", timeout: float = 60.0,
-         temperature: float = 0.0, max_tokens: int | None = None) -> str:
+def chat(
+    url: str,
+    model: str,
+    messages: list[dict],
+    api_key_env: str = "OPENAI_API_KEY",
+    timeout: float = 60.0,
+    temperature: float = 0.0,
+    max_tokens: int | None = None,
+) -> str:
     """One chat completion from an OpenAI-compatible endpoint; the reply's text."""
     body = {"model": model, "temperature": temperature, "messages": messages}
     if max_tokens:
@@ -59,23 +66,37 @@ def ask_with_retries(ask, read, retries: int, backoff: float, bad_reply: str):
     return None, reason
 
 
-def endpoint_generator(url: str, model: str, prompt: dict, api_key_env: str, max_new_tokens: int,
-                       retries: int = 3, backoff: float = 1.0, timeout: float = 60.0):
+def endpoint_generator(
+    url: str,
+    model: str,
+    prompt: dict,
+    api_key_env: str,
+    max_new_tokens: int,
+    retries: int = 3,
+    backoff: float = 1.0,
+    timeout: float = 60.0,
+):
     def generate(images, questions, contexts):
         out = []
         for q, c in zip(questions, contexts):
-            messages = [{"role": "system", "content": prompt["system"]},
-                        {"role": "user", "content": prompt["user_template"].format(question=q, context=c)}]
+            messages = [
+                {"role": "system", "content": prompt["system"]},
+                {"role": "user", "content": prompt["user_template"].format(question=q, context=c)},
+            ]
             answer, reason = ask_with_retries(
                 lambda m=messages: chat(url, model, m, api_key_env, timeout, max_tokens=max_new_tokens),
-                lambda text: text.strip() or None, retries, backoff, "empty reply")
+                lambda text: text.strip() or None,
+                retries,
+                backoff,
+                "empty reply",
+            )
             out.append((answer, None if answer else f"generator failed after {retries} attempts: {reason}"))
         return out
+
     return generate
 
 
-def text_generator(name_or_path: str, prompt: dict, max_new_tokens: int, device: str = "cpu",
-                   dtype: str | None = None):
+def text_generator(name_or_path: str, prompt: dict, max_new_tokens: int, device: str = "cpu", dtype: str | None = None):
     """A causal LM with a chat template, batched greedy generation, left padding, on ``device`` in ``dtype`` (default:
     bf16 on a GPU, fp32 on the CPU)."""
     import torch
@@ -87,30 +108,50 @@ def text_generator(name_or_path: str, prompt: dict, max_new_tokens: int, device:
         tokenizer.pad_token = tokenizer.eos_token
     torch_dtype = resolve_dtype(dtype, device)
     model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype).to(device).eval()
-    logging.getLogger("refine_rl.model").info("%s on %s in %s", name_or_path, device,
-                                              str(torch_dtype).replace("torch.", ""))
+    logging.getLogger("refine_rl.model").info(
+        "%s on %s in %s", name_or_path, device, str(torch_dtype).replace("torch.", "")
+    )
 
     def generate(images, questions, contexts):
-        texts = [tokenizer.apply_chat_template(
-            [{"role": "system", "content": prompt["system"]},
-             {"role": "user", "content": prompt["user_template"].format(question=q, context=c)}],
-            add_generation_prompt=True, tokenize=False) for q, c in zip(questions, contexts)]
+        texts = [
+            tokenizer.apply_chat_template(
+                [
+                    {"role": "system", "content": prompt["system"]},
+                    {"role": "user", "content": prompt["user_template"].format(question=q, context=c)},
+                ],
+                add_generation_prompt=True,
+                tokenize=False,
+            )
+            for q, c in zip(questions, contexts)
+        ]
         batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
         with torch.no_grad():
-            ids = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
-                                 pad_token_id=tokenizer.pad_token_id)
-        answers = tokenizer.batch_decode(ids[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+            ids = model.generate(
+                **batch, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+            )
+        answers = tokenizer.batch_decode(ids[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
         return [(a.strip() or None, None if a.strip() else "empty answer") for a in answers]
+
     return generate
 
 
-def replier(system: str, max_new_tokens: int, url: str | None = None, model: str | None = None,
-            api_key_env: str = "OPENAI_API_KEY", local: str | None = None, device: str = "cpu",
-            dtype: str | None = None):
+def replier(
+    system: str,
+    max_new_tokens: int,
+    url: str | None = None,
+    model: str | None = None,
+    api_key_env: str = "OPENAI_API_KEY",
+    local: str | None = None,
+    device: str = "cpu",
+    dtype: str | None = None,
+):
     """replies(user_turns) → one reply per already formatted user turn (None when it failed), from an
     OpenAI-compatible endpoint (``url`` + ``model``) or else a local text LLM (``local``), with ``system`` as the
     system prompt: for stages whose user turn is not a question and a context (answer expansion, section summaries)."""
     one_turn = {"system": system, "user_template": "{question}"}  # the user turn arrives formatted
-    generate = endpoint_generator(url, model, one_turn, api_key_env, max_new_tokens) if url else \
-        text_generator(local, one_turn, max_new_tokens, device=device, dtype=dtype)
+    generate = (
+        endpoint_generator(url, model, one_turn, api_key_env, max_new_tokens)
+        if url
+        else text_generator(local, one_turn, max_new_tokens, device=device, dtype=dtype)
+    )
     return lambda users: [text for text, _ in generate([None] * len(users), users, [""] * len(users))]

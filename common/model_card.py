@@ -67,8 +67,9 @@ def figures_table(metrics: dict | None, missing: str) -> str:
     rows = flatten(metrics or {})
     if not rows:
         return missing
-    return "| figure | value |\n|---|---|\n" + "".join(f"| {format_value(k)} | {format_value(v)} |\n"
-                                                        for k, v in rows.items())
+    return "| figure | value |\n|---|---|\n" + "".join(
+        f"| {format_value(k)} | {format_value(v)} |\n" for k, v in rows.items()
+    )
 
 
 def code_block(text: str, lang: str = "") -> str:

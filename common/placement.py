@@ -94,9 +94,10 @@ class Processes:
         except RuntimeError as e:  # gloo and NCCL report an expired wait as a RuntimeError naming the timeout
             if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
                 raise
-            raise TimeoutError(f"process {self.rank}/{self.count}: the other processes did not arrive at the barrier "
-                               f"after {what or 'this step'} within the collective timeout: {str(e).strip()[:300]}") \
-                from e
+            raise TimeoutError(
+                f"process {self.rank}/{self.count}: the other processes did not arrive at the barrier "
+                f"after {what or 'this step'} within the collective timeout: {str(e).strip()[:300]}"
+            ) from e
 
 
 def decode_workers(setting: int | None) -> int:
@@ -132,8 +133,11 @@ def index_to_device(index, device: str):
     if ordinal is None:
         return index, "cpu"
     if not hasattr(faiss, "index_cpu_to_gpu") or faiss.get_num_gpus() == 0:
-        log.warning("index: device %s asked for, but this FAISS build has no GPU support (faiss-cpu); the index "
-                    "stays on the CPU", device)
+        log.warning(
+            "index: device %s asked for, but this FAISS build has no GPU support (faiss-cpu); the index "
+            "stays on the CPU",
+            device,
+        )
         return index, "cpu"
     kind = type(faiss.downcast_index(index)).__name__
     if "HNSW" in kind:
@@ -144,8 +148,9 @@ def index_to_device(index, device: str):
     try:
         return faiss.index_cpu_to_gpu(faiss.StandardGpuResources(), ordinal, index, options), device
     except RuntimeError as e:
-        log.warning("index: %s cannot be copied to %s (%s); it stays on the CPU", kind, device,
-                    str(e).strip().splitlines()[-1])
+        log.warning(
+            "index: %s cannot be copied to %s (%s); it stays on the CPU", kind, device, str(e).strip().splitlines()[-1]
+        )
         return index, "cpu"
 
 
@@ -173,8 +178,15 @@ def outside_zero3_init():
             hf_ds.set_hf_deepspeed_config(config)
 
 
-DTYPE_NAMES = {"auto": "auto", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
-               "float32": "float32", "fp32": "float32"}
+DTYPE_NAMES = {
+    "auto": "auto",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "float32": "float32",
+    "fp32": "float32",
+}
 
 
 def resolve_dtype(name: str | None, device: str = "cpu"):
@@ -191,6 +203,8 @@ def resolve_dtype(name: str | None, device: str = "cpu"):
 def per_device_batch(total: int, processes: int, accumulation: int, name: str) -> int:
     """The per-process batch that makes ``total`` examples per optimizer step over ``processes`` × ``accumulation``."""
     if total <= 0 or total % (processes * accumulation):
-        raise ValueError(f"{name} ({total}) must be a positive multiple of processes ({processes}) × "
-                         f"gradient_accumulation_steps ({accumulation}) = {processes * accumulation}")
+        raise ValueError(
+            f"{name} ({total}) must be a positive multiple of processes ({processes}) × "
+            f"gradient_accumulation_steps ({accumulation}) = {processes * accumulation}"
+        )
     return total // (processes * accumulation)

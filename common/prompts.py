@@ -15,14 +15,17 @@ def is_prompt_file(value) -> bool:
     return isinstance(value, str) and value.endswith((".yaml", ".yml"))
 
 
-def load_prompt(value: str, builtin: dict[str, dict], placeholders: tuple[str, ...] = ("{question}",),
-                flag: str = "--prompt") -> dict:
+def load_prompt(
+    value: str, builtin: dict[str, dict], placeholders: tuple[str, ...] = ("{question}",), flag: str = "--prompt"
+) -> dict:
     """{name, system, user_template} for a built-in prompt name or a YAML prompt file (checked: both strings present,
     every placeholder in the template)."""
     if not is_prompt_file(value):
         if value not in builtin:
-            raise ValueError(f"{flag}: unknown prompt {value!r}: choose one of {', '.join(builtin)}, or give a "
-                             f".yaml file with system and user_template")
+            raise ValueError(
+                f"{flag}: unknown prompt {value!r}: choose one of {', '.join(builtin)}, or give a "
+                f".yaml file with system and user_template"
+            )
         return {"name": value, **builtin[value]}
     path = Path(value)
     if not path.is_file():

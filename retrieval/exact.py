@@ -41,7 +41,9 @@ def rows_view(index) -> torch.Tensor:
 
     storage = flat_storage(index)
     if storage is None:
-        raise ValueError(f"exact ranks need a Flat, SQfp16 or SQbf16 index, not {type(faiss.downcast_index(index)).__name__}")
+        raise ValueError(
+            f"exact ranks need a Flat, SQfp16 or SQbf16 index, not {type(faiss.downcast_index(index)).__name__}"
+        )
     index = faiss.downcast_index(index)
     n, d = index.ntotal, index.d
     if n == 0:
@@ -79,8 +81,14 @@ class StoredRows:
 class ExactRanker:
     """Exact entity ranks for queries against ``rows`` (n × d) whose entities are ``row_entity`` (n ints)."""
 
-    def __init__(self, rows: torch.Tensor, row_entity: np.ndarray, num_entities: int, chunk_rows: int = 131_072,
-                 block_bytes: int = 256 << 20):
+    def __init__(
+        self,
+        rows: torch.Tensor,
+        row_entity: np.ndarray,
+        num_entities: int,
+        chunk_rows: int = 131_072,
+        block_bytes: int = 256 << 20,
+    ):
         self.rows = rows
         self.device = rows.device
         self.row_entity = torch.as_tensor(np.asarray(row_entity, dtype=np.int64), device=self.device)
@@ -92,8 +100,9 @@ class ExactRanker:
         self.block_queries = max(1, int(block_bytes) // (4 * max(self.num_entities, 1)))
 
     @classmethod
-    def from_faiss(cls, index, row_entity: np.ndarray, num_entities: int, device: str = "cpu",
-                   copy_chunk: int = 65_536, **kw) -> ExactRanker:
+    def from_faiss(
+        cls, index, row_entity: np.ndarray, num_entities: int, device: str = "cpu", copy_chunk: int = 65_536, **kw
+    ) -> ExactRanker:
         """Rows of a Flat FAISS index: a zero-copy view on ``cpu``; one replica on ``cuda:N`` (fp16 for fp32 rows,
         else the index's own 16-bit dtype), copied in chunks so no full-size temporary is made."""
         view = rows_view(index)
@@ -102,7 +111,7 @@ class ExactRanker:
         dtype = torch.float16 if view.dtype == torch.float32 else view.dtype
         rows = torch.empty(view.shape, dtype=dtype, device=device)
         for s in range(0, len(view), copy_chunk):
-            rows[s:s + copy_chunk].copy_(view[s:s + copy_chunk].to(dtype))
+            rows[s : s + copy_chunk].copy_(view[s : s + copy_chunk].to(dtype))
         return cls(rows, row_entity, num_entities, **kw)
 
     @property
@@ -113,9 +122,9 @@ class ExactRanker:
         """(b, num_entities) float32: each entity's best row score for each query (−inf for an entity with no row)."""
         best = torch.full((len(queries), self.num_entities), -torch.inf, dtype=torch.float32, device=self.device)
         for s in range(0, len(self.rows), self.chunk_rows):
-            chunk = self.rows[s:s + self.chunk_rows]
+            chunk = self.rows[s : s + self.chunk_rows]
             scores = queries @ chunk.to(torch.float32).T
-            ents = self.row_entity[s:s + self.chunk_rows].expand(len(queries), -1)
+            ents = self.row_entity[s : s + self.chunk_rows].expand(len(queries), -1)
             best.scatter_reduce_(1, ents, scores, reduce="amax")
         return best
 
@@ -127,7 +136,7 @@ class ExactRanker:
         g = torch.as_tensor(np.asarray(gold, dtype=np.int64), device=self.device)
         out: list[int | None] = []
         for s in range(0, len(q), self.block_queries):
-            qb, gb = q[s:s + self.block_queries], g[s:s + self.block_queries]
+            qb, gb = q[s : s + self.block_queries], g[s : s + self.block_queries]
             best = self.entity_scores(qb)
             known = gb >= 0
             gold_best = best.gather(1, gb.clamp(min=0)[:, None])

@@ -65,8 +65,14 @@ class KBImageRows(Dataset):
         rec = json.loads(self._fh.readline())
         rel = rec.get("image")
         x, problem = pixels(self.root / rel if rel else None, self.preprocess)
-        return {"i": int(row), "pixels": x, "problem": problem, "entry_id": str(rec["entry_id"]),
-                "entity_id": str(rec.get("entity_id")), "title": str(rec.get("title") or "")}
+        return {
+            "i": int(row),
+            "pixels": x,
+            "problem": problem,
+            "entry_id": str(rec["entry_id"]),
+            "entity_id": str(rec.get("entity_id")),
+            "title": str(rec.get("title") or ""),
+        }
 
 
 def collate(items: list[dict]) -> dict:
@@ -82,13 +88,19 @@ def collate(items: list[dict]) -> dict:
 
 def loader(dataset: Dataset, batches: list[list[int]], workers: int, pin_memory: bool = False) -> DataLoader:
     """Batches in the given order (``batches``: lists of item indices), decoded by ``workers`` processes."""
-    return DataLoader(dataset, batch_sampler=batches, num_workers=workers, collate_fn=collate,
-                      pin_memory=pin_memory, prefetch_factor=4 if workers else None)
+    return DataLoader(
+        dataset,
+        batch_sampler=batches,
+        num_workers=workers,
+        collate_fn=collate,
+        pin_memory=pin_memory,
+        prefetch_factor=4 if workers else None,
+    )
 
 
 def batches_of(indices: Sequence[int], size: int) -> list[list[int]]:
     indices = [int(i) for i in indices]
-    return [indices[s:s + size] for s in range(0, len(indices), size)]
+    return [indices[s : s + size] for s in range(0, len(indices), size)]
 
 
 class Waits:

@@ -59,8 +59,10 @@ def check_factory(factory: str, dim: int = 1024) -> str:
     try:
         faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
     except Exception as e:  # faiss raises RuntimeError with a C++ message
-        raise ValueError(f"unknown or invalid FAISS factory string {factory!r} for dimension {dim}: "
-                         f"{str(e).strip().splitlines()[-1]}") from None
+        raise ValueError(
+            f"unknown or invalid FAISS factory string {factory!r} for dimension {dim}: "
+            f"{str(e).strip().splitlines()[-1]}"
+        ) from None
     return factory
 
 
@@ -98,8 +100,10 @@ def build_faiss_index_from_chunks(chunks, factory: str, dim: int, max_train_rows
         try:
             index.train(train)
         except RuntimeError as e:
-            raise ValueError(f"FAISS factory {factory!r} could not be trained on {len(train)} rows: "
-                             f"{str(e).strip().splitlines()[-1]}") from None
+            raise ValueError(
+                f"FAISS factory {factory!r} could not be trained on {len(train)} rows: "
+                f"{str(e).strip().splitlines()[-1]}"
+            ) from None
         del train, sample
     for chunk in chunks():
         if len(chunk):
@@ -127,9 +131,20 @@ class Ranked:
 
 
 class MultimodalIndex:
-    def __init__(self, faiss_index, entry_ids: list[str], entity_ids: list[str], manifest: dict,
-                 image_encoder=None, text_encoder=None, device: str | None = None, path: Path | None = None,
-                 titles: list[str] | None = None, rank_method: str = "auto", search_device: str = "cpu"):
+    def __init__(
+        self,
+        faiss_index,
+        entry_ids: list[str],
+        entity_ids: list[str],
+        manifest: dict,
+        image_encoder=None,
+        text_encoder=None,
+        device: str | None = None,
+        path: Path | None = None,
+        titles: list[str] | None = None,
+        rank_method: str = "auto",
+        search_device: str = "cpu",
+    ):
         if rank_method not in RANK_METHODS:
             raise ValueError(f"rank_method must be one of {', '.join(RANK_METHODS)}, got {rank_method!r}")
         self.faiss = faiss_index
@@ -152,9 +167,18 @@ class MultimodalIndex:
     # ---------------------------------------------------------------- loading
 
     @classmethod
-    def load(cls, path, image_encoder=None, text_encoder=None, device: str | None = None,
-             query_instruction: str | None = None, nprobe: int = 32, rank_method: str = "auto",
-             search_device: str | None = None, threads: int | None = None) -> MultimodalIndex:
+    def load(
+        cls,
+        path,
+        image_encoder=None,
+        text_encoder=None,
+        device: str | None = None,
+        query_instruction: str | None = None,
+        nprobe: int = 32,
+        rank_method: str = "auto",
+        search_device: str | None = None,
+        threads: int | None = None,
+    ) -> MultimodalIndex:
         """Load an index directory for this process (the policy of common.placement, logged in one line).
 
         ``device``: where this process's replica and encoders live ("cpu", "cuda:N"; None → ``cuda:LOCAL_RANK``
@@ -179,18 +203,29 @@ class MultimodalIndex:
         for side, given in (("image", image_encoder), ("text", text_encoder)):
             name = getattr(given, "name", given)
             if name is not None and name != manifest[f"{side}_encoder"]:
-                raise ValueError(f"index {path} was built with {side} encoder {manifest[f'{side}_encoder']!r}, "
-                                 f"but {name!r} was requested")
+                raise ValueError(
+                    f"index {path} was built with {side} encoder {manifest[f'{side}_encoder']!r}, "
+                    f"but {name!r} was requested"
+                )
         # "auto" is the model's own prompt, which the build resolved into the manifest
-        instruction = manifest.get("query_instruction") if query_instruction in (None, "auto") else \
-            resolve_query_prompt(query_instruction, {})
+        instruction = (
+            manifest.get("query_instruction")
+            if query_instruction in (None, "auto")
+            else resolve_query_prompt(query_instruction, {})
+        )
         if text_encoder is not None and not isinstance(text_encoder, str):
-            for what, theirs, ours in (("query instruction", text_encoder.query_prompt, instruction),
-                                       ("max_seq_length", text_encoder.max_seq_length,
-                                        manifest.get("text_max_seq_length", text_encoder.max_seq_length))):
+            for what, theirs, ours in (
+                ("query instruction", text_encoder.query_prompt, instruction),
+                (
+                    "max_seq_length",
+                    text_encoder.max_seq_length,
+                    manifest.get("text_max_seq_length", text_encoder.max_seq_length),
+                ),
+            ):
                 if theirs != ours:
-                    raise ValueError(f"index {path} encodes queries with {what} {ours!r}, but the text encoder "
-                                     f"given has {theirs!r}")
+                    raise ValueError(
+                        f"index {path} encodes queries with {what} {ours!r}, but the text encoder given has {theirs!r}"
+                    )
         index = _read_faiss(path / INDEX_FILE)
         ivf = faiss.try_extract_index_ivf(index) if hasattr(faiss, "try_extract_index_ivf") else None
         if ivf is not None:
@@ -201,39 +236,64 @@ class MultimodalIndex:
         index, search_device = index_to_device(index, resolve_device(search_device or device))
         rows = pq.read_table(path / ROWS_FILE).to_pydict()
         if len(rows["entry_id"]) != index.ntotal:
-            raise ValueError(f"{path}: {ROWS_FILE} has {len(rows['entry_id'])} rows but the FAISS index has "
-                             f"{index.ntotal}; rebuild the index")
-        self = cls(index, rows["entry_id"], rows["entity_id"], manifest,
-                   image_encoder=image_encoder if not isinstance(image_encoder, str) else None,
-                   text_encoder=text_encoder if not isinstance(text_encoder, str) else None,
-                   device=device, path=path, titles=rows.get("title"), rank_method=rank_method,
-                   search_device=search_device)
+            raise ValueError(
+                f"{path}: {ROWS_FILE} has {len(rows['entry_id'])} rows but the FAISS index has "
+                f"{index.ntotal}; rebuild the index"
+            )
+        self = cls(
+            index,
+            rows["entry_id"],
+            rows["entity_id"],
+            manifest,
+            image_encoder=image_encoder if not isinstance(image_encoder, str) else None,
+            text_encoder=text_encoder if not isinstance(text_encoder, str) else None,
+            device=device,
+            path=path,
+            titles=rows.get("title"),
+            rank_method=rank_method,
+            search_device=search_device,
+        )
         self.query_instruction = instruction
         self._faiss_cpu = cpu_index
-        log.info("index %s: %d rows × %d dims, %d entities; FAISS %s on %s (%s), exact ranks: %s on %s; "
-                 "%d FAISS/torch threads", path, len(self), index.d, self.num_entities, type(index).__name__,
-                 search_device, "memory-mapped" if search_device == "cpu" else "fp16 replica",
-                 "yes" if self.uses_exact_ranks else "no (approximate index: search with a growing depth)",
-                 device, threads)
+        log.info(
+            "index %s: %d rows × %d dims, %d entities; FAISS %s on %s (%s), exact ranks: %s on %s; "
+            "%d FAISS/torch threads",
+            path,
+            len(self),
+            index.d,
+            self.num_entities,
+            type(index).__name__,
+            search_device,
+            "memory-mapped" if search_device == "cpu" else "fp16 replica",
+            "yes" if self.uses_exact_ranks else "no (approximate index: search with a growing depth)",
+            device,
+            threads,
+        )
         return self
 
     @property
     def image_encoder(self) -> ImageEncoder:
         if self._image_encoder is None:
             with outside_zero3_init():
-                self._image_encoder = image_encoder(self.manifest["image_encoder"], device=self.device,
-                                                    image_processor=self.manifest.get("image_processor"),
-                                                    trust_remote_code=self.manifest.get("trust_remote_code", False))
+                self._image_encoder = image_encoder(
+                    self.manifest["image_encoder"],
+                    device=self.device,
+                    image_processor=self.manifest.get("image_processor"),
+                    trust_remote_code=self.manifest.get("trust_remote_code", False),
+                )
         return self._image_encoder
 
     @property
     def text_encoder(self) -> TextEncoder:
         if self._text_encoder is None:
             with outside_zero3_init():
-                self._text_encoder = TextEncoder(self.manifest["text_encoder"], device=self.device,
-                                                 query_prompt=getattr(self, "query_instruction", None),
-                                                 trust_remote_code=self.manifest.get("trust_remote_code", False),
-                                                 max_seq_length=self.manifest.get("text_max_seq_length"))
+                self._text_encoder = TextEncoder(
+                    self.manifest["text_encoder"],
+                    device=self.device,
+                    query_prompt=getattr(self, "query_instruction", None),
+                    trust_remote_code=self.manifest.get("trust_remote_code", False),
+                    max_seq_length=self.manifest.get("text_max_seq_length"),
+                )
         return self._text_encoder
 
     def __len__(self) -> int:
@@ -256,8 +316,10 @@ class MultimodalIndex:
             # 160-query step at 1 M × 2,048 rows on 2 cores), the exact ranker on a GPU (no k cap there)
             return False
         if self.rank_method == "exact" and not exact_possible:
-            raise ValueError(f"rank_method 'exact' needs a Flat / SQfp16 / SQbf16 index; {self.path} is "
-                             f"{self.manifest.get('factory', type(self.faiss).__name__)}")
+            raise ValueError(
+                f"rank_method 'exact' needs a Flat / SQfp16 / SQbf16 index; {self.path} is "
+                f"{self.manifest.get('factory', type(self.faiss).__name__)}"
+            )
         return exact_possible
 
     def _cpu_faiss(self):
@@ -276,8 +338,13 @@ class MultimodalIndex:
         """The exact ranker's replica of the rows on this process's device (built on first use)."""
         if self._exact is None:
             self._exact = ExactRanker.from_faiss(self._cpu_faiss(), self.row_entity, self.num_entities, self.device)
-            log.info("exact ranks: %d rows replicated on %s (%s, %.2f GB)", len(self), self.device,
-                     str(self._exact.rows.dtype).replace("torch.", ""), self._exact.nbytes / 1e9)
+            log.info(
+                "exact ranks: %d rows replicated on %s (%s, %.2f GB)",
+                len(self),
+                self.device,
+                str(self._exact.rows.dtype).replace("torch.", ""),
+                self._exact.nbytes / 1e9,
+            )
         return self._exact
 
     # ---------------------------------------------------------------- encoding
@@ -297,8 +364,12 @@ class MultimodalIndex:
         """Embeddings of image files, decoded and preprocessed by ``workers`` DataLoader processes in batches (never
         every image in memory at once). Returns (embeddings of the decodable ones in order, {position: why not})."""
         enc = self.image_encoder
-        data = loader(ImageFiles(paths, enc.preprocess), batches_of(range(len(paths)), enc.batch_size), workers,
-                      pin_memory=self.device.startswith("cuda"))
+        data = loader(
+            ImageFiles(paths, enc.preprocess),
+            batches_of(range(len(paths)), enc.batch_size),
+            workers,
+            pin_memory=self.device.startswith("cuda"),
+        )
         out, failed, waits = [], {}, Waits()
         with tqdm(total=len(paths), desc="encoding query images", unit="img", disable=len(paths) < 256) as bar:
             for batch in timed(data, waits):
@@ -307,8 +378,10 @@ class MultimodalIndex:
                 failed.update((it["i"], it["problem"]) for it in batch["failed"])
                 bar.update(len(batch["i"]) + len(batch["failed"]))
         if log is not None:
-            log(f"query images: {len(paths) - len(failed)} encoded, {workers} decoding workers, the encoder waited "
-                f"for data {100 * waits.share:.0f}% of {waits.total:.1f}s")
+            log(
+                f"query images: {len(paths) - len(failed)} encoded, {workers} decoding workers, the encoder waited "
+                f"for data {100 * waits.share:.0f}% of {waits.total:.1f}s"
+            )
         return (np.concatenate(out) if out else np.zeros((0, enc.dim), np.float32)), failed
 
     def _as_image_emb(self, images) -> np.ndarray:
@@ -363,14 +436,19 @@ class MultimodalIndex:
         alpha, k = check_alpha(alpha), check_k(k)
         return [self._hits(rk, k) for rk in self.rank(self._as_image_emb(images), self._as_text_emb(texts), alpha, k)]
 
-    def search_and_rank(self, images, texts, entity_ids: Sequence[str], alpha: float, k: int,
-                        depth: int = 200) -> tuple[list[list[Hit]], list[int | None]]:
+    def search_and_rank(
+        self, images, texts, entity_ids: Sequence[str], alpha: float, k: int, depth: int = 200
+    ) -> tuple[list[list[Hit]], list[int | None]]:
         """``search(…, k)`` and ``entity_ranks(…, depth)`` from one ranking pass (at depth max(k, depth))."""
         alpha, k, depth = check_alpha(alpha), check_k(k), check_k(depth, "depth")
         ranked = self.rank(self._as_image_emb(images), self._as_text_emb(texts), alpha, max(k, depth))
-        return ([self._hits(rk, k) for rk in ranked],
-                ranks_of([Ranked(rk.entities[:depth], rk.rows[:depth], rk.scores[:depth]) for rk in ranked],
-                         [self.entity_index.get(e, -1) for e in entity_ids]))
+        return (
+            [self._hits(rk, k) for rk in ranked],
+            ranks_of(
+                [Ranked(rk.entities[:depth], rk.rows[:depth], rk.scores[:depth]) for rk in ranked],
+                [self.entity_index.get(e, -1) for e in entity_ids],
+            ),
+        )
 
     def top_entities(self, images, texts, alpha: float, k: int) -> list[list[str]]:
         """The ``k`` best entity ids per query. Where the reward ranks exactly (a GPU), from the exact ranker's
@@ -387,24 +465,28 @@ class MultimodalIndex:
         return [[str(self.entity_names[e]) for e in row] for row in top]
 
     def _hits(self, ranked: Ranked, k: int) -> list[Hit]:
-        return [Hit(str(self.entity_names[e]), self.entry_ids[r], float(s))
-                for e, r, s in zip(ranked.entities[:k], ranked.rows[:k], ranked.scores[:k])]
+        return [
+            Hit(str(self.entity_names[e]), self.entry_ids[r], float(s))
+            for e, r, s in zip(ranked.entities[:k], ranked.rows[:k], ranked.scores[:k])
+        ]
 
     @property
     def is_approximate(self) -> bool:
         """True for an index whose search is approximate (HNSW, IVF, …), False for Flat / SQfp16 / SQbf16."""
         return flat_storage(self._cpu_faiss()) is None
 
-    def reference_ranks(self, image_emb: np.ndarray, text_emb: np.ndarray, entity_ids: Sequence[str],
-                        alpha: float) -> list[int | None]:
+    def reference_ranks(
+        self, image_emb: np.ndarray, text_emb: np.ndarray, entity_ids: Sequence[str], alpha: float
+    ) -> list[int | None]:
         """Exact gold-entity ranks over every stored vector (a Flat search over the same rows), for checking an
         approximate index; rows are decoded chunk by chunk on the CPU."""
         q, _ = query_vectors(image_emb, text_emb, check_alpha(alpha))
         ranker = ExactRanker(StoredRows(self._cpu_faiss()), self.row_entity, self.num_entities)
         return ranker.ranks(q, [self.entity_index.get(e, -1) for e in entity_ids])
 
-    def entity_ranks(self, images, texts, entity_ids: Sequence[str], alpha: float,
-                     depth: int = 200) -> list[int | None]:
+    def entity_ranks(
+        self, images, texts, entity_ids: Sequence[str], alpha: float, depth: int = 200
+    ) -> list[int | None]:
         """1-based rank of each gold entity among unique entities; ``None`` when deeper than ``depth``."""
         alpha, depth = check_alpha(alpha), check_k(depth, "depth")
         image_emb, text_emb = self._as_image_emb(images), self._as_text_emb(texts)

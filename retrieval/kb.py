@@ -24,8 +24,14 @@ QUESTION_FIELDS = ("id", "image", "question", "entity_id", "answers")
 
 def kb_entry(entry_id, entity_id, title, section_title, text, image, section: int | None = None) -> dict:
     """One index row; ``section`` is the upstream section index when the converter knows it (the article store's)."""
-    rec = dict(entry_id=str(entry_id), entity_id=str(entity_id), title=title, section_title=section_title,
-               text=text, image=image)
+    rec = dict(
+        entry_id=str(entry_id),
+        entity_id=str(entity_id),
+        title=title,
+        section_title=section_title,
+        text=text,
+        image=image,
+    )
     if section is not None:
         rec["section"] = int(section)
     return rec
@@ -41,8 +47,9 @@ def question_record(id, image, question, entity_id, answers, **extra) -> dict:
 
 def entry_text(entry: dict, template: str = "{title}. {section_title}. {text}") -> str:
     """The text that gets embedded for a KB entry."""
-    return template.format(title=entry.get("title") or "", section_title=entry.get("section_title") or "",
-                           text=entry.get("text") or "").strip()
+    return template.format(
+        title=entry.get("title") or "", section_title=entry.get("section_title") or "", text=entry.get("text") or ""
+    ).strip()
 
 
 def check_images(rows: list[dict], root: str | Path, source: str | Path) -> None:
@@ -91,8 +98,10 @@ def _load_large(path: Path):
         with im:
             w, h = im.size
             if w * h > LARGE_IMAGE_PIXELS:
-                return None, (f"image unreadable: {path} ({w}×{h} = {w * h} pixels, more than the {LARGE_IMAGE_PIXELS} "
-                              "this loader decodes)")
+                return None, (
+                    f"image unreadable: {path} ({w}×{h} = {w * h} pixels, more than the {LARGE_IMAGE_PIXELS} "
+                    "this loader decodes)"
+                )
             factor = math.sqrt(w * h / target)
             im.draft("RGB", (math.ceil(w / factor), math.ceil(h / factor)))  # JPEG: decoded at a smaller scale
             im.load()

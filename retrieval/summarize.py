@@ -33,8 +33,8 @@ from retrieval.kb import entry_text
 SUMMARY_PROMPT = {
     "name": "section_summary",
     "system": "You condense encyclopedia sections for a search index. Summarise the section in a few sentences, "
-              "keeping every name, date, number and distinguishing fact a reader might search for. Reply with the "
-              "summary only.",
+    "keeping every name, date, number and distinguishing fact a reader might search for. Reply with the "
+    "summary only.",
     "user_template": "Article: {title}\nSection: {section_title}\n\n{text}",
 }
 
@@ -74,8 +74,9 @@ class SummarizeArgs:
     kb: str = field(default=None, metadata={"help": "KB JSONL"})
     out: str = field(default=None, metadata={"help": "summaries JSONL (appended; resumable)"})
     text_encoder: str = field(default=None, metadata={"help": "the index's text encoder (its tokenizer counts)"})
-    max_tokens: int = field(default=512, metadata={"help": "summarise sections longer than this (the build's "
-                                                            "text_max_seq_length)"})
+    max_tokens: int = field(
+        default=512, metadata={"help": "summarise sections longer than this (the build's text_max_seq_length)"}
+    )
     text_template: str = field(default="{title}. {section_title}. {text}", metadata={"help": "as in the build"})
     summarizer: str = field(default=None, metadata={"help": "a local text LLM (path or name)"})
     summarizer_url: str = field(default=None, metadata={"help": "OpenAI-compatible base URL"})
@@ -89,8 +90,15 @@ class SummarizeArgs:
 
 def summarizer(args: SummarizeArgs, prompt: dict):
     """texts (formatted user turns) → summaries (None for a failed one)."""
-    return replier(prompt["system"], args.max_new_tokens, args.summarizer_url, args.summarizer_model, args.key_env,
-                   args.summarizer, device=args.device or "cpu")
+    return replier(
+        prompt["system"],
+        args.max_new_tokens,
+        args.summarizer_url,
+        args.summarizer_model,
+        args.key_env,
+        args.summarizer,
+        device=args.device or "cpu",
+    )
 
 
 def summarize_kb(args: SummarizeArgs, log=print, summarize=None, count_tokens=None) -> dict:
@@ -101,8 +109,9 @@ def summarize_kb(args: SummarizeArgs, log=print, summarize=None, count_tokens=No
         raise ValueError("--out is required")
     if summarize is None and not (args.summarizer_url and args.summarizer_model) and not args.summarizer:
         raise ValueError("give --summarizer_url and --summarizer_model (an endpoint) or --summarizer (a local model)")
-    prompt = load_prompt(args.summary_prompt, {}, ("{text}",), "--summary_prompt") if args.summary_prompt \
-        else SUMMARY_PROMPT
+    prompt = (
+        load_prompt(args.summary_prompt, {}, ("{text}",), "--summary_prompt") if args.summary_prompt else SUMMARY_PROMPT
+    )
     if count_tokens is None:
         tokenizer = TextEncoder(args.text_encoder, device="cpu").model.tokenizer
         count_tokens = lambda text: len(tokenizer(text, add_special_tokens=True, verbose=False)["input_ids"])  # noqa: E731
@@ -114,21 +123,35 @@ def summarize_kb(args: SummarizeArgs, log=print, summarize=None, count_tokens=No
         summarize = summarize or summarizer(args, prompt)
     failed = 0
     for start in tqdm(range(0, len(todo), args.batch_size), desc="summarising sections", disable=not todo):
-        batch = todo[start:start + args.batch_size]
-        users = [prompt["user_template"].format(title=r.get("title") or "", section_title=r.get("section_title")
-                                                or "", text=r["text"]) for r in batch]
+        batch = todo[start : start + args.batch_size]
+        users = [
+            prompt["user_template"].format(
+                title=r.get("title") or "", section_title=r.get("section_title") or "", text=r["text"]
+            )
+            for r in batch
+        ]
         replies = summarize(users)
-        rows = [{"text_sha": r["text_sha"], "summary": s.strip(), "tokens": r["tokens"]}
-                for r, s in zip(batch, replies) if s and s.strip()]
+        rows = [
+            {"text_sha": r["text_sha"], "summary": s.strip(), "tokens": r["tokens"]}
+            for r, s in zip(batch, replies)
+            if s and s.strip()
+        ]
         failed += len(batch) - len(rows)
         append_jsonl(out, rows)
-    counts = {"distinct_texts": distinct, "over_max_tokens": len(long), "max_tokens": args.max_tokens,
-              "summaries": len(load_summaries(out)) if out.exists() else 0, "failed_now": failed,
-              "prompt": prompt["name"]}
+    counts = {
+        "distinct_texts": distinct,
+        "over_max_tokens": len(long),
+        "max_tokens": args.max_tokens,
+        "summaries": len(load_summaries(out)) if out.exists() else 0,
+        "failed_now": failed,
+        "prompt": prompt["name"],
+    }
     write_json_atomic(f"{out}.counts.json", counts)
-    log(f"summaries: {counts['over_max_tokens']} of {distinct} distinct sections exceed {args.max_tokens} tokens; "
-        f"{counts['summaries']} summarised in {out}" + (f"; {failed} failed now (truncated in the build; run again "
-                                                       f"to retry)" if failed else ""))
+    log(
+        f"summaries: {counts['over_max_tokens']} of {distinct} distinct sections exceed {args.max_tokens} tokens; "
+        f"{counts['summaries']} summarised in {out}"
+        + (f"; {failed} failed now (truncated in the build; run again to retry)" if failed else "")
+    )
     return counts
 
 

@@ -4,5 +4,16 @@ from rewards.format import FormatReward, format_completion, format_reward, parse
 from rewards.rank import DEFAULT_MISS, DEFAULT_TIERS, parse_tiers, rank_reward, validate_tiers
 from rewards.retrieval import RetrievalReward
 
-__all__ = ["DEFAULT_MISS", "DEFAULT_TIERS", "FormatReward", "RetrievalReward", "format_completion", "format_reward",
-           "parse_completion", "parse_query", "parse_tiers", "rank_reward", "validate_tiers"]
+__all__ = [
+    "DEFAULT_MISS",
+    "DEFAULT_TIERS",
+    "FormatReward",
+    "RetrievalReward",
+    "format_completion",
+    "format_reward",
+    "parse_completion",
+    "parse_query",
+    "parse_tiers",
+    "rank_reward",
+    "validate_tiers",
+]

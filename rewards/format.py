@@ -89,13 +89,19 @@ class FormatReward:
 
     __name__ = "format_reward"
 
-    def __init__(self, valid: float = VALID_REWARD, invalid: float = INVALID_REWARD,
-                 max_query_tokens: int | None = MAX_QUERY_TOKENS):
+    def __init__(
+        self,
+        valid: float = VALID_REWARD,
+        invalid: float = INVALID_REWARD,
+        max_query_tokens: int | None = MAX_QUERY_TOKENS,
+    ):
         self.valid, self.invalid, self.max_query_tokens = float(valid), float(invalid), max_query_tokens
 
     def __call__(self, completions, **kwargs) -> list[float]:
-        return [self.valid if parse_query(completion_text(c), self.max_query_tokens) is not None else self.invalid
-                for c in completions]
+        return [
+            self.valid if parse_query(completion_text(c), self.max_query_tokens) is not None else self.invalid
+            for c in completions
+        ]
 
 
 def format_reward(completions, **kwargs) -> list[float]:

@@ -13,7 +13,12 @@ import math
 # values are stated: RefinerArguments' defaults (rl/arguments.py: reward_tiers, miss_reward, depth) are built from
 # them, and the real GRPO configs (configs/grpo/{evqa,infoseek}.yaml) leave them to those defaults.
 DEFAULT_TIERS: tuple[tuple[int, int, float], ...] = (
-    (1, 5, 4.0), (6, 10, 3.5), (11, 20, 3.0), (21, 50, 1.0), (51, 100, 0.5), (101, 200, 0.1),
+    (1, 5, 4.0),
+    (6, 10, 3.5),
+    (11, 20, 3.0),
+    (21, 50, 1.0),
+    (51, 100, 0.5),
+    (101, 200, 0.1),
 )
 DEFAULT_MISS = -2.5
 
@@ -29,8 +34,9 @@ def validate_tiers(tiers, miss: float = DEFAULT_MISS) -> tuple[tuple[int, int, f
     expected_lo = 1
     for lo, hi, r in table:
         if lo != expected_lo:
-            raise ValueError(f"reward tiers must be contiguous from rank 1: tier [{lo}, {hi}] should start at "
-                             f"{expected_lo}")
+            raise ValueError(
+                f"reward tiers must be contiguous from rank 1: tier [{lo}, {hi}] should start at {expected_lo}"
+            )
         if hi < lo:
             raise ValueError(f"reward tier [{lo}, {hi}] ends before it starts")
         if not math.isfinite(r):
@@ -38,11 +44,11 @@ def validate_tiers(tiers, miss: float = DEFAULT_MISS) -> tuple[tuple[int, int, f
         expected_lo = hi + 1
     for (lo1, hi1, r1), (lo2, hi2, r2) in zip(table, table[1:]):
         if r2 > r1:
-            raise ValueError(f"rewards must not increase with rank: [{lo2}, {hi2}] → {r2} is above "
-                             f"[{lo1}, {hi1}] → {r1}")
+            raise ValueError(
+                f"rewards must not increase with rank: [{lo2}, {hi2}] → {r2} is above [{lo1}, {hi1}] → {r1}"
+            )
     if not math.isfinite(float(miss)) or float(miss) > table[-1][2]:
-        raise ValueError(f"the miss reward {miss} must be finite and not above the deepest tier's "
-                         f"{table[-1][2]}")
+        raise ValueError(f"the miss reward {miss} must be finite and not above the deepest tier's {table[-1][2]}")
     return table
 
 

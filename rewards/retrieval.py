@@ -31,10 +31,18 @@ class RetrievalReward:
 
     __name__ = "retrieval_reward"
 
-    def __init__(self, index: MultimodalIndex, alpha: float, depth: int = 200, tiers=None,
-                 miss: float = DEFAULT_MISS, unparseable: float | None = None,
-                 max_query_tokens: int | None = MAX_QUERY_TOKENS, question_field: str = "question",
-                 completions_log=None):
+    def __init__(
+        self,
+        index: MultimodalIndex,
+        alpha: float,
+        depth: int = 200,
+        tiers=None,
+        miss: float = DEFAULT_MISS,
+        unparseable: float | None = None,
+        max_query_tokens: int | None = MAX_QUERY_TOKENS,
+        question_field: str = "question",
+        completions_log=None,
+    ):
         self.index = index
         self.alpha = check_alpha(alpha)
         self.depth = check_k(depth, "depth")
@@ -95,14 +103,24 @@ class RetrievalReward:
         if valid:
             img = self.image_embeddings([keys[i] for i in valid], [images[i] for i in valid])
             txt = self.text_embeddings([queries[i] for i in valid])
-            found = self.index.entity_ranks(img, txt, [entity_ids[i] for i in valid], alpha=self.alpha,
-                                            depth=self.depth)
+            found = self.index.entity_ranks(
+                img, txt, [entity_ids[i] for i in valid], alpha=self.alpha, depth=self.depth
+            )
             for i, r in zip(valid, found):
                 ranks[i] = r
         return ranks
 
-    def __call__(self, prompts=None, completions=None, entity_id=None, id=None, image=None, image_path=None,
-                 log_metric=None, **kwargs) -> list[float]:
+    def __call__(
+        self,
+        prompts=None,
+        completions=None,
+        entity_id=None,
+        id=None,
+        image=None,
+        image_path=None,
+        log_metric=None,
+        **kwargs,
+    ) -> list[float]:
         completions = completions or []
         n = len(completions)
         if entity_id is None or len(entity_id) != n:
@@ -117,19 +135,34 @@ class RetrievalReward:
         ids = [str(x) for x in id] if id is not None else keys
         queries = [parse_query(completion_text(c), self.max_query_tokens) for c in completions]
         ranks = self.score(queries, [str(e) for e in entity_id], keys, images)
-        rewards = [self.unparseable if q is None else rank_reward(r, self.tiers, self.miss)
-                   for q, r in zip(queries, ranks)]
+        rewards = [
+            self.unparseable if q is None else rank_reward(r, self.tiers, self.miss) for q, r in zip(queries, ranks)
+        ]
         rewards = [r if math.isfinite(r) else self.miss for r in rewards]
         questions = kwargs.get(self.question_field)
-        self.last = [dict(query=q, rank=r, reward=w, entity_id=str(e), id=i, image_key=k,
-                          question=None if questions is None else questions[j])
-                     for j, (q, r, w, e, i, k) in enumerate(zip(queries, ranks, rewards, entity_id, ids, keys))]
+        self.last = [
+            dict(
+                query=q,
+                rank=r,
+                reward=w,
+                entity_id=str(e),
+                id=i,
+                image_key=k,
+                question=None if questions is None else questions[j],
+            )
+            for j, (q, r, w, e, i, k) in enumerate(zip(queries, ranks, rewards, entity_id, ids, keys))
+        ]
         self.images = dict(zip(keys, images))
         if self.completions_log is not None:
             state = kwargs.get("trainer_state")
             step = None if state is None else state.global_step + 1
-            append_jsonl(self.completions_log, [{"step": step, "mode": self.mode(), **{k: v for k, v in r.items()
-                                                 if k != "question"}} for r in self.last])
+            append_jsonl(
+                self.completions_log,
+                [
+                    {"step": step, "mode": self.mode(), **{k: v for k, v in r.items() if k != "question"}}
+                    for r in self.last
+                ],
+            )
         totals = self.totals.setdefault(self.mode(), {})
         for name, values in completion_metrics(queries, ranks, questions).items():
             total = totals.setdefault(name, [0.0, 0])
@@ -162,8 +195,9 @@ def image_keys(paths: list | None, images: list) -> list[str]:
     return keys
 
 
-def completion_metrics(queries: list[str | None], ranks: list[int | None], questions: list[str] | None = None,
-                       ks=HIT_KS) -> dict[str, list[float]]:
+def completion_metrics(
+    queries: list[str | None], ranks: list[int | None], questions: list[str] | None = None, ks=HIT_KS
+) -> dict[str, list[float]]:
     """Per-completion values whose mean is each metric: hit@k and miss (1/0 per completion), the rank of each hit,
     parse (1/0), the length of each parsed query, same-as-question (1/0). A name with no value is left out."""
     hits = [r for r in ranks if r is not None]
@@ -173,13 +207,15 @@ def completion_metrics(queries: list[str | None], ranks: list[int | None], quest
     out["retrieval/parse_rate"] = [float(q is not None) for q in queries]
     out["retrieval/query_tokens"] = [float(query_tokens(q)) for q in queries if q is not None]
     if questions is not None:
-        out["retrieval/same_as_question"] = [float(q is not None and q.strip() == str(orig).strip())
-                                             for q, orig in zip(queries, questions)]
+        out["retrieval/same_as_question"] = [
+            float(q is not None and q.strip() == str(orig).strip()) for q, orig in zip(queries, questions)
+        ]
     return {name: values for name, values in out.items() if values}
 
 
-def batch_metrics(queries: list[str | None], ranks: list[int | None], questions: list[str] | None = None,
-                  ks=HIT_KS) -> dict[str, float]:
+def batch_metrics(
+    queries: list[str | None], ranks: list[int | None], questions: list[str] | None = None, ks=HIT_KS
+) -> dict[str, float]:
     """hit@k, miss rate, mean rank of hits, parse rate, mean query length, rate of queries equal to the question:
     the means of ``completion_metrics``."""
     return {name: float(np.mean(values)) for name, values in completion_metrics(queries, ranks, questions, ks).items()}

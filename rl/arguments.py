@@ -38,32 +38,56 @@ class RefinerArguments:
     eval_file: str = field(default=None, metadata={"help": "held-out question JSONL scored during training"})
     eval_limit: int = field(default=None, metadata={"help": "use only the first N eval questions"})
     images_root: str = field(default=None, metadata={"help": "image folder (default: each question file's folder)"})
-    prompt: str = field(default="wikiseeker", metadata={"help": "refiner prompt: wikiseeker | toy | a .yaml "
-                                                                            "file (rl/prompts.py)"})
-    depth: int = field(default=max_depth(DEFAULT_TIERS), metadata={"help": "rank depth of the retrieval reward (the "
-                                                                            "paper's last tier's end by default)"})
-    reward_tiers: str = field(default=PAPER_TIERS, metadata={"help": "rank tiers lo-hi:reward (the paper's by default)"})
+    prompt: str = field(
+        default="wikiseeker", metadata={"help": "refiner prompt: wikiseeker | toy | a .yaml file (rl/prompts.py)"}
+    )
+    depth: int = field(
+        default=max_depth(DEFAULT_TIERS),
+        metadata={"help": "rank depth of the retrieval reward (the paper's last tier's end by default)"},
+    )
+    reward_tiers: str = field(
+        default=PAPER_TIERS, metadata={"help": "rank tiers lo-hi:reward (the paper's by default)"}
+    )
     miss_reward: float = field(default=DEFAULT_MISS, metadata={"help": "retrieval reward beyond the last tier"})
-    unparseable_retrieval_reward: float = field(default=DEFAULT_MISS, metadata={
-        "help": "retrieval reward of a completion that does not parse (the miss reward's default)"})
+    unparseable_retrieval_reward: float = field(
+        default=DEFAULT_MISS,
+        metadata={"help": "retrieval reward of a completion that does not parse (the miss reward's default)"},
+    )
     format_valid_reward: float = field(default=VALID_REWARD, metadata={"help": "format reward when the format holds"})
     format_invalid_reward: float = field(default=INVALID_REWARD, metadata={"help": "format reward otherwise"})
     max_query_tokens: int = field(default=MAX_QUERY_TOKENS, metadata={"help": "longer queries count as invalid format"})
     freeze_vision_tower: bool = field(default=True, metadata={"help": "train no vision-tower parameter"})
     log_table_steps: int = field(default=50, metadata={"help": "completions table every N steps (0 = never)"})
-    min_pixels: int = field(default=PAPER_MIN_PIXELS, metadata={"help": "image budget: fewest pixels an image is "
-                                                                        "resized to (training, vLLM, export, refine)"})
-    max_pixels: int = field(default=PAPER_MAX_PIXELS, metadata={"help": "image budget: most pixels an image is resized "
-                                                                        "to (Qwen2.5-VL: ≤ max_pixels/28² image tokens)"})
-    completions_per_step: int = field(default=0, metadata={
-        "help": "completions per optimizer step over all processes: sets per_device_train_batch_size to this ÷ "
-                "(processes × gradient_accumulation_steps), so one process and several run the same recipe "
-                "(0 = per_device_train_batch_size as given)"})
-    world: str = field(default=None, metadata={"help": "a module that builds what the run needs before the model loads "
-                                                       "(prepare) and reports after training (report): "
-                                                       "toy.embedded_default for the embedded default's toy world"})
-    completions_log: bool = field(default=False, metadata={"help": "append every completion this rank scores to "
-                                                                   "completions.rank<R>.jsonl in the output dir"})
+    min_pixels: int = field(
+        default=PAPER_MIN_PIXELS,
+        metadata={"help": "image budget: fewest pixels an image is resized to (training, vLLM, export, refine)"},
+    )
+    max_pixels: int = field(
+        default=PAPER_MAX_PIXELS,
+        metadata={
+            "help": "image budget: most pixels an image is resized to (Qwen2.5-VL: ≤ max_pixels/28² image tokens)"
+        },
+    )
+    completions_per_step: int = field(
+        default=0,
+        metadata={
+            "help": "completions per optimizer step over all processes: sets per_device_train_batch_size to this ÷ "
+            "(processes × gradient_accumulation_steps), so one process and several run the same recipe "
+            "(0 = per_device_train_batch_size as given)"
+        },
+    )
+    world: str = field(
+        default=None,
+        metadata={
+            "help": "a module that builds what the run needs before the model loads "
+            "(prepare) and reports after training (report): "
+            "toy.embedded_default for the embedded default's toy world"
+        },
+    )
+    completions_log: bool = field(
+        default=False,
+        metadata={"help": "append every completion this rank scores to completions.rank<R>.jsonl in the output dir"},
+    )
 
 
 def with_completions_per_step(argv: list[str], args: RefinerArguments, training_args, processes: int) -> list[str]:
@@ -71,15 +95,21 @@ def with_completions_per_step(argv: list[str], args: RefinerArguments, training_
     it is 0); an explicit ``--per_device_train_batch_size`` that disagrees is an error naming both."""
     if not args.completions_per_step:
         return argv
-    n = per_device_batch(args.completions_per_step, processes, training_args.gradient_accumulation_steps,
-                         "completions_per_step")
+    n = per_device_batch(
+        args.completions_per_step, processes, training_args.gradient_accumulation_steps, "completions_per_step"
+    )
     flag = "--per_device_train_batch_size"
-    given = [a.split("=", 1)[1] if a.startswith(flag + "=") else argv[i + 1]
-             for i, a in enumerate(argv) if a.startswith(flag + "=") or (a == flag and i + 1 < len(argv))]
+    given = [
+        a.split("=", 1)[1] if a.startswith(flag + "=") else argv[i + 1]
+        for i, a in enumerate(argv)
+        if a.startswith(flag + "=") or (a == flag and i + 1 < len(argv))
+    ]
     if given and int(given[-1]) != n:
-        raise ValueError(f"completions_per_step {args.completions_per_step} over {processes} processes means "
-                         f"{flag} {n}, but {flag} {given[-1]} was given: set one of them (--completions_per_step 0 "
-                         f"to use {flag} as given)")
+        raise ValueError(
+            f"completions_per_step {args.completions_per_step} over {processes} processes means "
+            f"{flag} {n}, but {flag} {given[-1]} was given: set one of them (--completions_per_step 0 "
+            f"to use {flag} as given)"
+        )
     return [*argv, flag, str(n)]
 
 
@@ -94,13 +124,17 @@ def validate(args: RefinerArguments, training_args, model_args, num_processes: i
         raise ValueError("--model_name_or_path is required")
     per_step = training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps * num_processes
     if per_step % training_args.num_generations:
-        raise ValueError(f"batch geometry: per_device_train_batch_size ({training_args.per_device_train_batch_size}) "
-                         f"× gradient_accumulation_steps ({training_args.gradient_accumulation_steps}) × processes "
-                         f"({num_processes}) = {per_step} completions per step is not a multiple of "
-                         f"num_generations ({training_args.num_generations})")
-    return (f"batch geometry: {per_step // training_args.num_generations} prompts × {training_args.num_generations} "
-            f"generations = {per_step} completions per optimizer step ({num_processes} processes × "
-            f"{training_args.per_device_train_batch_size} × {training_args.gradient_accumulation_steps} accumulation)")
+        raise ValueError(
+            f"batch geometry: per_device_train_batch_size ({training_args.per_device_train_batch_size}) "
+            f"× gradient_accumulation_steps ({training_args.gradient_accumulation_steps}) × processes "
+            f"({num_processes}) = {per_step} completions per step is not a multiple of "
+            f"num_generations ({training_args.num_generations})"
+        )
+    return (
+        f"batch geometry: {per_step // training_args.num_generations} prompts × {training_args.num_generations} "
+        f"generations = {per_step} completions per optimizer step ({num_processes} processes × "
+        f"{training_args.per_device_train_batch_size} × {training_args.gradient_accumulation_steps} accumulation)"
+    )
 
 
 def validate_files(args: RefinerArguments) -> None:
@@ -141,5 +175,7 @@ def parse_arguments(argv=None):
         argv = with_completions_per_step(argv, args, training_args, state.num_processes)
         args, training_args, model_args, *world_args = parse(types, argv)
     if embedded_default and state.is_main_process:
-        print(f"no --config given: running the embedded default ({DEFAULT_CONFIG.relative_to(DEFAULT_CONFIG.parents[2])})")
+        print(
+            f"no --config given: running the embedded default ({DEFAULT_CONFIG.relative_to(DEFAULT_CONFIG.parents[2])})"
+        )
     return args, training_args, model_args, world, (world_args or [None])[0], state

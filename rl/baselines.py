@@ -42,9 +42,9 @@ from rl.refine import BACKENDS
 BASELINE_PROMPT = {
     "name": "query_baselines",
     "system": "You help search an encyclopedia with a picture and a question about it. Describe the picture in one "
-              "sentence, naming what it shows as precisely as you can, and rewrite the question into a search query "
-              "that adds what a searcher would need to know. Reply with one JSON object only: "
-              "{\"caption\": \"...\", \"query\": \"...\"}.",
+    "sentence, naming what it shows as precisely as you can, and rewrite the question into a search query "
+    "that adds what a searcher would need to know. Reply with one JSON object only: "
+    '{"caption": "...", "query": "..."}.',
     "user_template": "Question: {question}",
 }
 BASELINES = ("query_caption", "query_zs_expansion", "query_zs_expansion+caption")
@@ -60,15 +60,19 @@ def parse_baseline(text: str) -> dict[str, str]:
 def baseline_queries(parsed: dict[str, str], question: str) -> tuple[dict[str, str], list[str]]:
     """({baseline: query}, the baselines that fell back to ``question`` because their field is missing)."""
     caption, query = parsed.get("caption"), parsed.get("query")
-    wanted = {"query_caption": caption, "query_zs_expansion": query,
-              "query_zs_expansion+caption": f"{query} {caption}" if query and caption else None}
+    wanted = {
+        "query_caption": caption,
+        "query_zs_expansion": query,
+        "query_zs_expansion+caption": f"{query} {caption}" if query and caption else None,
+    }
     return ({k: v if v else question for k, v in wanted.items()}, [k for k, v in wanted.items() if not v])
 
 
 @dataclass
 class BaselineArgs:
-    model: str = field(default=None, metadata={"help": "any image-text model folder or name (the paper: "
-                                                        "Qwen2.5-VL-7B-Instruct)"})
+    model: str = field(
+        default=None, metadata={"help": "any image-text model folder or name (the paper: Qwen2.5-VL-7B-Instruct)"}
+    )
     queries: str = field(default=None, metadata={"help": "question JSONL (e.g. rl.refine's output, to add rows)"})
     out: str = field(default=None, metadata={"help": "output JSONL (appended; resumable)"})
     images_root: str = field(default=None, metadata={"help": "default: the queries file's folder"})
@@ -81,8 +85,9 @@ class BaselineArgs:
 
 def generator(args: BaselineArgs, prompt: dict, device: str | None):
     """(images, questions) → raw answers, greedy, on the chosen backend."""
-    return vlm_generator(args.model, prompt, args.max_new_tokens, args.backend, resolve_device(device),
-                         batch_size=args.batch_size)
+    return vlm_generator(
+        args.model, prompt, args.max_new_tokens, args.backend, resolve_device(device), batch_size=args.batch_size
+    )
 
 
 def run_baselines(args: BaselineArgs, log=print, state=None, generate=None) -> int:
@@ -105,21 +110,31 @@ def run_baselines(args: BaselineArgs, log=print, state=None, generate=None) -> i
         generate = generate or generator(args, prompt, None if state is None else str(state.device))
         with tqdm(total=parts.mine, desc="query baselines", unit="q") as bar:
             for batch in batches:
-                raw = generate([Image.open(root / r["image"]).convert("RGB") for r in batch],
-                               [r["question"] for r in batch])
+                raw = generate(
+                    [Image.open(root / r["image"]).convert("RGB") for r in batch], [r["question"] for r in batch]
+                )
                 done = []
                 for rec, text in zip(batch, raw):
                     parsed = parse_baseline(text)
                     queries, fallback = baseline_queries(parsed, rec["question"])
                     fell_back += bool(fallback)
-                    done.append({**rec, **queries, "baseline_raw": text, "baseline_parsed": parsed,
-                                 "baseline_fallback": fallback})
+                    done.append(
+                        {
+                            **rec,
+                            **queries,
+                            "baseline_raw": text,
+                            "baseline_parsed": parsed,
+                            "baseline_fallback": fallback,
+                        }
+                    )
                 parts.append(done)
                 bar.update(len(batch))
     parts.finish(rows)
     if parts.mine:
-        log(f"query baselines: {fell_back} of {parts.mine} answer(s) here lacked a field and fell back to the "
-            f"question for it (listed per record in baseline_fallback)")
+        log(
+            f"query baselines: {fell_back} of {parts.mine} answer(s) here lacked a field and fell back to the "
+            f"question for it (listed per record in baseline_fallback)"
+        )
     return parts.mine
 
 

@@ -48,8 +48,14 @@ def verify_images(rows: list[dict], root: Path, limit: int | None = None) -> tup
     return good, bad
 
 
-def question_dataset(path: str | Path, images_root: str | Path | None = None, prompt: str = "wikiseeker",
-                     limit: int | None = None, bad_images_dir: str | Path | None = None, log=print):
+def question_dataset(
+    path: str | Path,
+    images_root: str | Path | None = None,
+    prompt: str = "wikiseeker",
+    limit: int | None = None,
+    bad_images_dir: str | Path | None = None,
+    log=print,
+):
     """Question JSONL → a TRL-ready ``datasets.Dataset``: conversational ``prompt`` plus ``image`` and the columns
     the rewards read (``id``, ``entity_id``, ``question``, ``image_path`` = the absolute image path string).
 
@@ -72,9 +78,17 @@ def question_dataset(path: str | Path, images_root: str | Path | None = None, pr
     if not good:
         raise ValueError(f"{path} holds no question with a usable image" + (f" ({len(bad)} bad)" if bad else ""))
     spec = prompt_spec(prompt)  # a prompt file is read once
-    rows = [{"prompt": prompt_messages(rec["question"], spec), "image": rec["image_path"], "id": str(rec["id"]),
-             "entity_id": str(rec["entity_id"]), "question": rec["question"], "image_path": rec["image_path"]}
-            for rec in good]
+    rows = [
+        {
+            "prompt": prompt_messages(rec["question"], spec),
+            "image": rec["image_path"],
+            "id": str(rec["id"]),
+            "entity_id": str(rec["entity_id"]),
+            "question": rec["question"],
+            "image_path": rec["image_path"],
+        }
+        for rec in good
+    ]
     return Dataset.from_list(rows).cast_column("image", Image())
 
 
@@ -83,28 +97,39 @@ def warn_absent_entities(index, data, name: str) -> None:
     absent = sorted({e for e in data["entity_id"] if not index.has_entity(e)})
     if absent:
         shown = ", ".join(absent[:5]) + (" …" if len(absent) > 5 else "")
-        print(f"warning: {name}: {len(absent)} gold entities are not in the index (their questions always miss): "
-              f"{shown}; python -m rl.data drops such questions")
+        print(
+            f"warning: {name}: {len(absent)} gold entities are not in the index (their questions always miss): "
+            f"{shown}; python -m rl.data drops such questions"
+        )
 
 
 # --------------------------------------------------------------------------- stratified RL data
+
 
 @dataclass
 class RLDataArgs:
     queries: str = field(default=None, metadata={"help": "question JSONL"})
     index: str = field(default=None, metadata={"help": "index directory"})
     alpha: float = field(default=None, metadata={"help": "image weight α"})
-    strata: str = field(default="1-5:500,6-10:1000,11-20:1000,21-200:2500,miss:2000",
-                        metadata={"help": "bucket:count list; buckets are lo-hi rank ranges or 'miss'"})
+    strata: str = field(
+        default="1-5:500,6-10:1000,11-20:1000,21-200:2500,miss:2000",
+        metadata={"help": "bucket:count list; buckets are lo-hi rank ranges or 'miss'"},
+    )
     out: str = field(default=None, metadata={"help": "RL training JSONL to write"})
     images_root: str = field(default=None, metadata={"help": "default: the queries file's folder"})
     depth: int = field(default=200, metadata={"help": "rank depth (deeper = miss)"})
     seed: int = field(default=0, metadata={"help": "sampling seed"})
     batch_size: int = field(default=256, metadata={"help": "questions per retrieval batch"})
-    workers: int = field(default=None, metadata={"help": "DataLoader processes decoding images (default: usable "
-                                                         "cores ÷ processes on this node)"})
-    embed_images: bool = field(default=True, metadata={"help": "store the sampled questions' image embeddings "
-                                                               "beside --out (rl.image_embeddings), for the trainer"})
+    workers: int = field(
+        default=None,
+        metadata={"help": "DataLoader processes decoding images (default: usable cores ÷ processes on this node)"},
+    )
+    embed_images: bool = field(
+        default=True,
+        metadata={
+            "help": "store the sampled questions' image embeddings beside --out (rl.image_embeddings), for the trainer"
+        },
+    )
     device: str = field(default=None, metadata={"help": "cuda / cuda:N / cpu (default: this process's own)"})
 
 
@@ -161,8 +186,9 @@ def skip_record(rec: dict, reason: str) -> dict:
     return {"id": str(rec.get("id")), "entity_id": rec.get("entity_id"), "image": rec.get("image"), "reason": reason}
 
 
-def baseline_ranks(index, rows: list[dict], root: Path, args: RLDataArgs, state=None,
-                   log=print) -> tuple[list[dict], list, list[dict]]:
+def baseline_ranks(
+    index, rows: list[dict], root: Path, args: RLDataArgs, state=None, log=print
+) -> tuple[list[dict], list, list[dict]]:
     """Rank each question's gold entity with the original question: (ranked rows, their ranks, skip records for
     questions whose image is missing or unreadable).
 
@@ -171,12 +197,18 @@ def baseline_ranks(index, rows: list[dict], root: Path, args: RLDataArgs, state=
     problem}``) to its part of ``<out>.baseline.jsonl``; an interrupted run goes on from that file. Every process
     returns the whole result."""
     parts = JobParts(Path(f"{args.out}.baseline.jsonl"), state)
-    settings = {"queries": str(Path(args.queries).resolve()), "index": str(Path(args.index).resolve()),
-                "alpha": args.alpha, "depth": args.depth}
+    settings = {
+        "queries": str(Path(args.queries).resolve()),
+        "index": str(Path(args.index).resolve()),
+        "alpha": args.alpha,
+        "depth": args.depth,
+    }
     recorded = Path(f"{args.out}.baseline.settings.json")
     if parts.started() and recorded.exists() and json.loads(recorded.read_text()) != settings:
-        raise ValueError(f"{parts.out} holds the baseline ranks of an interrupted run with other settings "
-                         f"({recorded.read_text().strip()}): run with those to resume it, or delete it")
+        raise ValueError(
+            f"{parts.out} holds the baseline ranks of an interrupted run with other settings "
+            f"({recorded.read_text().strip()}): run with those to resume it, or delete it"
+        )
     if parts.rank == 0:
         write_json_atomic(recorded, settings)
     batches = parts.start(rows, args.batch_size)
@@ -186,11 +218,26 @@ def baseline_ranks(index, rows: list[dict], root: Path, args: RLDataArgs, state=
         for batch in batches:
             emb, failed = index.encode_image_files([root / str(r.get("image")) for r in batch], workers)
             ok = [r for j, r in enumerate(batch) if j not in failed]
-            ranks = index.entity_ranks(emb, [r["question"] for r in ok], [str(r["entity_id"]) for r in ok],
-                                       alpha=args.alpha, depth=args.depth) if ok else []
+            ranks = (
+                index.entity_ranks(
+                    emb,
+                    [r["question"] for r in ok],
+                    [str(r["entity_id"]) for r in ok],
+                    alpha=args.alpha,
+                    depth=args.depth,
+                )
+                if ok
+                else []
+            )
             found = dict(zip((str(r["id"]) for r in ok), ranks))
-            parts.append([{"id": str(r["id"]), "problem": failed[j]} if j in failed else
-                          {"id": str(r["id"]), "rank": found[str(r["id"])]} for j, r in enumerate(batch)])
+            parts.append(
+                [
+                    {"id": str(r["id"]), "problem": failed[j]}
+                    if j in failed
+                    else {"id": str(r["id"]), "rank": found[str(r["id"])]}
+                    for j, r in enumerate(batch)
+                ]
+            )
             bar.update(len(batch))
     parts.finish(rows)
     parts.barrier("process 0 merged the baseline ranks")
@@ -237,14 +284,23 @@ def build_rl_data(args: RLDataArgs, log=print, state=None) -> dict:
     if main:
         write_jsonl_atomic(skipped_path, skipped)
         if skipped:
-            log(f"left out {len(skipped)} of {len(rows)} question(s) ({len(skipped) - len(bad_images)} with the "
+            log(
+                f"left out {len(skipped)} of {len(rows)} question(s) ({len(skipped) - len(bad_images)} with the "
                 f"{NOT_IN_INDEX} or 2-hop, {len(bad_images)} with a missing or unreadable image), listed in "
-                f"{skipped_path}")
+                f"{skipped_path}"
+            )
     if not kept:
         raise ValueError(f"{args.queries}: no question is usable (all {len(rows)} listed in {skipped_path})")
     chosen, report = stratified_sample(ranks, strata, args.seed)
-    summary = {"alpha": args.alpha, "depth": args.depth, "seed": args.seed, "buckets": report,
-               "questions": len(rows), "skipped": len(skipped), "sampled": len(chosen)}
+    summary = {
+        "alpha": args.alpha,
+        "depth": args.depth,
+        "seed": args.seed,
+        "buckets": report,
+        "questions": len(rows),
+        "skipped": len(skipped),
+        "sampled": len(chosen),
+    }
     if main:
         write_jsonl_atomic(args.out, ({**kept[i], "baseline_rank": ranks[i]} for i in chosen))
         for name, rep in report.items():
@@ -254,8 +310,16 @@ def build_rl_data(args: RLDataArgs, log=print, state=None) -> dict:
         write_json_atomic(f"{args.out}.buckets.json", summary)
         _plot(report, f"{args.out}.buckets.png")
     if args.embed_images:
-        embed_images(args.out, [kept[i]["image"] for i in chosen], root, index, state, args.batch_size,
-                     decode_workers(args.workers), log)
+        embed_images(
+            args.out,
+            [kept[i]["image"] for i in chosen],
+            root,
+            index,
+            state,
+            args.batch_size,
+            decode_workers(args.workers),
+            log,
+        )
     if main:  # the resumable record of the retrieval, no longer needed
         Path(f"{args.out}.baseline.jsonl").unlink(missing_ok=True)
         Path(f"{args.out}.baseline.settings.json").unlink(missing_ok=True)

@@ -4,13 +4,15 @@
 
 ``--checkpoint`` is a trainer checkpoint (full weights, a PEFT adapter whose LoRA is merged into the base weights, or
 only DeepSpeed ZeRO shards, gathered by DeepSpeed's zero_to_fp32), a run's ``final`` folder, or a run's output dir
-(its best checkpoint by ``metric_for_best_model``, else its latest). The folder gets safetensors weights (sharded when large), config, processor, tokenizer and chat
+(its best checkpoint by ``metric_for_best_model``, else its latest). The folder gets safetensors weights (sharded when
+large), config, processor, tokenizer and chat
 template, ``generation_config.json`` (the run's sampling settings), ``refiner.json`` (prompt, output format and
 parser version, the index's α and encoders, training step, held-out metrics at that step) and ``README.md``, its
 model card (rl.model_card: base model, task, reward, index, held-out figures, the serving commands).
 
 It is written to a temporary sibling, reloaded in a fresh process with AutoModelForImageTextToText +
-AutoProcessor, made to generate for the run's first held-out question (``probe_question``), whose output must parse, and only then renamed to ``--out``.
+AutoProcessor, made to generate for the run's first held-out question (``probe_question``), whose output must parse,
+and only then renamed to ``--out``.
 """
 
 from __future__ import annotations
@@ -53,8 +55,11 @@ def resolve_checkpoint(path: Path) -> Path:
         return path
     checkpoints = sorted(path.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]))
     if checkpoints:
-        state = json.loads((checkpoints[-1] / "trainer_state.json").read_text()) \
-            if (checkpoints[-1] / "trainer_state.json").exists() else {}
+        state = (
+            json.loads((checkpoints[-1] / "trainer_state.json").read_text())
+            if (checkpoints[-1] / "trainer_state.json").exists()
+            else {}
+        )
         best = state.get("best_model_checkpoint")
         if best and Path(best).exists():
             return Path(best)
@@ -67,15 +72,15 @@ def resolve_checkpoint(path: Path) -> Path:
 def run_record(ckpt: Path) -> dict:
     record = find_run_record(ckpt)
     if record is None:
-        raise ValueError(f"no {RUN_RECORD} next to {ckpt}: export needs the run's record (written by "
-                         "rl/train_grpo.py)")
+        raise ValueError(f"no {RUN_RECORD} next to {ckpt}: export needs the run's record (written by rl/train_grpo.py)")
     return record
 
 
 def step_and_metrics(ckpt: Path) -> tuple[int | None, dict]:
     """Training step of a checkpoint and the latest held-out (eval_*) metrics at or before it."""
-    state_file = next((f for f in (ckpt / "trainer_state.json", ckpt.parent / "trainer_state.json") if f.exists()),
-                      None)
+    state_file = next(
+        (f for f in (ckpt / "trainer_state.json", ckpt.parent / "trainer_state.json") if f.exists()), None
+    )
     if state_file is None:
         return None, {}
     state = json.loads(state_file.read_text())
@@ -99,8 +104,10 @@ def load_for_export(ckpt: Path, record: dict, dtype: str):
         if base is None:
             raise ValueError(f"{adapter} names no base model and the run record has none")
         if not Path(base).exists() and os.environ.get("HF_HUB_OFFLINE") == "1":
-            raise ValueError(f"the adapter in {ckpt} needs its base model {base!r}, which is not a local folder "
-                             "(and the hub is offline)")
+            raise ValueError(
+                f"the adapter in {ckpt} needs its base model {base!r}, which is not a local folder "
+                "(and the hub is offline)"
+            )
         model = AutoModelForImageTextToText.from_pretrained(base, dtype=torch_dtype)
         model = PeftModel.from_pretrained(model, str(ckpt)).merge_and_unload()
         processor_source = ckpt if (ckpt / "tokenizer_config.json").exists() else Path(base)
@@ -130,11 +137,16 @@ def from_zero_shards(ckpt: Path, dtype):
     state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt))
     model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(str(ckpt)))
     missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = {k for k in missing if k.endswith("lm_head.weight")} if getattr(model.config, "tie_word_embeddings", False) \
+    tied = (
+        {k for k in missing if k.endswith("lm_head.weight")}
+        if getattr(model.config, "tie_word_embeddings", False)
         else set()
+    )
     if set(missing) - tied or unexpected:
-        raise ValueError(f"the ZeRO shards in {ckpt} do not fit its config: {len(set(missing) - tied)} weights missing "
-                         f"({sorted(set(missing) - tied)[:3]}), {len(unexpected)} unexpected ({unexpected[:3]})")
+        raise ValueError(
+            f"the ZeRO shards in {ckpt} do not fit its config: {len(set(missing) - tied)} weights missing "
+            f"({sorted(set(missing) - tied)[:3]}), {len(unexpected)} unexpected ({unexpected[:3]})"
+        )
     model.tie_weights()
     return model.to(dtype)
 
@@ -165,8 +177,14 @@ def verify(folder: Path, image_path: str | None = None, question: str = "What is
     model = AutoModelForImageTextToText.from_pretrained(str(folder), dtype=torch.float32)
     processor = AutoProcessor.from_pretrained(str(folder))
     image = Image.open(image_path).convert("RGB") if image_path else Image.new("RGB", (224, 224), (128, 128, 128))
-    text = generate_completions(model, processor, [image], [question], prompt=spec["prompt"]["name"],
-                                max_new_tokens=spec["generation"]["max_new_tokens"])[0]
+    text = generate_completions(
+        model,
+        processor,
+        [image],
+        [question],
+        prompt=spec["prompt"]["name"],
+        max_new_tokens=spec["generation"]["max_new_tokens"],
+    )[0]
     if parse_query(text) is None:
         raise ValueError(f"exported model's output does not parse: {text[:200]!r}")
     return text
@@ -190,8 +208,9 @@ def export(args: ExportArgs, log=print) -> Path:
     except ValueError:
         raise
     except Exception as e:  # corrupt or incomplete files surface as many exception types
-        raise ValueError(f"cannot load the checkpoint {ckpt}: {type(e).__name__}: {str(e).splitlines()[0][:300]}") \
-            from None
+        raise ValueError(
+            f"cannot load the checkpoint {ckpt}: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        ) from None
 
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -200,20 +219,43 @@ def export(args: ExportArgs, log=print) -> Path:
         model.save_pretrained(tmp, max_shard_size=args.max_shard_size)
         apply_image_budget(processor, budget).save_pretrained(tmp)  # the training budget, for HF and vLLM alike
         gen = record["generation"]
-        model.generation_config.update(do_sample=True, temperature=gen["temperature"], top_p=gen["top_p"],
-                                       max_new_tokens=gen["max_new_tokens"])
+        model.generation_config.update(
+            do_sample=True, temperature=gen["temperature"], top_p=gen["top_p"], max_new_tokens=gen["max_new_tokens"]
+        )
         model.generation_config.save_pretrained(tmp)
-        write_json_atomic(tmp / "refiner.json", {
-            "prompt": record["prompt"], "user_template": record["prompt"]["user_template"],
-            "output_format": "<think>…</think><answer>{\"query\": \"…\"}</answer>", "parser_version": PARSER_VERSION,
-            "index": record["index"], "generation": gen, "training_step": step, "held_out_metrics": metrics,
-            "source_checkpoint": str(ckpt.resolve()), "dtype": args.dtype, "image_budget": budget,
-        })
-        write_card(tmp, refiner_card(record, metrics, name=out.resolve().name, step=step, folder=out.resolve(),
-                                     export={"dtype": DTYPES[args.dtype], "source": str(ckpt.resolve())}))
+        write_json_atomic(
+            tmp / "refiner.json",
+            {
+                "prompt": record["prompt"],
+                "user_template": record["prompt"]["user_template"],
+                "output_format": '<think>…</think><answer>{"query": "…"}</answer>',
+                "parser_version": PARSER_VERSION,
+                "index": record["index"],
+                "generation": gen,
+                "training_step": step,
+                "held_out_metrics": metrics,
+                "source_checkpoint": str(ckpt.resolve()),
+                "dtype": args.dtype,
+                "image_budget": budget,
+            },
+        )
+        write_card(
+            tmp,
+            refiner_card(
+                record,
+                metrics,
+                name=out.resolve().name,
+                step=step,
+                folder=out.resolve(),
+                export={"dtype": DTYPES[args.dtype], "source": str(ckpt.resolve())},
+            ),
+        )
         image_path, question = probe_question(record)
-        result = subprocess.run([sys.executable, "-m", "rl.export", "--verify", str(tmp), image_path or "", question],
-                                capture_output=True, text=True)
+        result = subprocess.run(
+            [sys.executable, "-m", "rl.export", "--verify", str(tmp), image_path or "", question],
+            capture_output=True,
+            text=True,
+        )
         if result.returncode != 0:
             raise ValueError(f"verification of the exported folder failed: {result.stderr.strip().splitlines()[-1:]}")
         if out.exists():

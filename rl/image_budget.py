@@ -54,8 +54,10 @@ def apply_image_budget(processor, budget: dict | None):
     ip = getattr(processor, "image_processor", None)
     size = getattr(ip, "size", None)
     if ip is None or size is None or "longest_edge" not in dict(size):
-        raise ValueError(f"an image budget (min_pixels / max_pixels) needs a Qwen2-VL-style image processor with a "
-                         f"pixel range; {type(ip).__name__} has none")
+        raise ValueError(
+            f"an image budget (min_pixels / max_pixels) needs a Qwen2-VL-style image processor with a "
+            f"pixel range; {type(ip).__name__} has none"
+        )
     ip.size = {"shortest_edge": budget["min_pixels"], "longest_edge": budget["max_pixels"]}
     for name in ("min_pixels", "max_pixels"):  # older processors keep copies as attributes
         if hasattr(ip, name):
@@ -72,8 +74,11 @@ def image_token_count(processor, image) -> tuple[int, tuple[int, int, int], dict
     """Image tokens the processor puts in the prompt for ``image``, its (t, h, w) patch grid, and the batch."""
     pad = getattr(processor, "image_token", "<|image_pad|>")
     pad_id = processor.tokenizer.convert_tokens_to_ids(pad)
-    text = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text",
-                                          "text": "?"}]}], add_generation_prompt=True, tokenize=False)
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
     batch = processor(text=[text], images=[image], return_tensors="pt")
     grid = tuple(int(x) for x in batch["image_grid_thw"][0])
     return int((batch["input_ids"][0] == pad_id).sum()), grid, batch
@@ -99,8 +104,11 @@ def check_image_tokens(model, processor, budget: dict | None, run_vision: bool =
     vc = getattr(model.config, "vision_config", None)
     if vc is None:
         raise ValueError(f"{type(model).__name__} has no vision_config: not an image-text model")
-    pairs = {"patch_size": ("patch_size", "patch_size"), "merge_size": ("merge_size", "spatial_merge_size"),
-             "temporal_patch_size": ("temporal_patch_size", "temporal_patch_size")}
+    pairs = {
+        "patch_size": ("patch_size", "patch_size"),
+        "merge_size": ("merge_size", "spatial_merge_size"),
+        "temporal_patch_size": ("temporal_patch_size", "temporal_patch_size"),
+    }
     for label, (p_name, m_name) in pairs.items():
         p, m = getattr(ip, p_name, None), getattr(vc, m_name, None)
         if p is not None and m is not None and int(p) != int(m):
@@ -108,29 +116,36 @@ def check_image_tokens(model, processor, budget: dict | None, run_vision: bool =
     image = probe_image(budget)
     tokens, grid, batch = image_token_count(processor, image)
     merge = int(getattr(vc, "spatial_merge_size", 2))
-    expected = grid[0] * grid[1] * grid[2] // merge ** 2
+    expected = grid[0] * grid[1] * grid[2] // merge**2
     if tokens != expected:
-        raise ValueError(f"the processor put {tokens} image tokens for a {image.size} probe image but the model's "
-                         f"vision tower returns grid {grid} / merge {merge}² = {expected} (image-token expansion "
-                         "mismatch)")
+        raise ValueError(
+            f"the processor put {tokens} image tokens for a {image.size} probe image but the model's "
+            f"vision tower returns grid {grid} / merge {merge}² = {expected} (image-token expansion "
+            "mismatch)"
+        )
     out = {"probe_size": list(image.size), "image_tokens": tokens, "grid_thw": list(grid)}
     if budget is not None:
         cap = max_image_tokens(budget, ip)
         if tokens > cap:
-            raise ValueError(f"image budget not applied: a {image.size} probe image became {tokens} image tokens, "
-                             f"more than max_pixels {budget['max_pixels']} allows ({cap})")
+            raise ValueError(
+                f"image budget not applied: a {image.size} probe image became {tokens} image tokens, "
+                f"more than max_pixels {budget['max_pixels']} allows ({cap})"
+            )
         out["max_image_tokens"] = cap
     if run_vision:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         with torch.no_grad():
             dtype = next(base.parameters()).dtype
-            feats = base.get_image_features(batch["pixel_values"].to(base.device, dtype),
-                                            batch["image_grid_thw"].to(base.device))
+            feats = base.get_image_features(
+                batch["pixel_values"].to(base.device, dtype), batch["image_grid_thw"].to(base.device)
+            )
         feats = getattr(feats, "pooler_output", feats)
         n = sum(len(f) for f in feats) if isinstance(feats, (list, tuple)) else int(feats.shape[0])
         if n != tokens:
-            raise ValueError(f"the model's vision tower returned {n} image embeddings for the probe image, the "
-                             f"processor put {tokens} image tokens")
+            raise ValueError(
+                f"the model's vision tower returned {n} image embeddings for the probe image, the "
+                f"processor put {tokens} image tokens"
+            )
         out["vision_tokens"] = n
     return out
 
@@ -149,7 +164,8 @@ def model_files(name_or_path: str) -> Path:
 def is_model_file(name: str) -> bool:
     """Config and weights (what vllm-model links), not processor, tokenizer or template files."""
     weights = name.endswith((".safetensors", ".safetensors.index.json")) or (
-        name.startswith("pytorch_model") and name.endswith((".bin", ".bin.index.json")))
+        name.startswith("pytorch_model") and name.endswith((".bin", ".bin.index.json"))
+    )
     return name in ("config.json", "generation_config.json") or weights
 
 
@@ -182,8 +198,10 @@ def check_same_image_tokens(processor, folder: str | Path, budget: dict | None) 
     ours = image_token_count(processor, image)[0]
     theirs = image_token_count(AutoProcessor.from_pretrained(str(folder)), image)[0]
     if ours != theirs:
-        raise ValueError(f"the processor in {folder} (what vLLM loads) expands a {image.size} image to {theirs} image "
-                         f"tokens, the trainer's processor to {ours}: their pixel budgets differ")
+        raise ValueError(
+            f"the processor in {folder} (what vLLM loads) expands a {image.size} image to {theirs} image "
+            f"tokens, the trainer's processor to {ours}: their pixel budgets differ"
+        )
     return ours
 
 

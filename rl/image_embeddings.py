@@ -67,13 +67,17 @@ def load_store(queries: str | Path, manifest: dict) -> dict[str, np.ndarray]:
         return {}
     meta = json.loads((folder / MANIFEST_FILE).read_text())
     if {k: meta.get(k) for k in encoder_identity(manifest)} != encoder_identity(manifest):
-        raise ValueError(f"{folder}: embeddings of {meta.get('image_encoder')!r} / {meta.get('image_processor')!r}, "
-                         f"but the index uses {manifest['image_encoder']!r} / {manifest.get('image_processor')!r}")
+        raise ValueError(
+            f"{folder}: embeddings of {meta.get('image_encoder')!r} / {meta.get('image_processor')!r}, "
+            f"but the index uses {manifest['image_encoder']!r} / {manifest.get('image_processor')!r}"
+        )
     images = json.loads((folder / IMAGES_FILE).read_text())
     emb = np.load(folder / EMBEDDINGS_FILE, allow_pickle=False)
     if emb.shape != (len(images), int(manifest["image_dim"])):
-        raise ValueError(f"{folder}: {EMBEDDINGS_FILE} has shape {emb.shape}, expected ({len(images)}, "
-                         f"{manifest['image_dim']}) for {IMAGES_FILE} and the index; delete the folder and re-embed")
+        raise ValueError(
+            f"{folder}: {EMBEDDINGS_FILE} has shape {emb.shape}, expected ({len(images)}, "
+            f"{manifest['image_dim']}) for {IMAGES_FILE} and the index; delete the folder and re-embed"
+        )
     return dict(zip(images, emb))
 
 
@@ -82,12 +86,24 @@ def write_store(folder: Path, vectors: dict[str, np.ndarray], unreadable: dict[s
     (folder / MANIFEST_FILE).unlink(missing_ok=True)  # the store is incomplete until the manifest is back
     images = sorted(vectors)
     tmp = folder / f".{EMBEDDINGS_FILE}.tmp.npy"
-    np.save(tmp, np.stack([vectors[i] for i in images]).astype(np.float32) if images
-            else np.zeros((0, int(manifest["image_dim"])), np.float32), allow_pickle=False)
+    np.save(
+        tmp,
+        np.stack([vectors[i] for i in images]).astype(np.float32)
+        if images
+        else np.zeros((0, int(manifest["image_dim"])), np.float32),
+        allow_pickle=False,
+    )
     tmp.replace(folder / EMBEDDINGS_FILE)
     write_text_atomic(folder / IMAGES_FILE, json.dumps(images))
-    write_json_atomic(folder / MANIFEST_FILE, {**encoder_identity(manifest), "dim": int(manifest["image_dim"]),
-                                               "count": len(images), "unreadable": unreadable})
+    write_json_atomic(
+        folder / MANIFEST_FILE,
+        {
+            **encoder_identity(manifest),
+            "dim": int(manifest["image_dim"]),
+            "count": len(images),
+            "unreadable": unreadable,
+        },
+    )
 
 
 def encoded(vector: np.ndarray) -> str:
@@ -98,8 +114,16 @@ def decoded(text: str) -> np.ndarray:
     return np.frombuffer(base64.b64decode(text), dtype="<f4").copy()
 
 
-def embed_images(queries: str | Path, images: list[str], root: Path, index, state=None, batch_size: int = 256,
-                 workers: int = 0, log=print) -> Path:
+def embed_images(
+    queries: str | Path,
+    images: list[str],
+    root: Path,
+    index,
+    state=None,
+    batch_size: int = 256,
+    workers: int = 0,
+    log=print,
+) -> Path:
     """Embed ``images`` (paths relative to ``root``) into the store beside ``queries`` for ``index``'s image encoder:
     what the store already holds is kept, the rest is split over the processes of ``state`` in batches (resumable:
     an interrupted job goes on from its work file), and process 0 writes the store whole. Returns the folder."""
@@ -118,8 +142,14 @@ def embed_images(queries: str | Path, images: list[str], root: Path, index, stat
         for batch in batches:
             emb, failed = index.encode_image_files([root / r["id"] for r in batch], workers)
             vectors = iter(emb)
-            parts.append([{"id": r["id"], "problem": failed[j]} if j in failed else
-                          {"id": r["id"], "embedding": encoded(next(vectors))} for j, r in enumerate(batch)])
+            parts.append(
+                [
+                    {"id": r["id"], "problem": failed[j]}
+                    if j in failed
+                    else {"id": r["id"], "embedding": encoded(next(vectors))}
+                    for j, r in enumerate(batch)
+                ]
+            )
             bar.update(len(batch))
     if parts.finish(todo):
         vectors, unreadable = dict(have), {}
@@ -130,14 +160,15 @@ def embed_images(queries: str | Path, images: list[str], root: Path, index, stat
                 unreadable[rec["id"]] = rec["problem"]
         write_store(folder, vectors, unreadable, index.manifest)
         parts.out.unlink()
-        log(f"question-image embeddings: {len(vectors)} images in {folder}"
-            + (f"; {len(unreadable)} unreadable (listed in its {MANIFEST_FILE})" if unreadable else ""))
+        log(
+            f"question-image embeddings: {len(vectors)} images in {folder}"
+            + (f"; {len(unreadable)} unreadable (listed in its {MANIFEST_FILE})" if unreadable else "")
+        )
     parts.barrier("process 0 wrote the question-image embeddings")
     return folder
 
 
-def preload_reward_cache(cache: dict, queries: str | Path, image_paths: list[str], root: Path,
-                         manifest: dict) -> int:
+def preload_reward_cache(cache: dict, queries: str | Path, image_paths: list[str], root: Path, manifest: dict) -> int:
     """Put the stored embeddings of these questions' images into the reward's cache, under the keys the reward looks
     them up by (``rewards.retrieval.image_keys`` of the ``image_path`` column, which ``image_path_of``
     writes); returns how many of ``image_paths`` (absolute) now have one."""
@@ -166,8 +197,10 @@ class EmbedArgs:
     index: str = field(default=None, metadata={"help": "index directory (its image encoder is used)"})
     images_root: str = field(default=None, metadata={"help": "default: the queries file's folder"})
     batch_size: int = field(default=256, metadata={"help": "images per batch (and per unit of resumed work)"})
-    workers: int = field(default=None, metadata={"help": "DataLoader processes decoding images (default: usable "
-                                                         "cores ÷ processes on this node)"})
+    workers: int = field(
+        default=None,
+        metadata={"help": "DataLoader processes decoding images (default: usable cores ÷ processes on this node)"},
+    )
     device: str = field(default=None, metadata={"help": "cuda / cuda:N / cpu (default: this process's own)"})
 
 
@@ -178,8 +211,15 @@ def main(argv=None) -> None:
     state = process_state(args.device)
     index = MultimodalIndex.load(args.index, device=str(state.device))
     rows = list(read_jsonl(args.queries))
-    embed_images(args.queries, [r["image"] for r in rows], Path(args.images_root or Path(args.queries).parent), index,
-                 state, args.batch_size, decode_workers(args.workers))
+    embed_images(
+        args.queries,
+        [r["image"] for r in rows],
+        Path(args.images_root or Path(args.queries).parent),
+        index,
+        state,
+        args.batch_size,
+        decode_workers(args.workers),
+    )
 
 
 if __name__ == "__main__":

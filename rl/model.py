@@ -49,8 +49,9 @@ def trainable_names(module) -> list[str]:
 ZERO3_DTYPES = {"bf16": "bfloat16", "fp16": "float16", None: "float32"}  # DeepSpeed's zero.Init, by mixed precision
 
 
-def master_dtype(requested: str | None, use_peft: bool, zero_stage: int | None,
-                 mixed_precision: str | None = None) -> tuple[str | None, str]:
+def master_dtype(
+    requested: str | None, use_peft: bool, zero_stage: int | None, mixed_precision: str | None = None
+) -> tuple[str | None, str]:
     """The dtype to load trainable weights in, and what the run's precision is, in one line.
 
     ``zero_stage``: DeepSpeed's ZeRO stage (0–3), None without DeepSpeed; ``mixed_precision``: "bf16", "fp16" or None.
@@ -67,20 +68,28 @@ def master_dtype(requested: str | None, use_peft: bool, zero_stage: int | None,
     if zero_stage == 3:
         dtype = ZERO3_DTYPES[mixed_precision]
         why = f"ZeRO-3's partitioned init casts every parameter to {dtype}" + (
-            f", not the {requested} asked for" if requested not in (None, "auto", dtype) else "")
+            f", not the {requested} asked for" if requested not in (None, "auto", dtype) else ""
+        )
         masters = "; DeepSpeed keeps fp32 master copies (mixed precision)" if ds_masters else ""
         if use_peft:
-            return dtype, (f"weights in {dtype}, frozen ({why}); LoRA adapters in {dtype} (TRL: "
-                           f"autocast_adapter_dtype=False under ZeRO-3){masters}")
+            return dtype, (
+                f"weights in {dtype}, frozen ({why}); LoRA adapters in {dtype} (TRL: "
+                f"autocast_adapter_dtype=False under ZeRO-3){masters}"
+            )
         return dtype, f"weights in {dtype} ({why}){masters}"
     if requested in ("bfloat16", "bf16", "float16", "fp16") and not use_peft and not ds_masters:
         where = "outside DeepSpeed" if ds is None else f"under {ds} without mixed precision"
-        return "float32", (f"full fine-tuning {where}: fp32 master weights (dtype {requested} asked for; 16-bit "
-                           "weights would not take lr-1e-6 updates), 16-bit compute through autocast")
+        return "float32", (
+            f"full fine-tuning {where}: fp32 master weights (dtype {requested} asked for; 16-bit "
+            "weights would not take lr-1e-6 updates), 16-bit compute through autocast"
+        )
     name = requested or "auto"
     masters = f"; {ds} keeps fp32 master copies (mixed precision)" if ds_masters else f"; {ds}" if ds else ""
     if use_peft:
-        return requested, f"weights in {name}, frozen; LoRA adapters in float32 (PEFT's autocast_adapter_dtype){masters}"
+        return (
+            requested,
+            f"weights in {name}, frozen; LoRA adapters in float32 (PEFT's autocast_adapter_dtype){masters}",
+        )
     return requested, f"weights in {name}{masters or ' (as configured)'}"
 
 
@@ -92,8 +101,13 @@ def zero_stage(training_args) -> int | None:
     return None if plugin is None else int(plugin.zero_stage)
 
 
-def load_model(name_or_path: str, dtype: str | None = None, device: str = "cpu", trust_remote_code: bool = False,
-               attn_implementation: str | None = None):
+def load_model(
+    name_or_path: str,
+    dtype: str | None = None,
+    device: str = "cpu",
+    trust_remote_code: bool = False,
+    attn_implementation: str | None = None,
+):
     """Model and processor from a folder or hub name (``trust_remote_code`` only when asked)."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
@@ -105,8 +119,9 @@ def load_model(name_or_path: str, dtype: str | None = None, device: str = "cpu",
 
     if not is_deepspeed_zero3_enabled():  # under ZeRO-3 the parameters are partitioned; DeepSpeed places them
         model.to(torch.device(device))
-    logging.getLogger("refine_rl.model").info("%s on %s in %s", name_or_path, device,
-                                              str(kwargs["dtype"]).replace("torch.", ""))
+    logging.getLogger("refine_rl.model").info(
+        "%s on %s in %s", name_or_path, device, str(kwargs["dtype"]).replace("torch.", "")
+    )
     processor = AutoProcessor.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     processor.tokenizer.padding_side = "left"
     return model, processor
@@ -153,14 +168,20 @@ def exclude_vision_tower(model, peft_config):
 GB = 1e9
 
 
-def ddp_full_finetune_bytes(total: int, trained: int, vllm_bytes: float = 0.0, index_bytes: float = 0.0,
-                            encoder_bytes: float = 0.0) -> dict[str, float]:
+def ddp_full_finetune_bytes(
+    total: int, trained: int, vllm_bytes: float = 0.0, index_bytes: float = 0.0, encoder_bytes: float = 0.0
+) -> dict[str, float]:
     """Bytes one GPU holds for full fine-tuning without DeepSpeed (every rank a whole replica, fp32 masters), by item;
     activations are not counted, so the sum is a lower bound. ``total`` / ``trained``: parameter counts."""
-    return {"weights, fp32": 4.0 * total, "gradients, fp32": 4.0 * trained,
-            "DDP's gradient buckets (a second copy)": 4.0 * trained, "Adam m and v, fp32": 8.0 * trained,
-            "colocated vLLM": float(vllm_bytes), "index replica": float(index_bytes),
-            "reward encoders": float(encoder_bytes)}
+    return {
+        "weights, fp32": 4.0 * total,
+        "gradients, fp32": 4.0 * trained,
+        "DDP's gradient buckets (a second copy)": 4.0 * trained,
+        "Adam m and v, fp32": 8.0 * trained,
+        "colocated vLLM": float(vllm_bytes),
+        "index replica": float(index_bytes),
+        "reward encoders": float(encoder_bytes),
+    }
 
 
 def check_fits(parts: dict[str, float], device_bytes: float, what: str) -> float:
@@ -169,9 +190,11 @@ def check_fits(parts: dict[str, float], device_bytes: float, what: str) -> float
     need = sum(parts.values())
     if need > device_bytes:
         items = "; ".join(f"{k} {v / GB:.1f}" for k, v in parts.items() if v)
-        raise ValueError(f"{what} cannot fit on this GPU: at least {need / GB:.1f} GB before activations ({items}) "
-                         f"against {device_bytes / GB:.1f} GB. Use DeepSpeed (configs/accelerate/zero2.yaml or "
-                         f"zero3.yaml), or LoRA (--use_peft)")
+        raise ValueError(
+            f"{what} cannot fit on this GPU: at least {need / GB:.1f} GB before activations ({items}) "
+            f"against {device_bytes / GB:.1f} GB. Use DeepSpeed (configs/accelerate/zero2.yaml or "
+            f"zero3.yaml), or LoRA (--use_peft)"
+        )
     return need
 
 

@@ -19,10 +19,12 @@ from rewards.rank import DEFAULT_MISS, DEFAULT_TIERS, parse_tiers
 from rl.run_record import RUN_RECORD
 
 TAGS = ["refine-rl", "query-refinement", "multimodal-retrieval", "grpo", "trl"]
-OUTPUT_FORMAT = "<think>…</think><answer>{\"query\": \"…\"}</answer>"
+OUTPUT_FORMAT = '<think>…</think><answer>{"query": "…"}</answer>'
 SERVE_DTYPE = "bfloat16"  # rl.export's default --dtype bf16
-NO_FIGURES = ("No held-out figures: the run scored no held-out questions (it had no `eval_file`, or no evaluation "
-              "ran before this checkpoint).")
+NO_FIGURES = (
+    "No held-out figures: the run scored no held-out questions (it had no `eval_file`, or no evaluation "
+    "ran before this checkpoint)."
+)
 
 
 def vllm_serve_command(folder, dtype: str, budget: dict | None) -> str:
@@ -40,16 +42,21 @@ def refine_command(folder) -> str:
 def held_out(log_history: list[dict], step: int | None = None) -> dict:
     """The latest held-out (``eval_*``) figures of a trainer's log history at or before ``step``, with their step;
     {} when there are none."""
-    evals = [h for h in log_history if any(k.startswith("eval_") for k in h)
-             and (step is None or h.get("step", 0) <= step)]
+    evals = [
+        h for h in log_history if any(k.startswith("eval_") for k in h) and (step is None or h.get("step", 0) <= step)
+    ]
     return {k: v for k, v in evals[-1].items() if k.startswith("eval_") or k == "step"} if evals else {}
 
 
 def ordered_figures(metrics: dict) -> dict:
     """The held-out figures a card shows, without the ``eval_`` prefix: the reward, then retrieval (hit@k by k), the
     reward terms, completion lengths; the trainer's bookkeeping (runtime, loss, clipping, token counts) left out."""
-    groups = [lambda k: k in ("reward", "reward_std"), lambda k: k.startswith("retrieval/"),
-              lambda k: k.startswith("rewards/"), lambda k: k in ("completions/mean_length", "completions/clipped_ratio")]
+    groups = [
+        lambda k: k in ("reward", "reward_std"),
+        lambda k: k.startswith("retrieval/"),
+        lambda k: k.startswith("rewards/"),
+        lambda k: k in ("completions/mean_length", "completions/clipped_ratio"),
+    ]
     figures = {k.removeprefix("eval_"): v for k, v in metrics.items() if k.startswith("eval_")}
 
     def order(name: str) -> tuple:
@@ -72,7 +79,8 @@ def reward_section(args: dict) -> str:
     unparseable = args.get("unparseable_retrieval_reward", miss)
     tiers = _tiers(args)
     table = "| gold entity's rank | reward |\n|---|---|\n" + "".join(
-        f"| {lo}–{hi} | {format_value(float(r))} |\n" for lo, hi, r in tiers)
+        f"| {lo}–{hi} | {format_value(float(r))} |\n" for lo, hi, r in tiers
+    )
     return (
         "Each sampled completion earns the sum of two rewards (GRPO compares the completions of one question):\n\n"
         f"- **Format**: {format_value(float(valid))} when the output has the format above and its query is at most "
@@ -80,41 +88,60 @@ def reward_section(args: dict) -> str:
         "- **Retrieval (rank tiers)**: the query, with the question's image, searches the index; the reward depends "
         f"on the rank of the question's gold entity among the index's entities (1 = first), searched to depth "
         f"{depth}:\n\n{table}\n"
-        + (f"A gold entity ranked deeper than {tiers[-1][1]}, or not found within depth {depth}, is a miss: "
-           if tiers[-1][1] < depth else f"A gold entity not found within depth {depth} is a miss: ")
+        + (
+            f"A gold entity ranked deeper than {tiers[-1][1]}, or not found within depth {depth}, is a miss: "
+            if tiers[-1][1] < depth
+            else f"A gold entity not found within depth {depth} is a miss: "
+        )
         + f"{format_value(float(miss))}. A completion whose query cannot be parsed gets "
-          f"{format_value(float(unparseable))}.")
+        f"{format_value(float(unparseable))}."
+    )
 
 
 def index_section(index: dict) -> str:
     alpha = index.get("alpha")
-    return (f"- Path: `{format_value(index.get('path'))}`\n"
-            f"- Image encoder: `{format_value(index.get('image_encoder'))}`\n"
-            f"- Text encoder: `{format_value(index.get('text_encoder'))}`\n"
-            f"- α (image weight of a query): {format_value(alpha)}\n\n"
-            "A query is the normalised concatenation of α × the image embedding and (1 − α) × the query text's "
-            "embedding, so an entity's score is α · cos(image) + (1 − α) · cos(text). The refiner was trained for "
-            "this index and α: its queries are worth most with the same encoders and α.")
+    return (
+        f"- Path: `{format_value(index.get('path'))}`\n"
+        f"- Image encoder: `{format_value(index.get('image_encoder'))}`\n"
+        f"- Text encoder: `{format_value(index.get('text_encoder'))}`\n"
+        f"- α (image weight of a query): {format_value(alpha)}\n\n"
+        "A query is the normalised concatenation of α × the image embedding and (1 − α) × the query text's "
+        "embedding, so an entity's score is α · cos(image) + (1 − α) · cos(text). The refiner was trained for "
+        "this index and α: its queries are worth most with the same encoders and α."
+    )
 
 
 def usage_section(record: dict, folder, export: dict | None) -> str:
     budget = record.get("image_budget")
     if export is not None:
-        return ("Serve it with vLLM (OpenAI-compatible API; the image budget is the one it was trained with):\n\n"
-                + code_block(vllm_serve_command(folder, export["dtype"], budget), "bash")
-                + "\n\nor refine a question file (JSONL of `id`, `image`, `question`; `--backend vllm` to generate "
-                  "with vLLM):\n\n" + code_block(refine_command(folder), "bash")
-                + f"\n\nFrom Python: `rl.refine.Refiner.load(\"{folder}\").refine(images, questions)`.")
-    return ("Export it first (merges a LoRA adapter, writes `refiner.json` with the prompt, parser and index, and "
-            "checks that a fresh load generates a parseable query), then serve the export:\n\n"
-            + code_block("\n".join(["SERVE_DIR=refiner-export  # a new folder",
-                                    f"python -m rl.export --checkpoint {folder} --out $SERVE_DIR",
-                                    vllm_serve_command("$SERVE_DIR", SERVE_DTYPE, budget),
-                                    refine_command("$SERVE_DIR")]), "bash"))
+        return (
+            "Serve it with vLLM (OpenAI-compatible API; the image budget is the one it was trained with):\n\n"
+            + code_block(vllm_serve_command(folder, export["dtype"], budget), "bash")
+            + "\n\nor refine a question file (JSONL of `id`, `image`, `question`; `--backend vllm` to generate "
+            "with vLLM):\n\n"
+            + code_block(refine_command(folder), "bash")
+            + f'\n\nFrom Python: `rl.refine.Refiner.load("{folder}").refine(images, questions)`.'
+        )
+    return (
+        "Export it first (merges a LoRA adapter, writes `refiner.json` with the prompt, parser and index, and "
+        "checks that a fresh load generates a parseable query), then serve the export:\n\n"
+        + code_block(
+            "\n".join(
+                [
+                    "SERVE_DIR=refiner-export  # a new folder",
+                    f"python -m rl.export --checkpoint {folder} --out $SERVE_DIR",
+                    vllm_serve_command("$SERVE_DIR", SERVE_DTYPE, budget),
+                    refine_command("$SERVE_DIR"),
+                ]
+            ),
+            "bash",
+        )
+    )
 
 
-def refiner_card(record: dict, metrics: dict | None, *, name: str, step: int | None, folder,
-                 export: dict | None = None) -> str:
+def refiner_card(
+    record: dict, metrics: dict | None, *, name: str, step: int | None, folder, export: dict | None = None
+) -> str:
     """The card of a refiner: a run's (``export`` None) or an export's (``export``: {"dtype", "source"}).
     ``metrics``: held-out ``eval_*`` figures (with their ``step``), {} or None when there are none."""
     args = record.get("refiner_args") or {}
@@ -122,38 +149,58 @@ def refiner_card(record: dict, metrics: dict | None, *, name: str, step: int | N
     gen = record.get("generation") or {}
     budget = record.get("image_budget") or {}
     base = record.get("base_model")
-    model = [f"- Base model: `{format_value(base)}`",
-             "- Training: GRPO (TRL's GRPOTrainer, `rl/train_grpo.py`) against the reward below",
-             f"- Training step: {format_value(step)}",
-             f"- Training precision: {format_value(record.get('precision'))}"]
+    model = [
+        f"- Base model: `{format_value(base)}`",
+        "- Training: GRPO (TRL's GRPOTrainer, `rl/train_grpo.py`) against the reward below",
+        f"- Training step: {format_value(step)}",
+        f"- Training precision: {format_value(record.get('precision'))}",
+    ]
     if export is not None:
-        model += [f"- Exported from `{format_value(export.get('source'))}` in {format_value(export.get('dtype'))}, "
-                  "then reloaded and checked to generate a parseable query before it was written"]
+        model += [
+            f"- Exported from `{format_value(export.get('source'))}` in {format_value(export.get('dtype'))}, "
+            "then reloaded and checked to generate a parseable query before it was written"
+        ]
     if budget:
-        model += [f"- Image budget: {format_value(budget.get('min_pixels'))}–{format_value(budget.get('max_pixels'))} "
-                  "pixels per image (the same in training, export and serving)"]
-    task = ("Given an image and a question about it, the model writes a search query for a multimodal knowledge "
-            "base: the query, together with the image, should retrieve the entity the question is about.\n\n"
-            f"- Input: one image and the question, in the model's chat format, with the prompt "
-            f"`{format_value(prompt.get('name'))}` (`rl/prompts.py`): the system prompt and user turn below.\n"
-            f"- Output: `{OUTPUT_FORMAT}`: its reasoning, then JSON holding the query (parser version "
-            f"{PARSER_VERSION}, `rewards/format.py`). Where the output does not parse, `rl.refine` keeps the original "
-            "question.\n"
-            f"- Sampling in training: temperature {format_value(gen.get('temperature'))}, top-p "
-            f"{format_value(gen.get('top_p'))}, at most {format_value(gen.get('max_new_tokens'))} new tokens.\n\n"
-            "System prompt:\n\n" + code_block(str(prompt.get("system") or "(none recorded)"))
-            + "\n\nUser turn (`{question}` filled in):\n\n"
-            + code_block(str(prompt.get("user_template") or "(none recorded)")))
+        model += [
+            f"- Image budget: {format_value(budget.get('min_pixels'))}–{format_value(budget.get('max_pixels'))} "
+            "pixels per image (the same in training, export and serving)"
+        ]
+    task = (
+        "Given an image and a question about it, the model writes a search query for a multimodal knowledge "
+        "base: the query, together with the image, should retrieve the entity the question is about.\n\n"
+        f"- Input: one image and the question, in the model's chat format, with the prompt "
+        f"`{format_value(prompt.get('name'))}` (`rl/prompts.py`): the system prompt and user turn below.\n"
+        f"- Output: `{OUTPUT_FORMAT}`: its reasoning, then JSON holding the query (parser version "
+        f"{PARSER_VERSION}, `rewards/format.py`). Where the output does not parse, `rl.refine` keeps the original "
+        "question.\n"
+        f"- Sampling in training: temperature {format_value(gen.get('temperature'))}, top-p "
+        f"{format_value(gen.get('top_p'))}, at most {format_value(gen.get('max_new_tokens'))} new tokens.\n\n"
+        "System prompt:\n\n"
+        + code_block(str(prompt.get("system") or "(none recorded)"))
+        + "\n\nUser turn (`{question}` filled in):\n\n"
+        + code_block(str(prompt.get("user_template") or "(none recorded)"))
+    )
     figures = ordered_figures(metrics or {})
     where = args.get("eval_file")
     limit = args.get("eval_limit")
-    evaluation = (f"Held-out questions: `{where}`{f' (the first {limit})' if limit else ''}, scored with the "
-                  f"training reward; figures from the evaluation at step {format_value((metrics or {}).get('step'))}"
-                  " (hit@k: share of completions whose gold entity ranks in the top k).\n\n"
-                  + figures_table(figures, NO_FIGURES)) if figures else NO_FIGURES
-    sections = [("Model", "\n".join(model)), ("Task", task), ("Reward", reward_section(args)),
-                ("Index", index_section(record.get("index") or {})), ("Held-out evaluation", evaluation),
-                ("Use", usage_section(record, folder, export))]
+    evaluation = (
+        (
+            f"Held-out questions: `{where}`{f' (the first {limit})' if limit else ''}, scored with the "
+            f"training reward; figures from the evaluation at step {format_value((metrics or {}).get('step'))}"
+            " (hit@k: share of completions whose gold entity ranks in the top k).\n\n"
+            + figures_table(figures, NO_FIGURES)
+        )
+        if figures
+        else NO_FIGURES
+    )
+    sections = [
+        ("Model", "\n".join(model)),
+        ("Task", task),
+        ("Reward", reward_section(args)),
+        ("Index", index_section(record.get("index") or {})),
+        ("Held-out evaluation", evaluation),
+        ("Use", usage_section(record, folder, export)),
+    ]
     kind = "exported query refiner" if export is not None else "query refiner"
     return render_card(base, TAGS, f"{name}: {kind} trained with GRPO", sections)
 
@@ -167,8 +214,13 @@ def write_run_cards(output_dir, log_history: list[dict]) -> str:
     """Our card over TRL's in a run's ``final/`` folder and its output dir (main process, after the final save)."""
     output_dir = Path(output_dir)
     record = json.loads((output_dir / RUN_RECORD).read_text())
-    text = refiner_card(record, held_out(log_history), name=output_dir.resolve().name, step=last_step(log_history),
-                        folder=(output_dir / "final").resolve())
+    text = refiner_card(
+        record,
+        held_out(log_history),
+        name=output_dir.resolve().name,
+        step=last_step(log_history),
+        folder=(output_dir / "final").resolve(),
+    )
     for folder in (output_dir / "final", output_dir):
         write_card(folder, text)
     return text

@@ -63,8 +63,11 @@ class PhaseProgress(ProgressCallback):
         pass
 
     def on_log(self, args, state, control, logs=None, **kw):
-        values = {label: float(logs[key]) for key, label in self.shown.items()
-                  if isinstance((logs or {}).get(key), (int, float))}
+        values = {
+            label: float(logs[key])
+            for key, label in self.shown.items()
+            if isinstance((logs or {}).get(key), (int, float))
+        }
         for label, v in values.items():
             self.first.setdefault(label, v)
             self.last[label] = v
@@ -75,8 +78,10 @@ class PhaseProgress(ProgressCallback):
         if not state.is_world_process_zero:
             return
         super().on_train_end(args, state, control, **kw)
-        print(summary_line(self.phase, state.global_step, time.perf_counter() - self._t0, self.first, self.last),
-              flush=True)
+        print(
+            summary_line(self.phase, state.global_step, time.perf_counter() - self._t0, self.first, self.last),
+            flush=True,
+        )
 
 
 def summary_line(phase: str, steps: int, seconds: float, first: dict[str, float], last: dict[str, float]) -> str:
@@ -149,8 +154,10 @@ def caption(row: dict) -> str:
     """What the refiner saw and did, under its image: the query, the gold entity's rank and the reward."""
     rank = "not in the top depth" if row["rank"] is None else f"rank {row['rank']}"
     reward = "—" if row["total_reward"] is None else f"{row['total_reward']:.2f}"
-    return (f"{image_label(row['image_key'])}: {row['query'] or '(unparseable)'} | gold {row['gold_title']} {rank} | "
-            f"reward {reward}")
+    return (
+        f"{image_label(row['image_key'])}: {row['query'] or '(unparseable)'} | gold {row['gold_title']} {rank} | "
+        f"reward {reward}"
+    )
 
 
 class RefinerMonitor(TrainerCallback):
@@ -158,8 +165,15 @@ class RefinerMonitor(TrainerCallback):
     rank, top-3 retrieved titles, rewards) and a rank histogram; also appended to ``samples.jsonl``.
     At the end: reward-time share of step time, ``curves.png`` and ``metrics.json`` in the output dir."""
 
-    def __init__(self, retrieval_reward, format_reward: TimedReward, timed: list[TimedReward], table_steps: int,
-                 output_dir: str, max_rows: int = 16):
+    def __init__(
+        self,
+        retrieval_reward,
+        format_reward: TimedReward,
+        timed: list[TimedReward],
+        table_steps: int,
+        output_dir: str,
+        max_rows: int = 16,
+    ):
         self.retrieval, self.format, self.timed = retrieval_reward, format_reward, timed
         self.table_steps, self.max_rows = table_steps, max_rows
         self.output_dir = Path(output_dir)
@@ -186,19 +200,36 @@ class RefinerMonitor(TrainerCallback):
         """The latest completions (at most ``max_rows``) with their gold title, top-3 retrieved titles (one batched
         ``index.top_entities`` call: the exact ranker's scores on a GPU) and rewards."""
         last, fmt, index = self.retrieval.last[: self.max_rows], self.format.last, self.retrieval.index
-        ranked = [i for i, rec in enumerate(last)
-                  if rec["query"] is not None and rec["image_key"] in self.retrieval.image_cache]
-        tops = index.top_entities(np.stack([self.retrieval.image_cache[last[i]["image_key"]] for i in ranked]),
-                                  [last[i]["query"] for i in ranked], alpha=self.retrieval.alpha, k=3) \
-            if ranked else []
+        ranked = [
+            i
+            for i, rec in enumerate(last)
+            if rec["query"] is not None and rec["image_key"] in self.retrieval.image_cache
+        ]
+        tops = (
+            index.top_entities(
+                np.stack([self.retrieval.image_cache[last[i]["image_key"]] for i in ranked]),
+                [last[i]["query"] for i in ranked],
+                alpha=self.retrieval.alpha,
+                k=3,
+            )
+            if ranked
+            else []
+        )
         top_of = dict(zip(ranked, tops))
         rows = []
         for i, rec in enumerate(last):
             top = [index.entity_titles.get(e) or e for e in top_of.get(i, [])]
             f = fmt[i] if i < len(fmt) else None
-            rows.append({**rec, "gold_title": index.entity_titles.get(rec["entity_id"], rec["entity_id"]),
-                         "top3": top, "format_reward": f, "retrieval_reward": rec["reward"],
-                         "total_reward": None if f is None else f + rec["reward"]})
+            rows.append(
+                {
+                    **rec,
+                    "gold_title": index.entity_titles.get(rec["entity_id"], rec["entity_id"]),
+                    "top3": top,
+                    "format_reward": f,
+                    "retrieval_reward": rec["reward"],
+                    "total_reward": None if f is None else f + rec["reward"],
+                }
+            )
         return rows
 
     def log_table(self, step: int) -> None:
@@ -216,19 +247,39 @@ class RefinerMonitor(TrainerCallback):
             return
         # wandb (0.31) writes a table's image cells as the string "Image" in offline mode, so the images go to their
         # own panel (one per row, the caption saying what the refiner did) and the table names each by its file name
-        cols = ["step", "image", "question", "refined_query", "gold_entity", "rank", "top3_retrieved",
-                "format_reward", "retrieval_reward", "total_reward"]
+        cols = [
+            "step",
+            "image",
+            "question",
+            "refined_query",
+            "gold_entity",
+            "rank",
+            "top3_retrieved",
+            "format_reward",
+            "retrieval_reward",
+            "total_reward",
+        ]
         table, images = wandb.Table(columns=cols), []
         for r in rows:
-            table.add_data(step, image_label(r["image_key"]), r.get("question") or "", r["query"] or "", r["gold_title"],
-                           -1 if r["rank"] is None else r["rank"], ", ".join(r["top3"]), r["format_reward"],
-                           r["retrieval_reward"], r["total_reward"])
+            table.add_data(
+                step,
+                image_label(r["image_key"]),
+                r.get("question") or "",
+                r["query"] or "",
+                r["gold_title"],
+                -1 if r["rank"] is None else r["rank"],
+                ", ".join(r["top3"]),
+                r["format_reward"],
+                r["retrieval_reward"],
+                r["total_reward"],
+            )
             img = self.retrieval.images.get(r["image_key"])
             if img is not None:
                 images.append(wandb.Image(img, caption=caption(r)))
         ranks = [(self.retrieval.depth + 1) if x["rank"] is None else x["rank"] for x in self.retrieval.last]
-        wandb.log({"completions": table, "completion_images": images, "rank_histogram": wandb.Histogram(ranks)},
-                  commit=False)
+        wandb.log(
+            {"completions": table, "completion_images": images, "rank_histogram": wandb.Histogram(ranks)}, commit=False
+        )
 
     # -------------------------------------------------------------- end of training
 
@@ -236,14 +287,21 @@ class RefinerMonitor(TrainerCallback):
         if not state.is_world_process_zero:
             return
         share = self.reward_seconds() / self.step_seconds if self.step_seconds else float("nan")
-        self.summary = {"reward_seconds": self.reward_seconds(), "step_seconds": self.step_seconds,
-                        "reward_time_share": share, "global_step": state.global_step}
-        print(f"reward time: {self.reward_seconds():.1f}s of {self.step_seconds:.1f}s in training steps "
-              f"({100 * share:.1f}%)")
+        self.summary = {
+            "reward_seconds": self.reward_seconds(),
+            "step_seconds": self.step_seconds,
+            "reward_time_share": share,
+            "global_step": state.global_step,
+        }
+        print(
+            f"reward time: {self.reward_seconds():.1f}s of {self.step_seconds:.1f}s in training steps "
+            f"({100 * share:.1f}%)"
+        )
         write_curves(state.log_history, self.output_dir / "curves.png")
         final = state.log_history[-1] if state.log_history else {}
-        write_json_atomic(self.output_dir / "metrics.json", {**self.summary, "final_log": final,
-                                                              "log_history": state.log_history})
+        write_json_atomic(
+            self.output_dir / "metrics.json", {**self.summary, "final_log": final, "log_history": state.log_history}
+        )
 
 
 def write_curves(log_history: list[dict], path: Path) -> None:
@@ -255,8 +313,11 @@ def write_curves(log_history: list[dict], path: Path) -> None:
         return
     steps = [h["step"] for h in logs]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
-    for key, label in [("reward", "total"), ("rewards/format_reward/mean", "format"),
-                       ("rewards/retrieval_reward/mean", "retrieval")]:
+    for key, label in [
+        ("reward", "total"),
+        ("rewards/format_reward/mean", "format"),
+        ("rewards/retrieval_reward/mean", "retrieval"),
+    ]:
         if any(key in h for h in logs):
             a.plot(steps, [h.get(key, float("nan")) for h in logs], label=label)
     a.set_title("mean reward")

@@ -18,11 +18,11 @@ SYSTEM_PROMPTS = {
         "base. You are given an image and a question about it. Rewrite the question into a retrieval query that "
         "finds the Wikipedia article and section answering it. Retain the original query, and expand it with what "
         "you see in the image (the entity's visual features) and with relevant world knowledge. First reason "
-        "inside <think> </think>, then give the final query as a JSON object {\"query\": \"...\"} inside "
+        'inside <think> </think>, then give the final query as a JSON object {"query": "..."} inside '
         "<answer> </answer>."
     ),
-    "toy": "Refine the question into a search query. Think in <think></think>, answer JSON {\"query\": ...} in "
-           "<answer></answer>.",
+    "toy": 'Refine the question into a search query. Think in <think></think>, answer JSON {"query": ...} in '
+    "<answer></answer>.",
 }
 USER_TEMPLATE = "{question}"
 
@@ -43,8 +43,10 @@ def prompt_messages(question: str, prompt: str | dict = "wikiseeker", with_image
     system, user = spec["system"], spec["user_template"].format(question=question)
     if not with_image_block:
         return [{"role": "system", "content": system}, {"role": "user", "content": user}]
-    return [{"role": "system", "content": [{"type": "text", "text": system}]},
-            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": user}]}]
+    return [
+        {"role": "system", "content": [{"type": "text", "text": system}]},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": user}]},
+    ]
 
 
 def prompt_spec(prompt: str) -> dict:

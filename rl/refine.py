@@ -8,7 +8,8 @@
 ``raw_output`` and ``format_ok``; a completion that does not parse falls back to the original question. Resumable:
 ids already in ``--out`` are skipped, and every batch is appended and flushed, so an interrupted run loses nothing
 it wrote. ``accelerate launch -m rl.refine …`` splits the questions over processes (each on its own device, every
-N-th batch) and merges their parts into ``--out`` in input order (common.job_parts). Greedy by default; ``--sample`` uses the sampling settings of ``generation_config.json``.
+N-th batch) and merges their parts into ``--out`` in input order (common.job_parts). Greedy by default; ``--sample``
+uses the sampling settings of ``generation_config.json``.
 
 Python API: ``Refiner.load(path)`` and ``refiner.refine(images, questions) -> list[str]``.
 """
@@ -43,10 +44,16 @@ def load_spec(path: Path) -> dict:
         return json.loads((path / "refiner.json").read_text())
     rec = find_run_record(path)
     if rec is not None:
-        return {"prompt": rec["prompt"], "generation": rec["generation"], "index": rec["index"],
-                "image_budget": rec.get("image_budget")}
-    return {"prompt": prompt_spec("wikiseeker"), "generation": {"temperature": 1.0, "top_p": 1.0,
-                                                                 "max_new_tokens": 256}}
+        return {
+            "prompt": rec["prompt"],
+            "generation": rec["generation"],
+            "index": rec["index"],
+            "image_budget": rec.get("image_budget"),
+        }
+    return {
+        "prompt": prompt_spec("wikiseeker"),
+        "generation": {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 256},
+    }
 
 
 class Refiner:
@@ -75,28 +82,49 @@ class Refiner:
         model, processor = load_model(str(path), dtype, device=device)
         return cls(model.to(device), apply_image_budget(processor, budget), spec)
 
-    def generate(self, images: list, questions: list[str], batch_size: int = 16, sample: bool = False,
-                 progress: bool = False) -> list[str]:
+    def generate(
+        self, images: list, questions: list[str], batch_size: int = 16, sample: bool = False, progress: bool = False
+    ) -> list[str]:
         gen = self.spec["generation"]
         if self.backend == "vllm":
             return self._generate_vllm(images, questions, sample)
 
-        return generate_completions(self.model, self.processor, images, questions, prompt=self.spec["prompt"],
-                                    batch_size=batch_size, max_new_tokens=gen["max_new_tokens"], do_sample=sample,
-                                    temperature=gen["temperature"], top_p=gen["top_p"], progress=progress)
+        return generate_completions(
+            self.model,
+            self.processor,
+            images,
+            questions,
+            prompt=self.spec["prompt"],
+            batch_size=batch_size,
+            max_new_tokens=gen["max_new_tokens"],
+            do_sample=sample,
+            temperature=gen["temperature"],
+            top_p=gen["top_p"],
+            progress=progress,
+        )
 
     def _generate_vllm(self, images, questions, sample):
         gen = self.spec["generation"]
-        return generate_vllm(self.llm, self.processor, images, questions, self.spec["prompt"], gen["max_new_tokens"],
-                             do_sample=sample, temperature=gen["temperature"], top_p=gen["top_p"])
+        return generate_vllm(
+            self.llm,
+            self.processor,
+            images,
+            questions,
+            self.spec["prompt"],
+            gen["max_new_tokens"],
+            do_sample=sample,
+            temperature=gen["temperature"],
+            top_p=gen["top_p"],
+        )
 
     def refine_with_outputs(self, images, questions, **kw) -> list[dict]:
         raw = self.generate(images, questions, **kw)
         out = []
         for q, text in zip(questions, raw):
             query = parse_query(text)
-            out.append({"refined_query": query if query is not None else q, "raw_output": text,
-                        "format_ok": query is not None})
+            out.append(
+                {"refined_query": query if query is not None else q, "raw_output": text, "format_ok": query is not None}
+            )
         return out
 
     def refine(self, images, questions, **kw) -> list[str]:
@@ -112,7 +140,9 @@ class RefineArgs:
     images_root: str = field(default=None, metadata={"help": "default: the queries file's folder"})
     batch_size: int = field(default=16, metadata={"help": "questions per generation batch"})
     backend: str = field(default="hf", metadata={"help": "hf | vllm"})
-    sample: bool = field(default=False, metadata={"help": "sample with generation_config.json settings (default: greedy)"})
+    sample: bool = field(
+        default=False, metadata={"help": "sample with generation_config.json settings (default: greedy)"}
+    )
 
 
 def refine_file(args: RefineArgs, log=print, refiner: Refiner | None = None, state=None) -> int:
@@ -134,13 +164,15 @@ def refine_file(args: RefineArgs, log=print, refiner: Refiner | None = None, sta
     batches = parts.start(rows, args.batch_size)
     log(f"refine, {parts.status}")
     if batches:
-        refiner = refiner or Refiner.load(args.model, backend=args.backend,
-                                          device=str(state.device) if state is not None else None)
+        refiner = refiner or Refiner.load(
+            args.model, backend=args.backend, device=str(state.device) if state is not None else None
+        )
         with tqdm(total=parts.mine, desc="refining", unit="q") as bar:
             for batch in batches:
                 images = [Image.open(root / r["image"]).convert("RGB") for r in batch]
-                results = refiner.refine_with_outputs(images, [r["question"] for r in batch],
-                                                      batch_size=args.batch_size, sample=args.sample)
+                results = refiner.refine_with_outputs(
+                    images, [r["question"] for r in batch], batch_size=args.batch_size, sample=args.sample
+                )
                 parts.append([{**r, **res} for r, res in zip(batch, results)])
                 bar.update(len(batch))
     parts.finish(rows)

@@ -14,18 +14,36 @@ from rl.prompts import prompt_spec
 RUN_RECORD = "refine_rl_run.json"
 
 
-def write_run_record(output_dir: Path, args, training_args, model_path: str, image_budget: dict | None = None,
-                     precision: str | None = None) -> None:
+def write_run_record(
+    output_dir: Path,
+    args,
+    training_args,
+    model_path: str,
+    image_budget: dict | None = None,
+    precision: str | None = None,
+) -> None:
     manifest = json.loads((Path(args.index) / MANIFEST_FILE).read_text())
-    write_json_atomic(Path(output_dir) / RUN_RECORD, {
-        "base_model": str(Path(model_path).resolve()) if Path(model_path).exists() else model_path,
-        "refiner_args": asdict(args), "prompt": prompt_spec(args.prompt),
-        "index": {"path": str(Path(args.index).resolve()), "alpha": args.alpha,
-                  "image_encoder": manifest["image_encoder"], "text_encoder": manifest["text_encoder"]},
-        "generation": {"temperature": training_args.temperature, "top_p": training_args.top_p,
-                       "max_new_tokens": training_args.max_completion_length},
-        "image_budget": image_budget, "precision": precision,
-    })
+    write_json_atomic(
+        Path(output_dir) / RUN_RECORD,
+        {
+            "base_model": str(Path(model_path).resolve()) if Path(model_path).exists() else model_path,
+            "refiner_args": asdict(args),
+            "prompt": prompt_spec(args.prompt),
+            "index": {
+                "path": str(Path(args.index).resolve()),
+                "alpha": args.alpha,
+                "image_encoder": manifest["image_encoder"],
+                "text_encoder": manifest["text_encoder"],
+            },
+            "generation": {
+                "temperature": training_args.temperature,
+                "top_p": training_args.top_p,
+                "max_new_tokens": training_args.max_completion_length,
+            },
+            "image_budget": image_budget,
+            "precision": precision,
+        },
+    )
 
 
 def find_run_record(path: Path) -> dict | None:

@@ -44,15 +44,18 @@ def main(argv=None) -> dict:
     load_dtype, precision, mixed = precision_of(training_args, model_args)
     stage = zero_stage(training_args)
     kind = f"DeepSpeed ZeRO-{stage} over {state.backend}" if stage is not None else state.distributed_type
-    print(f"rank {state.process_index}/{state.num_processes} on {state.device} ({kind}, {threads} CPU threads); "
-          f"{precision}; mixed precision: {mixed or 'no'}")
+    print(
+        f"rank {state.process_index}/{state.num_processes} on {state.device} ({kind}, {threads} CPU threads); "
+        f"{precision}; mixed precision: {mixed or 'no'}"
+    )
     output_dir = Path(training_args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
 
     # model: the world (the embedded default's toy world) may build it first
     procs = Processes(state)
-    model_path = world.prepare(args, world_args, model_args, training_args, procs) if world else \
-        model_args.model_name_or_path
+    model_path = (
+        world.prepare(args, world_args, model_args, training_args, procs) if world else model_args.model_name_or_path
+    )
     validate_files(args)
     model, processor, budget = load_policy(model_path, args, training_args, model_args, state, load_dtype, say)
     if state.is_main_process:
@@ -61,8 +64,11 @@ def main(argv=None) -> dict:
     # data
     bad_images = output_dir if state.is_main_process else None
     train_data = question_dataset(args.train_file, args.images_root, args.prompt, bad_images_dir=bad_images)
-    eval_data = question_dataset(args.eval_file, args.images_root, args.prompt, args.eval_limit,
-                                 bad_images_dir=bad_images) if args.eval_file else None
+    eval_data = (
+        question_dataset(args.eval_file, args.images_root, args.prompt, args.eval_limit, bad_images_dir=bad_images)
+        if args.eval_file
+        else None
+    )
 
     # rewards: one replica of the index per process, exact ranks on this rank's device, FAISS top-k on the CPU
     index = MultimodalIndex.load(args.index, device=str(state.device), search_device="cpu")
@@ -75,9 +81,16 @@ def main(argv=None) -> dict:
         peft_config = exclude_vision_tower(model, peft_config)
     monitor = RefinerMonitor(retrieval, reward_funcs[0], reward_funcs, args.log_table_steps, training_args.output_dir)
     setup_wandb(training_args.output_dir, training_args.report_to)
-    trainer = GRPOTrainer(model=model, reward_funcs=reward_funcs, args=training_args, train_dataset=train_data,
-                          eval_dataset=eval_data, processing_class=processor, peft_config=peft_config,
-                          callbacks=[monitor])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward_funcs,
+        args=training_args,
+        train_dataset=train_data,
+        eval_dataset=eval_data,
+        processing_class=processor,
+        peft_config=peft_config,
+        callbacks=[monitor],
+    )
     ready_trainer(trainer, model, processor, retrieval, model_path, budget, args, training_args, say)
     check_full_finetune_fits(model, index, encoders, training_args, model_args, state.device, say)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)

@@ -44,75 +44,113 @@ def load_policy(model_path: str, args, training_args, model_args, state, load_dt
     """The policy and its processor with the run's image budget (checked against the model), the folder colocated or
     served vLLM loads, and the vision tower frozen → (model, processor, budget)."""
     budget = check_budget(args.min_pixels, args.max_pixels)
-    model, processor = load_model(model_path, load_dtype, device=str(state.device),
-                                  trust_remote_code=training_args.trust_remote_code,
-                                  attn_implementation=model_args.attn_implementation)
+    model, processor = load_model(
+        model_path,
+        load_dtype,
+        device=str(state.device),
+        trust_remote_code=training_args.trust_remote_code,
+        attn_implementation=model_args.attn_implementation,
+    )
     apply_image_budget(processor, budget)
     tokens = check_image_tokens(model, processor, budget, run_vision=not is_deepspeed_zero3_enabled())
-    say(f"image budget {budget}: a {tokens['probe_size']} probe image → {tokens['image_tokens']} image tokens "
-        f"(processor and model agree)")
+    say(
+        f"image budget {budget}: a {tokens['probe_size']} probe image → {tokens['image_tokens']} image tokens "
+        f"(processor and model agree)"
+    )
     if training_args.use_vllm:
         # TRL's vLLM loads model.name_or_path with its own image processor: give it the policy with our budget
         folder = write_vllm_model(state, model_path, processor, Path(training_args.output_dir))
         check_same_image_tokens(processor, folder, budget)
         model.name_or_path = model.config._name_or_path = str(folder)
-        say(f"vLLM ({training_args.vllm_mode}) loads {folder}: the policy's files with the training image budget"
-            + ("; serve it with: trl vllm-serve --model " + str(folder) if training_args.vllm_mode == "server"
-               else ""))
+        say(
+            f"vLLM ({training_args.vllm_mode}) loads {folder}: the policy's files with the training image budget"
+            + ("; serve it with: trl vllm-serve --model " + str(folder) if training_args.vllm_mode == "server" else "")
+        )
     if args.freeze_vision_tower:
         say(f"vision tower frozen ({freeze_vision_tower(model):,} parameters)")
     return model, processor, budget
 
 
-def rewards(args, index, train_data, eval_data, state, output_dir: Path, say) -> tuple[list[TimedReward], RetrievalReward, list]:
+def rewards(
+    args, index, train_data, eval_data, state, output_dir: Path, say
+) -> tuple[list[TimedReward], RetrievalReward, list]:
     """The format reward and the retrieval reward (timed, in TRL's order), the retrieval reward itself, and the
     encoders it loaded on this process. Question images whose embeddings are stored (rl.image_embeddings) enter its
     cache; when all are stored the image encoder is never built."""
     log = output_dir / f"completions.rank{state.process_index}.jsonl" if args.completions_log else None
-    retrieval = RetrievalReward(index, args.alpha, depth=args.depth, tiers=parse_tiers(args.reward_tiers),
-                                miss=args.miss_reward, unparseable=args.unparseable_retrieval_reward,
-                                max_query_tokens=args.max_query_tokens, completions_log=log)
+    retrieval = RetrievalReward(
+        index,
+        args.alpha,
+        depth=args.depth,
+        tiers=parse_tiers(args.reward_tiers),
+        miss=args.miss_reward,
+        unparseable=args.unparseable_retrieval_reward,
+        max_query_tokens=args.max_query_tokens,
+        completions_log=log,
+    )
     covered, total = stored_image_embeddings(retrieval, index, args, train_data, eval_data)
     if covered == total:
-        say(f"question-image embeddings: all {total} train/eval images stored (rl.image_embeddings, "
-            f"{index.manifest['image_encoder']}): the image encoder is not built")
+        say(
+            f"question-image embeddings: all {total} train/eval images stored (rl.image_embeddings, "
+            f"{index.manifest['image_encoder']}): the image encoder is not built"
+        )
         encoders = [index.text_encoder]
     else:
-        say(f"question-image embeddings: {covered} of {total} train/eval images stored; the image encoder "
+        say(
+            f"question-image embeddings: {covered} of {total} train/eval images stored; the image encoder "
             f"({index.manifest['image_encoder']}) is built on every process for the rest (python -m "
-            f"rl.image_embeddings --queries <file> --index {args.index} stores them once)")
+            f"rl.image_embeddings --queries <file> --index {args.index} stores them once)"
+        )
         encoders = [index.image_encoder, index.text_encoder]
     # the encoders and the exact ranker's rows load now, on this device, outside ZeRO-3 init: whole on every process
     exact_gb = index.exact.nbytes / 1e9 if index.uses_exact_ranks else 0.0
-    print(f"rank {state.process_index}: index: {len(index):,} rows, {len(encoders)} encoder(s) "
-          f"({sum(parameter_elements(e) for e in encoders):,} parameter elements here) and exact ranks on "
-          f"{index.device} ({exact_gb:.2f} GB; exact: {index.uses_exact_ranks}), FAISS top-k on {index.search_device}")
+    print(
+        f"rank {state.process_index}: index: {len(index):,} rows, {len(encoders)} encoder(s) "
+        f"({sum(parameter_elements(e) for e in encoders):,} parameter elements here) and exact ranks on "
+        f"{index.device} ({exact_gb:.2f} GB; exact: {index.uses_exact_ranks}), FAISS top-k on {index.search_device}"
+    )
     fmt = FormatReward(args.format_valid_reward, args.format_invalid_reward, args.max_query_tokens)
     return [TimedReward(fmt), TimedReward(retrieval)], retrieval, encoders
 
 
-def ready_trainer(trainer, model, processor, retrieval: RetrievalReward, model_path: str, budget: dict, args,
-                  training_args, say) -> None:
+def ready_trainer(
+    trainer, model, processor, retrieval: RetrievalReward, model_path: str, budget: dict, args, training_args, say
+) -> None:
     """What a built GRPOTrainer needs before its first step; every check here refuses to train on failure."""
-    use_phase_progress(trainer, PhaseProgress("GRPO", {"reward": "reward", "retrieval/hit@1": "hit@1",
-                                                       "retrieval/parse_rate": "parse",
-                                                       "eval_retrieval/hit@1": "val hit@1"}))
+    use_phase_progress(
+        trainer,
+        PhaseProgress(
+            "GRPO",
+            {
+                "reward": "reward",
+                "retrieval/hit@1": "hit@1",
+                "retrieval/parse_rate": "parse",
+                "eval_retrieval/hit@1": "val hit@1",
+            },
+        ),
+    )
     retrieval.follow(trainer)
     use_exact_metric_means(trainer, retrieval)
     if training_args.use_vllm:  # vLLM has read name_or_path: saved configs and adapters name the real base again
         restore_base_path(trainer.model, model, model_path)
     if fix_colocated_vllm_prompts(trainer, model.config.image_token_id):
-        say("colocated vLLM receives one image placeholder per image and expands it itself (TRL 1.16 would hand it "
-            "the processor's expanded ids: rl/vllm_prompts.py); the trainer keeps its own prompt ids")
+        say(
+            "colocated vLLM receives one image placeholder per image and expands it itself (TRL 1.16 would hand it "
+            "the processor's expanded ids: rl/vllm_prompts.py); the trainer keeps its own prompt ids"
+        )
     if training_args.use_vllm:  # what vLLM samples from must be the prompt the trainer scores, or no training
         probe = probe_vllm_prompt(trainer, processor, budget)
-        say(f"vLLM probe: a {probe['probe_size']} image gives a {probe['prompt_tokens']}-token prompt with image-token "
-            f"runs {probe['image_tokens']} in vLLM, as in the trainer's prompt")
+        say(
+            f"vLLM probe: a {probe['probe_size']} image gives a {probe['prompt_tokens']}-token prompt with image-token "
+            f"runs {probe['image_tokens']} in vLLM, as in the trainer's prompt"
+        )
     if args.freeze_vision_tower:
         leaked = trainable_names(vision_tower(trainer.model))
         if leaked:
-            raise RuntimeError(f"{len(leaked)} vision-tower parameters are trainable despite freeze_vision_tower: "
-                               f"{', '.join(leaked[:5])}")
+            raise RuntimeError(
+                f"{len(leaked)} vision-tower parameters are trainable despite freeze_vision_tower: "
+                f"{', '.join(leaked[:5])}"
+            )
     say(f"trainable parameters: {trainable_parameters(trainer.model):,}")
 
 
@@ -125,11 +163,18 @@ def check_full_finetune_fits(model, index, encoders, training_args, model_args, 
 
     total = torch.cuda.get_device_properties(device).total_memory
     colocated = training_args.use_vllm and training_args.vllm_mode == "colocate"
-    need = check_fits(ddp_full_finetune_bytes(
-        sum(p.numel() for p in model.parameters()), trainable_parameters(model),
-        training_args.vllm_gpu_memory_utilization * total if colocated else 0.0,
-        index.exact.nbytes if index.uses_exact_ranks else 0.0,
-        sum(p.numel() * p.element_size() for e in encoders for p in e.model.parameters())),
-        total, "full fine-tuning without DeepSpeed")
-    say(f"full fine-tuning without DeepSpeed: at least {need / 1e9:.1f} GB per GPU before activations, of "
-        f"{total / 1e9:.1f}")
+    need = check_fits(
+        ddp_full_finetune_bytes(
+            sum(p.numel() for p in model.parameters()),
+            trainable_parameters(model),
+            training_args.vllm_gpu_memory_utilization * total if colocated else 0.0,
+            index.exact.nbytes if index.uses_exact_ranks else 0.0,
+            sum(p.numel() * p.element_size() for e in encoders for p in e.model.parameters()),
+        ),
+        total,
+        "full fine-tuning without DeepSpeed",
+    )
+    say(
+        f"full fine-tuning without DeepSpeed: at least {need / 1e9:.1f} GB per GPU before activations, of "
+        f"{total / 1e9:.1f}"
+    )

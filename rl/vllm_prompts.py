@@ -94,8 +94,10 @@ def probe_vllm_prompt(trainer, processor, budget: dict | None) -> dict | None:
     sampled_from = [int(t) for t in generation.generate(prompts=[ids], images=[[image]], num_generations=1)[0][0]]
     ours, theirs = image_runs(ids, pad), image_runs(sampled_from, pad)
     if len(sampled_from) != len(ids) or ours != theirs:
-        raise RuntimeError(f"vLLM ({generation.mode}) samples from another prompt than the trainer scores: for a "
-                           f"{image.size} probe image its prompt has {len(sampled_from)} tokens with image-token "
-                           f"runs {theirs}, the trainer's {len(ids)} with {ours} (TRL issue #6294: check the TRL and "
-                           f"vLLM versions against the pins in pyproject.toml)")
+        raise RuntimeError(
+            f"vLLM ({generation.mode}) samples from another prompt than the trainer scores: for a "
+            f"{image.size} probe image its prompt has {len(sampled_from)} tokens with image-token "
+            f"runs {theirs}, the trainer's {len(ids)} with {ours} (TRL issue #6294: check the TRL and "
+            f"vLLM versions against the pins in pyproject.toml)"
+        )
     return {"probe_size": list(image.size), "prompt_tokens": len(ids), "image_tokens": ours}

@@ -72,8 +72,18 @@ def tiny_index_dir(tiny_world, encoders):
     from retrieval.build_index import BuildArgs, build_index
 
     out = tiny_world / "index"
-    build_index(BuildArgs(kb=str(tiny_world / "kb.jsonl"), out=str(out), image_encoder="tiny", text_encoder="tiny",
-                          device="cpu", shard_size=32), log=lambda *a: None, encoders=encoders)
+    build_index(
+        BuildArgs(
+            kb=str(tiny_world / "kb.jsonl"),
+            out=str(out),
+            image_encoder="tiny",
+            text_encoder="tiny",
+            device="cpu",
+            shard_size=32,
+        ),
+        log=lambda *a: None,
+        encoders=encoders,
+    )
     return out
 
 
@@ -92,24 +102,54 @@ def tiny_refiner(tiny_world, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("refiner")
     base = build_tiny_vlm(root / "base", tokenizer_corpus(tiny_world))
-    return run_warm_start(base, tiny_world, root / "warm", steps=150, batch_size=8, learning_rate=2e-3,
-                          shift_fraction=0.0, seed=0, log=lambda *a: None)
+    return run_warm_start(
+        base,
+        tiny_world,
+        root / "warm",
+        steps=150,
+        batch_size=8,
+        learning_rate=2e-3,
+        shift_fraction=0.0,
+        seed=0,
+        log=lambda *a: None,
+    )
 
 
 @pytest.fixture()
 def config(tiny_world, tiny_index_dir, tiny_refiner, tmp_path):
     def make(**overrides):
         cfg = dict(
-            index=str(tiny_index_dir), train_file=str(tiny_world / "train.jsonl"), alpha=0.5, prompt="toy",
-            model_name_or_path=str(tiny_refiner), output_dir=str(tmp_path / "run"), use_cpu=True, bf16=False,
-            activation_checkpointing=False, seed=0, num_generations=4, per_device_train_batch_size=8,
-            gradient_accumulation_steps=1, max_steps=2, learning_rate=1e-3, temperature=1.0,
-            max_completion_length=40, logging_steps=1, save_strategy="no", report_to="none", log_table_steps=1,
-            dataloader_num_workers=0, disable_tqdm=True, min_pixels=112 * 112, max_pixels=112 * 112)
+            index=str(tiny_index_dir),
+            train_file=str(tiny_world / "train.jsonl"),
+            alpha=0.5,
+            prompt="toy",
+            model_name_or_path=str(tiny_refiner),
+            output_dir=str(tmp_path / "run"),
+            use_cpu=True,
+            bf16=False,
+            activation_checkpointing=False,
+            seed=0,
+            num_generations=4,
+            per_device_train_batch_size=8,
+            gradient_accumulation_steps=1,
+            max_steps=2,
+            learning_rate=1e-3,
+            temperature=1.0,
+            max_completion_length=40,
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            log_table_steps=1,
+            dataloader_num_workers=0,
+            disable_tqdm=True,
+            min_pixels=112 * 112,
+            max_pixels=112 * 112,
+        )
         cfg.update(overrides)
         path = tmp_path / f"cfg-{len(list(tmp_path.glob('cfg-*')))}.yaml"
         path.write_text(yaml.safe_dump(cfg))
         return ["--config", str(path)]
+
     return make
 
 
@@ -129,12 +169,41 @@ def tiny_bem(tmp_path_factory):
     from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
 
     folder = tmp_path_factory.mktemp("bem") / "tiny-bem"
-    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "menger", "family", "baker", "william", "and",
-             "mary", "where", "does", "this", "hotel", "derive", "its", "name", "from", "?"]
+    words = [
+        "[PAD]",
+        "[UNK]",
+        "[CLS]",
+        "[SEP]",
+        "[MASK]",
+        "the",
+        "menger",
+        "family",
+        "baker",
+        "william",
+        "and",
+        "mary",
+        "where",
+        "does",
+        "this",
+        "hotel",
+        "derive",
+        "its",
+        "name",
+        "from",
+        "?",
+    ]
     tokenizer = BertTokenizerFast(vocab={w: i for i, w in enumerate(words)}, do_lower_case=True)
     torch.manual_seed(0)
-    model = BertForSequenceClassification(BertConfig(vocab_size=len(words), hidden_size=16, num_hidden_layers=1,
-                                                     num_attention_heads=2, intermediate_size=32, num_labels=2))
+    model = BertForSequenceClassification(
+        BertConfig(
+            vocab_size=len(words),
+            hidden_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=32,
+            num_labels=2,
+        )
+    )
     with torch.no_grad():
         model.classifier.weight.zero_()
         model.classifier.bias.copy_(torch.tensor([0.0, 1.0]))
@@ -181,6 +250,7 @@ def stub():
     def make(replies, status: int = 200):
         made.append(Stub(replies, status))
         return made[-1]
+
     yield make
     for s in made:
         s.close()
@@ -195,9 +265,17 @@ def tiny_text_llm(tiny_gate_vlm, tmp_path_factory):
     out = tmp_path_factory.mktemp("llm")
     tok = AutoTokenizer.from_pretrained(str(tiny_gate_vlm))
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
-                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                                         eos_token_id=tok.convert_tokens_to_ids("<|im_end|>")))
+    model = Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=len(tok),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+        )
+    )
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out

@@ -32,8 +32,18 @@ def real_image_processor(**overrides):
     from transformers import Qwen2VLImageProcessor
 
     cfg = json.loads((VLM_3B / "preprocessor_config.json").read_text())
-    kwargs = {k: cfg[k] for k in ("min_pixels", "max_pixels", "patch_size", "temporal_patch_size", "merge_size",
-                                  "image_mean", "image_std")}
+    kwargs = {
+        k: cfg[k]
+        for k in (
+            "min_pixels",
+            "max_pixels",
+            "patch_size",
+            "temporal_patch_size",
+            "merge_size",
+            "image_mean",
+            "image_std",
+        )
+    }
     return Qwen2VLImageProcessor(**{**kwargs, **overrides})
 
 
@@ -48,8 +58,15 @@ def _atomic_folder(out: Path, write) -> Path:
     return out
 
 
-def build_real_width_vlm(out: str | Path, corpus: list[str], text_layers: int = 1, vision_depth: int = 2,
-                         seed: int = 0, dtype: str = "bfloat16", vocab_size: int = 1024) -> Path:
+def build_real_width_vlm(
+    out: str | Path,
+    corpus: list[str],
+    text_layers: int = 1,
+    vision_depth: int = 2,
+    seed: int = 0,
+    dtype: str = "bfloat16",
+    vocab_size: int = 1024,
+) -> Path:
     """Qwen2.5-VL-3B-Instruct's config cut to ``text_layers`` decoder layers and ``vision_depth`` vision blocks (the
     last one full-attention, as blocks 7/15/23/31 are in the real tower), vocabulary and special-token ids from a
     local tokenizer; written with the real processor settings (model in ``dtype``, as the hub checkpoint)."""
@@ -60,17 +77,31 @@ def build_real_width_vlm(out: str | Path, corpus: list[str], text_layers: int = 
     from toy.tiny_vlm import CHAT_TEMPLATE, build_tokenizer
 
     tokenizer = build_tokenizer(corpus, vocab_size)
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>", "<|image_pad|>",
-                                                           "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")}
+    ids = {
+        t: tokenizer.convert_tokens_to_ids(t)
+        for t in ("<|endoftext|>", "<|im_end|>", "<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+    }
     real = json.loads((VLM_3B / "config.json").read_text())
-    real.update(num_hidden_layers=text_layers, max_window_layers=text_layers, vocab_size=len(tokenizer),
-                bos_token_id=ids["<|endoftext|>"], pad_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
-                image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-                vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    real.update(
+        num_hidden_layers=text_layers,
+        max_window_layers=text_layers,
+        vocab_size=len(tokenizer),
+        bos_token_id=ids["<|endoftext|>"],
+        pad_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
     real["vision_config"] = dict(real["vision_config"], depth=vision_depth, fullatt_block_indexes=[vision_depth - 1])
     config = Qwen2_5_VLConfig(**real)
-    processor = Qwen2_5_VLProcessor(image_processor=real_image_processor(), tokenizer=tokenizer,
-                                    video_processor=Qwen2VLVideoProcessor(), chat_template=CHAT_TEMPLATE)
+    processor = Qwen2_5_VLProcessor(
+        image_processor=real_image_processor(),
+        tokenizer=tokenizer,
+        video_processor=Qwen2VLVideoProcessor(),
+        chat_template=CHAT_TEMPLATE,
+    )
 
     def write(folder: Path) -> None:
         with torch.random.fork_rng(devices=[]):
@@ -84,8 +115,9 @@ def build_real_width_vlm(out: str | Path, corpus: list[str], text_layers: int = 
     return _atomic_folder(Path(out), write)
 
 
-def build_real_width_embedder(out: str | Path, corpus: list[str], layers: int = 2, seed: int = 0,
-                              vocab_size: int = 1024) -> Path:
+def build_real_width_embedder(
+    out: str | Path, corpus: list[str], layers: int = 2, seed: int = 0, vocab_size: int = 1024
+) -> Path:
     """A sentence-transformers folder shaped like Qwen3-Embedding-0.6B: its Qwen3 config cut to ``layers`` layers,
     modules Transformer → Pooling(lasttoken) → Normalize, the published query prompt, a local byte-level BPE that
     pads on the left and appends ``<|endoftext|>`` to every text (as the real tokenizer's post-processor does), read
@@ -101,14 +133,22 @@ def build_real_width_embedder(out: str | Path, corpus: list[str], layers: int = 
     tokenizer = build_tokenizer(corpus, vocab_size)
     eos = "<|endoftext|>"
     tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"$A:0 {eos}:0", pair=f"$A:0 {eos}:0 $B:1 {eos}:1",
-        special_tokens=[(eos, tokenizer.convert_tokens_to_ids(eos))])
+        single=f"$A:0 {eos}:0",
+        pair=f"$A:0 {eos}:0 $B:1 {eos}:1",
+        special_tokens=[(eos, tokenizer.convert_tokens_to_ids(eos))],
+    )
     tokenizer.padding_side = "left"
     st_config = json.loads((EMBEDDING_06B / "config_sentence_transformers.json").read_text())
     real = json.loads((EMBEDDING_06B / "config.json").read_text())
     eos_id = tokenizer.convert_tokens_to_ids(eos)
-    real.update(num_hidden_layers=layers, max_window_layers=layers, vocab_size=len(tokenizer), bos_token_id=eos_id,
-                eos_token_id=eos_id, pad_token_id=eos_id)
+    real.update(
+        num_hidden_layers=layers,
+        max_window_layers=layers,
+        vocab_size=len(tokenizer),
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+    )
     config = Qwen3Config(**real)
 
     def write(folder: Path) -> None:
@@ -118,12 +158,14 @@ def build_real_width_embedder(out: str | Path, corpus: list[str], layers: int = 
             tokenizer.save_pretrained(hf)
             word = Transformer(hf, max_seq_length=512)
             pool = Pooling(word.get_embedding_dimension(), pooling_mode="lasttoken")
-            SentenceTransformer(modules=[word, pool, Normalize()], device="cpu",
-                                prompts={k: v for k, v in st_config["prompts"].items() if v}).save(str(folder))
+            SentenceTransformer(
+                modules=[word, pool, Normalize()],
+                device="cpu",
+                prompts={k: v for k, v in st_config["prompts"].items() if v},
+            ).save(str(folder))
         # The hub folder was saved by a sentence-transformers older than 6, whose sentence_bert_config.json has no
         # modality_config: version 6 then reads plain text, never the tokenizer's chat template. Written the same
         # way here (version 6 would otherwise render every text through this tokenizer's chat template).
-        (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 512,
-                                                                     "do_lower_case": False}))
+        (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 512, "do_lower_case": False}))
 
     return _atomic_folder(Path(out), write)

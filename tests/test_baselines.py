@@ -14,24 +14,36 @@ from rl.baselines import BASELINES, BaselineArgs, baseline_queries, parse_baseli
 QUIET = dict(log=lambda *a: None)
 
 
-@pytest.mark.parametrize("text,parsed", [
-    ('{"caption": "a red star", "query": "red star flag"}', {"caption": "a red star", "query": "red star flag"}),
-    ('Sure! ```json\n{"caption": " a dog ", "query": "dog breed"}\n```', {"caption": "a dog", "query": "dog breed"}),
-    ('{"caption": "x"} and then {"query": "y"}', {"caption": "x"}),  # the first object that parses counts
-    ('{broken {"query": "q"}', {"query": "q"}),
-    ('{"caption": 3, "query": ""}', {}), ("no json here", {}), ("", {}), (None, {}),
-    ('["caption", "query"]', {}),
-])
+@pytest.mark.parametrize(
+    "text,parsed",
+    [
+        ('{"caption": "a red star", "query": "red star flag"}', {"caption": "a red star", "query": "red star flag"}),
+        (
+            'Sure! ```json\n{"caption": " a dog ", "query": "dog breed"}\n```',
+            {"caption": "a dog", "query": "dog breed"},
+        ),
+        ('{"caption": "x"} and then {"query": "y"}', {"caption": "x"}),  # the first object that parses counts
+        ('{broken {"query": "q"}', {"query": "q"}),
+        ('{"caption": 3, "query": ""}', {}),
+        ("no json here", {}),
+        ("", {}),
+        (None, {}),
+        ('["caption", "query"]', {}),
+    ],
+)
 def test_parse_baseline(text, parsed):
     assert parse_baseline(text) == parsed
 
 
-@pytest.mark.parametrize("parsed,queries,fallback", [
-    ({"caption": "c", "query": "q"}, ("c", "q", "q c"), []),
-    ({"caption": "c"}, ("c", "Q?", "Q?"), ["query_zs_expansion", "query_zs_expansion+caption"]),
-    ({"query": "q"}, ("Q?", "q", "Q?"), ["query_caption", "query_zs_expansion+caption"]),
-    ({}, ("Q?", "Q?", "Q?"), list(BASELINES)),
-])
+@pytest.mark.parametrize(
+    "parsed,queries,fallback",
+    [
+        ({"caption": "c", "query": "q"}, ("c", "q", "q c"), []),
+        ({"caption": "c"}, ("c", "Q?", "Q?"), ["query_zs_expansion", "query_zs_expansion+caption"]),
+        ({"query": "q"}, ("Q?", "q", "Q?"), ["query_caption", "query_zs_expansion+caption"]),
+        ({}, ("Q?", "Q?", "Q?"), list(BASELINES)),
+    ],
+)
 def test_a_missing_field_falls_back_to_the_question(parsed, queries, fallback):
     out, fell_back = baseline_queries(parsed, "Q?")
     assert tuple(out[b] for b in BASELINES) == queries and fell_back == fallback
@@ -84,13 +96,21 @@ def test_baselines_resume_and_make_every_method_a_row(tiny_world, tiny_index_dir
         if len(calls) == 2:  # the first run's second batch: a crash
             raise Interrupted
         assert all(im.mode == "RGB" for im in images) and len(images) == len(questions)
-        return [json.dumps({"caption": "a creature", "query": q + " creature"}) if i % 2 else "I cannot tell."
-                for i, q in enumerate(questions)]
+        return [
+            json.dumps({"caption": "a creature", "query": q + " creature"}) if i % 2 else "I cannot tell."
+            for i, q in enumerate(questions)
+        ]
 
     prompt = tmp_path / "p.yaml"
     prompt.write_text("system: Published wording.\nuser_template: '{question}'\n")
-    args = BaselineArgs(model="unused", queries=str(tmp_path / "q.jsonl"), out=str(tmp_path / "b.jsonl"),
-                        images_root=str(tiny_world), batch_size=4, prompt_file=str(prompt))
+    args = BaselineArgs(
+        model="unused",
+        queries=str(tmp_path / "q.jsonl"),
+        out=str(tmp_path / "b.jsonl"),
+        images_root=str(tiny_world),
+        batch_size=4,
+        prompt_file=str(prompt),
+    )
     with pytest.raises(Interrupted):
         run_baselines(args, generate=vlm, **QUIET)
     assert run_baselines(args, generate=vlm, **QUIET) == 2  # only the 2 questions the first run had not written
@@ -102,9 +122,18 @@ def test_baselines_resume_and_make_every_method_a_row(tiny_world, tiny_index_dir
     real_load = ev.MultimodalIndex.load
     monkeypatch.setattr(ev.MultimodalIndex, "load", lambda p, **k: real_load(p, *encoders))
     lines = []
-    res = ev.run(EvalArgs(index=str(tiny_index_dir), queries=str(tmp_path / "b.jsonl"), alpha=0.5,
-                          text_field="question", compare="refined_query," + ",".join(BASELINES),
-                          images_root=str(tiny_world), out=str(tmp_path / "ev")), log=lines.append)
+    res = ev.run(
+        EvalArgs(
+            index=str(tiny_index_dir),
+            queries=str(tmp_path / "b.jsonl"),
+            alpha=0.5,
+            text_field="question",
+            compare="refined_query," + ",".join(BASELINES),
+            images_root=str(tiny_world),
+            out=str(tmp_path / "ev"),
+        ),
+        log=lines.append,
+    )
     table = "\n".join(lines)
     for method in ("question", "refined_query", *BASELINES):
         assert f"| {method} |" in table

@@ -35,8 +35,8 @@ def test_manifest_and_rows(tiny_index_dir, tiny_world):
     assert "alpha" not in m  # α is a query-time knob
     rows = vectors(tiny_index_dir)
     # each half of a row is L2-normalised
-    np.testing.assert_allclose(np.linalg.norm(rows[:, :m["image_dim"]], axis=1), 1, atol=1e-5)
-    np.testing.assert_allclose(np.linalg.norm(rows[:, m["image_dim"]:], axis=1), 1, atol=1e-5)
+    np.testing.assert_allclose(np.linalg.norm(rows[:, : m["image_dim"]], axis=1), 1, atol=1e-5)
+    np.testing.assert_allclose(np.linalg.norm(rows[:, m["image_dim"] :], axis=1), 1, atol=1e-5)
     assert not (tiny_index_dir / "build").exists()
 
 
@@ -49,8 +49,18 @@ def test_bad_rows_are_skipped_and_listed(tiny_world, tmp_path, encoders):
     kb[4]["image"] = str(tmp_path / "broken.png")
     (tmp_path / "kb.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kb))
     out = tmp_path / "idx"
-    m = build_index(BuildArgs(kb=str(tmp_path / "kb.jsonl"), images_root=str(tiny_world), out=str(out),
-                              image_encoder="tiny", text_encoder="tiny", shard_size=5), encoders=encoders, **QUIET)
+    m = build_index(
+        BuildArgs(
+            kb=str(tmp_path / "kb.jsonl"),
+            images_root=str(tiny_world),
+            out=str(out),
+            image_encoder="tiny",
+            text_encoder="tiny",
+            shard_size=5,
+        ),
+        encoders=encoders,
+        **QUIET,
+    )
     skipped = {r["entry_id"]: r["reason"] for r in map(json.loads, open(out / "skipped.jsonl"))}
     assert m["rows"] == 8 and m["skipped"] == 4
     assert "image file missing" in skipped[kb[1]["entry_id"]]
@@ -65,17 +75,28 @@ def test_duplicate_entry_id_fails_before_encoding(tiny_world, tmp_path, monkeypa
     dup = json.loads(lines[2])["entry_id"]
     monkeypatch.setattr(bi, "image_encoder", lambda *a, **k: pytest.fail("an encoder was loaded"))
     with pytest.raises(ValueError, match=f"duplicate entry_id '{dup}'"):
-        build_index(BuildArgs(kb=str(tmp_path / "kb.jsonl"), images_root=str(tiny_world), out=str(tmp_path / "o"),
-                              image_encoder="tiny", text_encoder="tiny"), **QUIET)
+        build_index(
+            BuildArgs(
+                kb=str(tmp_path / "kb.jsonl"),
+                images_root=str(tiny_world),
+                out=str(tmp_path / "o"),
+                image_encoder="tiny",
+                text_encoder="tiny",
+            ),
+            **QUIET,
+        )
     assert not (tmp_path / "o").exists()
 
 
-@pytest.mark.parametrize("field,value,match", [
-    ("factory", "NotAFactory", "factory"),
-    ("image_encoder", "no-such-clip", "unknown image encoder"),
-    ("text_encoder", "nonsense", "unknown text encoder"),
-    ("shard_size", 0, "shard_size"),
-])
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("factory", "NotAFactory", "factory"),
+        ("image_encoder", "no-such-clip", "unknown image encoder"),
+        ("text_encoder", "nonsense", "unknown text encoder"),
+        ("shard_size", 0, "shard_size"),
+    ],
+)
 def test_invalid_settings_fail_before_models_load(tiny_world, tmp_path, monkeypatch, field, value, match):
     monkeypatch.setattr(bi, "image_encoder", lambda *a, **k: pytest.fail("an encoder was loaded"))
     with pytest.raises(ValueError, match=match):
@@ -108,8 +129,9 @@ def die_after(monkeypatch, n: int, at: str = "save"):
 
 
 @pytest.mark.parametrize("killed_after", [0, 1, 3, "assemble"])
-def test_resume_after_kill_gives_the_same_index(tiny_world, tiny_index_dir, tmp_path, encoders, monkeypatch,
-                                               killed_after):
+def test_resume_after_kill_gives_the_same_index(
+    tiny_world, tiny_index_dir, tmp_path, encoders, monkeypatch, killed_after
+):
     """Killed before any shard, after a text shard, among the image shards, or while assembling: the resumed build
     encodes only what is missing and equals the uninterrupted one (tiny_index_dir, another shard size)."""
     out = tmp_path / "idx"
@@ -123,7 +145,9 @@ def test_resume_after_kill_gives_the_same_index(tiny_world, tiny_index_dir, tmp_
     resumed = die_after(monkeypatch, 10**6)
     build_index(args_for(tiny_world, out, shard_size=20), encoders=encoders, **QUIET)
     assert not done & {f"{kind}-{i:06d}" for kind, i in resumed}  # finished shards were not encoded again
-    assert len(done) + len(resumed) == len(bi.work_items(bi.scan_kb(tiny_world / "kb.jsonl", "{title}. {section_title}. {text}"), 20))
+    assert len(done) + len(resumed) == len(
+        bi.work_items(bi.scan_kb(tiny_world / "kb.jsonl", "{title}. {section_title}. {text}"), 20)
+    )
     np.testing.assert_allclose(vectors(out), vectors(tiny_index_dir), atol=1e-5)
     assert rows_table(out) == rows_table(tiny_index_dir)
 
@@ -156,8 +180,9 @@ def test_hnsw_and_ivf_factories_build(tiny_world, tiny_index_dir, tmp_path, enco
         out = tmp_path / factory.replace(",", "_")
         shutil.copytree(tiny_index_dir, out)
         (out / "manifest.json").unlink()
-        m = build_index(args_for(tiny_world, out, factory=factory, shard_size=32, overwrite=True),
-                        encoders=encoders, **QUIET)
+        m = build_index(
+            args_for(tiny_world, out, factory=factory, shard_size=32, overwrite=True), encoders=encoders, **QUIET
+        )
         idx = MultimodalIndex.load(out, *encoders)
         assert m["factory"] == factory and len(idx) == m["rows"]
 

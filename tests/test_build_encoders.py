@@ -57,14 +57,30 @@ def test_section_dedup_equals_encoding_every_row(shared_sections_kb, tiny_world,
     real = txt_enc.encode
     monkeypatch.setattr(txt_enc, "encode", lambda texts, **k: encoded.extend(texts) or real(texts, **k))
     out = tmp_path / "idx"
-    m = build_index(BuildArgs(kb=str(path), images_root=str(tiny_world), out=str(out), image_encoder="tiny",
-                              text_encoder="tiny", shard_size=16, workers=0), encoders=encoders, **QUIET)
+    m = build_index(
+        BuildArgs(
+            kb=str(path),
+            images_root=str(tiny_world),
+            out=str(out),
+            image_encoder="tiny",
+            text_encoder="tiny",
+            shard_size=16,
+            workers=0,
+        ),
+        encoders=encoders,
+        **QUIET,
+    )
     distinct = len({entry_text(r, TEMPLATE) for r in rows})
     assert len(encoded) == distinct == m["texts_encoded"] < len(rows) == m["text_rows"]
     # the same vectors as encoding every row on its own
     monkeypatch.undo()
-    each = np.concatenate([img_enc.encode([Image.open(tiny_world / r["image"]) for r in rows]),
-                           txt_enc.encode([entry_text(r, TEMPLATE) for r in rows])], axis=1)
+    each = np.concatenate(
+        [
+            img_enc.encode([Image.open(tiny_world / r["image"]) for r in rows]),
+            txt_enc.encode([entry_text(r, TEMPLATE) for r in rows]),
+        ],
+        axis=1,
+    )
     np.testing.assert_allclose(vectors(out), each, atol=1e-5)
 
 
@@ -76,9 +92,20 @@ def test_decoding_workers_skip_a_corrupt_image(tiny_world, tmp_path, encoders, w
     kb[6]["image"] = "images/nope.png"
     (tmp_path / "kb.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kb))
     out = tmp_path / f"idx{workers}"
-    m = build_index(BuildArgs(kb=str(tmp_path / "kb.jsonl"), images_root=str(tiny_world), out=str(out),
-                              image_encoder="tiny", text_encoder="tiny", shard_size=4, batch_size=3,
-                              workers=workers), encoders=encoders, **QUIET)
+    m = build_index(
+        BuildArgs(
+            kb=str(tmp_path / "kb.jsonl"),
+            images_root=str(tiny_world),
+            out=str(out),
+            image_encoder="tiny",
+            text_encoder="tiny",
+            shard_size=4,
+            batch_size=3,
+            workers=workers,
+        ),
+        encoders=encoders,
+        **QUIET,
+    )
     skipped = [json.loads(x) for x in open(out / "skipped.jsonl")]
     assert m["rows"] == 8 and [s["entry_id"] for s in skipped] == [kb[3]["entry_id"], kb[6]["entry_id"]]
     assert "image unreadable" in skipped[0]["reason"] and "image file missing" in skipped[1]["reason"]
@@ -87,7 +114,7 @@ def test_decoding_workers_skip_a_corrupt_image(tiny_world, tmp_path, encoders, w
     kept = [r["entry_id"] for i, r in enumerate(kb) if i not in (3, 6)]
     assert pq.read_table(out / "rows.parquet").column("entry_id").to_pylist() == kept
     img = encoders[0].encode([Image.open(tiny_world / kb[i]["image"]) for i in (0, 4, 9)])
-    np.testing.assert_allclose(vectors(out)[[0, 3, 7], :encoders[0].dim], img, atol=1e-5)
+    np.testing.assert_allclose(vectors(out)[[0, 3, 7], : encoders[0].dim], img, atol=1e-5)
 
 
 # --------------------------------------------------------------------------- hf: image encoders
@@ -100,10 +127,24 @@ def tiny_hf_clip(tmp_path_factory):
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel
 
     folder = tmp_path_factory.mktemp("hf-clip") / "tiny-clip"
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32,
-                  patch_size=8, projection_dim=24)
-    text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=99,
-                max_position_embeddings=16, projection_dim=24)
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=32,
+        patch_size=8,
+        projection_dim=24,
+    )
+    text = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        vocab_size=99,
+        max_position_embeddings=16,
+        projection_dim=24,
+    )
     torch.manual_seed(0)
     CLIPModel(CLIPConfig(vision_config=vision, text_config=text, projection_dim=24)).save_pretrained(folder)
     CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(folder)
@@ -137,8 +178,10 @@ def test_hf_remote_code_runs_only_when_asked(tiny_hf_clip, tmp_path):
     folder = tmp_path / "remote"
     shutil.copytree(tiny_hf_clip, folder)
     config = json.loads((folder / "config.json").read_text())
-    config["auto_map"] = {"AutoConfig": "configuration_evaclip.EvaCLIPConfig",
-                          "AutoModel": "modeling_evaclip.EvaCLIPModel"}
+    config["auto_map"] = {
+        "AutoConfig": "configuration_evaclip.EvaCLIPConfig",
+        "AutoModel": "modeling_evaclip.EvaCLIPModel",
+    }
     (folder / "config.json").write_text(json.dumps(config))
     (folder / "modeling_evaclip.py").write_text("raise RuntimeError('remote code ran')\n")
     with pytest.raises(ValueError, match="trust_remote_code: true"):
@@ -149,9 +192,18 @@ def test_an_index_built_with_an_hf_encoder_answers_queries(tiny_hf_clip, tiny_wo
     kb = [json.loads(x) for x in open(tiny_world / "kb.jsonl")][:12]
     (tmp_path / "kb.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kb))
     out = tmp_path / "idx"
-    m = build_index(BuildArgs(kb=str(tmp_path / "kb.jsonl"), images_root=str(tiny_world), out=str(out),
-                              image_encoder=f"hf:{tiny_hf_clip}", text_encoder="tiny", shard_size=8, workers=1),
-                    **QUIET)
+    m = build_index(
+        BuildArgs(
+            kb=str(tmp_path / "kb.jsonl"),
+            images_root=str(tiny_world),
+            out=str(out),
+            image_encoder=f"hf:{tiny_hf_clip}",
+            text_encoder="tiny",
+            shard_size=8,
+            workers=1,
+        ),
+        **QUIET,
+    )
     assert m["image_dim"] == 24 and m["image_processor"] == str(tiny_hf_clip)
     assert m["encoded_on"] == {"image": ["cpu float32"], "text": ["cpu float32"]}
     index = MultimodalIndex.load(out, device="cpu")
@@ -162,8 +214,16 @@ def test_an_index_built_with_an_hf_encoder_answers_queries(tiny_hf_clip, tiny_wo
 
 def test_image_processor_needs_an_hf_encoder(tiny_world, tmp_path):
     with pytest.raises(ValueError, match="image_processor applies to hf: image encoders only"):
-        build_index(BuildArgs(kb=str(tiny_world / "kb.jsonl"), out=str(tmp_path / "o"), image_encoder="tiny",
-                              text_encoder="tiny", image_processor="openai/clip-vit-large-patch14"), **QUIET)
+        build_index(
+            BuildArgs(
+                kb=str(tiny_world / "kb.jsonl"),
+                out=str(tmp_path / "o"),
+                image_encoder="tiny",
+                text_encoder="tiny",
+                image_processor="openai/clip-vit-large-patch14",
+            ),
+            **QUIET,
+        )
 
 
 # --------------------------------------------------------------------------- text length and query instruction
@@ -174,9 +234,19 @@ INSTRUCTION = "Instruct: Given a question about an image, retrieve the encyclope
 @pytest.fixture(scope="module")
 def instructed_index(tiny_world, tmp_path_factory):
     out = tmp_path_factory.mktemp("instructed") / "idx"
-    build_index(BuildArgs(kb=str(tiny_world / "kb.jsonl"), out=str(out), image_encoder="tiny", text_encoder="tiny",
-                          shard_size=32, text_max_seq_length=24, query_instruction=INSTRUCTION, device="cpu"),
-                **QUIET)
+    build_index(
+        BuildArgs(
+            kb=str(tiny_world / "kb.jsonl"),
+            out=str(out),
+            image_encoder="tiny",
+            text_encoder="tiny",
+            shard_size=32,
+            text_max_seq_length=24,
+            query_instruction=INSTRUCTION,
+            device="cpu",
+        ),
+        **QUIET,
+    )
     return out
 
 
@@ -201,7 +271,7 @@ def test_reward_and_evaluate_encode_a_query_alike_and_rows_never_carry_the_instr
     assert not np.allclose(evaluated, plain.encode(queries), atol=1e-3)
     # KB rows: the text half equals the row's text encoded without the instruction, truncated to 24 tokens
     rec = json.loads(open(tiny_world / "kb.jsonl").readline())
-    row_text = vectors(instructed_index)[0, -plain.dim:]
+    row_text = vectors(instructed_index)[0, -plain.dim :]
     np.testing.assert_allclose(row_text, plain.encode([entry_text(rec, TEMPLATE)])[0], atol=1e-5)
     assert not np.allclose(row_text, plain.encode([INSTRUCTION + entry_text(rec, TEMPLATE)])[0], atol=1e-3)
     untruncated = text_encoder("tiny", device="cpu", max_seq_length=128).encode([entry_text(rec, TEMPLATE)])[0]
@@ -219,9 +289,18 @@ def test_changing_the_instruction_rewrites_the_manifest_only(instructed_index, t
     out = tmp_path / "idx"
     shutil.copytree(instructed_index, out)
     monkeypatch.setattr(bi, "encode_text_shard", lambda *a, **k: pytest.fail("re-encoded"))
-    m = build_index(BuildArgs(kb=str(tiny_world / "kb.jsonl"), out=str(out), image_encoder="tiny",
-                              text_encoder="tiny", shard_size=32, text_max_seq_length=24, query_instruction="none"),
-                    **QUIET)
+    m = build_index(
+        BuildArgs(
+            kb=str(tiny_world / "kb.jsonl"),
+            out=str(out),
+            image_encoder="tiny",
+            text_encoder="tiny",
+            shard_size=32,
+            text_max_seq_length=24,
+            query_instruction="none",
+        ),
+        **QUIET,
+    )
     assert m["query_instruction"] is None and MultimodalIndex.load(out).query_instruction is None
     np.testing.assert_array_equal(vectors(out), vectors(instructed_index))
 

@@ -33,8 +33,11 @@ def kb_and_reference(tiny_world, tmp_path_factory, encoders):
     kb[30]["text"] = ""
     (tmp / "kb.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kb))
     reference = tmp / "reference"
-    build_index(BuildArgs(kb=str(tmp / "kb.jsonl"), images_root=str(tiny_world), out=str(reference), **SETTINGS),
-                encoders=encoders, log=lambda *a: None)
+    build_index(
+        BuildArgs(kb=str(tmp / "kb.jsonl"), images_root=str(tiny_world), out=str(reference), **SETTINGS),
+        encoders=encoders,
+        log=lambda *a: None,
+    )
     return tmp / "kb.jsonl", reference
 
 
@@ -45,8 +48,9 @@ def same_index(out: Path, reference: Path) -> None:
     assert open(out / "skipped.jsonl").read() == open(reference / "skipped.jsonl").read()
 
 
-def test_a_one_process_build_killed_resumes_on_two_as_the_one_process_index(kb_and_reference, tiny_world, tmp_path,
-                                                                           encoders, monkeypatch):
+def test_a_one_process_build_killed_resumes_on_two_as_the_one_process_index(
+    kb_and_reference, tiny_world, tmp_path, encoders, monkeypatch
+):
     """Two processes finish what one process started: both take shards, process 0 assembles, and the index is the
     one-process index (rows, order, vectors, skip list)."""
     kb, reference = kb_and_reference
@@ -54,8 +58,11 @@ def test_a_one_process_build_killed_resumes_on_two_as_the_one_process_index(kb_a
     with monkeypatch.context() as m:
         die_after(m, 3)
         with pytest.raises(KeyboardInterrupt):
-            build_index(BuildArgs(kb=str(kb), images_root=str(tiny_world), out=str(out), **SETTINGS),
-                        encoders=encoders, log=lambda *a: None)
+            build_index(
+                BuildArgs(kb=str(kb), images_root=str(tiny_world), out=str(out), **SETTINGS),
+                encoders=encoders,
+                log=lambda *a: None,
+            )
     assert len(list((out / "build").glob("*-*.json"))) == 3
     proc = torchrun(ROOT / "retrieval" / "build_index.py", out, kb, tiny_world)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -77,7 +84,8 @@ def test_a_two_process_build_killed_resumes_on_one(kb_and_reference, tiny_world,
     assert 2 <= done <= 4 and not (out / "manifest.json").exists()
     resumed = []
     log = resumed.append
-    build_index(BuildArgs(kb=str(kb), images_root=str(tiny_world), out=str(out), **SETTINGS), encoders=encoders,
-                log=log)
+    build_index(
+        BuildArgs(kb=str(kb), images_root=str(tiny_world), out=str(out), **SETTINGS), encoders=encoders, log=log
+    )
     assert any("resuming the partial build" in line for line in resumed)
     same_index(out, reference)

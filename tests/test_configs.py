@@ -92,7 +92,9 @@ def test_toy_data_config_parses():
     from common.cli import parse
     from gate.train.build_data import BuildDataArgs
 
-    (args,) = parse((BuildDataArgs,), ["--config", str(ROOT / "configs" / "gate" / "toy_data.yaml"), "--stage", "judge"])
+    (args,) = parse(
+        (BuildDataArgs,), ["--config", str(ROOT / "configs" / "gate" / "toy_data.yaml"), "--stage", "judge"]
+    )
     assert args.samples == 10 and args.judge == "exact" and args.refiner == "outputs/refiner"
 
 
@@ -104,17 +106,36 @@ def test_a_toy_sft_config_runs_as_shipped(tiny_world, tiny_gate_vlm, tmp_path):
     from gate.variants import prompt_file_for
 
     images = sorted((tiny_world / "images").glob("*_test*.png"))[:6]
-    recs = [{"id": f"q{i}", "question": "Where?", "image_path": str(p), "search": i % 2 == 0} for i, p in
-            enumerate(images)]
+    recs = [
+        {"id": f"q{i}", "question": "Where?", "image_path": str(p), "search": i % 2 == 0} for i, p in enumerate(images)
+    ]
     # rendered with a replacement prompt, as --stage render --gate_prompt writes it: the gate keeps and scores with it
     prompt = {"system": "Published RET wording.", "user_template": "Q: {question}"}
     write_jsonl_atomic(tmp_path / "ret.jsonl", render_rows("ret", recs, prompt=prompt))
     write_json_atomic(prompt_file_for(tmp_path, "ret"), {**prompt, "source": "published.yaml"})
     shipped = yaml.safe_load(open(SFT / "toy.yaml"))
-    result = main(["--config", str(SFT / "toy.yaml"), "--variant", "ret", "--train_file", str(tmp_path / "ret.jsonl"),
-                   "--eval_file", str(tmp_path / "ret.jsonl"), "--model_name_or_path", str(tiny_gate_vlm),
-                   "--output_dir", str(tmp_path / "out"), "--max_steps", "2", "--per_device_train_batch_size", "3",
-                   "--disable_tqdm", "true"])
+    result = main(
+        [
+            "--config",
+            str(SFT / "toy.yaml"),
+            "--variant",
+            "ret",
+            "--train_file",
+            str(tmp_path / "ret.jsonl"),
+            "--eval_file",
+            str(tmp_path / "ret.jsonl"),
+            "--model_name_or_path",
+            str(tiny_gate_vlm),
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--max_steps",
+            "2",
+            "--per_device_train_batch_size",
+            "3",
+            "--disable_tqdm",
+            "true",
+        ]
+    )
     assert shipped["use_peft"] and result["eval"]["n"] == 6
     info = json.loads((tmp_path / "out" / "final" / "gate.json").read_text())
     assert info["prompt"] == {"system": "Published RET wording.", "user_template": "Q: {question}"}
@@ -131,10 +152,14 @@ def test_grpo_configs_parse(name):
 
     argv = ["--config", str(ROOT / "configs" / "grpo" / f"{name}.yaml"), "--bf16", "false"]
     world = world_module(argv)  # the toy config's world settings join the parse, as in rl.arguments.parse_arguments
-    args, training, *_ = parse((RefinerArguments, GRPOConfig, ModelConfig, *((world.Arguments,) if world else ())),
-                               argv)
-    assert 0.0 <= args.alpha <= 1.0 and (training.per_device_train_batch_size * training.gradient_accumulation_steps
-                                         ) % training.num_generations == 0
+    args, training, *_ = parse(
+        (RefinerArguments, GRPOConfig, ModelConfig, *((world.Arguments,) if world else ())), argv
+    )
+    assert (
+        0.0 <= args.alpha <= 1.0
+        and (training.per_device_train_batch_size * training.gradient_accumulation_steps) % training.num_generations
+        == 0
+    )
 
 
 @pytest.mark.parametrize("name", ["infoseek", "evqa"])
@@ -152,8 +177,16 @@ def test_real_grpo_configs_state_the_objective_and_bound_the_checkpoints(name):
     assert training.vllm_importance_sampling_correction and training.vllm_importance_sampling_mode == "sequence_mask"
     assert training.save_total_limit == 2 and training.load_best_model_at_end
     written = yaml.safe_load(path.read_text())
-    assert {"loss_type", "scale_rewards", "epsilon", "beta", "vllm_importance_sampling_correction",
-            "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max", "save_total_limit"} <= set(written)
+    assert {
+        "loss_type",
+        "scale_rewards",
+        "epsilon",
+        "beta",
+        "vllm_importance_sampling_correction",
+        "vllm_importance_sampling_mode",
+        "vllm_importance_sampling_clip_max",
+        "save_total_limit",
+    } <= set(written)
 
 
 @pytest.mark.parametrize("name", ["infoseek", "evqa"])
@@ -168,12 +201,24 @@ def test_real_grpo_configs_get_the_papers_reward_and_image_budget_from_the_code(
 
     path = ROOT / "configs" / "grpo" / f"{name}.yaml"
     args, _, _ = parse((RefinerArguments, GRPOConfig, ModelConfig), ["--config", str(path), "--bf16", "false"])
-    assert parse_tiers(args.reward_tiers) == DEFAULT_TIERS == (
-        (1, 5, 4.0), (6, 10, 3.5), (11, 20, 3.0), (21, 50, 1.0), (51, 100, 0.5), (101, 200, 0.1))
+    assert (
+        parse_tiers(args.reward_tiers)
+        == DEFAULT_TIERS
+        == ((1, 5, 4.0), (6, 10, 3.5), (11, 20, 3.0), (21, 50, 1.0), (51, 100, 0.5), (101, 200, 0.1))
+    )
     assert args.reward_tiers == "1-5:4,6-10:3.5,11-20:3,21-50:1,51-100:0.5,101-200:0.1"
     assert (args.depth, args.miss_reward, args.unparseable_retrieval_reward) == (200, -2.5, -2.5)
     assert (args.format_valid_reward, args.format_invalid_reward, args.max_query_tokens) == (1.0, -4.0, 128)
     assert (args.min_pixels, args.max_pixels) == (3136, 802816)
-    stated = {"depth", "reward_tiers", "miss_reward", "unparseable_retrieval_reward", "format_valid_reward",
-              "format_invalid_reward", "max_query_tokens", "min_pixels", "max_pixels"}
+    stated = {
+        "depth",
+        "reward_tiers",
+        "miss_reward",
+        "unparseable_retrieval_reward",
+        "format_valid_reward",
+        "format_invalid_reward",
+        "max_query_tokens",
+        "min_pixels",
+        "max_pixels",
+    }
     assert not stated & set(yaml.safe_load(path.read_text()))

@@ -1,5 +1,6 @@
 """KB converters and the article store: the E-VQA KB format (JSON streamed, and the JSONL variant), Wiki6M (a real
-row from tests/data/realdata, real rows copied into the repository), title-keyed image CSVs, the QID → URL map, the KB check, and the toy world's KB going
+row from tests/data/realdata, real rows copied into the repository), title-keyed image CSVs, the QID → URL map, the KB
+check, and the toy world's KB going
 through the store unchanged."""
 
 import csv
@@ -19,18 +20,28 @@ REAL = Path(__file__).resolve().parent / "data" / "realdata"  # real rows, their
 ZORVAK = "https://en.wikipedia.org/wiki/Zorvak"
 EVQA_KB = {
     ZORVAK: {
-        "title": "Zorvak", "url": ZORVAK,
+        "title": "Zorvak",
+        "url": ZORVAK,
         "section_titles": ["Zorvak", "Habitat", "Diet", "References"],
         "section_texts": ["The Zorvak is a red star.", "It lives in caves.", "", "Smith 2001."],
-        "image_urls": ["http://img/a.jpg", "http://img/b.jpg", "http://img/c.jpg", "http://img/d.jpg",
-                       "http://img/dead.jpg"],
+        "image_urls": [
+            "http://img/a.jpg",
+            "http://img/b.jpg",
+            "http://img/c.jpg",
+            "http://img/d.jpg",
+            "http://img/dead.jpg",
+        ],
         "image_reference_descriptions": ["", "", "", "", ""],
         "image_section_indices": [1, None, 2, 7],  # d.jpg: out of range; dead.jpg: no index at all
     },
     "https://en.wikipedia.org/wiki/No_picture": {  # an article with sections but no image still matters
-        "title": "No picture", "url": "https://en.wikipedia.org/wiki/No_picture",
-        "section_titles": ["No picture", "History"], "section_texts": ["A place.", "Built in 1900."],
-        "image_urls": [], "image_reference_descriptions": [], "image_section_indices": [],
+        "title": "No picture",
+        "url": "https://en.wikipedia.org/wiki/No_picture",
+        "section_titles": ["No picture", "History"],
+        "section_texts": ["A place.", "Built in 1900."],
+        "image_urls": [],
+        "image_reference_descriptions": [],
+        "image_section_indices": [],
     },
 }
 
@@ -54,8 +65,15 @@ def test_evqa_kb_rows_and_every_section_in_the_store(tmp_path, variant):
         (tmp_path / "kb.json").write_text(json.dumps(EVQA_KB))
     else:  # mKG-RAG's variant: one {url: article} a line
         (tmp_path / "kb.jsonl").write_text("".join(json.dumps({k: v}) + "\n" for k, v in EVQA_KB.items()))
-    n = convert(ConvertArgs(format="evqa-kb", input=str(tmp_path / f"kb.{variant}"), image_dir=str(folder),
-                            out=str(tmp_path / "out" / "kb.jsonl")), log=quiet)
+    n = convert(
+        ConvertArgs(
+            format="evqa-kb",
+            input=str(tmp_path / f"kb.{variant}"),
+            image_dir=str(folder),
+            out=str(tmp_path / "out" / "kb.jsonl"),
+        ),
+        log=quiet,
+    )
     rows = list(read_jsonl(tmp_path / "out" / "kb.jsonl"))
     by_image = {r["image"]: r for r in rows}
     a = f"{url_hash('http://img/a.jpg')}.jpg"
@@ -68,10 +86,15 @@ def test_evqa_kb_rows_and_every_section_in_the_store(tmp_path, variant):
     store = ArticleStore(store_path_for(tmp_path / "out" / "kb.jsonl"))
     assert len(store) == 2 and store.counts() == {"articles": 2, "sections": 6, "entries": 4}
     assert [s["section_title"] for s in store.sections(ZORVAK)] == ["Zorvak", "Habitat", "Diet", "References"]
-    assert [s["section_title"] for s in store.sections(ZORVAK, skip_titles=["references"])] == \
-        ["Zorvak", "Habitat", "Diet"]
-    assert [s["text"] for s in store.sections("https://en.wikipedia.org/wiki/No_picture")] == \
-        ["A place.", "Built in 1900."]
+    assert [s["section_title"] for s in store.sections(ZORVAK, skip_titles=["references"])] == [
+        "Zorvak",
+        "Habitat",
+        "Diet",
+    ]
+    assert [s["text"] for s in store.sections("https://en.wikipedia.org/wiki/No_picture")] == [
+        "A place.",
+        "Built in 1900.",
+    ]
     for r in rows:  # every index row is reachable by its entry id, with the same text
         e = store.entry(r["entry_id"])
         assert {k: e[k] for k in r} == r
@@ -87,13 +110,20 @@ def test_evqa_kb_with_title_keyed_image_csvs(tmp_path):
         w = csv.writer(f)
         w.writerow(["title", "url", "path", "caption"])
         w.writerow(["Zorvak", "u0", "split1/zorvak_0.jpg", "a star"])
-        w.writerow(["Zorvak", "u0", "split1/zorvak_0.jpg", "again"])       # duplicate path: once
+        w.writerow(["Zorvak", "u0", "split1/zorvak_0.jpg", "again"])  # duplicate path: once
         w.writerow(["Zorvak", "u1", "split1/zorvak_1.jpg", ""])
-        w.writerow(["Zorvak", "u2", "split1/not_downloaded.jpg", ""])     # no file: left out, as their loaders do
+        w.writerow(["Zorvak", "u2", "split1/not_downloaded.jpg", ""])  # no file: left out, as their loaders do
     (tmp_path / "kb.json").write_text(json.dumps(EVQA_KB))
-    n = convert(ConvertArgs(format="evqa-kb", input=str(tmp_path / "kb.json"), images_root=str(root),
-                            image_csv=str(tmp_path / "wiki_image_url_part_*.csv"), out=str(tmp_path / "kb.jsonl")),
-                log=quiet)
+    n = convert(
+        ConvertArgs(
+            format="evqa-kb",
+            input=str(tmp_path / "kb.json"),
+            images_root=str(root),
+            image_csv=str(tmp_path / "wiki_image_url_part_*.csv"),
+            out=str(tmp_path / "kb.jsonl"),
+        ),
+        log=quiet,
+    )
     rows = list(read_jsonl(tmp_path / "kb.jsonl"))
     assert n == 2 and [r["image"] for r in rows] == ["split1/zorvak_0.jpg", "split1/zorvak_1.jpg"]
     assert all(r["section"] == 0 and r["entity_id"] == ZORVAK for r in rows)
@@ -105,18 +135,34 @@ def test_evqa_kb_needs_exactly_one_image_source(tmp_path):
         convert(ConvertArgs(format="evqa-kb", input=str(tmp_path / "kb.json"), out=str(tmp_path / "kb.jsonl")))
     (tmp_path / "list.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match="JSON object keyed by Wikipedia URL"):
-        convert(ConvertArgs(format="evqa-kb", input=str(tmp_path / "list.json"), image_dir=str(tmp_path),
-                            out=str(tmp_path / "kb.jsonl")))
+        convert(
+            ConvertArgs(
+                format="evqa-kb",
+                input=str(tmp_path / "list.json"),
+                image_dir=str(tmp_path),
+                out=str(tmp_path / "kb.jsonl"),
+            )
+        )
     assert not (tmp_path / "kb.jsonl").exists() and not store_path_for(tmp_path / "kb.jsonl").exists()
 
 
 def wiki6m_rows():
     real = list(read_jsonl(REAL / "wiki6m_sample.jsonl"))  # wikipedia_image_url is null there
     return real + [
-        {"wikidata_id": "Q243", "wikipedia_title": "Eiffel Tower", "wikipedia_summary": "A tower in Paris.",
-         "wikipedia_content": "A tower in Paris. It was built in 1889.", "wikipedia_image_url": "http://img/eiffel.jpg"},
-        {"wikidata_id": "Q90", "wikipedia_title": "Paris", "wikipedia_summary": "Capital of France.",
-         "wikipedia_content": "Capital of France. Big.", "wikipedia_image_url": None},
+        {
+            "wikidata_id": "Q243",
+            "wikipedia_title": "Eiffel Tower",
+            "wikipedia_summary": "A tower in Paris.",
+            "wikipedia_content": "A tower in Paris. It was built in 1889.",
+            "wikipedia_image_url": "http://img/eiffel.jpg",
+        },
+        {
+            "wikidata_id": "Q90",
+            "wikipedia_title": "Paris",
+            "wikipedia_summary": "Capital of France.",
+            "wikipedia_content": "Capital of France. Big.",
+            "wikipedia_image_url": None,
+        },
     ]
 
 
@@ -131,8 +177,16 @@ def write_wiki6m(tmp_path):
 
 def test_wiki6m_kb_keys_entities_by_qid(tmp_path):
     root, folder = write_wiki6m(tmp_path)
-    n = convert(ConvertArgs(format="wiki6m", input=str(tmp_path / "Wiki6M_ver_1_0.jsonl"), images_root=str(root),
-                            image_dir=str(folder), out=str(tmp_path / "kb.jsonl")), log=quiet)
+    n = convert(
+        ConvertArgs(
+            format="wiki6m",
+            input=str(tmp_path / "Wiki6M_ver_1_0.jsonl"),
+            images_root=str(root),
+            image_dir=str(folder),
+            out=str(tmp_path / "kb.jsonl"),
+        ),
+        log=quiet,
+    )
     rows = {r["entity_id"]: r for r in read_jsonl(tmp_path / "kb.jsonl")}
     assert n == 2 and set(rows) == {"Q243", "Q90"}
     assert rows["Q90"]["image"] == "Q90/Q90.jpg" and rows["Q243"]["image"] == f"{url_hash('http://img/eiffel.jpg')}.jpg"
@@ -146,16 +200,37 @@ def test_wiki6m_kb_keys_entities_by_qid(tmp_path):
 
 
 def infoseek_question_files(tmp_path):
-    rows = [{"data_id": "infoseek_val_00000001", "image_id": "oven_05050169", "question": "Which city is this in?",
-             "answer": ["Paris"], "answer_eval": ["Paris"], "data_split": "val_unseen_entity"},
-            {"data_id": "infoseek_val_00000002", "image_id": "oven_05050170", "question": "Built when?",
-             "answer": ["1889"], "answer_eval": [{"wikidata": 1889.0, "range": [1888.0, 1890.0]}],
-             "data_split": "val_unseen_question"},
-            {"data_id": "infoseek_val_00000003", "image_id": "oven_05050171", "question": "Who?",
-             "answer": ["x"], "answer_eval": ["x"], "data_split": "val_unseen_question"}]
-    withkb = [{"data_id": "infoseek_val_00000002", "entity_id": "Q243", "entity_text": "Eiffel Tower"},
-              {"data_id": "infoseek_val_00000001", "entity_id": "Q90", "entity_text": "Paris"},  # another order
-              {"data_id": "infoseek_val_00000003", "entity_id": "Q3", "entity_text": "Not in any KB"}]
+    rows = [
+        {
+            "data_id": "infoseek_val_00000001",
+            "image_id": "oven_05050169",
+            "question": "Which city is this in?",
+            "answer": ["Paris"],
+            "answer_eval": ["Paris"],
+            "data_split": "val_unseen_entity",
+        },
+        {
+            "data_id": "infoseek_val_00000002",
+            "image_id": "oven_05050170",
+            "question": "Built when?",
+            "answer": ["1889"],
+            "answer_eval": [{"wikidata": 1889.0, "range": [1888.0, 1890.0]}],
+            "data_split": "val_unseen_question",
+        },
+        {
+            "data_id": "infoseek_val_00000003",
+            "image_id": "oven_05050171",
+            "question": "Who?",
+            "answer": ["x"],
+            "answer_eval": ["x"],
+            "data_split": "val_unseen_question",
+        },
+    ]
+    withkb = [
+        {"data_id": "infoseek_val_00000002", "entity_id": "Q243", "entity_text": "Eiffel Tower"},
+        {"data_id": "infoseek_val_00000001", "entity_id": "Q90", "entity_text": "Paris"},  # another order
+        {"data_id": "infoseek_val_00000003", "entity_id": "Q3", "entity_text": "Not in any KB"},
+    ]
     (tmp_path / "val.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "val_withkb.jsonl").write_text("".join(json.dumps(r) + "\n" for r in withkb))
 
@@ -163,43 +238,87 @@ def infoseek_question_files(tmp_path):
 def test_infoseek_questions_meet_a_wiki6m_kb_and_a_url_kb_through_the_qid_map(tmp_path):
     root, folder = write_wiki6m(tmp_path)
     infoseek_question_files(tmp_path)
-    convert(ConvertArgs(format="wiki6m", input=str(tmp_path / "Wiki6M_ver_1_0.jsonl"), images_root=str(root),
-                        image_dir=str(folder), out=str(tmp_path / "wiki6m_kb.jsonl")), log=quiet)
+    convert(
+        ConvertArgs(
+            format="wiki6m",
+            input=str(tmp_path / "Wiki6M_ver_1_0.jsonl"),
+            images_root=str(root),
+            image_dir=str(folder),
+            out=str(tmp_path / "wiki6m_kb.jsonl"),
+        ),
+        log=quiet,
+    )
     q = dict(format="infoseek", input=str(tmp_path / "val.jsonl"), withkb=str(tmp_path / "val_withkb.jsonl"))
     # 1. QID questions against the QID-keyed Wiki6M KB: gold entities resolve directly
     convert(ConvertArgs(**q, kb=str(tmp_path / "wiki6m_kb.jsonl"), out=str(tmp_path / "q_qid.jsonl")), log=quiet)
     assert [a["entity_id"] for a in read_jsonl(tmp_path / "q_qid.jsonl.absent.jsonl")] == [["Q3"]]
     # 2. against a URL-keyed KB (EchoSight's format, spelled http:// and with %-escapes) through a QID → URL map
-    url_kb = {"http://en.wikipedia.org/wiki/Eiffel%20Tower": {**EVQA_KB[ZORVAK], "url": "http://en.wikipedia.org/wiki/Eiffel%20Tower",
-                                                                "title": "Eiffel Tower"},
-              "https://en.wikipedia.org/wiki/Paris": {**EVQA_KB[ZORVAK], "url": "https://en.wikipedia.org/wiki/Paris",
-                                                       "title": "Paris"}}
+    url_kb = {
+        "http://en.wikipedia.org/wiki/Eiffel%20Tower": {
+            **EVQA_KB[ZORVAK],
+            "url": "http://en.wikipedia.org/wiki/Eiffel%20Tower",
+            "title": "Eiffel Tower",
+        },
+        "https://en.wikipedia.org/wiki/Paris": {
+            **EVQA_KB[ZORVAK],
+            "url": "https://en.wikipedia.org/wiki/Paris",
+            "title": "Paris",
+        },
+    }
     (tmp_path / "url_kb.json").write_text(json.dumps(url_kb))
     folder2 = image_folder(tmp_path, ["http://img/a.jpg"])
-    convert(ConvertArgs(format="evqa-kb", input=str(tmp_path / "url_kb.json"), image_dir=str(folder2),
-                        out=str(tmp_path / "url_kb.jsonl")), log=quiet)
-    convert(ConvertArgs(format="qid-map", input=str(tmp_path / "Wiki6M_ver_1_0.jsonl"), out=str(tmp_path / "qid2url.tsv")),
-            log=quiet)
+    convert(
+        ConvertArgs(
+            format="evqa-kb",
+            input=str(tmp_path / "url_kb.json"),
+            image_dir=str(folder2),
+            out=str(tmp_path / "url_kb.jsonl"),
+        ),
+        log=quiet,
+    )
+    convert(
+        ConvertArgs(format="qid-map", input=str(tmp_path / "Wiki6M_ver_1_0.jsonl"), out=str(tmp_path / "qid2url.tsv")),
+        log=quiet,
+    )
     for kb in ("url_kb.jsonl", "url_kb.articles.sqlite"):  # the KB JSONL or its article store
         out = tmp_path / f"q_url_{kb}.jsonl"
-        convert(ConvertArgs(**q, entity_map=str(tmp_path / "qid2url.tsv"), kb=str(tmp_path / kb), out=str(out)),
-                log=quiet)
+        convert(
+            ConvertArgs(**q, entity_map=str(tmp_path / "qid2url.tsv"), kb=str(tmp_path / kb), out=str(out)), log=quiet
+        )
         got = {r["id"]: r["entity_id"] for r in read_jsonl(out)}
-        assert got == {"infoseek_val_00000001": "https://en.wikipedia.org/wiki/Paris",
-                       "infoseek_val_00000002": "http://en.wikipedia.org/wiki/Eiffel%20Tower",  # the KB's own key
-                       "infoseek_val_00000003": "Q3"}  # unmapped: unchanged, and reported absent
+        assert got == {
+            "infoseek_val_00000001": "https://en.wikipedia.org/wiki/Paris",
+            "infoseek_val_00000002": "http://en.wikipedia.org/wiki/Eiffel%20Tower",  # the KB's own key
+            "infoseek_val_00000003": "Q3",
+        }  # unmapped: unchanged, and reported absent
         assert [a["id"] for a in read_jsonl(f"{out}.absent.jsonl")] == ["infoseek_val_00000003"]
 
 
 def test_kb_check_reports_nothing_when_every_gold_entity_is_there(tmp_path, capsys):
     root, folder = write_wiki6m(tmp_path)
     infoseek_question_files(tmp_path)
-    convert(ConvertArgs(format="wiki6m", input=str(tmp_path / "Wiki6M_ver_1_0.jsonl"), images_root=str(root),
-                        image_dir=str(folder), out=str(tmp_path / "kb.jsonl")), log=quiet)
+    convert(
+        ConvertArgs(
+            format="wiki6m",
+            input=str(tmp_path / "Wiki6M_ver_1_0.jsonl"),
+            images_root=str(root),
+            image_dir=str(folder),
+            out=str(tmp_path / "kb.jsonl"),
+        ),
+        log=quiet,
+    )
     rows = [r for r in read_jsonl(tmp_path / "val.jsonl") if r["data_id"] != "infoseek_val_00000003"]
     (tmp_path / "val2.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    convert(ConvertArgs(format="infoseek", input=str(tmp_path / "val2.jsonl"), withkb=str(tmp_path / "val_withkb.jsonl"),
-                        kb=str(tmp_path / "kb.jsonl"), out=str(tmp_path / "q.jsonl")), log=quiet)
+    convert(
+        ConvertArgs(
+            format="infoseek",
+            input=str(tmp_path / "val2.jsonl"),
+            withkb=str(tmp_path / "val_withkb.jsonl"),
+            kb=str(tmp_path / "kb.jsonl"),
+            out=str(tmp_path / "q.jsonl"),
+        ),
+        log=quiet,
+    )
     assert "0 of 2 questions have a gold entity the KB has no row for" in capsys.readouterr().out
     assert not (tmp_path / "q.jsonl.absent.jsonl").exists()
 
@@ -207,8 +326,9 @@ def test_kb_check_reports_nothing_when_every_gold_entity_is_there(tmp_path, caps
 def test_toy_kb_goes_through_the_store_unchanged(tmp_path, tiny_world):
     toy_world = tiny_world
     kb = list(read_jsonl(toy_world / "kb.jsonl"))
-    n = convert(ConvertArgs(format="articles", input=str(toy_world / "kb.jsonl"), out=str(tmp_path / "a.sqlite")),
-                log=quiet)
+    n = convert(
+        ConvertArgs(format="articles", input=str(toy_world / "kb.jsonl"), out=str(tmp_path / "a.sqlite")), log=quiet
+    )
     store = ArticleStore(tmp_path / "a.sqlite")
     assert n == len(kb) and len(store) == len({r["entity_id"] for r in kb})
     for r in kb:
@@ -221,8 +341,10 @@ def test_toy_kb_goes_through_the_store_unchanged(tmp_path, tiny_world):
 
 
 def test_store_refuses_interleaved_entities_and_leaves_nothing(tmp_path):
-    rows = [dict(entry_id=f"e{i}", entity_id=ent, title=ent, section_title="s", text="t", image="x.png")
-            for i, ent in enumerate(["A", "B", "A"])]
+    rows = [
+        dict(entry_id=f"e{i}", entity_id=ent, title=ent, section_title="s", text="t", image="x.png")
+        for i, ent in enumerate(["A", "B", "A"])
+    ]
     with pytest.raises(ValueError, match="not contiguous"):
         store_from_kb_rows(rows, tmp_path / "a.sqlite")
     assert list(tmp_path.iterdir()) == []
@@ -235,8 +357,12 @@ def test_canonical_url_ignores_scheme_escapes_and_spaces(title):
     import urllib.parse
 
     url = wiki6m_url(title)
-    variants = [url, url.replace("https://", "http://"), "http://en.wikipedia.org/wiki/" + urllib.parse.quote(title),
-                url.replace("en.wikipedia", "en.m.wikipedia")]
+    variants = [
+        url,
+        url.replace("https://", "http://"),
+        "http://en.wikipedia.org/wiki/" + urllib.parse.quote(title),
+        url.replace("en.wikipedia", "en.m.wikipedia"),
+    ]
     assert len({canonical_url(v) for v in variants}) == 1
 
 
@@ -244,17 +370,40 @@ def test_qid_map_from_echosight_csv_joined_with_withkb(tmp_path):
     with open(tmp_path / "infoseek_test.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=["data_id", "wikipedia_url", "question_type"])
         w.writeheader()
-        w.writerow({"data_id": "infoseek_val_1", "wikipedia_url": "https://en.wikipedia.org/wiki/Paris",
-                    "question_type": "infoseek"})
-        w.writerow({"data_id": "infoseek_val_2", "wikipedia_url": "https://en.wikipedia.org/wiki/Paris",
-                    "question_type": "infoseek"})  # same entity again: once
-        w.writerow({"data_id": "infoseek_val_9", "wikipedia_url": "https://en.wikipedia.org/wiki/Nowhere",
-                    "question_type": "infoseek"})  # no withkb row: no pair
+        w.writerow(
+            {
+                "data_id": "infoseek_val_1",
+                "wikipedia_url": "https://en.wikipedia.org/wiki/Paris",
+                "question_type": "infoseek",
+            }
+        )
+        w.writerow(
+            {
+                "data_id": "infoseek_val_2",
+                "wikipedia_url": "https://en.wikipedia.org/wiki/Paris",
+                "question_type": "infoseek",
+            }
+        )  # same entity again: once
+        w.writerow(
+            {
+                "data_id": "infoseek_val_9",
+                "wikipedia_url": "https://en.wikipedia.org/wiki/Nowhere",
+                "question_type": "infoseek",
+            }
+        )  # no withkb row: no pair
     (tmp_path / "withkb.jsonl").write_text(
         '{"data_id": "infoseek_val_2", "entity_id": "Q90", "entity_text": "Paris"}\n'
-        '{"data_id": "infoseek_val_1", "entity_id": "Q90", "entity_text": "Paris"}\n')
-    n = convert(ConvertArgs(format="qid-map", input=str(tmp_path / "infoseek_test.csv"),
-                            withkb=str(tmp_path / "withkb.jsonl"), out=str(tmp_path / "m.tsv")), log=quiet)
+        '{"data_id": "infoseek_val_1", "entity_id": "Q90", "entity_text": "Paris"}\n'
+    )
+    n = convert(
+        ConvertArgs(
+            format="qid-map",
+            input=str(tmp_path / "infoseek_test.csv"),
+            withkb=str(tmp_path / "withkb.jsonl"),
+            out=str(tmp_path / "m.tsv"),
+        ),
+        log=quiet,
+    )
     assert n == 1 and (tmp_path / "m.tsv").read_text() == "Q90\thttps://en.wikipedia.org/wiki/Paris\n"
     with pytest.raises(ValueError, match="--withkb"):
         convert(ConvertArgs(format="qid-map", input=str(tmp_path / "infoseek_test.csv"), out=str(tmp_path / "x.tsv")))
@@ -272,6 +421,7 @@ def test_fetch_images_names_files_by_url_hash_resumes_and_lists_failures(tmp_pat
     (site / "a.jpg").write_bytes(b"\xff\xd8 jpeg bytes")
     (site / "b.png").write_bytes(b"\x89PNG bytes")
     (site / "page.html").write_text("<html></html>")
+
     class Quiet(http.server.SimpleHTTPRequestHandler):
         def log_message(self, *a):
             pass
@@ -293,8 +443,15 @@ def test_fetch_images_names_files_by_url_hash_resumes_and_lists_failures(tmp_pat
         assert set(failed) == {urls[2], urls[3]} and "404" in failed[urls[2]] and "text/html" in failed[urls[3]]
         assert fetch_images(args, log=quiet) == {"fetched": 0, "failed": 0, "already there": 4}  # resumed: nothing new
         # the folder is what the KB converter's --image_dir reads
-        n = convert(ConvertArgs(format="evqa-kb", input=str(tmp_path / "kb.json"), image_dir=str(tmp_path / "imgs"),
-                                out=str(tmp_path / "kb.jsonl")), log=quiet)
+        n = convert(
+            ConvertArgs(
+                format="evqa-kb",
+                input=str(tmp_path / "kb.json"),
+                image_dir=str(tmp_path / "imgs"),
+                out=str(tmp_path / "kb.jsonl"),
+            ),
+            log=quiet,
+        )
         assert n == 3  # a.jpg twice (two image slots) and b.png
     finally:
         server.shutdown()
@@ -304,8 +461,14 @@ def test_fetch_images_names_files_by_url_hash_resumes_and_lists_failures(tmp_pat
 
 
 def kb_with_images(tmp_path, urls, name="kb.json"):
-    kb = {ZORVAK: {**EVQA_KB[ZORVAK], "image_urls": urls, "image_section_indices": [0] * len(urls),
-                   "image_reference_descriptions": [""] * len(urls)}}
+    kb = {
+        ZORVAK: {
+            **EVQA_KB[ZORVAK],
+            "image_urls": urls,
+            "image_section_indices": [0] * len(urls),
+            "image_reference_descriptions": [""] * len(urls),
+        }
+    }
     (tmp_path / name).write_text(json.dumps(kb))
     return tmp_path / name
 
@@ -315,27 +478,49 @@ WIKI_SVG = "/wikipedia/commons/a/ab/Flag_of_Zorvak.svg"
 WIKI_THUMB = "/wikipedia/commons/thumb/a/ab/Flag_of_Zorvak.svg/960px-Flag_of_Zorvak.svg.png"
 
 
-@pytest.mark.parametrize("case", [
-    # SVG on Wikimedia's upload layout: its PNG rendering is fetched (Wikimedia serves /thumb/…/<w>px-<name>.svg.png)
-    dict(name="wikimedia svg", path=WIKI_SVG, rasteriser=False, old_svg=False, fetched=1, row=".png"),
-    # an SVG elsewhere with no rasteriser installed: listed as failed with the reason, no file a build would drop
-    dict(name="svg elsewhere, no rasteriser", path="/static/logo.svg", rasteriser=False, old_svg=False, fetched=0,
-         row=None, failed="SVG"),
-    # an SVG elsewhere with a rasteriser (cairosvg when installed; a stand-in here): a PNG is written
-    dict(name="svg elsewhere, rasteriser", path="/static/logo.svg", rasteriser=True, old_svg=False, fetched=1,
-         row=".png"),
-    # an .svg left by an earlier run: the converter lists its row as skipped; fetching again replaces it by the PNG
-    dict(name="svg left by an older run", path=WIKI_SVG, rasteriser=False, old_svg=True, fetched=1, row=".png"),
-], ids=lambda c: c["name"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        # SVG on Wikimedia's upload layout: its PNG rendering is fetched (Wikimedia serves
+        # /thumb/…/<w>px-<name>.svg.png)
+        dict(name="wikimedia svg", path=WIKI_SVG, rasteriser=False, old_svg=False, fetched=1, row=".png"),
+        # an SVG elsewhere with no rasteriser installed: listed as failed with the reason, no file a build would drop
+        dict(
+            name="svg elsewhere, no rasteriser",
+            path="/static/logo.svg",
+            rasteriser=False,
+            old_svg=False,
+            fetched=0,
+            row=None,
+            failed="SVG",
+        ),
+        # an SVG elsewhere with a rasteriser (cairosvg when installed; a stand-in here): a PNG is written
+        dict(
+            name="svg elsewhere, rasteriser",
+            path="/static/logo.svg",
+            rasteriser=True,
+            old_svg=False,
+            fetched=1,
+            row=".png",
+        ),
+        # an .svg left by an earlier run: the converter lists its row as skipped; fetching again replaces it by the PNG
+        dict(name="svg left by an older run", path=WIKI_SVG, rasteriser=False, old_svg=True, fetched=1, row=".png"),
+    ],
+    ids=lambda c: c["name"],
+)
 def test_svg_kb_images_become_png_or_are_listed(tmp_path, monkeypatch, case):
     from upstream_site import SVG, Site, ok, png_bytes
 
     import retrieval.upstream.fetch_images as fi
 
-    routes = {WIKI_THUMB: [ok(png_bytes())], WIKI_SVG: [ok(SVG, "image/svg+xml")],
-              "/static/logo.svg": [ok(SVG, "image/svg+xml")]}
-    monkeypatch.setattr(fi, "svg_rasteriser", (lambda: (lambda data, width: png_bytes())) if case["rasteriser"]
-                        else (lambda: None))
+    routes = {
+        WIKI_THUMB: [ok(png_bytes())],
+        WIKI_SVG: [ok(SVG, "image/svg+xml")],
+        "/static/logo.svg": [ok(SVG, "image/svg+xml")],
+    }
+    monkeypatch.setattr(
+        fi, "svg_rasteriser", (lambda: lambda data, width: png_bytes()) if case["rasteriser"] else (lambda: None)
+    )
     with Site(routes) as site:
         url = site.url(case["path"])
         kb = kb_with_images(tmp_path, [url])
@@ -343,17 +528,21 @@ def test_svg_kb_images_become_png_or_are_listed(tmp_path, monkeypatch, case):
         if case["old_svg"]:
             imgs.mkdir()
             (imgs / f"{url_hash(url)}.svg").write_bytes(SVG)
-            convert(ConvertArgs(format="evqa-kb", input=str(kb), image_dir=str(imgs), out=str(tmp_path / "old.jsonl")),
-                    log=quiet)
+            convert(
+                ConvertArgs(format="evqa-kb", input=str(kb), image_dir=str(imgs), out=str(tmp_path / "old.jsonl")),
+                log=quiet,
+            )
             (skip,) = read_jsonl(tmp_path / "old.jsonl.skipped.jsonl")
             assert "SVG" in skip["reason"] and not list(read_jsonl(tmp_path / "old.jsonl"))
-        counts = fi.fetch_images(fi.FetchArgs(kb=str(kb), out=str(imgs), workers=1, timeout=5, user_agent=UA),
-                                 log=quiet)
+        counts = fi.fetch_images(
+            fi.FetchArgs(kb=str(kb), out=str(imgs), workers=1, timeout=5, user_agent=UA), log=quiet
+        )
         assert counts["fetched"] == case["fetched"]
         if case["path"] == WIKI_SVG:
             assert site.paths() == [WIKI_THUMB]  # the rendering, never the SVG itself
-    n = convert(ConvertArgs(format="evqa-kb", input=str(kb), image_dir=str(imgs), out=str(tmp_path / "kb.jsonl")),
-                log=quiet)
+    n = convert(
+        ConvertArgs(format="evqa-kb", input=str(kb), image_dir=str(imgs), out=str(tmp_path / "kb.jsonl")), log=quiet
+    )
     rows = list(read_jsonl(tmp_path / "kb.jsonl"))
     if case["row"]:
         assert n == 1 and rows[0]["image"] == f"{url_hash(url)}{case['row']}"
@@ -386,12 +575,17 @@ def pack(path: Path, packing: str) -> Path:
     return out
 
 
-@pytest.mark.parametrize("fmt,packing", [
-    ("wiki6m", "gz"), ("wiki6m", "zip"),              # OVEN publishes Wiki6M_ver_1_0.jsonl.gz only
-    ("evqa-kb", "zip"), ("evqa-kb", "gz"),            # encyclopedic_kb_wiki.zip, EchoSight's infoseek_100k_wiki.zip
-    ("evqa-kb-jsonl", "gz"),                          # mKG-RAG's JSONL variant, gzipped
-    ("qid-map", "gz"),                                # the QID → URL map straight from the .jsonl.gz
-])
+@pytest.mark.parametrize(
+    "fmt,packing",
+    [
+        ("wiki6m", "gz"),
+        ("wiki6m", "zip"),  # OVEN publishes Wiki6M_ver_1_0.jsonl.gz only
+        ("evqa-kb", "zip"),
+        ("evqa-kb", "gz"),  # encyclopedic_kb_wiki.zip, EchoSight's infoseek_100k_wiki.zip
+        ("evqa-kb-jsonl", "gz"),  # mKG-RAG's JSONL variant, gzipped
+        ("qid-map", "gz"),  # the QID → URL map straight from the .jsonl.gz
+    ],
+)
 def test_kb_inputs_are_read_as_downloaded(tmp_path, fmt, packing):
     def run(where: Path) -> list:
         where.mkdir()
@@ -428,29 +622,55 @@ def test_fetch_images_reads_a_gzipped_wiki6m(tmp_path):
     from retrieval.upstream.fetch_images import FetchArgs, fetch_images
 
     with Site({"/e.png": [ok(png_bytes())]}) as site:
-        rows = [{"wikidata_id": "Q243", "wikipedia_title": "Eiffel Tower", "wikipedia_summary": "A tower.",
-                 "wikipedia_content": "A tower.", "wikipedia_image_url": site.url("/e.png")}]
+        rows = [
+            {
+                "wikidata_id": "Q243",
+                "wikipedia_title": "Eiffel Tower",
+                "wikipedia_summary": "A tower.",
+                "wikipedia_content": "A tower.",
+                "wikipedia_image_url": site.url("/e.png"),
+            }
+        ]
         (tmp_path / "Wiki6M_ver_1_0.jsonl.gz").write_bytes(gzip.compress(json.dumps(rows[0]).encode() + b"\n"))
-        counts = fetch_images(FetchArgs(kb=str(tmp_path / "Wiki6M_ver_1_0.jsonl.gz"), kb_format="wiki6m",
-                                        out=str(tmp_path / "imgs"), user_agent=UA), log=quiet)
+        counts = fetch_images(
+            FetchArgs(
+                kb=str(tmp_path / "Wiki6M_ver_1_0.jsonl.gz"),
+                kb_format="wiki6m",
+                out=str(tmp_path / "imgs"),
+                user_agent=UA,
+            ),
+            log=quiet,
+        )
     assert counts["fetched"] == 1 and (tmp_path / "imgs" / f"{url_hash(site.url('/e.png'))}.png").is_file()
 
 
-@pytest.mark.parametrize("summary,content,sections,text", [
-    ("A tower.", "A tower. Built 1889.", ["A tower.", "A tower. Built 1889."], "A tower."),
-    ("", "Only content.", ["Only content."], "Only content."),       # the store's section 0 holds what is embedded
-    (None, "Only content.", ["Only content."], "Only content."),
-    ("A tower.", "", ["A tower."], "A tower."),
-    ("A tower.", "A tower.", ["A tower."], "A tower."),
-    ("", "", [""], None),                                             # nothing to embed: listed, article kept
-])
+@pytest.mark.parametrize(
+    "summary,content,sections,text",
+    [
+        ("A tower.", "A tower. Built 1889.", ["A tower.", "A tower. Built 1889."], "A tower."),
+        ("", "Only content.", ["Only content."], "Only content."),  # the store's section 0 holds what is embedded
+        (None, "Only content.", ["Only content."], "Only content."),
+        ("A tower.", "", ["A tower."], "A tower."),
+        ("A tower.", "A tower.", ["A tower."], "A tower."),
+        ("", "", [""], None),  # nothing to embed: listed, article kept
+    ],
+)
 def test_wiki6m_index_row_text_is_the_store_section(tmp_path, summary, content, sections, text):
-    row = {"wikidata_id": "Q243", "wikipedia_title": "Eiffel Tower", "wikipedia_summary": summary,
-           "wikipedia_content": content, "wikipedia_image_url": "http://img/eiffel.jpg"}
+    row = {
+        "wikidata_id": "Q243",
+        "wikipedia_title": "Eiffel Tower",
+        "wikipedia_summary": summary,
+        "wikipedia_content": content,
+        "wikipedia_image_url": "http://img/eiffel.jpg",
+    }
     (tmp_path / "w.jsonl").write_text(json.dumps(row) + "\n")
     folder = image_folder(tmp_path, ["http://img/eiffel.jpg"])
-    convert(ConvertArgs(format="wiki6m", input=str(tmp_path / "w.jsonl"), image_dir=str(folder),
-                        out=str(tmp_path / "kb.jsonl")), log=quiet)
+    convert(
+        ConvertArgs(
+            format="wiki6m", input=str(tmp_path / "w.jsonl"), image_dir=str(folder), out=str(tmp_path / "kb.jsonl")
+        ),
+        log=quiet,
+    )
     store = ArticleStore(store_path_for(tmp_path / "kb.jsonl"))
     assert [s["text"] for s in store.sections("Q243")] == sections
     rows = list(read_jsonl(tmp_path / "kb.jsonl"))
@@ -461,10 +681,13 @@ def test_wiki6m_index_row_text_is_the_store_section(tmp_path, summary, content, 
         assert [r["text"] for r in rows] == [text] and store.entry(rows[0]["entry_id"])["text"] == text
 
 
-@pytest.mark.parametrize("source,match", [
-    ("csv", "no data_id of .*infoseek_test_filtered.csv is in .*withkb.jsonl"),  # ids that do not join
-    ("wiki6m", "no row of .*Wiki6M_ver_1_0.jsonl has both wikidata_id and wikipedia_title"),
-])
+@pytest.mark.parametrize(
+    "source,match",
+    [
+        ("csv", "no data_id of .*infoseek_test_filtered.csv is in .*withkb.jsonl"),  # ids that do not join
+        ("wiki6m", "no row of .*Wiki6M_ver_1_0.jsonl has both wikidata_id and wikipedia_title"),
+    ],
+)
 def test_qid_map_with_nothing_to_join_is_an_error(tmp_path, source, match):
     if source == "csv":
         with open(tmp_path / "infoseek_test_filtered.csv", "w", newline="") as f:
@@ -472,8 +695,12 @@ def test_qid_map_with_nothing_to_join_is_an_error(tmp_path, source, match):
             w.writeheader()
             w.writerow({"data_id": "infoseek_val_1", "wikipedia_url": "https://en.wikipedia.org/wiki/Paris"})
         (tmp_path / "withkb.jsonl").write_text('{"data_id": "infoseek_train_7", "entity_id": "Q90"}\n')
-        args = ConvertArgs(format="qid-map", input=str(tmp_path / "infoseek_test_filtered.csv"),
-                           withkb=str(tmp_path / "withkb.jsonl"), out=str(tmp_path / "m.tsv"))
+        args = ConvertArgs(
+            format="qid-map",
+            input=str(tmp_path / "infoseek_test_filtered.csv"),
+            withkb=str(tmp_path / "withkb.jsonl"),
+            out=str(tmp_path / "m.tsv"),
+        )
     else:
         (tmp_path / "Wiki6M_ver_1_0.jsonl").write_text('{"wikidata_id": "Q1", "wikipedia_title": null}\n')
         args = ConvertArgs(format="qid-map", input=str(tmp_path / "Wiki6M_ver_1_0.jsonl"), out=str(tmp_path / "m.tsv"))
@@ -482,26 +709,40 @@ def test_qid_map_with_nothing_to_join_is_an_error(tmp_path, source, match):
     assert not (tmp_path / "m.tsv").exists()
 
 
-@pytest.mark.parametrize("title,kept", [
-    ("History", True), ("See also", True), ("Reference works", True), ("Further reading", True),
-    ("References", False), ("REFERENCES", False), ("Notes and references", False),
-    ("External links", False), ("External links and further reading", False),
-])
+@pytest.mark.parametrize(
+    "title,kept",
+    [
+        ("History", True),
+        ("See also", True),
+        ("Reference works", True),
+        ("Further reading", True),
+        ("References", False),
+        ("REFERENCES", False),
+        ("Notes and references", False),
+        ("External links", False),
+        ("External links and further reading", False),
+    ],
+)
 def test_sections_skipped_when_the_title_contains_a_skipped_word(tmp_path, title, kept):
     from retrieval.upstream.articles import ArticleWriter
 
     with ArticleWriter(tmp_path / "a.sqlite") as w:
         w.add_article("E", "Entity", None, [(0, "Entity", "lead"), (1, title, "text")])
-    titles = [s["section_title"] for s in ArticleStore(tmp_path / "a.sqlite").sections(
-        "E", skip_titles=("external links", "references"))]  # gate.pipeline.stages.SKIPPED_SECTIONS, as EchoSight
+    titles = [
+        s["section_title"]
+        for s in ArticleStore(tmp_path / "a.sqlite").sections("E", skip_titles=("external links", "references"))
+    ]  # gate.pipeline.stages.SKIPPED_SECTIONS, as EchoSight
     assert titles == (["Entity", title] if kept else ["Entity"])
 
 
-@pytest.mark.parametrize("image,file,outcome", [
-    ("split1/zorvak_0.jpg", True, "row"),
-    ("split1/not_downloaded.jpg", False, "no file"),   # listed, never a row pointing nowhere
-    ("split1/flag.svg", True, "SVG"),                  # a file PIL cannot decode: listed
-])
+@pytest.mark.parametrize(
+    "image,file,outcome",
+    [
+        ("split1/zorvak_0.jpg", True, "row"),
+        ("split1/not_downloaded.jpg", False, "no file"),  # listed, never a row pointing nowhere
+        ("split1/flag.svg", True, "SVG"),  # a file PIL cannot decode: listed
+    ],
+)
 def test_title_keyed_image_csvs_list_what_they_leave_out(tmp_path, image, file, outcome):
     root = tmp_path / "wiki_images"
     root.mkdir()
@@ -513,8 +754,12 @@ def test_title_keyed_image_csvs_list_what_they_leave_out(tmp_path, image, file, 
         w.writerow(["title", "url", "path", "caption"])
         w.writerow(["Zorvak", "u0", image, ""])
     (tmp_path / "kb.json").write_text(json.dumps(EVQA_KB))
-    args = dict(format="evqa-kb", input=str(tmp_path / "kb.json"), out=str(tmp_path / "kb.jsonl"),
-                image_csv=str(tmp_path / "wiki_image_url_part_*.csv"))
+    args = dict(
+        format="evqa-kb",
+        input=str(tmp_path / "kb.json"),
+        out=str(tmp_path / "kb.jsonl"),
+        image_csv=str(tmp_path / "wiki_image_url_part_*.csv"),
+    )
     with pytest.raises(ValueError, match="--image_csv needs --images_root"):
         convert(ConvertArgs(**args), log=quiet)
     n = convert(ConvertArgs(**args, images_root=str(root)), log=quiet)
@@ -530,10 +775,16 @@ def test_title_keyed_image_csvs_list_what_they_leave_out(tmp_path, image, file, 
         assert len(zorvak) == 1 and "no image" in zorvak[0]["reason"]
 
 
-@pytest.mark.parametrize("user_agent,ok", [
-    (None, False), ("refine-rl image fetcher", False), ("", False),
-    ("Jane Doe (jane@example.org)", True), ("KBFetch/1.0 (https://example.org/me) python", True),
-])
+@pytest.mark.parametrize(
+    "user_agent,ok",
+    [
+        (None, False),
+        ("refine-rl image fetcher", False),
+        ("", False),
+        ("Jane Doe (jane@example.org)", True),
+        ("KBFetch/1.0 (https://example.org/me) python", True),
+    ],
+)
 def test_fetch_images_needs_a_user_agent_with_a_contact(tmp_path, user_agent, ok):
     from upstream_site import Site, png_bytes
     from upstream_site import ok as served
@@ -552,13 +803,16 @@ def test_fetch_images_needs_a_user_agent_with_a_contact(tmp_path, user_agent, ok
             assert site.requests == [("/a.png", user_agent)]
 
 
-@pytest.mark.parametrize("responses,sleeps,fetched", [
-    ([(429, {"Retry-After": "3"})], [3], True),                  # the server's Retry-After, in seconds
-    ([(429, {}), (429, {})], [1, 2], True),                      # no Retry-After: exponential back-off
-    ([(503, {"Retry-After": "2"})], [2], True),
-    ([(429, {"Retry-After": "Wed, 21 Oct 2015 07:28:00 GMT"})], [], True),  # a date already past: no wait
-    ([(429, {"Retry-After": "1"})] * 3, [1, 1], False),          # still 429 after --max_retries: listed as failed
-])
+@pytest.mark.parametrize(
+    "responses,sleeps,fetched",
+    [
+        ([(429, {"Retry-After": "3"})], [3], True),  # the server's Retry-After, in seconds
+        ([(429, {}), (429, {})], [1, 2], True),  # no Retry-After: exponential back-off
+        ([(503, {"Retry-After": "2"})], [2], True),
+        ([(429, {"Retry-After": "Wed, 21 Oct 2015 07:28:00 GMT"})], [], True),  # a date already past: no wait
+        ([(429, {"Retry-After": "1"})] * 3, [1, 1], False),  # still 429 after --max_retries: listed as failed
+    ],
+)
 def test_fetch_images_backs_off_on_429(tmp_path, monkeypatch, responses, sleeps, fetched):
     from upstream_site import Site, ok, png_bytes
 
@@ -568,8 +822,9 @@ def test_fetch_images_backs_off_on_429(tmp_path, monkeypatch, responses, sleeps,
     monkeypatch.setattr(fi, "_sleep", slept.append)
     with Site({"/a.png": [(s, h, b"") for s, h in responses] + [ok(png_bytes())]}) as site:
         kb = kb_with_images(tmp_path, [site.url("/a.png")])
-        counts = fi.fetch_images(fi.FetchArgs(kb=str(kb), out=str(tmp_path / "imgs"), user_agent=UA, max_retries=2),
-                                 log=quiet)
+        counts = fi.fetch_images(
+            fi.FetchArgs(kb=str(kb), out=str(tmp_path / "imgs"), user_agent=UA, max_retries=2), log=quiet
+        )
     assert [round(s) for s in slept] == sleeps
     assert counts["fetched"] == int(fetched) and counts["failed"] == int(not fetched)
     if not fetched:
@@ -577,10 +832,13 @@ def test_fetch_images_backs_off_on_429(tmp_path, monkeypatch, responses, sleeps,
         assert "429" in failed["reason"]
 
 
-@pytest.mark.parametrize("damage,match", [
-    ("truncated gz", "truncated or corrupt"),
-    ("zip of two data files", "one .json/.jsonl/.csv file, found a.jsonl, b.jsonl"),
-])
+@pytest.mark.parametrize(
+    "damage,match",
+    [
+        ("truncated gz", "truncated or corrupt"),
+        ("zip of two data files", "one .json/.jsonl/.csv file, found a.jsonl, b.jsonl"),
+    ],
+)
 def test_a_damaged_or_ambiguous_download_is_refused_naming_it(tmp_path, damage, match):
     import gzip
     import zipfile

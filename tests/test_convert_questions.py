@@ -1,4 +1,5 @@
-"""Question converters on the real InfoSeek rows in tests/data/realdata (real rows, their sources in SOURCES.md) and on E-VQA CSV fixtures written from the
+"""Question converters on the real InfoSeek rows in tests/data/realdata (real rows, their sources in SOURCES.md) and on
+E-VQA CSV fixtures written from the
 upstream documentation (columns, `|` / `&&` separators, id shapes, a 2-hop row, a multi-answer row)."""
 
 import csv
@@ -14,9 +15,22 @@ from retrieval.upstream.convert import ConvertArgs, convert
 from retrieval.upstream.questions import ImageFinder, evqa_image_candidates, evqa_questions, infoseek_image_candidates
 
 REAL = Path(__file__).resolve().parent / "data" / "realdata"  # real rows, their sources in SOURCES.md
-EVQA_COLUMNS = ["question", "answer", "dataset_image_ids", "dataset_name", "dataset_category_id", "question_type",
-                "wikipedia_url", "wikipedia_title", "evidence", "evidence_section_id", "evidence_section_title",
-                "encyclopedic_vqa_split", "question_original", "wikipedia_url_used_in_train"]
+EVQA_COLUMNS = [
+    "question",
+    "answer",
+    "dataset_image_ids",
+    "dataset_name",
+    "dataset_category_id",
+    "question_type",
+    "wikipedia_url",
+    "wikipedia_title",
+    "evidence",
+    "evidence_section_id",
+    "evidence_section_title",
+    "encyclopedic_vqa_split",
+    "question_original",
+    "wikipedia_url_used_in_train",
+]
 LANDMARK = "8b3e4a5c6d7e8f90"
 
 
@@ -30,11 +44,22 @@ def touch(root: Path, rel: str):
 
 
 def evqa_row(**kw):
-    base = dict(question="Where is it found?", answer="Europe|European continent", dataset_image_ids="1234|5678",
-                dataset_name="inaturalist", dataset_category_id="77", question_type="templated",
-                wikipedia_url="https://en.wikipedia.org/wiki/X", wikipedia_title="X", evidence="It lives in Europe.",
-                evidence_section_id="3", evidence_section_title="Distribution", encyclopedic_vqa_split="test",
-                question_original="", wikipedia_url_used_in_train="False")
+    base = dict(
+        question="Where is it found?",
+        answer="Europe|European continent",
+        dataset_image_ids="1234|5678",
+        dataset_name="inaturalist",
+        dataset_category_id="77",
+        question_type="templated",
+        wikipedia_url="https://en.wikipedia.org/wiki/X",
+        wikipedia_title="X",
+        evidence="It lives in Europe.",
+        evidence_section_id="3",
+        evidence_section_title="Distribution",
+        encyclopedic_vqa_split="test",
+        question_original="",
+        wikipedia_url_used_in_train="False",
+    )
     return {**base, **kw}
 
 
@@ -51,22 +76,44 @@ def evqa_files(tmp_path):
     touch(root, f"landmarks/8/b/3/{LANDMARK}.jpg")
     touch(root, "inaturalist/1234.JPEG")  # .JPEG occurs
     touch(root, "inaturalist/2222.jpg")
-    write_csv(tmp_path / "test.csv", [
-        evqa_row(),                                                                     # 0 kept → E-VQA_0
-        evqa_row(question="Hop?", question_type="2_hop", evidence_section_id="2|5",     # 1 2-hop, not counted
-                 wikipedia_url="https://en.wikipedia.org/wiki/A|https://en.wikipedia.org/wiki/B"),
-        evqa_row(question="Which two?", answer="red && blue|blue&&red", question_type="multi_answer",
-                 dataset_name="landmarks", dataset_image_ids=LANDMARK),                 # 2 kept → E-VQA_1
-        evqa_row(question="Gone?", dataset_image_ids="9999", question_type="automatic"),  # 3 no file → E-VQA_2 skipped
-        evqa_row(question="Second image", dataset_image_ids="2222|1234"),               # 4 → E-VQA_3
-    ])
+    write_csv(
+        tmp_path / "test.csv",
+        [
+            evqa_row(),  # 0 kept → E-VQA_0
+            evqa_row(
+                question="Hop?",
+                question_type="2_hop",
+                evidence_section_id="2|5",  # 1 2-hop, not counted
+                wikipedia_url="https://en.wikipedia.org/wiki/A|https://en.wikipedia.org/wiki/B",
+            ),
+            evqa_row(
+                question="Which two?",
+                answer="red && blue|blue&&red",
+                question_type="multi_answer",
+                dataset_name="landmarks",
+                dataset_image_ids=LANDMARK,
+            ),  # 2 kept → E-VQA_1
+            evqa_row(
+                question="Gone?", dataset_image_ids="9999", question_type="automatic"
+            ),  # 3 no file → E-VQA_2 skipped
+            evqa_row(question="Second image", dataset_image_ids="2222|1234"),  # 4 → E-VQA_3
+        ],
+    )
     return root
 
 
 def test_evqa_csv_per_dataset_image_rules_ids_and_upstream_names(tmp_path):
     root = evqa_files(tmp_path)
-    n = convert(ConvertArgs(format="evqa-questions", input=str(tmp_path / "test.csv"), split="test",
-                            images_root=str(root), out=str(tmp_path / "q.jsonl")), log=quiet)
+    n = convert(
+        ConvertArgs(
+            format="evqa-questions",
+            input=str(tmp_path / "test.csv"),
+            split="test",
+            images_root=str(root),
+            out=str(tmp_path / "q.jsonl"),
+        ),
+        log=quiet,
+    )
     rows = {r["question"]: r for r in read_jsonl(tmp_path / "q.jsonl")}
     assert n == 3 and set(rows) == {"Where is it found?", "Which two?", "Second image"}
     first = rows["Where is it found?"]
@@ -86,8 +133,17 @@ def test_evqa_csv_per_dataset_image_rules_ids_and_upstream_names(tmp_path):
 
 def test_evqa_two_hop_gives_lists_never_joined_strings(tmp_path):
     root = evqa_files(tmp_path)
-    convert(ConvertArgs(format="evqa-questions", input=str(tmp_path / "test.csv"), split="test", images_root=str(root),
-                        include_two_hop=True, out=str(tmp_path / "q.jsonl")), log=quiet)
+    convert(
+        ConvertArgs(
+            format="evqa-questions",
+            input=str(tmp_path / "test.csv"),
+            split="test",
+            images_root=str(root),
+            include_two_hop=True,
+            out=str(tmp_path / "q.jsonl"),
+        ),
+        log=quiet,
+    )
     hop = next(r for r in read_jsonl(tmp_path / "q.jsonl") if r["question_type"] == "2_hop")
     assert hop["entity_id"] == ["https://en.wikipedia.org/wiki/A", "https://en.wikipedia.org/wiki/B"]
     assert hop["evidence_section_id"] == [2, 5] and "upstream_id" not in hop and hop["id"] == "evqa-test-1"
@@ -98,8 +154,17 @@ def test_evqa_inaturalist_through_echosight_id2name(tmp_path):
     touch(root, "inaturalist/val/04312_Plantae_x/abc.jpg")
     (tmp_path / "id2name.json").write_text(json.dumps({"1234": "val/04312_Plantae_x/abc.jpg"}))
     write_csv(tmp_path / "t.csv", [evqa_row(), evqa_row(dataset_image_ids="5555")])
-    n = convert(ConvertArgs(format="evqa-questions", input=str(tmp_path / "t.csv"), split="val", images_root=str(root),
-                            inat_id2name=str(tmp_path / "id2name.json"), out=str(tmp_path / "q.jsonl")), log=quiet)
+    n = convert(
+        ConvertArgs(
+            format="evqa-questions",
+            input=str(tmp_path / "t.csv"),
+            split="val",
+            images_root=str(root),
+            inat_id2name=str(tmp_path / "id2name.json"),
+            out=str(tmp_path / "q.jsonl"),
+        ),
+        log=quiet,
+    )
     assert n == 1 and next(read_jsonl(tmp_path / "q.jsonl"))["image"] == "inaturalist/val/04312_Plantae_x/abc.jpg"
     assert "map" in next(read_jsonl(tmp_path / "q.jsonl.skipped.jsonl"))["reason"]
 
@@ -119,20 +184,40 @@ def test_evqa_ids_unique_across_splits_and_all_images():
 def test_echosight_infoseek_csv_keeps_its_data_id(tmp_path):
     root = tmp_path / "images"
     touch(root, "infoseek/oven_05050169.JPEG")
-    write_csv(tmp_path / "infoseek_test_filtered.csv", [evqa_row(
-        data_id="infoseek_val_00000007", dataset_name="infoseek", question_type="infoseek",
-        dataset_image_ids="oven_05050169", answer="France", wikipedia_url="https://en.wikipedia.org/wiki/Paris")],
-        EVQA_COLUMNS + ["data_id"])
-    convert(ConvertArgs(format="infoseek-csv", input=str(tmp_path / "infoseek_test_filtered.csv"), split="val",
-                        images_root=str(root), out=str(tmp_path / "q.jsonl")), log=quiet)
+    write_csv(
+        tmp_path / "infoseek_test_filtered.csv",
+        [
+            evqa_row(
+                data_id="infoseek_val_00000007",
+                dataset_name="infoseek",
+                question_type="infoseek",
+                dataset_image_ids="oven_05050169",
+                answer="France",
+                wikipedia_url="https://en.wikipedia.org/wiki/Paris",
+            )
+        ],
+        EVQA_COLUMNS + ["data_id"],
+    )
+    convert(
+        ConvertArgs(
+            format="infoseek-csv",
+            input=str(tmp_path / "infoseek_test_filtered.csv"),
+            split="val",
+            images_root=str(root),
+            out=str(tmp_path / "q.jsonl"),
+        ),
+        log=quiet,
+    )
     (q,) = read_jsonl(tmp_path / "q.jsonl")
     assert q["id"] == q["upstream_id"] == "infoseek_val_00000007" and q["image"] == "infoseek/oven_05050169.JPEG"
 
 
 def test_unknown_dataset_or_question_type_is_listed_not_raised(tmp_path):
     write_csv(tmp_path / "t.csv", [evqa_row(dataset_name="imagenet"), evqa_row(question_type="weird"), evqa_row()])
-    n = convert(ConvertArgs(format="evqa-questions", input=str(tmp_path / "t.csv"), split="val",
-                            out=str(tmp_path / "q.jsonl")), log=quiet)
+    n = convert(
+        ConvertArgs(format="evqa-questions", input=str(tmp_path / "t.csv"), split="val", out=str(tmp_path / "q.jsonl")),
+        log=quiet,
+    )
     reasons = [s["reason"] for s in read_jsonl(tmp_path / "q.jsonl.skipped.jsonl")]
     assert n == 1 and any("imagenet" in r for r in reasons) and any("weird" in r for r in reasons)
 
@@ -151,10 +236,18 @@ def infoseek_images(tmp_path, rows, layout):
 def test_real_infoseek_val_rows_with_qtype_and_withkb(tmp_path, layout):
     rows = list(read_jsonl(REAL / "infoseek_val_sample.jsonl"))
     root = infoseek_images(tmp_path, rows, layout)
-    n = convert(ConvertArgs(format="infoseek", input=str(REAL / "infoseek_val_sample.jsonl"),
-                            withkb=str(REAL / "infoseek_val_withkb_sample.jsonl"),
-                            qtype=str(REAL / "infoseek_val_qtype_sample.jsonl"), images_root=str(root),
-                            image_layout=layout, out=str(tmp_path / "q.jsonl")), log=quiet)
+    n = convert(
+        ConvertArgs(
+            format="infoseek",
+            input=str(REAL / "infoseek_val_sample.jsonl"),
+            withkb=str(REAL / "infoseek_val_withkb_sample.jsonl"),
+            qtype=str(REAL / "infoseek_val_qtype_sample.jsonl"),
+            images_root=str(root),
+            image_layout=layout,
+            out=str(tmp_path / "q.jsonl"),
+        ),
+        log=quiet,
+    )
     (q,) = read_jsonl(tmp_path / "q.jsonl")  # only infoseek_val_00000000 has its withkb row in the sample
     assert n == 1 and q["id"] == "infoseek_val_00000000" and q["question_type"] == "String"
     assert q["entity_id"].startswith("Q") and q["split"] == "val_unseen_question"
@@ -169,8 +262,17 @@ def test_real_infoseek_rows_for_inference_without_entities(tmp_path):
     root = infoseek_images(tmp_path, rows, "oven")
     for name in ("infoseek_val_sample.jsonl", "infoseek_test_sample.jsonl"):
         out = tmp_path / f"{name}.out.jsonl"
-        n = convert(ConvertArgs(format="infoseek", input=str(REAL / name), qtype=str(REAL / "infoseek_val_qtype_sample.jsonl"),
-                                images_root=str(root), require_entity=False, out=str(out)), log=quiet)
+        n = convert(
+            ConvertArgs(
+                format="infoseek",
+                input=str(REAL / name),
+                qtype=str(REAL / "infoseek_val_qtype_sample.jsonl"),
+                images_root=str(root),
+                require_entity=False,
+                out=str(out),
+            ),
+            log=quiet,
+        )
         assert n == sum(1 for _ in read_jsonl(REAL / name)) and not Path(f"{out}.skipped.jsonl").exists()
     (test_q,) = read_jsonl(tmp_path / "infoseek_test_sample.jsonl.out.jsonl")
     assert test_q["entity_id"] is None and test_q["answers"] == [] and test_q["image"] == "05/oven_05494604.jpg"
@@ -181,15 +283,31 @@ def test_real_infoseek_rows_for_inference_without_entities(tmp_path):
 
 
 def test_numeric_answer_eval_object_is_kept_as_is(tmp_path):
-    rows = [r for r in read_jsonl(REAL / "infoseek_train_rows_as_rewritten_by_notebook.jsonl")
-            if r["question_type"] == "Numerical"][:2]
-    raw = [{k: r[k] for k in ("data_id", "image_id", "question", "answer", "answer_eval")} | {"data_split": "train"}
-           for r in rows]
+    rows = [
+        r
+        for r in read_jsonl(REAL / "infoseek_train_rows_as_rewritten_by_notebook.jsonl")
+        if r["question_type"] == "Numerical"
+    ][:2]
+    raw = [
+        {k: r[k] for k in ("data_id", "image_id", "question", "answer", "answer_eval")} | {"data_split": "train"}
+        for r in rows
+    ]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in raw))
-    (tmp_path / "withkb.jsonl").write_text("".join(json.dumps({"data_id": r["data_id"], "entity_id": r["entity_id"],
-                                                               "entity_text": r["entity_text"]}) + "\n" for r in rows))
-    convert(ConvertArgs(format="infoseek", input=str(tmp_path / "train.jsonl"), withkb=str(tmp_path / "withkb.jsonl"),
-                        out=str(tmp_path / "q.jsonl")), log=quiet)
+    (tmp_path / "withkb.jsonl").write_text(
+        "".join(
+            json.dumps({"data_id": r["data_id"], "entity_id": r["entity_id"], "entity_text": r["entity_text"]}) + "\n"
+            for r in rows
+        )
+    )
+    convert(
+        ConvertArgs(
+            format="infoseek",
+            input=str(tmp_path / "train.jsonl"),
+            withkb=str(tmp_path / "withkb.jsonl"),
+            out=str(tmp_path / "q.jsonl"),
+        ),
+        log=quiet,
+    )
     out = list(read_jsonl(tmp_path / "q.jsonl"))
     assert [q["answer_eval"] for q in out] == [r["answer_eval"] for r in rows]
     assert isinstance(out[0]["answer_eval"][0], dict) and set(out[0]["answer_eval"][0]) == {"wikidata", "range"}
@@ -197,9 +315,15 @@ def test_numeric_answer_eval_object_is_kept_as_is(tmp_path):
 
 
 def test_real_train_rows_with_the_train_withkb(tmp_path):
-    n = convert(ConvertArgs(format="infoseek", input=str(REAL / "infoseek_train_sample.jsonl"),
-                            withkb=str(REAL / "infoseek_train_withkb_sample.jsonl"), out=str(tmp_path / "q.jsonl")),
-                log=quiet)
+    n = convert(
+        ConvertArgs(
+            format="infoseek",
+            input=str(REAL / "infoseek_train_sample.jsonl"),
+            withkb=str(REAL / "infoseek_train_withkb_sample.jsonl"),
+            out=str(tmp_path / "q.jsonl"),
+        ),
+        log=quiet,
+    )
     first = next(read_jsonl(tmp_path / "q.jsonl"))
     assert n >= 1 and first["id"] == "infoseek_train_00000000" and first["entity_id"] == "Q33602"
 
@@ -209,13 +333,19 @@ def test_infoseek_without_withkb_needs_require_entity_false(tmp_path):
         convert(ConvertArgs(format="infoseek", input=str(REAL / "infoseek_test_sample.jsonl"), out=str(tmp_path / "o")))
 
 
-@pytest.mark.parametrize("args,match", [
-    (dict(format="nope", input="x", out="y"), "--format"),
-    (dict(format="infoseek", input="/does/not/exist", out="y"), "--input"),
-    (dict(format="evqa-questions", input=__file__, out="y"), "--split"),
-    (dict(format="infoseek", input=__file__, out="y", require_entity=False, image_layout="nested"), "--image_layout"),
-    (dict(format="evqa-questions", input=__file__, out="y", split="val", image_dirs="landmarks"), "--image_dirs"),
-])
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (dict(format="nope", input="x", out="y"), "--format"),
+        (dict(format="infoseek", input="/does/not/exist", out="y"), "--input"),
+        (dict(format="evqa-questions", input=__file__, out="y"), "--split"),
+        (
+            dict(format="infoseek", input=__file__, out="y", require_entity=False, image_layout="nested"),
+            "--image_layout",
+        ),
+        (dict(format="evqa-questions", input=__file__, out="y", split="val", image_dirs="landmarks"), "--image_dirs"),
+    ],
+)
 def test_convert_refuses_bad_arguments(args, match):
     with pytest.raises(ValueError, match=match):
         convert(ConvertArgs(**args))
@@ -236,26 +366,46 @@ def test_oven_candidates_use_the_id_slice(image_id):
 # --------------------------------------------------------------------------- upstream issues: one table each
 
 
-@pytest.mark.parametrize("include_two_hop,written,skipped_rows", [
-    (False, 5, [1, 2]),   # the 2-hop row is left out as the papers do, and listed
-    (True, 6, [2]),
-])
+@pytest.mark.parametrize(
+    "include_two_hop,written,skipped_rows",
+    [
+        (False, 5, [1, 2]),  # the 2-hop row is left out as the papers do, and listed
+        (True, 6, [2]),
+    ],
+)
 def test_every_row_left_out_is_listed_two_hop_included(tmp_path, include_two_hop, written, skipped_rows):
     root = tmp_path / "images"
     for i in ("1", "3", "4", "5", "6", "7"):
         touch(root, f"inaturalist/{i}.jpg")
-    write_csv(tmp_path / "val.csv", [
-        evqa_row(dataset_image_ids="1"),
-        evqa_row(question_type="2_hop", dataset_image_ids="7", evidence_section_id="2|5",
-                 wikipedia_url="https://en.wikipedia.org/wiki/A|https://en.wikipedia.org/wiki/B"),
-        evqa_row(dataset_image_ids="2", question_type="automatic"),      # no image file
-        evqa_row(dataset_image_ids="3", question_type="multi_answer", answer="a && b"),
-        evqa_row(dataset_image_ids="4"), evqa_row(dataset_image_ids="5", question_type="automatic"),
-        evqa_row(dataset_image_ids="6"),
-    ])
+    write_csv(
+        tmp_path / "val.csv",
+        [
+            evqa_row(dataset_image_ids="1"),
+            evqa_row(
+                question_type="2_hop",
+                dataset_image_ids="7",
+                evidence_section_id="2|5",
+                wikipedia_url="https://en.wikipedia.org/wiki/A|https://en.wikipedia.org/wiki/B",
+            ),
+            evqa_row(dataset_image_ids="2", question_type="automatic"),  # no image file
+            evqa_row(dataset_image_ids="3", question_type="multi_answer", answer="a && b"),
+            evqa_row(dataset_image_ids="4"),
+            evqa_row(dataset_image_ids="5", question_type="automatic"),
+            evqa_row(dataset_image_ids="6"),
+        ],
+    )
     messages = []
-    n = convert(ConvertArgs(format="evqa-questions", input=str(tmp_path / "val.csv"), split="val", images_root=str(root),
-                            include_two_hop=include_two_hop, out=str(tmp_path / "q.jsonl")), log=messages.append)
+    n = convert(
+        ConvertArgs(
+            format="evqa-questions",
+            input=str(tmp_path / "val.csv"),
+            split="val",
+            images_root=str(root),
+            include_two_hop=include_two_hop,
+            out=str(tmp_path / "q.jsonl"),
+        ),
+        log=messages.append,
+    )
     skipped = list(read_jsonl(tmp_path / "q.jsonl.skipped.jsonl"))
     assert n == written and sorted(s["row"] for s in skipped) == skipped_rows
     assert f"wrote {written} records" in messages[0] and f"{len(skipped_rows)} skipped" in messages[0]
@@ -264,30 +414,47 @@ def test_every_row_left_out_is_listed_two_hop_included(tmp_path, include_two_hop
         assert "2_hop" in hop["reason"] and "--include_two_hop" in hop["reason"]
 
 
-@pytest.mark.parametrize("layout,path", [
-    ("GLDv2 nested (EchoSight)", f"landmarks/8/b/3/{LANDMARK}.jpg"),
-    ("flat <id>.jpg (OMGM)", f"landmarks/{LANDMARK}.jpg"),
-])
+@pytest.mark.parametrize(
+    "layout,path",
+    [
+        ("GLDv2 nested (EchoSight)", f"landmarks/8/b/3/{LANDMARK}.jpg"),
+        ("flat <id>.jpg (OMGM)", f"landmarks/{LANDMARK}.jpg"),
+    ],
+)
 def test_landmark_images_nested_or_flat(tmp_path, layout, path):
     root = tmp_path / "images"
     touch(root, path)
     write_csv(tmp_path / "test.csv", [evqa_row(dataset_name="landmarks", dataset_image_ids=LANDMARK)])
-    n = convert(ConvertArgs(format="evqa-questions", input=str(tmp_path / "test.csv"), split="test",
-                            images_root=str(root), out=str(tmp_path / "q.jsonl")), log=quiet)
+    n = convert(
+        ConvertArgs(
+            format="evqa-questions",
+            input=str(tmp_path / "test.csv"),
+            split="test",
+            images_root=str(root),
+            out=str(tmp_path / "q.jsonl"),
+        ),
+        log=quiet,
+    )
     assert n == 1 and next(read_jsonl(tmp_path / "q.jsonl"))["image"] == path
 
 
-@pytest.mark.parametrize("qtype,value,section", [
-    ("templated", "3", 3),
-    ("templated", "3.0", 3),          # what pandas writes for an integer column with gaps
-    ("templated", " 3 ", 3),
-    ("templated", "", None),
-    ("2_hop", "2|5", [2, 5]),
-    ("2_hop", "2.0|5.0", [2, 5]),
-])
+@pytest.mark.parametrize(
+    "qtype,value,section",
+    [
+        ("templated", "3", 3),
+        ("templated", "3.0", 3),  # what pandas writes for an integer column with gaps
+        ("templated", " 3 ", 3),
+        ("templated", "", None),
+        ("2_hop", "2|5", [2, 5]),
+        ("2_hop", "2.0|5.0", [2, 5]),
+    ],
+)
 def test_evidence_section_id_written_as_a_float_keeps_its_section(tmp_path, qtype, value, section):
-    url = "https://en.wikipedia.org/wiki/A|https://en.wikipedia.org/wiki/B" if qtype == "2_hop" else \
-        "https://en.wikipedia.org/wiki/A"
+    url = (
+        "https://en.wikipedia.org/wiki/A|https://en.wikipedia.org/wiki/B"
+        if qtype == "2_hop"
+        else "https://en.wikipedia.org/wiki/A"
+    )
     rows = [evqa_row(question_type=qtype, evidence_section_id=value, wikipedia_url=url)]
     (q,) = evqa_questions(rows, ImageFinder(None), quiet, split="val", include_two_hop=True)
     assert q.get("evidence_section_id") == section

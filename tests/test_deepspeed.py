@@ -42,13 +42,37 @@ def launch(stage: int, argv: list[str], cwd: Path) -> str:
 
 
 def grpo_config(folder: Path, world: Path, index: Path, model: Path, **overrides) -> list[str]:
-    cfg = dict(index=str(index), train_file=str(world / "train.jsonl"), alpha=0.5, prompt="toy", depth=8,
-               model_name_or_path=str(model), output_dir=str(folder / "run"), use_cpu=True, bf16=False,
-               activation_checkpointing=False, seed=0, num_generations=4, per_device_train_batch_size=4,
-               gradient_accumulation_steps=1, max_steps=4, learning_rate=1e-4, lr_scheduler_type="constant",
-               temperature=1.0, max_completion_length=40, logging_steps=1, save_strategy="steps", save_steps=2,
-               report_to="none", log_table_steps=0, dataloader_num_workers=0, disable_tqdm=True,
-               min_pixels=112 * 112, max_pixels=112 * 112, ddp_timeout=120)
+    cfg = dict(
+        index=str(index),
+        train_file=str(world / "train.jsonl"),
+        alpha=0.5,
+        prompt="toy",
+        depth=8,
+        model_name_or_path=str(model),
+        output_dir=str(folder / "run"),
+        use_cpu=True,
+        bf16=False,
+        activation_checkpointing=False,
+        seed=0,
+        num_generations=4,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=1,
+        max_steps=4,
+        learning_rate=1e-4,
+        lr_scheduler_type="constant",
+        temperature=1.0,
+        max_completion_length=40,
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=2,
+        report_to="none",
+        log_table_steps=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        min_pixels=112 * 112,
+        max_pixels=112 * 112,
+        ddp_timeout=120,
+    )
     cfg.update(overrides)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "cfg.yaml").write_text(yaml.safe_dump(cfg))
@@ -70,11 +94,15 @@ def test_grpo_under_zero3_saves_the_engines_weights(zero3_run, tiny_refiner, enc
     check_saved_engine_weights(run, 4, 3, output, tiny_refiner, encoders)  # ZeRO-2: tests/test_multiprocess.py
 
 
-def test_resuming_a_zero3_checkpoint_continues_the_run(zero3_run, tiny_world, tiny_index_dir, tiny_refiner,
-                                                       tmp_path):
+def test_resuming_a_zero3_checkpoint_continues_the_run(zero3_run, tiny_world, tiny_index_dir, tiny_refiner, tmp_path):
     run, _ = zero3_run
-    launch(3, grpo_config(tmp_path, tiny_world, tiny_index_dir, tiny_refiner,
-                          resume_from_checkpoint=str(run / "checkpoint-2")), tmp_path)
+    launch(
+        3,
+        grpo_config(
+            tmp_path, tiny_world, tiny_index_dir, tiny_refiner, resume_from_checkpoint=str(run / "checkpoint-2")
+        ),
+        tmp_path,
+    )
 
     def losses(folder):
         state = json.loads((folder / "checkpoint-4" / "trainer_state.json").read_text())
@@ -112,17 +140,34 @@ def test_export_gathers_a_checkpoint_that_holds_only_zero_shards(zero3_run, tmp_
 # --------------------------------------------------------------------------- LoRA under ZeRO-3, and export
 
 
-def test_lora_under_zero3_exports_merged_from_final_and_from_a_checkpoint(tiny_world, tiny_index_dir, tiny_refiner,
-                                                                          tmp_path):
+def test_lora_under_zero3_exports_merged_from_final_and_from_a_checkpoint(
+    tiny_world, tiny_index_dir, tiny_refiner, tmp_path
+):
     from rl.export import ExportArgs, export
 
-    output = launch(3, grpo_config(tmp_path, tiny_world, tiny_index_dir, tiny_refiner, max_steps=2, dtype="bfloat16",
-                                   use_peft=True, lora_r=4, lora_alpha=8, lora_target_modules=["q_proj", "v_proj"],
-                                   learning_rate=1e-2), tmp_path)
+    output = launch(
+        3,
+        grpo_config(
+            tmp_path,
+            tiny_world,
+            tiny_index_dir,
+            tiny_refiner,
+            max_steps=2,
+            dtype="bfloat16",
+            use_peft=True,
+            lora_r=4,
+            lora_alpha=8,
+            lora_target_modules=["q_proj", "v_proj"],
+            learning_rate=1e-2,
+        ),
+        tmp_path,
+    )
     # no mixed precision on the CPU: zero.Init made every parameter fp32 though bfloat16 was asked, and TRL left the
     # adapters in the weights' dtype (on GPUs with bf16 mixed precision, both are bf16)
-    assert "weights in float32, frozen (ZeRO-3's partitioned init casts every parameter to float32, not the " \
-           "bfloat16 asked for); LoRA adapters in float32 (TRL: autocast_adapter_dtype=False under ZeRO-3)" in output
+    assert (
+        "weights in float32, frozen (ZeRO-3's partitioned init casts every parameter to float32, not the "
+        "bfloat16 asked for); LoRA adapters in float32 (TRL: autocast_adapter_dtype=False under ZeRO-3)" in output
+    )
     run = tmp_path / "run"
     adapter = load_file(str(run / "final" / "adapter_model.safetensors"))
     assert adapter and all("lora_" in k for k in adapter) and all(v.numel() > 0 for v in adapter.values())
@@ -132,8 +177,10 @@ def test_lora_under_zero3_exports_merged_from_final_and_from_a_checkpoint(tiny_w
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText
 
-    export(ExportArgs(checkpoint=str(run / "checkpoint-2"), out=str(tmp_path / "exported"), dtype="fp32"),
-           log=lambda *a: None)
+    export(
+        ExportArgs(checkpoint=str(run / "checkpoint-2"), out=str(tmp_path / "exported"), dtype="fp32"),
+        log=lambda *a: None,
+    )
     merged = reloaded(tmp_path / "exported")
     base = AutoModelForImageTextToText.from_pretrained(str(tiny_refiner), dtype=torch.float32)
     here = PeftModel.from_pretrained(base, str(run / "final")).merge_and_unload().state_dict()

@@ -20,9 +20,16 @@ ROOT = Path(__file__).resolve().parent.parent
 # --------------------------------------------------------------------------- the batch over processes
 
 
-@pytest.mark.parametrize("total,processes,accumulation,per_device", [
-    (32, 1, 1, 32), (32, 2, 1, 16), (32, 2, 2, 8), (16, 8, 1, 2), (160, 8, 1, 20),
-])
+@pytest.mark.parametrize(
+    "total,processes,accumulation,per_device",
+    [
+        (32, 1, 1, 32),
+        (32, 2, 1, 16),
+        (32, 2, 2, 8),
+        (16, 8, 1, 2),
+        (160, 8, 1, 20),
+    ],
+)
 def test_per_device_batch_splits_the_total(total, processes, accumulation, per_device):
     assert per_device_batch(total, processes, accumulation, "x") == per_device
     assert per_device * processes * accumulation == total
@@ -54,14 +61,18 @@ def test_the_embedded_default_takes_32_completions_a_step_however_many_processes
     argv = tg.with_completions_per_step(argv, args, training, processes)
     _, training, _, _ = parse((tg.RefinerArguments, GRPOConfig, ModelConfig, ToyArguments), argv)
     assert training.per_device_train_batch_size * processes * training.gradient_accumulation_steps == 32
-    assert "4 prompts × 8 generations = 32 completions" in tg.validate(args, training, SimpleNamespace(
-        model_name_or_path="tiny"), processes)
+    assert "4 prompts × 8 generations = 32 completions" in tg.validate(
+        args, training, SimpleNamespace(model_name_or_path="tiny"), processes
+    )
 
 
 def test_an_explicit_per_device_batch_that_disagrees_is_an_error_naming_both():
     argv, (args, training, _, _) = parse_toy(["--per_device_train_batch_size", "8"])
-    with pytest.raises(ValueError, match="completions_per_step 32 over 2 processes means "
-                                         "--per_device_train_batch_size 16, but --per_device_train_batch_size 8"):
+    with pytest.raises(
+        ValueError,
+        match="completions_per_step 32 over 2 processes means "
+        "--per_device_train_batch_size 16, but --per_device_train_batch_size 8",
+    ):
         tg.with_completions_per_step(argv, args, training, 2)
     argv, (args, training, _, _) = parse_toy(["--per_device_train_batch_size=8"])  # the `=` form too
     with pytest.raises(ValueError, match="but --per_device_train_batch_size 8 was given"):
@@ -81,8 +92,14 @@ def test_a_finished_warm_start_is_reused_only_with_the_same_settings(tmp_path, m
 
     base, out = tmp_path / "base", tmp_path / "warm"
     out.mkdir()
-    settings = {"base": str(base.resolve()), "steps": 20, "batch_size": 16, "learning_rate": 1e-3,
-                "shift_fraction": 0.5, "seed": 0}
+    settings = {
+        "base": str(base.resolve()),
+        "steps": 20,
+        "batch_size": 16,
+        "learning_rate": 1e-3,
+        "shift_fraction": 0.5,
+        "seed": 0,
+    }
     (out / "warm_start.json").write_text(json.dumps({"settings": settings, "processes": 2, "train_loss": 1.0}))
     monkeypatch.setattr(rl.model, "load_model", lambda *a, **k: pytest.fail("a finished warm start was redone"))
     said = []
@@ -108,8 +125,12 @@ def test_a_phase_shows_one_bar_and_ends_with_one_summary_line(capsys):
     state = SimpleNamespace(is_world_process_zero=True, max_steps=3, global_step=0)
     args = SimpleNamespace()
     progress.on_train_begin(args, state, None)
-    logs = [{"reward": 1.5, "loss": 0.1, "completions": "text"}, {"eval_retrieval/hit@1": 0.25},
-            {"reward": 2.0, "loss": 0.2}, {"train_runtime": 9.0}]
+    logs = [
+        {"reward": 1.5, "loss": 0.1, "completions": "text"},
+        {"eval_retrieval/hit@1": 0.25},
+        {"reward": 2.0, "loss": 0.2},
+        {"train_runtime": 9.0},
+    ]
     for step, log in enumerate(logs, 1):
         state.global_step = min(step, 3)
         progress.on_step_end(args, state, None)
@@ -143,12 +164,43 @@ def test_other_processes_draw_no_bar_and_print_nothing(capsys):
 def run_default(world: Path, out: Path, seed: int, *extra: str, accelerate_config: Path | None = None) -> str:
     """The embedded default (shortened) as two CPU processes, the way `make demo` launches it (or under another
     two-process accelerate config)."""
-    proc = two_processes([str(ROOT / "rl" / "train_grpo.py"), "--toy_world", str(world), "--index", str(world / "index"),
-                          "--train_file", str(world / "train.jsonl"), "--eval_file", str(world / "val.jsonl"),
-                          "--output_dir", str(out), "--seed", str(seed), "--warm_start_steps", "24", "--max_steps",
-                          "2", "--eval_strategy", "no", "--save_strategy", "no", "--report_to", "none",
-                          "--log_table_steps", "0", "--logging_steps", "1", "--ddp_timeout", "120", *extra], cwd=ROOT,
-                         timeout=900, accelerate_config=accelerate_config)
+    proc = two_processes(
+        [
+            str(ROOT / "rl" / "train_grpo.py"),
+            "--toy_world",
+            str(world),
+            "--index",
+            str(world / "index"),
+            "--train_file",
+            str(world / "train.jsonl"),
+            "--eval_file",
+            str(world / "val.jsonl"),
+            "--output_dir",
+            str(out),
+            "--seed",
+            str(seed),
+            "--warm_start_steps",
+            "24",
+            "--max_steps",
+            "2",
+            "--eval_strategy",
+            "no",
+            "--save_strategy",
+            "no",
+            "--report_to",
+            "none",
+            "--log_table_steps",
+            "0",
+            "--logging_steps",
+            "1",
+            "--ddp_timeout",
+            "120",
+            *extra,
+        ],
+        cwd=ROOT,
+        timeout=900,
+        accelerate_config=accelerate_config,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc.stdout + proc.stderr
 
@@ -161,8 +213,14 @@ def seeded_runs(small_default_world, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("seeded")
     runs = {name: tmp / name for name in ("seed0", "seed0-again", "seed1")}
     output = {name: run_default(small_default_world, runs[name], 0) for name in ("seed0", "seed0-again")}
-    output["seed1"] = run_default(small_default_world, runs["seed1"], 1, "--max_steps", "1",
-                                  accelerate_config=ROOT / "configs" / "accelerate" / "zero3-cpu2.yaml")
+    output["seed1"] = run_default(
+        small_default_world,
+        runs["seed1"],
+        1,
+        "--max_steps",
+        "1",
+        accelerate_config=ROOT / "configs" / "accelerate" / "zero3-cpu2.yaml",
+    )
     return runs, output
 
 
@@ -191,11 +249,15 @@ def test_the_same_seed_gives_the_same_learning_table_with_two_processes(seeded_r
     for k in a:
         assert a[k] == pytest.approx(b[k], abs=1e-9), k
     for name in ("grpo", "warm_start"):
-        queries = [[json.loads(x)["query"] for x in open(r / f"test_queries_{name}.jsonl")]
-                   for r in (runs["seed0"], runs["seed0-again"])]
+        queries = [
+            [json.loads(x)["query"] for x in open(r / f"test_queries_{name}.jsonl")]
+            for r in (runs["seed0"], runs["seed0-again"])
+        ]
         assert queries[0] == queries[1]
-    losses = [[h["loss"] for h in json.loads((r / "metrics.json").read_text())["log_history"] if "loss" in h]
-              for r in (runs["seed0"], runs["seed0-again"])]
+    losses = [
+        [h["loss"] for h in json.loads((r / "metrics.json").read_text())["log_history"] if "loss" in h]
+        for r in (runs["seed0"], runs["seed0-again"])
+    ]
     assert len(losses[0]) == 2 and losses[0] == pytest.approx(losses[1], abs=1e-9)
 
 
@@ -218,8 +280,12 @@ def test_the_embedded_default_under_zero3_prints_its_learning_table(seeded_runs)
     both processes, and process 0 alone computes the learning table from the saved weights."""
     runs, output = seeded_runs
     out = output["seed1"]
-    assert "rank 0/2 on cpu:0 (DeepSpeed ZeRO-3 over gloo, 1 CPU threads); weights in float32 (ZeRO-3's " \
-           "partitioned init casts every parameter to float32)" in out and "rank 1/2" in out
+    assert (
+        "rank 0/2 on cpu:0 (DeepSpeed ZeRO-3 over gloo, 1 CPU threads); weights in float32 (ZeRO-3's "
+        "partitioned init casts every parameter to float32)"
+        in out
+        and "rank 1/2" in out
+    )
     assert (runs["seed1"] / "tiny-base-seed1" / "config.json").exists()  # built in this run, by process 0
     assert json.loads((runs["seed1"] / "warm_start" / "warm_start.json").read_text())["processes"] == 2
     table = json.loads((runs["seed1"] / "learning.json").read_text())

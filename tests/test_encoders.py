@@ -30,8 +30,13 @@ def test_tiny_text_encoder_is_deterministic_and_normalised(encoders):
 
 def test_minilm_relates_attribute_words():
     enc = text_encoder("minilm", device="cpu")
-    e = enc.encode(["Where does this creature live? red star striped",
-                    "The Zorvak is a red striped star.", "The Melidra is a blue plain circle."])
+    e = enc.encode(
+        [
+            "Where does this creature live? red star striped",
+            "The Zorvak is a red striped star.",
+            "The Melidra is a blue plain circle.",
+        ]
+    )
     assert enc.dim == 384 and e[0] @ e[1] > e[0] @ e[2] + 0.1
 
 
@@ -53,8 +58,17 @@ def test_good_image_encoder_names(name):
     assert check_image_encoder_name(name) == name
 
 
-@pytest.mark.parametrize("name,ok", [("tiny", True), ("minilm", True), ("Qwen/Qwen3-Embedding-0.6B", True),
-                                     ("nonsense", False), ("", False), ("a/b/c", False)])
+@pytest.mark.parametrize(
+    "name,ok",
+    [
+        ("tiny", True),
+        ("minilm", True),
+        ("Qwen/Qwen3-Embedding-0.6B", True),
+        ("nonsense", False),
+        ("", False),
+        ("a/b/c", False),
+    ],
+)
 def test_text_encoder_names(name, ok):
     if ok:
         assert check_text_encoder_name(name) == name

@@ -10,12 +10,15 @@ from retrieval.evaluate import EvalArgs, parse_ks, parse_sweep, pseudo_recall_at
 QUIET = dict(log=lambda *a: None)
 
 
-@pytest.mark.parametrize("ranks,ks,expected", [
-    ([1, 2, 6, None], [1, 5, 10], {"R@1": 25.0, "R@5": 50.0, "R@10": 75.0}),
-    ([None, None], [1], {"R@1": 0.0}),
-    ([3], [1, 3], {"R@1": 0.0, "R@3": 100.0}),
-    ([], [1], {"R@1": 0.0}),
-])
+@pytest.mark.parametrize(
+    "ranks,ks,expected",
+    [
+        ([1, 2, 6, None], [1, 5, 10], {"R@1": 25.0, "R@5": 50.0, "R@10": 75.0}),
+        ([None, None], [1], {"R@1": 0.0}),
+        ([3], [1, 3], {"R@1": 0.0, "R@3": 100.0}),
+        ([], [1], {"R@1": 0.0}),
+    ],
+)
 def test_recall_at(ranks, ks, expected):
     assert recall_at(ranks, ks) == pytest.approx(expected)
 
@@ -71,8 +74,11 @@ def test_excluded_rows_are_counted(tiny_index_dir, tiny_world, tmp_path, monkeyp
     q = tmp_path / "q.jsonl"
     q.write_text("".join(json.dumps(r) + "\n" for r in rows))
     res = run(tiny_index_dir, q, tmp_path, alpha=0.5, images_root=str(tiny_world))
-    assert res["excluded"] == {"image missing": 1, "entity not in index": 1,
-                               "empty or missing text field (question)": 1}
+    assert res["excluded"] == {
+        "image missing": 1,
+        "entity not in index": 1,
+        "empty or missing text field (question)": 1,
+    }
     assert res["results"]["0.5"]["question"]["n"] == 3
 
 
@@ -85,8 +91,17 @@ def test_compare_prints_two_fields(tiny_index_dir, tiny_world, tmp_path, monkeyp
     q = tiny_world / "refined_test.jsonl"
     q.write_text("".join(json.dumps(r) + "\n" for r in rows))
     lines = []
-    res = ev.run(EvalArgs(index=str(tiny_index_dir), queries=str(q), alpha=0.5, text_field="refined_query",
-                          compare="question", out=str(tmp_path / "ev")), log=lines.append)
+    res = ev.run(
+        EvalArgs(
+            index=str(tiny_index_dir),
+            queries=str(q),
+            alpha=0.5,
+            text_field="refined_query",
+            compare="question",
+            out=str(tmp_path / "ev"),
+        ),
+        log=lines.append,
+    )
     per = res["results"]["0.5"]
     assert set(per) == {"refined_query", "question"} and "PR@1" in per["question"]
     assert "| refined_query |" in "\n".join(lines) and "| question |" in "\n".join(lines)
@@ -103,12 +118,15 @@ def test_rank_changes(before, after, expected):
     assert ev.rank_changes(before, after, depth=200) == expected
 
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(alpha=2.0), "alpha"),
-    (dict(alpha=0.5, k="0"), "--k"),
-    (dict(), "--alpha is required"),
-    (dict(alpha=0.5, alpha_sweep="x"), "alpha_sweep"),
-])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(alpha=2.0), "alpha"),
+        (dict(alpha=0.5, k="0"), "--k"),
+        (dict(), "--alpha is required"),
+        (dict(alpha=0.5, alpha_sweep="x"), "alpha_sweep"),
+    ],
+)
 def test_invalid_settings_fail_before_loading(tiny_index_dir, tiny_world, tmp_path, monkeypatch, kw, match):
     monkeypatch.setattr(ev.MultimodalIndex, "load", lambda *a, **k: pytest.fail("the index was loaded"))
     with pytest.raises(ValueError, match=match):
@@ -122,8 +140,9 @@ def test_missing_index_or_queries_named(tiny_index_dir, tmp_path):
         ev.run(EvalArgs(index=str(tiny_index_dir), queries=str(tmp_path / "none.jsonl"), alpha=0.5))
 
 
-def test_query_images_stream_through_workers_and_a_corrupt_one_is_excluded(tiny_index_dir, tiny_world, tmp_path,
-                                                                           monkeypatch, encoders):
+def test_query_images_stream_through_workers_and_a_corrupt_one_is_excluded(
+    tiny_index_dir, tiny_world, tmp_path, monkeypatch, encoders
+):
     real_load = ev.MultimodalIndex.load
     monkeypatch.setattr(ev.MultimodalIndex, "load", lambda p, **k: real_load(p, *encoders))
     rows = [json.loads(x) for x in open(tiny_world / "test.jsonl")][:8]
@@ -131,8 +150,9 @@ def test_query_images_stream_through_workers_and_a_corrupt_one_is_excluded(tiny_
     rows[2]["image"] = str(tmp_path / "broken.png")
     q = tmp_path / "q.jsonl"
     q.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    by_workers = [run(tiny_index_dir, q, tmp_path / str(w), alpha=0.5, images_root=str(tiny_world), workers=w)
-                  for w in (0, 2)]
+    by_workers = [
+        run(tiny_index_dir, q, tmp_path / str(w), alpha=0.5, images_root=str(tiny_world), workers=w) for w in (0, 2)
+    ]
     for res in by_workers:
         assert res["excluded"] == {"image unreadable": 1} and res["results"]["0.5"]["question"]["n"] == 7
     assert by_workers[0]["results"] == by_workers[1]["results"]
@@ -141,16 +161,27 @@ def test_query_images_stream_through_workers_and_a_corrupt_one_is_excluded(tiny_
 
 
 @pytest.mark.parametrize("factory", ["HNSW8,Flat", "IVF4,Flat"])
-def test_an_approximate_index_is_reported_against_flat(tiny_world, tiny_index, tiny_index_dir, tmp_path, encoders,
-                                                       monkeypatch, factory):
+def test_an_approximate_index_is_reported_against_flat(
+    tiny_world, tiny_index, tiny_index_dir, tmp_path, encoders, monkeypatch, factory
+):
     """The Flat reference of an approximate index is an exact search over the same vectors: its ranks equal the
     exact ranks of the Flat index built from the same KB, and evaluate prints both with their agreement."""
     from retrieval import MultimodalIndex
     from retrieval.build_index import BuildArgs, build_index
 
     out = tmp_path / "idx"
-    build_index(BuildArgs(kb=str(tiny_world / "kb.jsonl"), out=str(out), image_encoder="tiny", text_encoder="tiny",
-                          factory=factory, shard_size=32), encoders=encoders, **QUIET)
+    build_index(
+        BuildArgs(
+            kb=str(tiny_world / "kb.jsonl"),
+            out=str(out),
+            image_encoder="tiny",
+            text_encoder="tiny",
+            factory=factory,
+            shard_size=32,
+        ),
+        encoders=encoders,
+        **QUIET,
+    )
     approx = MultimodalIndex.load(out, *encoders, nprobe=1)  # IVF: 1 of 4 lists, often not the gold entity's
     assert approx.is_approximate and not tiny_index.is_approximate
     rows = [json.loads(x) for x in open(tiny_world / "test.jsonl")]
@@ -162,13 +193,16 @@ def test_an_approximate_index_is_reported_against_flat(tiny_world, tiny_index, t
 
     q, _ = query_vectors(img, txt, 0.5)
     gold = [r["entity_id"] for r in rows]
-    assert approx.reference_ranks(img, txt, gold, 0.5) == tiny_index.exact.ranks(q, [tiny_index.entity_index[g]
-                                                                                       for g in gold])
+    assert approx.reference_ranks(img, txt, gold, 0.5) == tiny_index.exact.ranks(
+        q, [tiny_index.entity_index[g] for g in gold]
+    )
     real_load = ev.MultimodalIndex.load
     monkeypatch.setattr(ev.MultimodalIndex, "load", lambda p, **k: real_load(p, *encoders, nprobe=1))
     lines = []
-    res = ev.run(EvalArgs(index=str(out), queries=str(tiny_world / "test.jsonl"), alpha=0.5, k="1,5",
-                          out=str(tmp_path / "e")), log=lines.append)["results"]["0.5"]
+    res = ev.run(
+        EvalArgs(index=str(out), queries=str(tiny_world / "test.jsonl"), alpha=0.5, k="1,5", out=str(tmp_path / "e")),
+        log=lines.append,
+    )["results"]["0.5"]
     flat = run(tiny_index_dir, tiny_world / "test.jsonl", tmp_path / "flat", alpha=0.5, k="1,5")["results"]["0.5"]
     for k in ("R@1", "R@5"):
         assert res["question (Flat reference)"][k] == pytest.approx(flat["question"][k])

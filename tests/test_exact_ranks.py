@@ -22,8 +22,14 @@ def make(counts, di=6, dt=10, seed=0, factory="Flat", rank_method="exact"):
     t = l2_normalize(rng.normal(size=(len(entity_ids), dt)))
     rows = np.concatenate([v, t], 1).astype(np.float32)
     manifest = {"image_dim": di, "text_dim": dt, "image_encoder": "x", "text_encoder": "y"}
-    index = MultimodalIndex(build_faiss_index(rows, factory), [f"row{i}" for i in range(len(rows))], entity_ids,
-                            manifest, device="cpu", rank_method=rank_method)
+    index = MultimodalIndex(
+        build_faiss_index(rows, factory),
+        [f"row{i}" for i in range(len(rows))],
+        entity_ids,
+        manifest,
+        device="cpu",
+        rank_method=rank_method,
+    )
     return index, rows, entity_ids
 
 
@@ -56,7 +62,8 @@ def test_one_entity_owns_more_rows_than_the_gpu_k_cap_allows_at_depth():
 
 
 def test_auto_ranks_exactly_on_a_gpu_and_with_faiss_on_a_cpu():
-    """benchmarks/reward_scale.py: the same ranks, FAISS Flat faster on a CPU; no k cap with the exact ranker on a GPU."""
+    """benchmarks/reward_scale.py: the same ranks, FAISS Flat faster on a CPU; no k cap with the exact ranker on a
+    GPU."""
     index, *_ = make([1, 2, 3] * 10, rank_method="auto")
     assert not index.uses_exact_ranks
     index.device = "cuda:0"
@@ -88,8 +95,13 @@ def test_exact_ranks_do_not_depend_on_chunking(seed, alpha, chunk, block):
     gold = list(np.random.default_rng(seed + 1).integers(0, index.num_entities, 7)) + [-1]
     q = np.concatenate([q, q[:1]])
     whole = ExactRanker(torch.from_numpy(rows), index.row_entity, index.num_entities).ranks(q, gold)
-    cut = ExactRanker(torch.from_numpy(rows), index.row_entity, index.num_entities, chunk_rows=chunk,
-                      block_bytes=block * 4 * index.num_entities // 30).ranks(q, gold)
+    cut = ExactRanker(
+        torch.from_numpy(rows),
+        index.row_entity,
+        index.num_entities,
+        chunk_rows=chunk,
+        block_bytes=block * 4 * index.num_entities // 30,
+    ).ranks(q, gold)
     assert whole == cut and whole[-1] is None  # an unknown gold entity has no rank
     for qi, g, r in zip(q, gold[:-1], whole):
         lo, hi = brute_force_bounds(rows, ents, qi, index.entity_names[g])
@@ -104,8 +116,9 @@ def test_ties_go_to_the_gold_entity():
     assert ranker.ranks(np.repeat(rows[:1], 2, 0), [0, 1]) == [1, 1]
 
 
-@pytest.mark.parametrize("factory,storage", [("Flat", "fp32"), ("SQfp16", "fp16"), ("SQbf16", "bf16"),
-                                             ("HNSW8,Flat", None)])
+@pytest.mark.parametrize(
+    "factory,storage", [("Flat", "fp32"), ("SQfp16", "fp16"), ("SQbf16", "bf16"), ("HNSW8,Flat", None)]
+)
 def test_rows_view_shares_the_index_memory(factory, storage, tmp_path):
     import faiss
 
@@ -163,8 +176,12 @@ def test_placement_puts_one_replica_on_this_ranks_gpu(monkeypatch, caplog):
     monkeypatch.setattr(faiss, "get_num_gpus", lambda: 8, raising=False)
     monkeypatch.setattr(faiss, "StandardGpuResources", lambda: "res", raising=False)
     monkeypatch.setattr(faiss, "GpuClonerOptions", lambda: type("O", (), {})(), raising=False)
-    monkeypatch.setattr(faiss, "index_cpu_to_gpu", lambda res, dev, idx, co: calls.append((dev, co.useFloat16)) or
-                        "gpu-index", raising=False)
+    monkeypatch.setattr(
+        faiss,
+        "index_cpu_to_gpu",
+        lambda res, dev, idx, co: calls.append((dev, co.useFloat16)) or "gpu-index",
+        raising=False,
+    )
     monkeypatch.setattr(faiss, "index_cpu_to_all_gpus", lambda *a, **k: pytest.fail("all GPUs"), raising=False)
     flat = build_faiss_index(np.eye(4, dtype=np.float32), "Flat")
     assert placement.index_to_device(flat, "cuda:3") == ("gpu-index", "cuda:3") and calls == [(3, True)]
@@ -175,8 +192,9 @@ def test_placement_puts_one_replica_on_this_ranks_gpu(monkeypatch, caplog):
     assert "cannot live on a GPU" in caplog.text and len(calls) == 1
 
 
-@pytest.mark.parametrize("env,cuda,expected", [({"LOCAL_RANK": "5"}, 8, "cuda:5"), ({}, 8, "cuda:0"),
-                                               ({"LOCAL_RANK": "3"}, 0, "cpu")])
+@pytest.mark.parametrize(
+    "env,cuda,expected", [({"LOCAL_RANK": "5"}, 8, "cuda:5"), ({}, 8, "cuda:0"), ({"LOCAL_RANK": "3"}, 0, "cpu")]
+)
 def test_process_device_is_this_ranks_gpu(monkeypatch, env, cuda, expected):
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     for k, v in env.items():

@@ -59,11 +59,18 @@ def test_lora_is_merged(config, tmp_path, tiny_refiner):
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText
 
-    run = train(config, tmp_path, "lora", use_peft=True, lora_r=4, lora_alpha=8,
-                lora_target_modules=["q_proj", "v_proj"], learning_rate=1e-2)
+    run = train(
+        config,
+        tmp_path,
+        "lora",
+        use_peft=True,
+        lora_r=4,
+        lora_alpha=8,
+        lora_target_modules=["q_proj", "v_proj"],
+        learning_rate=1e-2,
+    )
     assert (run / "checkpoint-1" / "adapter_config.json").exists()
-    out = export(ExportArgs(checkpoint=str(run / "checkpoint-1"), out=str(tmp_path / "serve"), dtype="fp32"),
-                 **QUIET)
+    out = export(ExportArgs(checkpoint=str(run / "checkpoint-1"), out=str(tmp_path / "serve"), dtype="fp32"), **QUIET)
     base = AutoModelForImageTextToText.from_pretrained(str(tiny_refiner), dtype=torch.float32)
     original = {k: v.clone() for k, v in base.state_dict().items()}
     merged = PeftModel.from_pretrained(base, str(run / "checkpoint-1")).merge_and_unload().state_dict()

@@ -21,6 +21,7 @@ def canned(answers_by_question):
             options = answers_by_question[q]
             out.append(options[i % len(options)])
         return out
+
     return generate
 
 
@@ -64,30 +65,46 @@ def test_sample_judge_label_pipeline(questions, tiny_world, tmp_path):
 
 def test_sample_with_a_real_tiny_vlm(questions, tiny_world, tiny_refiner, tmp_path):
     path, picked = questions
-    n = build(BuildDataArgs(stage="sample", queries=str(path), images_root=str(tiny_world), model=str(tiny_refiner),
-                            out=str(tmp_path / "d"), samples=3, max_new_tokens=8), **QUIET)
+    n = build(
+        BuildDataArgs(
+            stage="sample",
+            queries=str(path),
+            images_root=str(tiny_world),
+            model=str(tiny_refiner),
+            out=str(tmp_path / "d"),
+            samples=3,
+            max_new_tokens=8,
+        ),
+        **QUIET,
+    )
     rows = [json.loads(x) for x in open(tmp_path / "d" / "samples.jsonl")]
     assert n == 2 and [r["id"] for r in rows] == [p["id"] for p in picked]
     assert all(len(r["samples"]) == 3 and all(isinstance(s, str) for s in r["samples"]) for r in rows)
 
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(stage="nope", out="x"), "--stage: 'nope' is not one of sample, judge"),
-    (dict(out="x"), "--stage is required"),
-    (dict(stage="label", out="X", variant="odd"), "--variant: 'odd' is not one of hkb, skb"),
-    (dict(stage="render", out="X"), "--stage render needs --variant"),
-    (dict(stage="label", out="X", variant="mct", mct_rule="vote"), "--mct_rule: 'vote' is not one of srt, gold-entity"),
-    (dict(stage="label", out="X", variant="ret", alone_rule="vote"), "--alone_rule: 'vote' is not one of greedy"),
-    (dict(stage="render", out="X", variant="skb", skb_target="floor"), "--skb_target: 'floor' is not one of"),
-    (dict(stage="judge", out="X"), "run --stage sample first"),
-    (dict(stage="sample", out="X", queries="/none.jsonl"), "--queries"),
-    (dict(stage="judge", out="X", judge="vibes"), "unknown judge"),
-    (dict(stage="judge", out="X", judge="llm"), "--judge_url"),
-    (dict(stage="retrieve", out="X", queries="/none.jsonl", index="/none"), "--index"),
-    (dict(stage="label", out="X", variant="srt"), "run the earlier stages first"),
-    (dict(stage="render", out="X", variant="hkb"), "--stage label --variant hkb"),
-    (dict(stage="sample", out="X", k=0), "must be positive"),
-])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(stage="nope", out="x"), "--stage: 'nope' is not one of sample, judge"),
+        (dict(out="x"), "--stage is required"),
+        (dict(stage="label", out="X", variant="odd"), "--variant: 'odd' is not one of hkb, skb"),
+        (dict(stage="render", out="X"), "--stage render needs --variant"),
+        (
+            dict(stage="label", out="X", variant="mct", mct_rule="vote"),
+            "--mct_rule: 'vote' is not one of srt, gold-entity",
+        ),
+        (dict(stage="label", out="X", variant="ret", alone_rule="vote"), "--alone_rule: 'vote' is not one of greedy"),
+        (dict(stage="render", out="X", variant="skb", skb_target="floor"), "--skb_target: 'floor' is not one of"),
+        (dict(stage="judge", out="X"), "run --stage sample first"),
+        (dict(stage="sample", out="X", queries="/none.jsonl"), "--queries"),
+        (dict(stage="judge", out="X", judge="vibes"), "unknown judge"),
+        (dict(stage="judge", out="X", judge="llm"), "--judge_url"),
+        (dict(stage="retrieve", out="X", queries="/none.jsonl", index="/none"), "--index"),
+        (dict(stage="label", out="X", variant="srt"), "run the earlier stages first"),
+        (dict(stage="render", out="X", variant="hkb"), "--stage label --variant hkb"),
+        (dict(stage="sample", out="X", k=0), "must be positive"),
+    ],
+)
 def test_bad_input(kw, match, tmp_path):
     kw = {**kw, "out": str(tmp_path / kw["out"])}
     with pytest.raises(ValueError, match=match):
@@ -103,8 +120,10 @@ def test_sample_and_judge_resume_after_an_interruption(questions, tiny_world, tm
         if len(calls) == 3:
             raise RuntimeError("killed")
         return ["red"] * len(texts)
-    args = BuildDataArgs(stage="sample", queries=str(path), images_root=str(tiny_world), out=str(tmp_path / "d"),
-                         samples=3, batch_size=1)
+
+    args = BuildDataArgs(
+        stage="sample", queries=str(path), images_root=str(tiny_world), out=str(tmp_path / "d"), samples=3, batch_size=1
+    )
     with pytest.raises(RuntimeError):
         stage_sample(args, tmp_path / "d", generate=dies_on_second_batch, **QUIET)
     part = tmp_path / "d" / "samples.jsonl.part0"  # this process's part, merged when the stage finishes
@@ -114,6 +133,7 @@ def test_sample_and_judge_resume_after_an_interruption(questions, tiny_world, tm
     assert [r["id"] for r in rows] == [p["id"] for p in picked] and rows[0]["samples"] == ["red"] * 3
 
     import gate.pipeline.judges as judges
+
     real, seen = judges.judge_all, []
 
     def judge_dies(batch, judge, cache):
@@ -121,6 +141,7 @@ def test_sample_and_judge_resume_after_an_interruption(questions, tiny_world, tm
         if len(seen) == 1:
             raise RuntimeError("endpoint died")
         return real(batch, judge, cache)
+
     judges.judge_all = judge_dies
     try:
         with pytest.raises(RuntimeError):
@@ -138,14 +159,21 @@ def test_retrieve_context_and_the_retrieval_labels(questions, tiny_world, tiny_i
     common = dict(queries=str(path), images_root=str(tiny_world), out=str(out), samples=2, k=3, alpha=0.5)
     gold = {p["question"]: p["answers"][0] for p in picked}
     # alone: the first question right, the second wrong; with a section in context: right only for the gold section
-    stage_sample(BuildDataArgs(stage="sample", **common), out,
-                 generate=lambda i, t, s: [gold[t[0]] if t[0] == picked[0]["question"] else "no idea"] * len(t),
-                 **QUIET)
+    stage_sample(
+        BuildDataArgs(stage="sample", **common),
+        out,
+        generate=lambda i, t, s: [gold[t[0]] if t[0] == picked[0]["question"] else "no idea"] * len(t),
+        **QUIET,
+    )
     build(BuildDataArgs(stage="judge", out=str(out)), **QUIET)
     from gate.pipeline.context import stage_context, stage_retrieve
 
-    assert stage_retrieve(BuildDataArgs(stage="retrieve", index=str(tiny_index_dir), **common), out,
-                          index=tiny_index, **QUIET) == 2
+    assert (
+        stage_retrieve(
+            BuildDataArgs(stage="retrieve", index=str(tiny_index_dir), **common), out, index=tiny_index, **QUIET
+        )
+        == 2
+    )
     retrieved = {r["id"]: r for r in map(json.loads, open(out / "retrieved.jsonl"))}
     entity_of_text = {}
     for r in retrieved.values():
@@ -157,12 +185,14 @@ def test_retrieve_context_and_the_retrieval_labels(questions, tiny_world, tiny_i
     def reads_context(images, texts, sample):
         out_ = []
         for t in texts:
-            context, question = t[len("Context: "):].split("\nQuestion: ")
+            context, question = t[len("Context: ") :].split("\nQuestion: ")
             mine = [p for p in picked if p["question"] == question][0]
-            right = any(h["entity_id"] == mine["entity_id"] and h["text"] in context
-                        for h in retrieved[mine["id"]]["hits"])
+            right = any(
+                h["entity_id"] == mine["entity_id"] and h["text"] in context for h in retrieved[mine["id"]]["hits"]
+            )
             out_.append(mine["answers"][0] if right else "no idea")
         return out_
+
     assert stage_context(BuildDataArgs(stage="context", **common), out, generate=reads_context, **QUIET) == 2
     labels = {}
     for variant in ("ret", "srt", "mct", "inspector"):
@@ -173,8 +203,9 @@ def test_retrieve_context_and_the_retrieval_labels(questions, tiny_world, tiny_i
     for r in labels["srt"]:  # Rel only where the section turned the wrong answer right (the gold entity's)
         qid, j = r["id"].split("#d")
         hit = retrieved[qid]["hits"][int(j) - 1]
-        assert r["relevant"] == (qid == unknown["id"]) and (hit["entity_id"] == answers[qid]["entity_id"]) == \
-            (qid == unknown["id"])
+        assert r["relevant"] == (qid == unknown["id"]) and (hit["entity_id"] == answers[qid]["entity_id"]) == (
+            qid == unknown["id"]
+        )
     for r in labels["mct"]:
         hits = retrieved[r["id"]]["hits"]
         assert r["consistent"] == [j + 1 for j, h in enumerate(hits) if h["entity_id"] == answers[r["id"]]["entity_id"]]
@@ -193,17 +224,31 @@ def test_retrieve_context_and_the_retrieval_labels(questions, tiny_world, tiny_i
     def summarise(images, texts, sample):
         summaries.extend(texts)
         return ["they agree"] * len(texts)
+
     cons_args = BuildDataArgs(stage="consistency", out=str(out), mct_negative_ratio=0.0)
     assert stage_consistency(cons_args, out, summarise=summarise, **QUIET) == 2
     cons = {r["id"]: r for r in map(json.loads, open(out / "consistency.jsonl"))}
     for qid, r in cons.items():
-        assert r["rel_probs"] == [1.0 if h["entity_id"] == answers[qid]["entity_id"] else 0.0
-                                  for h in retrieved[qid]["hits"]] and r["summary"] is None
+        assert (
+            r["rel_probs"]
+            == [1.0 if h["entity_id"] == answers[qid]["entity_id"] else 0.0 for h in retrieved[qid]["hits"]]
+            and r["summary"] is None
+        )
     assert summaries == []
     # an srt gate that finds two relevant documents for one question: summary of those two, then the label
     (out / "consistency.jsonl").unlink()
-    assert stage_consistency(cons_args, out, summarise=summarise, relevance=lambda images, batch: [
-        [0.6, 0.1, 0.9] if r["id"] == unknown["id"] else [0.9, 0.1, 0.1] for r in batch], **QUIET) == 2
+    assert (
+        stage_consistency(
+            cons_args,
+            out,
+            summarise=summarise,
+            relevance=lambda images, batch: [
+                [0.6, 0.1, 0.9] if r["id"] == unknown["id"] else [0.9, 0.1, 0.1] for r in batch
+            ],
+            **QUIET,
+        )
+        == 2
+    )
     (text,) = summaries
     hits = retrieved[unknown["id"]]["hits"]
     assert f"[1] {hits[0]['title']}" in text and f"[2] {hits[2]['title']}" in text and hits[1]["title"] not in text
@@ -217,8 +262,14 @@ def test_retrieve_context_and_the_retrieval_labels(questions, tiny_world, tiny_i
 
 def test_vllm_sampling_backend_without_vllm_is_a_clear_error(questions, tiny_world, tiny_gate_vlm, tmp_path):
     path, _ = questions
-    args = BuildDataArgs(stage="sample", queries=str(path), images_root=str(tiny_world), model=str(tiny_gate_vlm),
-                         out=str(tmp_path / "d"), backend="vllm")
+    args = BuildDataArgs(
+        stage="sample",
+        queries=str(path),
+        images_root=str(tiny_world),
+        model=str(tiny_gate_vlm),
+        out=str(tmp_path / "d"),
+        backend="vllm",
+    )
     with pytest.raises(ValueError, match="needs vLLM"):
         build(args, **QUIET)
     with pytest.raises(ValueError, match="--backend: 'tgi' is not one of hf, vllm"):
@@ -230,14 +281,25 @@ def test_answerable_without_retrieval_by_the_greedy_answer_or_the_sampled_majori
     greedy answer is right but most samples are wrong, so the two rules disagree."""
     from gate.train.build_data import label_records
 
-    rec = {"id": "q1", "question": "What does it eat?", "answers": ["seeds"], "samples": ["x", "y", "seeds"],
-           "scores": [1.0, 1.0, 5.0], "greedy": "seeds", "greedy_score": 5.0}
-    ctx = {"q1": {"hits": [{"entity_id": "E1", "title": "t", "section_title": "s", "text": "It eats seeds."}],
-                  "doc_scores": [1.0]}}
+    rec = {
+        "id": "q1",
+        "question": "What does it eat?",
+        "answers": ["seeds"],
+        "samples": ["x", "y", "seeds"],
+        "scores": [1.0, 1.0, 5.0],
+        "greedy": "seeds",
+        "greedy_score": 5.0,
+    }
+    ctx = {
+        "q1": {
+            "hits": [{"entity_id": "E1", "title": "t", "section_title": "s", "text": "It eats seeds."}],
+            "doc_scores": [1.0],
+        }
+    }
     greedy = BuildDataArgs(stage="label", out=str(tmp_path), alone_rule="greedy")
     majority = BuildDataArgs(stage="label", out=str(tmp_path), alone_rule="sampled-majority")
-    assert label_records("ret", rec, greedy) == [{"search": False}]      # answered right: NoRet
-    assert label_records("ret", rec, majority) == [{"search": True}]     # mostly wrong: Ret
+    assert label_records("ret", rec, greedy) == [{"search": False}]  # answered right: NoRet
+    assert label_records("ret", rec, majority) == [{"search": True}]  # mostly wrong: Ret
     # the document turns a right (greedy) answer wrong: NoRel; under the majority rule it changes nothing: no pair
     assert [r["relevant"] for r in label_records("srt", rec, greedy, ctx)] == [False]
     assert label_records("srt", rec, majority, ctx) == []
@@ -250,9 +312,16 @@ def test_sample_and_judge_record_the_greedy_answer(questions, tiny_world, tmp_pa
 
     def generate(images, texts, sample):
         return ["red" if sample else picked[0]["answers"][0]] * len(texts)
+
     out = tmp_path / "d"
-    stage_sample(BuildDataArgs(stage="sample", queries=str(path), images_root=str(tiny_world), out=str(out),
-                               samples=2, batch_size=2), out, generate=generate, **QUIET)
+    stage_sample(
+        BuildDataArgs(
+            stage="sample", queries=str(path), images_root=str(tiny_world), out=str(out), samples=2, batch_size=2
+        ),
+        out,
+        generate=generate,
+        **QUIET,
+    )
     rows = [json.loads(x) for x in open(out / "samples.jsonl")]
     assert [r["greedy"] for r in rows] == [picked[0]["answers"][0]] * 2 and rows[0]["samples"] == ["red", "red"]
     build(BuildDataArgs(stage="judge", out=str(out)), **QUIET)

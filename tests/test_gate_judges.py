@@ -1,27 +1,37 @@
 """Judges: exact and token on hand-computed cases; the LLM judge against a local OpenAI-compatible stub."""
 
-
 import pytest
 
 from gate.pipeline.judges import LLMJudge, judge_all, make_judge, parse_score
 
 
-@pytest.mark.parametrize("reply,score", [
-    ("Score: 4\nThe answer is right.", 4.0), ("score=2.5", 2.5), ("5\nperfect", 5.0), ("I think it's fine", None),
-    ("Score: 9", None), ("", None), (None, None),
-])
+@pytest.mark.parametrize(
+    "reply,score",
+    [
+        ("Score: 4\nThe answer is right.", 4.0),
+        ("score=2.5", 2.5),
+        ("5\nperfect", 5.0),
+        ("I think it's fine", None),
+        ("Score: 9", None),
+        ("", None),
+        (None, None),
+    ],
+)
 def test_parse_score(reply, score):
     assert parse_score(reply) == score
 
 
-@pytest.mark.parametrize("judge,answer,golds,answer_eval,score", [
-    ("exact", "The Eiffel Tower", ["eiffel tower"], None, 5.0),
-    ("exact", "Louvre", ["eiffel tower"], None, 1.0),
-    ("exact", "1889", [], [{"wikidata": 1889, "range": [1887, 1891]}], 5.0),
-    ("token", "the red fox", ["red fox"], None, 5.0),
-    ("token", "a red dog", ["red fox"], None, 3.0),
-    ("token", "nothing", ["red fox"], None, 1.0),
-])
+@pytest.mark.parametrize(
+    "judge,answer,golds,answer_eval,score",
+    [
+        ("exact", "The Eiffel Tower", ["eiffel tower"], None, 5.0),
+        ("exact", "Louvre", ["eiffel tower"], None, 1.0),
+        ("exact", "1889", [], [{"wikidata": 1889, "range": [1887, 1891]}], 5.0),
+        ("token", "the red fox", ["red fox"], None, 5.0),
+        ("token", "a red dog", ["red fox"], None, 3.0),
+        ("token", "nothing", ["red fox"], None, 1.0),
+    ],
+)
 def test_exact_and_token(judge, answer, golds, answer_eval, score):
     assert make_judge(judge).score("q?", answer, golds, answer_eval) == pytest.approx(score)
 
@@ -58,6 +68,8 @@ def test_llm_judge_unreachable_endpoint_is_a_failure():
 def test_distinct_answers_are_judged_once(stub):
     server = stub(["Score: 5", "Score: 1"])
     judge = LLMJudge(server.url, "m", backoff=0)
-    records = [{"id": "q1", "question": "Where?", "answers": ["Paris"], "samples": ["Paris", "paris.", "Lyon", "Paris"]}]
+    records = [
+        {"id": "q1", "question": "Where?", "answers": ["Paris"], "samples": ["Paris", "paris.", "Lyon", "Paris"]}
+    ]
     assert judge_all(records, judge) == [[5.0, 5.0, 1.0, 5.0]]
     assert len(server.requests) == 2

@@ -12,43 +12,57 @@ from gate.train.labels import certainty, hkb_label, judged_mean, kbm_accuracy_la
 # ---------------------------------------------------------------- metrics
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("The Eiffel Tower!", "eiffel tower"), ("  A  cat, an apple ", "cat apple"), ("Théâtre", "théâtre"),
-    ("", ""), (None, ""), (1889, "1889"), ("anthem", "anthem"),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("The Eiffel Tower!", "eiffel tower"),
+        ("  A  cat, an apple ", "cat apple"),
+        ("Théâtre", "théâtre"),
+        ("", ""),
+        (None, ""),
+        (1889, "1889"),
+        ("anthem", "anthem"),
+    ],
+)
 def test_normalize_answer(text, expected):
     assert normalize_answer(text) == expected
 
 
-@pytest.mark.parametrize("prediction,answer_eval,ok", [
-    ("France", ["France", "French Republic"], True),
-    ("the french republic.", ["France", "French Republic"], True),
-    ("Germany", ["France"], False),
-    ("", [""], False),
-    ("1889", [{"wikidata": 1889, "range": [1887, 1891]}], True),
-    ("It was built in 1,890.", {"wikidata": 1889, "range": [1887, 1891]}, True),
-    ("1900", [{"wikidata": 1889, "range": [1887, 1891]}], False),
-    ("about 6.5 metres", [{"wikidata": 6.3, "range": [5.67, 6.93]}], True),
-    ("between 1880 and 1888 — say 1885 to 1888", [{"wikidata": 1889, "range": [1887, 1891]}], False),  # 1880–1888
-    ("1885 to 1890", [{"wikidata": 1889, "range": [1887, 1891]}], True),  # IoU 3/6: the bound is inclusive
-    ("1887 to 1892", [{"wikidata": 1889, "range": [1887, 1891]}], True),  # IoU 4/5
-    ("1850-1880", [{"wikidata": 1889, "range": [1887, 1891]}], False),
-    ("no number", [{"wikidata": 1889, "range": [1887, 1891]}], False),
-    ("1889", [{"wikidata": 1889}], True),  # no range given: the value itself as an alias
-    ("Eiffel-Tower", ["eiffel tower"], False),  # punctuation is deleted, not replaced by a space
-    ("EiffelTower", ["Eiffel-Tower"], True),
-])
+@pytest.mark.parametrize(
+    "prediction,answer_eval,ok",
+    [
+        ("France", ["France", "French Republic"], True),
+        ("the french republic.", ["France", "French Republic"], True),
+        ("Germany", ["France"], False),
+        ("", [""], False),
+        ("1889", [{"wikidata": 1889, "range": [1887, 1891]}], True),
+        ("It was built in 1,890.", {"wikidata": 1889, "range": [1887, 1891]}, True),
+        ("1900", [{"wikidata": 1889, "range": [1887, 1891]}], False),
+        ("about 6.5 metres", [{"wikidata": 6.3, "range": [5.67, 6.93]}], True),
+        ("between 1880 and 1888 — say 1885 to 1888", [{"wikidata": 1889, "range": [1887, 1891]}], False),  # 1880–1888
+        ("1885 to 1890", [{"wikidata": 1889, "range": [1887, 1891]}], True),  # IoU 3/6: the bound is inclusive
+        ("1887 to 1892", [{"wikidata": 1889, "range": [1887, 1891]}], True),  # IoU 4/5
+        ("1850-1880", [{"wikidata": 1889, "range": [1887, 1891]}], False),
+        ("no number", [{"wikidata": 1889, "range": [1887, 1891]}], False),
+        ("1889", [{"wikidata": 1889}], True),  # no range given: the value itself as an alias
+        ("Eiffel-Tower", ["eiffel tower"], False),  # punctuation is deleted, not replaced by a space
+        ("EiffelTower", ["Eiffel-Tower"], True),
+    ],
+)
 def test_infoseek_match(prediction, answer_eval, ok):
     assert infoseek_match(prediction, answer_eval) is ok
 
 
-@pytest.mark.parametrize("prediction,golds,expected", [
-    ("the red fox jumps", ["red fox"], 1.0),
-    ("a red dog", ["red fox", "dog"], 1.0),
-    ("a red dog", ["red fox"], 0.5),
-    ("nothing", ["red fox"], 0.0),
-    ("anything", [""], 0.0),
-])
+@pytest.mark.parametrize(
+    "prediction,golds,expected",
+    [
+        ("the red fox jumps", ["red fox"], 1.0),
+        ("a red dog", ["red fox", "dog"], 1.0),
+        ("a red dog", ["red fox"], 0.5),
+        ("nothing", ["red fox"], 0.0),
+        ("anything", [""], 0.0),
+    ],
+)
 def test_token_accuracy(prediction, golds, expected):
     assert token_accuracy(prediction, golds) == pytest.approx(expected)
 
@@ -72,9 +86,15 @@ def test_token_accuracy_in_unit_interval(prediction, golds):
 # ---------------------------------------------------------------- labels (high score = the model knows = no search)
 
 
-@pytest.mark.parametrize("scores,epsilon,label", [
-    ([5, 5, 4], 3.0, "false"), ([1, 1, 2], 3.0, "true"), ([3, 3], 3.0, "false"), ([2.9], 3.0, "true"),
-])
+@pytest.mark.parametrize(
+    "scores,epsilon,label",
+    [
+        ([5, 5, 4], 3.0, "false"),
+        ([1, 1, 2], 3.0, "true"),
+        ([3, 3], 3.0, "false"),
+        ([2.9], 3.0, "true"),
+    ],
+)
 def test_hkb_label(scores, epsilon, label):
     assert hkb_label(scores, epsilon) == label
 
@@ -97,20 +117,29 @@ def test_skb_is_flipped_mean_in_range(scores):
     assert skb_label(scores) == pytest.approx(6 - judged_mean(scores))
 
 
-@pytest.mark.parametrize("correct,tau,search", [
-    ([True] * 9 + [False], 0.9, False), ([True] * 8 + [False] * 2, 0.9, True), ([False], 0.9, True),
-    ([True], 0.9, False), ([True, False], 0.5, False),
-])
+@pytest.mark.parametrize(
+    "correct,tau,search",
+    [
+        ([True] * 9 + [False], 0.9, False),
+        ([True] * 8 + [False] * 2, 0.9, True),
+        ([False], 0.9, True),
+        ([True], 0.9, False),
+        ([True, False], 0.5, False),
+    ],
+)
 def test_kbm_accuracy_label(correct, tau, search):
     assert kbm_accuracy_label(correct, tau) is search
 
 
-@pytest.mark.parametrize("answers,expected", [
-    (["Paris", "paris.", "The Paris"], 1.0),
-    (["a", "b"], 0.0),
-    (["x", "y", "z"], 0.0),
-    (["x"] * 3 + ["y"], 1 - (-(0.75 * math.log(0.75) + 0.25 * math.log(0.25))) / math.log(2)),
-])
+@pytest.mark.parametrize(
+    "answers,expected",
+    [
+        (["Paris", "paris.", "The Paris"], 1.0),
+        (["a", "b"], 0.0),
+        (["x", "y", "z"], 0.0),
+        (["x"] * 3 + ["y"], 1 - (-(0.75 * math.log(0.75) + 0.25 * math.log(0.25))) / math.log(2)),
+    ],
+)
 def test_certainty(answers, expected):
     assert certainty(answers) == pytest.approx(expected)
 
@@ -138,19 +167,28 @@ def test_ret_label(correct, label):
     assert ret_label(correct) == label
 
 
-@pytest.mark.parametrize("without,with_doc,label", [
-    (False, True, "Rel"), (True, False, "NoRel"), (True, True, None), (False, False, None),
-])
+@pytest.mark.parametrize(
+    "without,with_doc,label",
+    [
+        (False, True, "Rel"),
+        (True, False, "NoRel"),
+        (True, True, None),
+        (False, False, None),
+    ],
+)
 def test_srt_label_follows_the_papers_text(without, with_doc, label):
     assert srt_label(without, with_doc) == label
 
 
-@pytest.mark.parametrize("top,gold,text_ok,expected", [
-    ("Q1", "Q1", None, {"pass": "true"}),
-    ("Q1", "Q1", True, {"pass": "true"}),
-    ("Q1", "Q1", False, {"pass": "false", "answer": "Paris"}),
-    ("Q2", "Q1", None, {"pass": "false", "answer": "Paris"}),
-    ("Q2", "Q1", True, {"pass": "false", "answer": "Paris"}),
-])
+@pytest.mark.parametrize(
+    "top,gold,text_ok,expected",
+    [
+        ("Q1", "Q1", None, {"pass": "true"}),
+        ("Q1", "Q1", True, {"pass": "true"}),
+        ("Q1", "Q1", False, {"pass": "false", "answer": "Paris"}),
+        ("Q2", "Q1", None, {"pass": "false", "answer": "Paris"}),
+        ("Q2", "Q1", True, {"pass": "false", "answer": "Paris"}),
+    ],
+)
 def test_inspector_label(top, gold, text_ok, expected):
     assert inspector_label(top, gold, "Paris", text_ok) == expected

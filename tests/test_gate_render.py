@@ -10,16 +10,28 @@ from gate.train.render import cap_classes, class_balance, render_rows
 from gate.variants import BINARY, VARIANTS, completion, messages, parse_completion, spec
 
 
-@pytest.mark.parametrize("variant,label,text", [
-    ("hkb", True, "true"), ("hkb", False, "false"), ("kbm-acc", True, "unknown"), ("kbm-cert", False, "known"),
-    ("ret", True, "Ret"), ("ret", False, "NoRet"), ("srt", True, "Rel"), ("srt", False, "NoRel"),
-    ("skb", 4.6, "5"), ("skb", 1.0, "1"), ("skb", 2.4, "2"),
-    ("inspector", {"pass": "true"}, '{"pass": "true"}'),
-    ("inspector", {"pass": "false", "answer": "salt marshes"}, '{"pass": "false", "answer": "salt marshes"}'),
-    ("mct", [1, 3], '{"consistent": [1, 3]}'), ("answer", "mossy caves", "mossy caves"),
-    ("mct", {"consistent": [2, 1], "summary": "Both: caves."}, '{"consistent": [2, 1], "summary": "Both: caves."}'),
-    ("mct", {"consistent": [], "summary": None}, '{"consistent": []}'),
-])
+@pytest.mark.parametrize(
+    "variant,label,text",
+    [
+        ("hkb", True, "true"),
+        ("hkb", False, "false"),
+        ("kbm-acc", True, "unknown"),
+        ("kbm-cert", False, "known"),
+        ("ret", True, "Ret"),
+        ("ret", False, "NoRet"),
+        ("srt", True, "Rel"),
+        ("srt", False, "NoRel"),
+        ("skb", 4.6, "5"),
+        ("skb", 1.0, "1"),
+        ("skb", 2.4, "2"),
+        ("inspector", {"pass": "true"}, '{"pass": "true"}'),
+        ("inspector", {"pass": "false", "answer": "salt marshes"}, '{"pass": "false", "answer": "salt marshes"}'),
+        ("mct", [1, 3], '{"consistent": [1, 3]}'),
+        ("answer", "mossy caves", "mossy caves"),
+        ("mct", {"consistent": [2, 1], "summary": "Both: caves."}, '{"consistent": [2, 1], "summary": "Both: caves."}'),
+        ("mct", {"consistent": [], "summary": None}, '{"consistent": []}'),
+    ],
+)
 def test_completion(variant, label, text):
     assert completion(spec(variant), label) == text
 
@@ -27,18 +39,29 @@ def test_completion(variant, label, text):
 @given(st.sampled_from(BINARY), st.booleans())
 def test_binary_completion_parses_back(variant, label):
     s = spec(variant)
-    parsed = parse_completion(s, completion(s, {"pass": "true" if label else "false", "answer": "x"}
-                                            if variant == "inspector" else label))
+    parsed = parse_completion(
+        s, completion(s, {"pass": "true" if label else "false", "answer": "x"} if variant == "inspector" else label)
+    )
     assert (parsed["pass"] if variant == "inspector" else parsed) is label
 
 
-@pytest.mark.parametrize("variant,text,expected", [
-    ("hkb", "  true ", True), ("hkb", "maybe", None), ("hkb", "", None), ("skb", "3.5 because", 3.5),
-    ("skb", "seven", None), ("inspector", 'sure: {"pass": "false", "answer": 7}', {"pass": False, "answer": None}),
-    ("inspector", '{"pass": "perhaps"}', None), ("inspector", "{broken", None), ("mct", '{"consistent": ["a"]}', None),
-    ("mct", '{"consistent": [true]}', None), ("mct", '{"consistent": [2, 1], "summary": 3}', {"consistent": [2, 1], "summary": None}),
-    ("mct", 'ok {"consistent": [3], "summary": "caves"}', {"consistent": [3], "summary": "caves"}),
-])
+@pytest.mark.parametrize(
+    "variant,text,expected",
+    [
+        ("hkb", "  true ", True),
+        ("hkb", "maybe", None),
+        ("hkb", "", None),
+        ("skb", "3.5 because", 3.5),
+        ("skb", "seven", None),
+        ("inspector", 'sure: {"pass": "false", "answer": 7}', {"pass": False, "answer": None}),
+        ("inspector", '{"pass": "perhaps"}', None),
+        ("inspector", "{broken", None),
+        ("mct", '{"consistent": ["a"]}', None),
+        ("mct", '{"consistent": [true]}', None),
+        ("mct", '{"consistent": [2, 1], "summary": 3}', {"consistent": [2, 1], "summary": None}),
+        ("mct", 'ok {"consistent": [3], "summary": "caves"}', {"consistent": [3], "summary": "caves"}),
+    ],
+)
 def test_parse_completion_tables(variant, text, expected):
     assert parse_completion(spec(variant), text) == expected
 
@@ -79,26 +102,39 @@ def test_render_and_class_caps():
 
 
 ARGS = BuildDataArgs(epsilon=3.0, tau=0.9, correct_score=4.0, alone_rule="sampled-majority")  # rules from R samples
-HITS = [{"entity_id": "E1", "title": "Holhol", "section_title": "Habitat", "text": "lives in caves"},
-        {"entity_id": "E2", "title": "Kalo", "section_title": "Habitat", "text": "lives in reefs"}]
+HITS = [
+    {"entity_id": "E1", "title": "Holhol", "section_title": "Habitat", "text": "lives in caves"},
+    {"entity_id": "E2", "title": "Kalo", "section_title": "Habitat", "text": "lives in reefs"},
+]
 
 
 def question(**kw):
-    return {"id": "q", "question": "Where?", "answers": ["caves"], "entity_id": "E1", "samples": ["caves"] * 4,
-            "scores": [5.0, 5.0, 5.0, 1.0], "hits": HITS, **kw}
+    return {
+        "id": "q",
+        "question": "Where?",
+        "answers": ["caves"],
+        "entity_id": "E1",
+        "samples": ["caves"] * 4,
+        "scores": [5.0, 5.0, 5.0, 1.0],
+        "hits": HITS,
+        **kw,
+    }
 
 
-@pytest.mark.parametrize("variant,rec,expected", [
-    ("hkb", question(), {"search": False}),                                   # mean 4 ≥ ε: the model knows
-    ("hkb", question(scores=[1.0, 1.0, 5.0, 1.0]), {"search": True}),
-    ("skb", question(), {"search_score": 2.0}),
-    ("kbm-acc", question(), {"search": True}),                                # 3/4 correct < τ = 0.9
-    ("kbm-acc", question(scores=[5.0] * 4), {"search": False}),
-    ("ret", question(), {"search": False}),                                   # answered right alone: NoRet
-    ("ret", question(scores=[1.0, 1.0, 5.0, 1.0]), {"search": True}),
-    ("inspector", question(), {"pass": True}),
-    ("inspector", question(entity_id="E2", answers=["reefs"]), {"pass": False}),
-])
+@pytest.mark.parametrize(
+    "variant,rec,expected",
+    [
+        ("hkb", question(), {"search": False}),  # mean 4 ≥ ε: the model knows
+        ("hkb", question(scores=[1.0, 1.0, 5.0, 1.0]), {"search": True}),
+        ("skb", question(), {"search_score": 2.0}),
+        ("kbm-acc", question(), {"search": True}),  # 3/4 correct < τ = 0.9
+        ("kbm-acc", question(scores=[5.0] * 4), {"search": False}),
+        ("ret", question(), {"search": False}),  # answered right alone: NoRet
+        ("ret", question(scores=[1.0, 1.0, 5.0, 1.0]), {"search": True}),
+        ("inspector", question(), {"pass": True}),
+        ("inspector", question(entity_id="E2", answers=["reefs"]), {"pass": False}),
+    ],
+)
 def test_label_records(variant, rec, expected):
     (got,) = label_records(variant, rec, ARGS)
     assert {k: got[k] for k in expected} == expected
@@ -131,7 +167,10 @@ def test_inspector_answer_check():
 def test_mct_gold_entity_rule_marks_the_gold_entitys_sections():
     args = BuildDataArgs(mct_rule="gold-entity")
     (got,) = label_records("mct", question(), args)
-    assert got["consistent"] == [1] and got["context"] == "[1] Holhol - Habitat: lives in caves\n[2] Kalo - Habitat: lives in reefs"
+    assert (
+        got["consistent"] == [1]
+        and got["context"] == "[1] Holhol - Habitat: lives in caves\n[2] Kalo - Habitat: lives in reefs"
+    )
 
 
 HITS3 = HITS + [{"entity_id": "E3", "title": "Mirra", "section_title": "Habitat", "text": "lives in caves too"}]
@@ -142,7 +181,10 @@ def test_mct_srt_rule_follows_algorithm_3():
     cons = {"q": {"rel_probs": [0.7, 0.2, 0.9], "summary": "Both say caves."}}
     (got,) = label_records("mct", question(hits=HITS3), args, cons)
     docs = [line.split("] ", 1)[1] for line in got["context"].split("\n")]
-    assert sorted(docs) == ["Holhol - Habitat: lives in caves", "Mirra - Habitat: lives in caves too"]  # no NoRel (τ = 0)
+    assert sorted(docs) == [
+        "Holhol - Habitat: lives in caves",
+        "Mirra - Habitat: lives in caves too",
+    ]  # no NoRel (τ = 0)
     # the most relevant first: Mirra (0.9), then Holhol (0.7), by their numbers in the order shown
     assert [docs[i - 1].split(" - ")[0] for i in got["consistent"]] == ["Mirra", "Holhol"]
     assert got["summary"] == "Both say caves."
@@ -153,13 +195,17 @@ def test_mct_srt_rule_follows_algorithm_3():
     assert label_records("mct", question(hits=HITS3), args, {}) == []
     row = render_rows("mct", [{**got, "id": "q", "image_path": "/x.png", "question": "Where?"}])[0]
     assert row["class"] == "2 consistent"
-    assert parse_completion(spec("mct"), row["completion"][0]["content"]) == \
-        {"consistent": got["consistent"], "summary": "Both say caves."}
+    assert parse_completion(spec("mct"), row["completion"][0]["content"]) == {
+        "consistent": got["consistent"],
+        "summary": "Both say caves.",
+    }
 
 
 def test_skb_soft_targets_keep_the_score():
-    recs = [{"id": f"q{i}", "question": "Where?", "image_path": "/x.png", "search_score": 2.3, "split": "train"}
-            for i in range(400)]
+    recs = [
+        {"id": f"q{i}", "question": "Where?", "image_path": "/x.png", "search_score": 2.3, "split": "train"}
+        for i in range(400)
+    ]
     rows = render_rows("skb", recs)
     digits = [int(r["completion"][0]["content"]) for r in rows]
     assert set(digits) == {2, 3} and all(r["target"] == 2.3 for r in rows)

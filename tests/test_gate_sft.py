@@ -15,20 +15,48 @@ from gate.train.render import render_rows
 
 def gate_records(world, n=8):
     images = sorted((world / "images").glob("*_test*.png"))[:n]
-    return [{"id": f"q{i}", "question": "Where does this creature live?", "image_path": str(p), "search": i % 2 == 0,
-             "relevant": i % 2 == 0, "inspector": {"pass": "true"} if i % 2 else {"pass": "false", "answer": "caves"},
-             "context": "Holhol - Habitat: The Holhol lives in the mossy caves.", "split": "train"}
-            for i, p in enumerate(images)]
+    return [
+        {
+            "id": f"q{i}",
+            "question": "Where does this creature live?",
+            "image_path": str(p),
+            "search": i % 2 == 0,
+            "relevant": i % 2 == 0,
+            "inspector": {"pass": "true"} if i % 2 else {"pass": "false", "answer": "caves"},
+            "context": "Holhol - Habitat: The Holhol lives in the mossy caves.",
+            "split": "train",
+        }
+        for i, p in enumerate(images)
+    ]
 
 
 def sft_config(tmp_path, model, variant, rows, **overrides):
     data = tmp_path / f"{variant}.jsonl"
     write_jsonl_atomic(data, rows)
-    cfg = dict(variant=variant, train_file=str(data), eval_file=str(data), model_name_or_path=str(model),
-               use_peft=True, lora_r=4, lora_alpha=16, lora_target_modules=["q_proj", "k_proj", "v_proj"],
-               output_dir=str(tmp_path / f"{variant}"), max_steps=2, per_device_train_batch_size=4, learning_rate=5e-2,
-               max_length=None, save_strategy="no", report_to="none", use_cpu=True, bf16=False,
-               activation_checkpointing=False, dataloader_num_workers=0, disable_tqdm=True, logging_steps=1, seed=0)
+    cfg = dict(
+        variant=variant,
+        train_file=str(data),
+        eval_file=str(data),
+        model_name_or_path=str(model),
+        use_peft=True,
+        lora_r=4,
+        lora_alpha=16,
+        lora_target_modules=["q_proj", "k_proj", "v_proj"],
+        output_dir=str(tmp_path / f"{variant}"),
+        max_steps=2,
+        per_device_train_batch_size=4,
+        learning_rate=5e-2,
+        max_length=None,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        activation_checkpointing=False,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        logging_steps=1,
+        seed=0,
+    )
     cfg.update(overrides)
     path = tmp_path / f"{variant}.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -39,10 +67,11 @@ ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 
 
 # boundary, token system, Inspector; the vision tower's MLPs share names with the language model's (gate/up/down)
-@pytest.mark.parametrize("variant,targets", [("hkb", ["q_proj", "k_proj", "v_proj"]), ("srt", ALL_LINEAR),
-                                             ("inspector", ["q_proj", "k_proj", "v_proj"])])
-def test_two_sft_steps_change_lora_weights_not_the_vision_tower(variant, targets, tiny_world, tiny_gate_vlm,
-                                                                tmp_path):
+@pytest.mark.parametrize(
+    "variant,targets",
+    [("hkb", ["q_proj", "k_proj", "v_proj"]), ("srt", ALL_LINEAR), ("inspector", ["q_proj", "k_proj", "v_proj"])],
+)
+def test_two_sft_steps_change_lora_weights_not_the_vision_tower(variant, targets, tiny_world, tiny_gate_vlm, tmp_path):
     from gate.scoring import load_gate
     from gate.train.sft import main
 
@@ -68,13 +97,16 @@ def test_two_sft_steps_change_lora_weights_not_the_vision_tower(variant, targets
     assert f"| accuracy | {format_value(metrics['accuracy'])} |" in card and "load_gate(" in card
 
 
-@pytest.mark.parametrize("variant,overrides,rows_of,match", [
-    ("nope", {}, "hkb", "--variant: 'nope' is not one of hkb, skb"),
-    (None, {}, "hkb", "--variant is required"),
-    ("hkb", {"train_file": "/none.jsonl"}, "hkb", "--train_file"),
-    ("hkb", {}, "one-class", "has no example"),
-    ("hkb", {"verbalisers": ["Y", "N"]}, "hkb", "not verbalisers of hkb"),
-])
+@pytest.mark.parametrize(
+    "variant,overrides,rows_of,match",
+    [
+        ("nope", {}, "hkb", "--variant: 'nope' is not one of hkb, skb"),
+        (None, {}, "hkb", "--variant is required"),
+        ("hkb", {"train_file": "/none.jsonl"}, "hkb", "--train_file"),
+        ("hkb", {}, "one-class", "has no example"),
+        ("hkb", {"verbalisers": ["Y", "N"]}, "hkb", "not verbalisers of hkb"),
+    ],
+)
 def test_bad_configs_fail_before_a_model_loads(variant, overrides, rows_of, match, tiny_world, tmp_path):
     from gate.train.sft import main
 

@@ -93,15 +93,39 @@ def test_two_bf16_grpo_steps_on_one_gpu(config, tiny_refiner, tmp_path, capsys):
 def test_zero3_grpo_on_one_gpu(config, tiny_refiner, tmp_path):
     pytest.importorskip("deepspeed")
     cfg_flag, cfg_path = config(use_cpu=False, bf16=True, dtype="bfloat16")
-    accelerate = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "DEEPSPEED", "num_machines": 1,
-                  "num_processes": 1, "mixed_precision": "bf16",
-                  "deepspeed_config": {"zero_stage": 3, "zero3_init_flag": True, "zero3_save_16bit_model": True,
-                                       "offload_optimizer_device": "none", "offload_param_device": "none"}}
+    accelerate = {
+        "compute_environment": "LOCAL_MACHINE",
+        "distributed_type": "DEEPSPEED",
+        "num_machines": 1,
+        "num_processes": 1,
+        "mixed_precision": "bf16",
+        "deepspeed_config": {
+            "zero_stage": 3,
+            "zero3_init_flag": True,
+            "zero3_save_16bit_model": True,
+            "offload_optimizer_device": "none",
+            "offload_param_device": "none",
+        },
+    }
     (tmp_path / "zero3-1gpu.yaml").write_text(yaml.safe_dump(accelerate))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled"}
-    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                           str(tmp_path / "zero3-1gpu.yaml"), str(ROOT / "rl" / "train_grpo.py"), cfg_flag, cfg_path],
-                          env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(tmp_path / "zero3-1gpu.yaml"),
+            str(ROOT / "rl" / "train_grpo.py"),
+            cfg_flag,
+            cfg_path,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "(DeepSpeed ZeRO-3 over nccl" in proc.stdout + proc.stderr
     before, after = reloaded(tiny_refiner), reloaded(tmp_path / "run" / "final")  # gathered 16-bit weights
@@ -129,8 +153,18 @@ def test_colocated_vllm_receives_one_placeholder_per_image(config, tiny_refiner,
     from transformers import AutoProcessor
 
     pad = AutoProcessor.from_pretrained(str(tiny_refiner)).tokenizer.convert_tokens_to_ids("<|image_pad|>")
-    tg.main(config(use_cpu=False, bf16=True, dtype="bfloat16", max_steps=1, use_vllm=True, vllm_mode="colocate",
-                   vllm_gpu_memory_utilization=0.2, vllm_max_model_length=512))
+    tg.main(
+        config(
+            use_cpu=False,
+            bf16=True,
+            dtype="bfloat16",
+            max_steps=1,
+            use_vllm=True,
+            vllm_mode="colocate",
+            vllm_gpu_memory_utilization=0.2,
+            vllm_max_model_length=512,
+        )
+    )
     assert seen
     for prompt in seen:
         images = prompt.get("multi_modal_data", {}).get("image")

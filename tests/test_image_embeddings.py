@@ -79,14 +79,22 @@ def test_a_store_of_another_encoder_is_refused(tiny_world, index, tmp_path):
         load_store(tmp_path / "q.jsonl", other)
 
 
-def test_rl_data_resumes_its_baseline_retrieval_and_stores_the_sampled_images(tiny_world, tiny_index_dir, index,
-                                                                               tmp_path, monkeypatch):
+def test_rl_data_resumes_its_baseline_retrieval_and_stores_the_sampled_images(
+    tiny_world, tiny_index_dir, index, tmp_path, monkeypatch
+):
     import retrieval.index as ri
     from rl.data import RLDataArgs, build_rl_data
 
     monkeypatch.setattr(ri.MultimodalIndex, "load", lambda *a, **k: index)
-    args = dict(queries=str(tiny_world / "train.jsonl"), index=str(tiny_index_dir), alpha=0.5, seed=1,
-                strata="1-5:3,6-24:100", batch_size=10, images_root=str(tiny_world))
+    args = dict(
+        queries=str(tiny_world / "train.jsonl"),
+        index=str(tiny_index_dir),
+        alpha=0.5,
+        seed=1,
+        strata="1-5:3,6-24:100",
+        batch_size=10,
+        images_root=str(tiny_world),
+    )
     build_rl_data(RLDataArgs(**args, out=str(tmp_path / "ref.jsonl")), **QUIET)  # uninterrupted
     out = tmp_path / "o.jsonl"
     seen = interrupt_after(index, monkeypatch, 2)
@@ -104,8 +112,9 @@ def test_rl_data_resumes_its_baseline_retrieval_and_stores_the_sampled_images(ti
     assert set(load_store(out, index.manifest)) == {r["image"] for r in sampled}  # what the trainer will read
 
 
-def test_the_trainer_builds_no_image_encoder_when_every_image_is_stored(config, tiny_world, tiny_index_dir, index,
-                                                                        tmp_path, monkeypatch, capsys):
+def test_the_trainer_builds_no_image_encoder_when_every_image_is_stored(
+    config, tiny_world, tiny_index_dir, index, tmp_path, monkeypatch, capsys
+):
     """Two one-step runs from the same seed: with every train and eval image stored, the image encoder factory is
     never called (it would raise) and the rewards are those of the run that encoded the images itself."""
     import retrieval.index as ri
@@ -114,8 +123,15 @@ def test_the_trainer_builds_no_image_encoder_when_every_image_is_stored(config, 
     train, val = tmp_path / "train.jsonl", tmp_path / "val.jsonl"
     shutil.copy(tiny_world / "train.jsonl", train)
     write_jsonl_atomic(val, list(read_jsonl(tiny_world / "val.jsonl"))[:4])
-    run = dict(train_file=str(train), eval_file=str(val), images_root=str(tiny_world), max_steps=1,
-               eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=8)
+    run = dict(
+        train_file=str(train),
+        eval_file=str(val),
+        images_root=str(tiny_world),
+        max_steps=1,
+        eval_strategy="steps",
+        eval_steps=1,
+        per_device_eval_batch_size=8,
+    )
     encoded = tg.main(config(**run, output_dir=str(tmp_path / "encoded")))
     assert "the image encoder (tiny) is built on every process" in capsys.readouterr().out
     for queries in (train, val):

@@ -26,8 +26,7 @@ def test_refine_on_two_processes_equals_one(tiny_refiner, tiny_world, tmp_path):
 
     rows = list(read_jsonl(tiny_world / "test.jsonl"))[:14]
     write_jsonl_atomic(tmp_path / "q.jsonl", rows)
-    config = dict(model=str(tiny_refiner), queries=str(tmp_path / "q.jsonl"), images_root=str(tiny_world),
-                  batch_size=4)
+    config = dict(model=str(tiny_refiner), queries=str(tmp_path / "q.jsonl"), images_root=str(tiny_world), batch_size=4)
     refine_file(RefineArgs(**config, out=str(tmp_path / "one.jsonl")), **QUIET)
     proc = torchrun_module("rl.refine", {**config, "out": str(tmp_path / "two.jsonl")}, tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -50,22 +49,39 @@ def gate_folders(tiny_gate_vlm, tmp_path):
     return out
 
 
-def test_pipeline_on_two_processes_equals_one(gate_folders, tiny_gate_vlm, tiny_refiner, tiny_world, tiny_index_dir,
-                                              tmp_path):
+def test_pipeline_on_two_processes_equals_one(
+    gate_folders, tiny_gate_vlm, tiny_refiner, tiny_world, tiny_index_dir, tmp_path
+):
     from gate.pipeline.run import PipelineArgs, run
     from toy.gates import gate_questions
 
     rows = gate_questions(list(read_jsonl(tiny_world / "test.jsonl")), 4, seed=0)  # 8 questions, 4 batches
     write_jsonl_atomic(tmp_path / "q.jsonl", rows)
-    config = dict(queries=str(tmp_path / "q.jsonl"), images_root=str(tiny_world), gate=gate_folders["hkb"],
-                  answerer=str(tiny_gate_vlm), refiner=str(tiny_refiner), index=str(tiny_index_dir), alpha=0.5, k=3,
-                  inspector=gate_folders["inspector"], generator=str(tiny_gate_vlm), generator_image=True,
-                  generator_prompt="toy", max_new_tokens=6, batch_size=2, device="cpu")
+    config = dict(
+        queries=str(tmp_path / "q.jsonl"),
+        images_root=str(tiny_world),
+        gate=gate_folders["hkb"],
+        answerer=str(tiny_gate_vlm),
+        refiner=str(tiny_refiner),
+        index=str(tiny_index_dir),
+        alpha=0.5,
+        k=3,
+        inspector=gate_folders["inspector"],
+        generator=str(tiny_gate_vlm),
+        generator_image=True,
+        generator_prompt="toy",
+        max_new_tokens=6,
+        batch_size=2,
+        device="cpu",
+    )
     one = run(PipelineArgs(**config, out=str(tmp_path / "one")), **QUIET)
     proc = torchrun_module("gate.pipeline", {**config, "out": str(tmp_path / "two")}, tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "pipeline, process 1/2" in proc.stdout + proc.stderr
-    a, b = list(read_jsonl(tmp_path / "one" / "predictions.jsonl")), list(read_jsonl(tmp_path / "two" / "predictions.jsonl"))
+    a, b = (
+        list(read_jsonl(tmp_path / "one" / "predictions.jsonl")),
+        list(read_jsonl(tmp_path / "two" / "predictions.jsonl")),
+    )
     assert [r["id"] for r in b] == [r["id"] for r in rows]
     for x, y in zip(a, b):
         x.pop("latency"), y.pop("latency")
@@ -78,13 +94,22 @@ def test_pipeline_on_two_processes_equals_one(gate_folders, tiny_gate_vlm, tiny_
 
 
 def test_gate_data_sampling_on_two_processes_equals_one(tiny_gate_vlm, tiny_world, tmp_path):
-    """gate.train.build_data --stage sample: seeded per batch, so two processes draw the very samples one process draws."""
+    """gate.train.build_data --stage sample: seeded per batch, so two processes draw the very samples one process
+    draws."""
     from gate.train.build_data import BuildDataArgs, build
 
     rows = list(read_jsonl(tiny_world / "test.jsonl"))[:6]
     write_jsonl_atomic(tmp_path / "q.jsonl", rows)
-    config = dict(stage="sample", queries=str(tmp_path / "q.jsonl"), images_root=str(tiny_world),
-                  model=str(tiny_gate_vlm), samples=3, batch_size=2, max_new_tokens=4, device="cpu")
+    config = dict(
+        stage="sample",
+        queries=str(tmp_path / "q.jsonl"),
+        images_root=str(tiny_world),
+        model=str(tiny_gate_vlm),
+        samples=3,
+        batch_size=2,
+        max_new_tokens=4,
+        device="cpu",
+    )
     build(BuildDataArgs(**config, out=str(tmp_path / "one")), **QUIET)
     proc = torchrun_module("gate.train.build_data", {**config, "out": str(tmp_path / "two")}, tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -101,8 +126,16 @@ def test_rl_data_on_two_processes_equals_one(tiny_world, tiny_index_dir, tmp_pat
     from rl.data import RLDataArgs, build_rl_data
     from rl.image_embeddings import load_store
 
-    config = dict(queries=str(tiny_world / "train.jsonl"), index=str(tiny_index_dir), alpha=0.5, seed=1,
-                  strata="1-5:3,6-24:100", batch_size=8, images_root=str(tiny_world), workers=0)
+    config = dict(
+        queries=str(tiny_world / "train.jsonl"),
+        index=str(tiny_index_dir),
+        alpha=0.5,
+        seed=1,
+        strata="1-5:3,6-24:100",
+        batch_size=8,
+        images_root=str(tiny_world),
+        workers=0,
+    )
     build_rl_data(RLDataArgs(**config, out=str(tmp_path / "one.jsonl")), **QUIET)
     proc = torchrun_module("rl.data", {**config, "out": str(tmp_path / "two.jsonl")}, tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -13,22 +13,31 @@ from gate.train.build_data import BuildDataArgs, stage_render
 from gate.train.render import class_targets, parse_class_targets
 
 
-@pytest.mark.parametrize("text,sentence", [
-    ('{"expanded_answer": "The tower is 324 metres tall."}', "The tower is 324 metres tall."),
-    ('Here: ```{"expanded_answer": " It opened in 1889. "}```', "It opened in 1889."),
-    ('{"answer": "x"} {"expanded_answer": "second"}', "second"),
-    ('{"expanded_answer": ""}', None), ('{"expanded_answer": 3}', None), ("no json", None), (None, None),
-])
+@pytest.mark.parametrize(
+    "text,sentence",
+    [
+        ('{"expanded_answer": "The tower is 324 metres tall."}', "The tower is 324 metres tall."),
+        ('Here: ```{"expanded_answer": " It opened in 1889. "}```', "It opened in 1889."),
+        ('{"answer": "x"} {"expanded_answer": "second"}', "second"),
+        ('{"expanded_answer": ""}', None),
+        ('{"expanded_answer": 3}', None),
+        ("no json", None),
+        (None, None),
+    ],
+)
 def test_parse_expansion(text, sentence):
     assert parse_expansion(text) == sentence
 
 
-@pytest.mark.parametrize("short,reply,target,expanded", [
-    ("324 m", '{"expanded_answer": "The Eiffel Tower is 324 m tall."}', "The Eiffel Tower is 324 m tall.", True),
-    ("Paris", '{"expanded_answer": "It stands in the French capital."}', "Paris", False),  # short answer lost
-    ("1889", "It opened in 1889.", "1889", False),  # no JSON
-    ("the Seine", '{"expanded_answer": "The river is Seine."}', "The river is Seine.", True),  # articles normalised
-])
+@pytest.mark.parametrize(
+    "short,reply,target,expanded",
+    [
+        ("324 m", '{"expanded_answer": "The Eiffel Tower is 324 m tall."}', "The Eiffel Tower is 324 m tall.", True),
+        ("Paris", '{"expanded_answer": "It stands in the French capital."}', "Paris", False),  # short answer lost
+        ("1889", "It opened in 1889.", "1889", False),  # no JSON
+        ("the Seine", '{"expanded_answer": "The river is Seine."}', "The river is Seine.", True),  # articles normalised
+    ],
+)
 def test_a_sentence_must_keep_the_short_answer(short, reply, target, expanded):
     out = expansion_target(short, reply)
     assert out["target"] == target and out["expanded"] == expanded and (out["reason"] is None) == expanded
@@ -40,19 +49,21 @@ def test_any_reply_gives_a_target(short, reply):
     assert out["target"] == short or (out["expanded"] and out["target"].strip())
 
 
-@pytest.mark.parametrize("available,targets,taken", [
-    ({"pass": 4000, "fail": 4500}, {"pass": 3000, "fail": 5000}, {"pass": 3000, "fail": 4500}),  # counts, capped
-    ({"pass": 20000, "fail": 16000}, {"pass": 15000, "fail": 15000}, {"pass": 15000, "fail": 15000}),
-    ({"pass": 10, "fail": 30}, {"pass": 0.5, "fail": 0.5}, {"pass": 10, "fail": 10}),  # shares
-    ({"pass": 300, "fail": 1000}, {"pass": 0.375, "fail": 0.625}, {"pass": 300, "fail": 500}),
-    ({"pass": 5, "fail": 5}, {"pass": 1.0, "fail": 0.0}, {"pass": 5, "fail": 0}),
-])
+@pytest.mark.parametrize(
+    "available,targets,taken",
+    [
+        ({"pass": 4000, "fail": 4500}, {"pass": 3000, "fail": 5000}, {"pass": 3000, "fail": 4500}),  # counts, capped
+        ({"pass": 20000, "fail": 16000}, {"pass": 15000, "fail": 15000}, {"pass": 15000, "fail": 15000}),
+        ({"pass": 10, "fail": 30}, {"pass": 0.5, "fail": 0.5}, {"pass": 10, "fail": 10}),  # shares
+        ({"pass": 300, "fail": 1000}, {"pass": 0.375, "fail": 0.625}, {"pass": 300, "fail": 500}),
+        ({"pass": 5, "fail": 5}, {"pass": 1.0, "fail": 0.0}, {"pass": 5, "fail": 0}),
+    ],
+)
 def test_class_targets(available, targets, taken):
     assert class_targets(available, targets) == taken
 
 
-@given(st.dictionaries(st.sampled_from(["pass", "fail", "x"]), st.integers(0, 500), min_size=1),
-       st.floats(0.05, 0.95))
+@given(st.dictionaries(st.sampled_from(["pass", "fail", "x"]), st.integers(0, 500), min_size=1), st.floats(0.05, 0.95))
 def test_shares_never_exceed_what_is_available_and_keep_the_proportion(available, share):
     classes = sorted(available)
     targets = {c: (share if i == 0 else (1 - share) / max(1, len(classes) - 1)) for i, c in enumerate(classes)}
@@ -79,10 +90,19 @@ class Interrupted(Exception):
 
 
 def label_rows(n: int) -> list[dict]:
-    return [{"id": f"q{i}", "question": f"How tall is tower {i}?", "context": f"Tower {i} is tall.",
-             "image_path": f"/img/{i}.png", "variant": "inspector", "pass": i % 3 == 0, "split": "train",
-             "inspector": {"pass": "true"} if i % 3 == 0 else {"pass": "false", "answer": f"{i}0 m"}}
-            for i in range(n)]
+    return [
+        {
+            "id": f"q{i}",
+            "question": f"How tall is tower {i}?",
+            "context": f"Tower {i} is tall.",
+            "image_path": f"/img/{i}.png",
+            "variant": "inspector",
+            "pass": i % 3 == 0,
+            "split": "train",
+            "inspector": {"pass": "true"} if i % 3 == 0 else {"pass": "false", "answer": f"{i}0 m"},
+        }
+        for i in range(n)
+    ]
 
 
 def test_fail_answers_are_expanded_resumably_and_rendered_with_the_published_balance(tmp_path):
@@ -93,8 +113,12 @@ def test_fail_answers_are_expanded_resumably_and_rendered_with_the_published_bal
         calls.append(list(answers))
         if len(calls) == 2:
             raise Interrupted
-        return [json.dumps({"expanded_answer": f"The tower is {a} tall."}) if j % 2 == 0 else
-                json.dumps({"expanded_answer": "It is very tall."}) for j, a in enumerate(answers)]
+        return [
+            json.dumps({"expanded_answer": f"The tower is {a} tall."})
+            if j % 2 == 0
+            else json.dumps({"expanded_answer": "It is very tall."})
+            for j, a in enumerate(answers)
+        ]
 
     args = BuildDataArgs(stage="expand", out=str(tmp_path), batch_size=3)
     with pytest.raises(Interrupted):
@@ -107,8 +131,14 @@ def test_fail_answers_are_expanded_resumably_and_rendered_with_the_published_bal
     assert expanded["q2"]["target"] == "20 m" and "does not contain the short answer" in expanded["q2"]["reason"]
     assert "kept the short answer" in lines[-1]
 
-    render = BuildDataArgs(stage="render", out=str(tmp_path), variant="inspector", inspector_expanded=True,
-                           class_targets="pass:3,fail:5", seed=1)
+    render = BuildDataArgs(
+        stage="render",
+        out=str(tmp_path),
+        variant="inspector",
+        inspector_expanded=True,
+        class_targets="pass:3,fail:5",
+        seed=1,
+    )
     said = []
     stage_render(render, tmp_path, log=said.append)
     rows = list(read_jsonl(tmp_path / "inspector.train.jsonl"))
@@ -131,11 +161,15 @@ def test_expand_asks_an_openai_compatible_endpoint_with_the_stages_prompt(tmp_pa
 
     write_jsonl_atomic(tmp_path / "labels-inspector.jsonl", label_rows(2))  # q0 PASS, q1 FAIL ("10 m")
     server = stub(['{"expanded_answer": "Tower 1 is 10 m tall."}'])
-    stage_expand(BuildDataArgs(stage="expand", out=str(tmp_path), expander_url=server.url, expander_model="m"),
-                 tmp_path, log=lambda *a: None)
+    stage_expand(
+        BuildDataArgs(stage="expand", out=str(tmp_path), expander_url=server.url, expander_model="m"),
+        tmp_path,
+        log=lambda *a: None,
+    )
     (sent,) = server.requests
     assert sent["body"]["model"] == "m" and sent["body"]["messages"] == [
         {"role": "system", "content": EXPANSION_PROMPT["system"]},
-        {"role": "user", "content": "Question: How tall is tower 1?\nShort answer: 10 m"}]
+        {"role": "user", "content": "Question: How tall is tower 1?\nShort answer: 10 m"},
+    ]
     (row,) = read_jsonl(tmp_path / "expanded-inspector.jsonl")
     assert row["id"] == "q1" and row["target"] == "Tower 1 is 10 m tall." and row["expanded"]

@@ -26,19 +26,22 @@ def test_image_problem_names_missing_and_corrupt_images(tmp_path):
     assert image_problem(tmp_path / "bad.jpg").startswith(f"image unreadable: {tmp_path / 'bad.jpg'} (")
 
 
-@pytest.mark.parametrize("fmt,size,loads", [
-    ("JPEG", (300, 200), True),    # over PIL's decompression-bomb limit: decoded downscaled (JPEG draft)
-    ("PNG", (300, 200), True),     # … (PNG: decoded, then reduced)
-    ("PNG", (80, 60), True),       # under the limit: as before, full size
-    ("PNG", (1000, 800), False),   # over this module's bound too: refused with the reason
-])
+@pytest.mark.parametrize(
+    "fmt,size,loads",
+    [
+        ("JPEG", (300, 200), True),  # over PIL's decompression-bomb limit: decoded downscaled (JPEG draft)
+        ("PNG", (300, 200), True),  # … (PNG: decoded, then reduced)
+        ("PNG", (80, 60), True),  # under the limit: as before, full size
+        ("PNG", (1000, 800), False),  # over this module's bound too: refused with the reason
+    ],
+)
 def test_kb_images_over_the_pixel_limit_decode_downscaled(tmp_path, monkeypatch, fmt, size, loads):
     from PIL import Image
 
     import retrieval.kb as kb
 
-    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 5_000)      # PIL refuses more than twice this: 10,000 pixels
-    monkeypatch.setattr(kb, "LARGE_IMAGE_PIXELS", 200_000)     # the bound for images decoded past PIL's limit
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 5_000)  # PIL refuses more than twice this: 10,000 pixels
+    monkeypatch.setattr(kb, "LARGE_IMAGE_PIXELS", 200_000)  # the bound for images decoded past PIL's limit
     path = tmp_path / f"big.{fmt.lower()}"
     with monkeypatch.context() as m:
         m.setattr(Image, "MAX_IMAGE_PIXELS", None)

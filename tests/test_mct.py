@@ -1,7 +1,6 @@
 """MMKB-RAG's MCT: Algorithm 3's examples (property-tested), SKB's stochastic digit, the inference strategies (table),
 the consistency data stage and the pipeline's use of an mct gate."""
 
-
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -20,11 +19,11 @@ def test_mct_example_properties(probs, tau, seed):
         return
     shown = got["shown"]
     assert len(set(shown)) == len(shown) and set(relevant) <= set(shown)
-    assert len(shown) - len(relevant) == round(tau * len(norel))       # τ of the NoRel documents mixed in
+    assert len(shown) - len(relevant) == round(tau * len(norel))  # τ of the NoRel documents mixed in
     listed = [shown[i - 1] for i in got["consistent"]]
-    assert sorted(listed) == relevant                                  # exactly the relevant ones...
+    assert sorted(listed) == relevant  # exactly the relevant ones...
     assert [probs[j] for j in listed] == sorted((probs[j] for j in listed), reverse=True)  # ...most relevant first
-    assert mct_example(probs, 0.5, tau, seed) == got                   # seeded
+    assert mct_example(probs, 0.5, tau, seed) == got  # seeded
 
 
 def test_mct_example_refuses_a_bad_ratio():
@@ -47,15 +46,18 @@ def test_stochastic_digit_expectation_and_range():
         stochastic_digit(5.5, 0)
 
 
-@pytest.mark.parametrize("strategy,parsed,docs,summary,fallback", [
-    ("filter", {"consistent": [3, 1], "summary": "s"}, [0, 2], None, False),      # first-stage order kept
-    ("rerank", {"consistent": [3, 1], "summary": "s"}, [2, 0, 1, 3], None, False),  # listed first, then the rest
-    ("merge", {"consistent": [3, 1], "summary": "s"}, [2, 0], "s", False),
-    ("merge", {"consistent": [3], "summary": None}, [0], None, True),             # merge without a summary
-    ("filter", {"consistent": [9, 0], "summary": None}, [0], None, True),          # no valid number
-    ("filter", {"consistent": [2, 2], "summary": None}, [1], None, False),        # repeats once
-    ("rerank", None, [0], None, True),                                            # unparseable output
-])
+@pytest.mark.parametrize(
+    "strategy,parsed,docs,summary,fallback",
+    [
+        ("filter", {"consistent": [3, 1], "summary": "s"}, [0, 2], None, False),  # first-stage order kept
+        ("rerank", {"consistent": [3, 1], "summary": "s"}, [2, 0, 1, 3], None, False),  # listed first, then the rest
+        ("merge", {"consistent": [3, 1], "summary": "s"}, [2, 0], "s", False),
+        ("merge", {"consistent": [3], "summary": None}, [0], None, True),  # merge without a summary
+        ("filter", {"consistent": [9, 0], "summary": None}, [0], None, True),  # no valid number
+        ("filter", {"consistent": [2, 2], "summary": None}, [1], None, False),  # repeats once
+        ("rerank", None, [0], None, True),  # unparseable output
+    ],
+)
 def test_apply_strategy(strategy, parsed, docs, summary, fallback):
     got = apply_strategy(strategy, 4, parsed)
     assert (got["docs"], got["summary"], got["fallback"], got["strategy"]) == (docs, summary, fallback, strategy)

@@ -21,11 +21,22 @@ from gate.pipeline.vqa_accuracy import vqa_accuracy
 # ---------------------------------------------------------------- E-VQA
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("The answer is: Paris.", "paris"), ("An Apple's pie", "apples pie"), ("three", "3"), ("It's TRUE", "its yes"),
-    ("U.S.A.", "usa"), ("1,000", "1000"), ("9-10 meters", "910 meters"), ("<extra_id_0> Ten", "10"),
-    ("  the\tMenger\nfamily ", "menger family"), ("‘quoted’ `x`", "quoted x"), ("none", "0"),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("The answer is: Paris.", "paris"),
+        ("An Apple's pie", "apples pie"),
+        ("three", "3"),
+        ("It's TRUE", "its yes"),
+        ("U.S.A.", "usa"),
+        ("1,000", "1000"),
+        ("9-10 meters", "910 meters"),
+        ("<extra_id_0> Ten", "10"),
+        ("  the\tMenger\nfamily ", "menger family"),
+        ("‘quoted’ `x`", "quoted x"),
+        ("none", "0"),
+    ],
+)
 def test_evqa_normalize(text, expected):
     assert evqa_normalize(text) == expected
 
@@ -44,23 +55,39 @@ class FakeBEM:
 Q = "Where does this hotel derive its name from?"
 
 
-@pytest.mark.parametrize("prediction,answer,qtype,bem_table,ok,bem_called", [
-    # the E-VQA README's example (the TF-hub BEM's decisions stand in the table)
-    ("William and Mary Menger", "the Menger family", "automatic", {("William and Mary Menger", "the Menger family"): 0.9},
-     True, True),
-    ("the Baker family", "the Menger family", "automatic", {("the Baker family", "the Menger family"): 0.1}, False, True),
-    # exact match after normalisation decides without BEM
-    ("The Menger Family.", "the Menger family", "templated", {}, True, False),
-    ("Menger", "Baker|menger", "automatic", {}, True, False),  # `|` alternatives: the best counts
-    # multi_answer: IoU of the && parts and the candidate split on ',', ' and ', ' & '
-    ("Red and Blue", "red&&blue&&green", "multi_answer", {}, True, False),  # 2/3
-    ("red", "red&&blue&&green", "multi_answer", {}, False, True),  # 1/3 → BEM (here: no)
-    ("red, blue, green, yellow", "red&&blue", "multi_answer", {}, True, False),  # 2/4
-    ("Red And Blue", "red&&blue", "multi_answer", {}, False, True),  # split before lowercasing: one part
-    # BEM at the threshold, and BEM sees && as commas for multi_answer
-    ("crimson", "red&&blue", "multi_answer", {("crimson", "red,blue"): 0.5}, True, True),
-    ("crimson", "red", "templated", {("crimson", "red"): 0.49}, False, True),
-])
+@pytest.mark.parametrize(
+    "prediction,answer,qtype,bem_table,ok,bem_called",
+    [
+        # the E-VQA README's example (the TF-hub BEM's decisions stand in the table)
+        (
+            "William and Mary Menger",
+            "the Menger family",
+            "automatic",
+            {("William and Mary Menger", "the Menger family"): 0.9},
+            True,
+            True,
+        ),
+        (
+            "the Baker family",
+            "the Menger family",
+            "automatic",
+            {("the Baker family", "the Menger family"): 0.1},
+            False,
+            True,
+        ),
+        # exact match after normalisation decides without BEM
+        ("The Menger Family.", "the Menger family", "templated", {}, True, False),
+        ("Menger", "Baker|menger", "automatic", {}, True, False),  # `|` alternatives: the best counts
+        # multi_answer: IoU of the && parts and the candidate split on ',', ' and ', ' & '
+        ("Red and Blue", "red&&blue&&green", "multi_answer", {}, True, False),  # 2/3
+        ("red", "red&&blue&&green", "multi_answer", {}, False, True),  # 1/3 → BEM (here: no)
+        ("red, blue, green, yellow", "red&&blue", "multi_answer", {}, True, False),  # 2/4
+        ("Red And Blue", "red&&blue", "multi_answer", {}, False, True),  # split before lowercasing: one part
+        # BEM at the threshold, and BEM sees && as commas for multi_answer
+        ("crimson", "red&&blue", "multi_answer", {("crimson", "red,blue"): 0.5}, True, True),
+        ("crimson", "red", "templated", {("crimson", "red"): 0.49}, False, True),
+    ],
+)
 def test_evqa_correct(prediction, answer, qtype, bem_table, ok, bem_called):
     bem = FakeBEM(bem_table)
     assert evqa_correct(prediction, answer, Q, qtype, bem=bem) is ok
@@ -79,15 +106,25 @@ def test_evqa_without_bem_is_exact_match_only_and_bad_input_is_named():
 
 def test_evqa_batch_equals_one_by_one_with_one_bem_call():
     table = {("W. Menger", "the Menger family"): 0.8, ("blue", "red,blue"): 0.7, ("x", "c"): 0.2}
-    records = [dict(prediction=p, answer=a, question=Q, question_type=t) for p, a, t in [
-        ("W. Menger", "the Menger family", "automatic"), ("menger family", "the Menger family", "templated"),
-        ("blue", "red&&blue", "multi_answer"), ("x", "c|d", "2_hop"), ("", "c", "automatic")]]
+    records = [
+        dict(prediction=p, answer=a, question=Q, question_type=t)
+        for p, a, t in [
+            ("W. Menger", "the Menger family", "automatic"),
+            ("menger family", "the Menger family", "templated"),
+            ("blue", "red&&blue", "multi_answer"),
+            ("x", "c|d", "2_hop"),
+            ("", "c", "automatic"),
+        ]
+    ]
     bem = FakeBEM(table)
     batch = evqa_correct_batch(records, bem)
     # "blue" vs red&&blue is IoU 1/2: decided; three undecided questions, one with 2 alternatives, one blank
     assert len(bem.calls) == 1 and [r for _, r, _ in bem.calls[0]] == ["the Menger family", "c", "d", "c"]
-    assert batch == [evqa_correct(r["prediction"], r["answer"], Q, r["question_type"], FakeBEM(table))
-                     for r in records] == [True, True, True, False, False]
+    assert (
+        batch
+        == [evqa_correct(r["prediction"], r["answer"], Q, r["question_type"], FakeBEM(table)) for r in records]
+        == [True, True, True, False, False]
+    )
     report = evqa_report(records, batch)
     assert report == {"single_hop": 75.0, "two_hop": 0.0, "overall": 60.0, "n": 5}
 
@@ -95,11 +132,22 @@ def test_evqa_batch_equals_one_by_one_with_one_bem_call():
 # ---------------------------------------------------------------- InfoSeek
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("9-10", [9.0, 10.0]), ("about 1,234.5 m", 1234.5), ("between 30 and 40", [30.0, 40.0]), ("40 to 30", 40.0),
-    ("none", [0.0, 0.0]), ("-5", -5.0), ("3e2 km", 300.0), ("1990-1995", [1990.0, 1995.0]), ("v2.0", 2.0),
-    ("1.2.3", [1.2, 3.0]), ("it is 5, 6 or 7", [5.0, 6.0]),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("9-10", [9.0, 10.0]),
+        ("about 1,234.5 m", 1234.5),
+        ("between 30 and 40", [30.0, 40.0]),
+        ("40 to 30", 40.0),
+        ("none", [0.0, 0.0]),
+        ("-5", -5.0),
+        ("3e2 km", 300.0),
+        ("1990-1995", [1990.0, 1995.0]),
+        ("v2.0", 2.0),
+        ("1.2.3", [1.2, 3.0]),
+        ("it is 5, 6 or 7", [5.0, 6.0]),
+    ],
+)
 def test_numeric_answer_reads_the_first_one_or_two_numbers(text, expected):
     assert numeric_answer(text) == expected
 
@@ -107,26 +155,39 @@ def test_numeric_answer_reads_the_first_one_or_two_numbers(text, expected):
 RANGE = [{"wikidata": 35, "range": [30, 40]}]
 
 
-@pytest.mark.parametrize("prediction,answer_eval,qtype,ok", [
-    ("35", RANGE, "Numerical", True), ("30", RANGE, "Numerical", True), ("41", RANGE, "Numerical", False),
-    ("25-35", RANGE, "Numerical", False),  # overlaps, IoU 1/3
-    ("32-38", RANGE, "Numerical", True),  # inside
-    ("28-40", RANGE, "Numerical", True),  # IoU 10/12
-    ("It is 45 m, not 35", RANGE, "Numerical", False),  # 45 > 35: the first number only
-    ("no idea", RANGE, "Numerical", False), ("35", {"wikidata": 35, "range": [30, 40]}, "Numerical", True),
-    ("The People's Republic of China!", ["China", "People's Republic of China"], "String", True),
-    ("Eiffel-Tower", ["eiffel tower"], "String", False), ("1889", ["1889"], "Time", True),
-    ("1890", ["1889"], "Time", False),  # no ±1 year in the official code
-    ("1889", ["1889"], "time", True),
-])
+@pytest.mark.parametrize(
+    "prediction,answer_eval,qtype,ok",
+    [
+        ("35", RANGE, "Numerical", True),
+        ("30", RANGE, "Numerical", True),
+        ("41", RANGE, "Numerical", False),
+        ("25-35", RANGE, "Numerical", False),  # overlaps, IoU 1/3
+        ("32-38", RANGE, "Numerical", True),  # inside
+        ("28-40", RANGE, "Numerical", True),  # IoU 10/12
+        ("It is 45 m, not 35", RANGE, "Numerical", False),  # 45 > 35: the first number only
+        ("no idea", RANGE, "Numerical", False),
+        ("35", {"wikidata": 35, "range": [30, 40]}, "Numerical", True),
+        ("The People's Republic of China!", ["China", "People's Republic of China"], "String", True),
+        ("Eiffel-Tower", ["eiffel tower"], "String", False),
+        ("1889", ["1889"], "Time", True),
+        ("1890", ["1889"], "Time", False),  # no ±1 year in the official code
+        ("1889", ["1889"], "time", True),
+    ],
+)
 def test_infoseek_correct(prediction, answer_eval, qtype, ok):
     assert infoseek_correct(prediction, answer_eval, qtype) is ok
 
 
 def test_infoseek_scores_per_split_and_harmonic_mean():
     def rec(i, split, ok):
-        return dict(id=str(i), prediction="China" if ok else "Japan", answer_eval=["China"], question_type="String",
-                    data_split=f"val_unseen_{split}")
+        return dict(
+            id=str(i),
+            prediction="China" if ok else "Japan",
+            answer_eval=["China"],
+            question_type="String",
+            data_split=f"val_unseen_{split}",
+        )
+
     records = [rec(i, "question", i < 8) for i in range(9)] + [rec(i, "entity", i < 11) for i in range(9, 12)]
     s = infoseek_scores(records)
     assert s["unseen_question"] == 88.89 and s["unseen_entity"] == 66.67
@@ -140,10 +201,24 @@ def test_infoseek_scores_per_split_and_harmonic_mean():
 
 def test_infoseek_readme_figures():
     """edchengg/infoseek_eval's README: unseen-question 8.89 and unseen-entity 7.38 give the final 8.06."""
-    q = [dict(prediction="yes" if i < 889 else "no", answer_eval=["yes"], question_type="String",
-              data_split="val_unseen_question") for i in range(10000)]
-    e = [dict(prediction="yes" if i < 738 else "no", answer_eval=["yes"], question_type="String",
-              data_split="val_unseen_entity") for i in range(10000)]
+    q = [
+        dict(
+            prediction="yes" if i < 889 else "no",
+            answer_eval=["yes"],
+            question_type="String",
+            data_split="val_unseen_question",
+        )
+        for i in range(10000)
+    ]
+    e = [
+        dict(
+            prediction="yes" if i < 738 else "no",
+            answer_eval=["yes"],
+            question_type="String",
+            data_split="val_unseen_entity",
+        )
+        for i in range(10000)
+    ]
     assert infoseek_scores(q + e)["final"] == 8.06
 
 
@@ -156,14 +231,17 @@ def test_vqa_accuracy_leave_one_out(matches, expected):
     assert vqa_accuracy("cat", answers) == pytest.approx(expected)
 
 
-@pytest.mark.parametrize("prediction,answers,expected", [
-    ("Two dogs.", ["2 dogs"] * 3 + ["dogs"] * 7, 0.9),
-    ("the cat's toy", ["cat's toy"] * 4 + ["toy"] * 6, 1.0),
-    ("dont know", ["don't know"] * 2 + ["no"] * 8, 0.6),
-    ("hello-world", ["hello world"] * 3 + ["x"] * 7, 0.9),
-    ("100,978", ["100978"] * 5 + ["x"] * 5, 1.0),
-    ("Cat", ["cat"] * 10, 0.0),  # annotators agree: no normalisation at all (the official behaviour)
-])
+@pytest.mark.parametrize(
+    "prediction,answers,expected",
+    [
+        ("Two dogs.", ["2 dogs"] * 3 + ["dogs"] * 7, 0.9),
+        ("the cat's toy", ["cat's toy"] * 4 + ["toy"] * 6, 1.0),
+        ("dont know", ["don't know"] * 2 + ["no"] * 8, 0.6),
+        ("hello-world", ["hello world"] * 3 + ["x"] * 7, 0.9),
+        ("100,978", ["100978"] * 5 + ["x"] * 5, 1.0),
+        ("Cat", ["cat"] * 10, 0.0),  # annotators agree: no normalisation at all (the official behaviour)
+    ],
+)
 def test_vqa_accuracy_normalisation(prediction, answers, expected):
     assert vqa_accuracy(prediction, answers) == pytest.approx(expected)
 
@@ -176,15 +254,20 @@ def test_vqa_accuracy_in_unit_interval(prediction, answers):
 # ---------------------------------------------------------------- pseudo-recall
 
 
-@pytest.mark.parametrize("answers,passage,ok", [
-    (["Mossy Caves"], "It lives in mossy caves, mostly.", True),
-    (["12"], "The tower is 1200 m tall.", False),  # not inside a longer number
-    (["12"], "It has 12.5 floors.", False),
-    (["12"], "It has 12 floors.", True),
-    (["red&&blue"], "Its flag is red and blue.", True), (["red&&blue"], "Its flag is red.", False),
-    (["cat", "Paris"], "The capital is Paris.", True), ([""], "anything", False),
-    (["Eiffel Tower"], "the eiffel-tower", False),  # punctuation deleted: "eiffeltower"
-])
+@pytest.mark.parametrize(
+    "answers,passage,ok",
+    [
+        (["Mossy Caves"], "It lives in mossy caves, mostly.", True),
+        (["12"], "The tower is 1200 m tall.", False),  # not inside a longer number
+        (["12"], "It has 12.5 floors.", False),
+        (["12"], "It has 12 floors.", True),
+        (["red&&blue"], "Its flag is red and blue.", True),
+        (["red&&blue"], "Its flag is red.", False),
+        (["cat", "Paris"], "The capital is Paris.", True),
+        ([""], "anything", False),
+        (["Eiffel Tower"], "the eiffel-tower", False),  # punctuation deleted: "eiffeltower"
+    ],
+)
 def test_answer_in_passage(answers, passage, ok):
     assert answer_in_passage(answers, passage) is ok
 
@@ -209,8 +292,28 @@ def test_bem_input_is_cls_candidate_sep_reference_sep_question_sep(tiny_bem):
     tok = AutoTokenizer.from_pretrained(tiny_bem)
     batch = bem_inputs(tok, ["William and Mary Menger"], ["the Menger family"], [Q])
     tokens = tok.convert_ids_to_tokens(batch["input_ids"][0])
-    assert tokens == ["[CLS]", "william", "and", "mary", "menger", "[SEP]", "the", "menger", "family", "[SEP]",
-                      "where", "does", "this", "hotel", "derive", "its", "name", "from", "?", "[SEP]"]
+    assert tokens == [
+        "[CLS]",
+        "william",
+        "and",
+        "mary",
+        "menger",
+        "[SEP]",
+        "the",
+        "menger",
+        "family",
+        "[SEP]",
+        "where",
+        "does",
+        "this",
+        "hotel",
+        "derive",
+        "its",
+        "name",
+        "from",
+        "?",
+        "[SEP]",
+    ]
     assert batch["token_type_ids"][0].tolist() == [0] * 6 + [1] * 14
 
 
@@ -235,16 +338,21 @@ def test_bem_scores_are_softmax_index_1_and_feed_the_official_rule(tiny_bem):
 
 
 def test_official_correct_by_benchmark():
-    evqa = [dict(question=Q, answers=["the Menger family"], question_type="automatic"),
-            dict(question=Q, answers=["red&&blue", "purple"], question_type="multi_answer"),
-            dict(question=Q, answers=["x"], question_type=None)]
+    evqa = [
+        dict(question=Q, answers=["the Menger family"], question_type="automatic"),
+        dict(question=Q, answers=["red&&blue", "purple"], question_type="multi_answer"),
+        dict(question=Q, answers=["x"], question_type=None),
+    ]
     bem = FakeBEM({("Menger clan", "the Menger family"): 0.8})
     assert official_correct("evqa", evqa, ["Menger clan", "blue and red", None], bem) == [True, True, False]
     assert official_correct("evqa", evqa, ["Menger clan", "purple", "x"]) == [False, True, True]  # no BEM
-    infoseek = [dict(question="q", answers=["China"], answer_eval=["China", "PRC"], question_type="String"),
-                dict(question="q", answers=["35"], answer_eval=[{"wikidata": 35, "range": [30, 40]}],
-                     question_type="Numerical"),
-                dict(question="q", answers=["35"], answer_eval=[{"wikidata": 35, "range": [30, 40]}])]
+    infoseek = [
+        dict(question="q", answers=["China"], answer_eval=["China", "PRC"], question_type="String"),
+        dict(
+            question="q", answers=["35"], answer_eval=[{"wikidata": 35, "range": [30, 40]}], question_type="Numerical"
+        ),
+        dict(question="q", answers=["35"], answer_eval=[{"wikidata": 35, "range": [30, 40]}]),
+    ]
     assert official_correct("infoseek", infoseek, ["prc", "about 33", "38"]) == [True, True, True]
     assert official_correct("infoseek", infoseek, ["Japan", "25-35", None]) == [False, False, False]
     with pytest.raises(ValueError, match="unknown metric"):
@@ -257,22 +365,30 @@ def test_official_correct_by_benchmark():
 # PythonEvaluationTools/vqaEvaluation/vqaEval.py (VQA).
 
 
-@pytest.mark.parametrize("text,expected", [  # 1: with the answer starting with it, every "<extra_id_0> " goes
-    ("<extra_id_0> Paris <extra_id_0> France", "paris france"),
-    ("<EXTRA_ID_0> Ten <extra_id_0> two", "10 2"),  # lowercased before the prefix is looked for
-    ("<extra_id_0> Paris <extra_id_0>", "paris extraid0"),  # the last one has no space after it (stripped)
-    ("Paris <extra_id_0> France", "paris extraid0 france"),  # not at the start: kept, its punctuation deleted
-    ("<extra_id_0>Paris", "extraid0paris"),  # no space after it: not the prefix
-    ("<extra_id_0> ", "extraid0"),  # stripped first, so the prefix's space is gone
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [  # 1: with the answer starting with it, every "<extra_id_0> " goes
+        ("<extra_id_0> Paris <extra_id_0> France", "paris france"),
+        ("<EXTRA_ID_0> Ten <extra_id_0> two", "10 2"),  # lowercased before the prefix is looked for
+        ("<extra_id_0> Paris <extra_id_0>", "paris extraid0"),  # the last one has no space after it (stripped)
+        ("Paris <extra_id_0> France", "paris extraid0 france"),  # not at the start: kept, its punctuation deleted
+        ("<extra_id_0>Paris", "extraid0paris"),  # no space after it: not the prefix
+        ("<extra_id_0> ", "extraid0"),  # stripped first, so the prefix's space is gone
+    ],
+)
 def test_evqa_normalize_removes_every_span_prefix(text, expected):
     assert evqa_normalize(text) == expected
 
 
-@pytest.mark.parametrize("prediction,answer,qtype,refs", [  # 2: a blank prediction is never decided by exact match
-    ("", "red", "automatic", ["red"]), ("   ", "red|crimson", "templated", ["red", "crimson"]),
-    ("", "red&&blue", "multi_answer", ["red,blue"]), ("\n", "Menger", "2_hop", ["Menger"]),
-])
+@pytest.mark.parametrize(
+    "prediction,answer,qtype,refs",
+    [  # 2: a blank prediction is never decided by exact match
+        ("", "red", "automatic", ["red"]),
+        ("   ", "red|crimson", "templated", ["red", "crimson"]),
+        ("", "red&&blue", "multi_answer", ["red,blue"]),
+        ("\n", "Menger", "2_hop", ["Menger"]),
+    ],
+)
 @pytest.mark.parametrize("verdict", [0.9, 0.1])
 def test_evqa_blank_prediction_goes_to_bem(prediction, answer, qtype, refs, verdict):
     bem = FakeBEM({(prediction, r): verdict for r in refs})
@@ -295,21 +411,53 @@ def _tiny_bert(folder, type_vocab_size):
     import torch
     from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
 
-    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "menger", "family", "baker", "william", "and",
-             "mary", "where", "does", "this", "hotel", "derive", "its", "name", "from", "?"]
+    words = [
+        "[PAD]",
+        "[UNK]",
+        "[CLS]",
+        "[SEP]",
+        "[MASK]",
+        "the",
+        "menger",
+        "family",
+        "baker",
+        "william",
+        "and",
+        "mary",
+        "where",
+        "does",
+        "this",
+        "hotel",
+        "derive",
+        "its",
+        "name",
+        "from",
+        "?",
+    ]
     torch.manual_seed(0)
-    model = BertForSequenceClassification(BertConfig(vocab_size=len(words), hidden_size=16, num_hidden_layers=1,
-                                                     num_attention_heads=2, intermediate_size=32, num_labels=2,
-                                                     type_vocab_size=type_vocab_size))
+    model = BertForSequenceClassification(
+        BertConfig(
+            vocab_size=len(words),
+            hidden_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=32,
+            num_labels=2,
+            type_vocab_size=type_vocab_size,
+        )
+    )
     model.save_pretrained(folder)
     BertTokenizerFast(vocab={w: i for i, w in enumerate(words)}, do_lower_case=True).save_pretrained(folder)
     return folder
 
 
-@pytest.mark.parametrize("type_vocab_size,question_segment", [
-    (2, 1),  # the published PyTorch port (bert-base-uncased, 2 segment types): its model card's 0 / 1 / 1
-    (3, 2),  # a model with room for it: the official combine_segments' 0 / 1 / 2
-])
+@pytest.mark.parametrize(
+    "type_vocab_size,question_segment",
+    [
+        (2, 1),  # the published PyTorch port (bert-base-uncased, 2 segment types): its model card's 0 / 1 / 1
+        (3, 2),  # a model with room for it: the official combine_segments' 0 / 1 / 2
+    ],
+)
 def test_bem_question_segment_follows_the_model(tmp_path, type_vocab_size, question_segment):
     """3: the official input gives candidate, reference and question segment ids 0, 1, 2; the PyTorch port has only
     two segment embeddings and its card gives reference and question both 1 — each model gets what it can read."""
@@ -319,8 +467,13 @@ def test_bem_question_segment_follows_the_model(tmp_path, type_vocab_size, quest
 
     bem = BEMScorer(str(_tiny_bert(tmp_path, type_vocab_size)), device="cpu", log=lambda *a: None)
     assert bem.question_segment == question_segment
-    batch = bem_inputs(bem.tokenizer, ["William and Mary Menger", "Baker"], ["the Menger family", "Menger"], [Q, Q],
-                       question_segment=question_segment)
+    batch = bem_inputs(
+        bem.tokenizer,
+        ["William and Mary Menger", "Baker"],
+        ["the Menger family", "Menger"],
+        [Q, Q],
+        question_segment=question_segment,
+    )
     tokens = bem.tokenizer.convert_ids_to_tokens(batch["input_ids"][0])
     assert tokens[:10] == ["[CLS]", "william", "and", "mary", "menger", "[SEP]", "the", "menger", "family", "[SEP]"]
     assert batch["token_type_ids"][0].tolist() == [0] * 6 + [1] * 4 + [question_segment] * 10
@@ -334,13 +487,28 @@ def test_bem_question_segment_follows_the_model(tmp_path, type_vocab_size, quest
 
 
 def _split_records(split, right, total, kind="String"):
-    return [dict(id=f"{split}{i}", prediction="China" if i < right else "Japan", answer_eval=["China"],
-                 question_type=kind, data_split=f"val_unseen_{split}") for i in range(total)]
+    return [
+        dict(
+            id=f"{split}{i}",
+            prediction="China" if i < right else "Japan",
+            answer_eval=["China"],
+            question_type=kind,
+            data_split=f"val_unseen_{split}",
+        )
+        for i in range(total)
+    ]
 
 
-@pytest.mark.parametrize("right,total,official", [  # 4: round(fraction * 100, 2), not round(100 * k / n, 2)
-    (23, 160, 14.37), (49, 160, 30.63), (51, 160, 31.87), (93, 160, 58.13), (8, 9, 88.89),
-])
+@pytest.mark.parametrize(
+    "right,total,official",
+    [  # 4: round(fraction * 100, 2), not round(100 * k / n, 2)
+        (23, 160, 14.37),
+        (49, 160, 30.63),
+        (51, 160, 31.87),
+        (93, 160, 58.13),
+        (8, 9, 88.89),
+    ],
+)
 def test_infoseek_split_score_rounds_the_fraction(right, total, official):
     s = infoseek_scores(_split_records("question", right, total) + _split_records("entity", 1, 2))
     assert s["unseen_question"] == official and s["all_questions"]["unseen_question"] == official
@@ -366,8 +534,10 @@ def test_infoseek_official_and_all_question_figures(rows):
     """5, as a property: the official split score is over answered questions, ours over all; ours is never higher."""
     from gate.pipeline.metrics import infoseek_report
 
-    records = [dict(id=str(i), question_type="String", data_split="val_unseen_question" if q else "val_unseen_entity")
-               for i, (q, _) in enumerate(rows)]
+    records = [
+        dict(id=str(i), question_type="String", data_split="val_unseen_question" if q else "val_unseen_entity")
+        for i, (q, _) in enumerate(rows)
+    ]
     s = infoseek_report(records, [ok for _, ok in rows])
     for split, flag in (("unseen_question", True), ("unseen_entity", False)):
         answered = [ok for q, ok in rows if q is flag and ok is not None]
@@ -380,33 +550,51 @@ def test_infoseek_official_and_all_question_figures(rows):
 def test_infoseek_per_type_scores_are_per_split():
     """6: per-type scores per split, 0 for a type without questions; any data_split not ending in unseen_question is
     the unseen-entity split; a type other than Time / Numerical scores as String."""
+
     def rec(i, split, kind, prediction, answer_eval):
         return dict(id=str(i), prediction=prediction, answer_eval=answer_eval, question_type=kind, data_split=split)
+
     rng = [{"wikidata": 35, "range": [30, 40]}]
-    records = [rec(0, "val_unseen_question", "String", "China", ["China"]),
-               rec(1, "val_unseen_question", "string", "Japan", ["China"]),
-               rec(2, "val_unseen_question", "Time", "1889", ["1889"]),
-               rec(3, "val_unseen_entity", "Numerical", "35", rng),
-               rec(4, "train", "Other", "The Seine", ["seine"]),  # → unseen entity, scored as String
-               rec(5, "", "Time", "1900", ["1889"])]  # → unseen entity
+    records = [
+        rec(0, "val_unseen_question", "String", "China", ["China"]),
+        rec(1, "val_unseen_question", "string", "Japan", ["China"]),
+        rec(2, "val_unseen_question", "Time", "1889", ["1889"]),
+        rec(3, "val_unseen_entity", "Numerical", "35", rng),
+        rec(4, "train", "Other", "The Seine", ["seine"]),  # → unseen entity, scored as String
+        rec(5, "", "Time", "1900", ["1889"]),
+    ]  # → unseen entity
     s = infoseek_scores(records)
-    assert s["per_type"] == {"unseen_question": {"time": 100.0, "numerical": 0, "string": 50.0},
-                             "unseen_entity": {"time": 0.0, "numerical": 100.0, "string": 100.0}}
+    assert s["per_type"] == {
+        "unseen_question": {"time": 100.0, "numerical": 0, "string": 50.0},
+        "unseen_entity": {"time": 0.0, "numerical": 100.0, "string": 100.0},
+    }
     assert s["n"] == {"unseen_question": 3, "unseen_entity": 3}
     assert (s["unseen_question"], s["unseen_entity"]) == (66.67, 66.67)
 
 
-@pytest.mark.parametrize("prediction,answer_eval,qtype,ok", [  # 6: other types are String
-    ("The Seine", ["seine"], "Other", True), ("Seine", ["Loire"], "entity", False), ("35", ["35"], "Location", True),
-])
+@pytest.mark.parametrize(
+    "prediction,answer_eval,qtype,ok",
+    [  # 6: other types are String
+        ("The Seine", ["seine"], "Other", True),
+        ("Seine", ["Loire"], "entity", False),
+        ("35", ["35"], "Location", True),
+    ],
+)
 def test_infoseek_other_question_types_score_as_string(prediction, answer_eval, qtype, ok):
     assert infoseek_correct(prediction, answer_eval, qtype) is ok
 
 
-@pytest.mark.parametrize("prediction,answer_eval,qtype,ok", [  # 7: "" equals an alias that normalises to ""
-    ("", ["A"], "String", True), ("the", ["A"], "String", True), ("", ["x", "The"], "Time", True),
-    ("", ["x"], "String", False), ("...", ["an"], "String", True), ("x", ["A"], "String", False),
-])
+@pytest.mark.parametrize(
+    "prediction,answer_eval,qtype,ok",
+    [  # 7: "" equals an alias that normalises to ""
+        ("", ["A"], "String", True),
+        ("the", ["A"], "String", True),
+        ("", ["x", "The"], "Time", True),
+        ("", ["x"], "String", False),
+        ("...", ["an"], "String", True),
+        ("x", ["A"], "String", False),
+    ],
+)
 def test_infoseek_empty_prediction_matches_an_empty_alias(prediction, answer_eval, qtype, ok):
     from gate.pipeline.metrics import infoseek_match
 
@@ -421,11 +609,14 @@ def test_vqa_scores_are_the_official_report():
 
     def rec(qid, prediction, answers, qtype, atype):
         return dict(question_id=qid, prediction=prediction, answers=answers, question_type=qtype, answer_type=atype)
-    records = [rec(1, "cat", ["cat"] * 10, "what is", "other"),
-               rec(2, "Two", ["2"] * 3 + ["3"] * 7, "how many", "number"),  # 0.9
-               rec(3, "yes", ["no"] * 9 + ["yes"], "is this", "yes/no"),  # 0.3
-               rec(4, "dog", ["cat"] * 10, "what is", "other"),
-               rec(5, "cat", ["cat"] + [f"x{i}" for i in range(6)], "what is", "other")]  # 2/7
+
+    records = [
+        rec(1, "cat", ["cat"] * 10, "what is", "other"),
+        rec(2, "Two", ["2"] * 3 + ["3"] * 7, "how many", "number"),  # 0.9
+        rec(3, "yes", ["no"] * 9 + ["yes"], "is this", "yes/no"),  # 0.3
+        rec(4, "dog", ["cat"] * 10, "what is", "other"),
+        rec(5, "cat", ["cat"] + [f"x{i}" for i in range(6)], "what is", "other"),
+    ]  # 2/7
     s = vqa_scores(records)
     assert s["per_question"] == {1: 100.0, 2: 90.0, 3: 30.0, 4: 0.0, 5: 28.57}
     assert s["overall"] == round(100 * (1 + 0.9 + 0.3 + 0 + 2 / 7) / 5, 2) == 49.71
@@ -438,15 +629,28 @@ def test_vqa_rounding_is_the_official_python_2_rounding():
     to even): 1 right out of 800 is 0.125 % → 0.13."""
     from gate.pipeline.vqa_accuracy import vqa_scores
 
-    records = [dict(question_id=i, prediction="cat" if i == 0 else "dog", answers=["cat"] * 10, question_type="what",
-                    answer_type="other") for i in range(800)]
+    records = [
+        dict(
+            question_id=i,
+            prediction="cat" if i == 0 else "dog",
+            answers=["cat"] * 10,
+            question_type="what",
+            answer_type="other",
+        )
+        for i in range(800)
+    ]
     s = vqa_scores(records)
     assert s["overall"] == 0.13 and s["per_question_type"] == {"what": 0.13} and s["per_answer_type"] == {"other": 0.13}
 
 
-@pytest.mark.parametrize("prediction,gold", [  # 8: the contraction entries that were missing
-    ("'ows'at", "ow's'at"), ("'ow'sat", "ow's'at"), ("ow's'at", "'ows'at"),
-])
+@pytest.mark.parametrize(
+    "prediction,gold",
+    [  # 8: the contraction entries that were missing
+        ("'ows'at", "ow's'at"),
+        ("'ow'sat", "ow's'at"),
+        ("ow's'at", "'ows'at"),
+    ],
+)
 def test_vqa_contractions(prediction, gold):
     from gate.pipeline.vqa_accuracy import vqa_normalize
 
@@ -457,36 +661,59 @@ def test_vqa_contractions(prediction, gold):
 def _vqa(**kw):
     from gate.pipeline.vqa_accuracy import vqa_scores
 
-    return vqa_scores([dict(dict(question_id="q7", prediction="cat", answers=["cat"] * 3, question_type="what",
-                                 answer_type="other"), **kw)])
+    return vqa_scores(
+        [
+            dict(
+                dict(
+                    question_id="q7", prediction="cat", answers=["cat"] * 3, question_type="what", answer_type="other"
+                ),
+                **kw,
+            )
+        ]
+    )
 
 
 def _infoseek(**kw):
-    return infoseek_scores([dict(dict(id="q7", prediction="x", answer_eval=["x"], question_type="String",
-                                      data_split="val_unseen_question"), **kw)])
+    return infoseek_scores(
+        [
+            dict(
+                dict(
+                    id="q7", prediction="x", answer_eval=["x"], question_type="String", data_split="val_unseen_question"
+                ),
+                **kw,
+            )
+        ]
+    )
 
 
-@pytest.mark.parametrize("call,match", [  # 9: what the official code rejects is refused, naming the question
-    (lambda: evqa_correct(None, "red", Q, "automatic", qid="q7"), "q7.*prediction"),
-    (lambda: evqa_correct("x", "", Q, "automatic", qid="q7"), "q7.*empty"),
-    (lambda: evqa_correct("x", "The", Q, "automatic", qid="q7"), "q7.*empty"),
-    (lambda: evqa_correct("x", "red|the answer is", Q, "templated", qid="q7"), "q7.*empty"),
-    (lambda: evqa_correct("x", "a&&the", Q, "multi_answer", qid="q7"), "q7.*empty"),
-    (lambda: evqa_correct("x", "red", Q, "multianswer", qid="q7"), "q7.*question type"),
-    (lambda: evqa_correct_batch([dict(id="q7", prediction=None, answer="red", question=Q,
-                                      question_type="automatic")]), "q7.*prediction"),
-    (lambda: infoseek_correct(None, ["China"], "String", qid="q7"), "q7.*prediction"),
-    (lambda: infoseek_correct("x", [], "String", qid="q7"), "q7.*answer_eval"),
-    (lambda: infoseek_correct("3", [], "Numerical", qid="q7"), "q7.*answer_eval"),
-    (lambda: infoseek_correct("3", ["3"], "Numerical", qid="q7"), "q7.*range"),
-    (lambda: _infoseek(prediction=None), "q7.*prediction"),
-    (lambda: _infoseek(answer_eval=[]), "q7.*answer_eval"),
-    (lambda: _infoseek(data_split=None), "q7.*data_split"),
-    (lambda: _infoseek(question_type=None), "question_type.*q7"),
-    (lambda: _vqa(prediction=None), "q7.*prediction"),
-    (lambda: _vqa(answers=[]), "q7.*answers"),
-    (lambda: _vqa(answer_type=None), "q7.*answer_type"),
-])
+@pytest.mark.parametrize(
+    "call,match",
+    [  # 9: what the official code rejects is refused, naming the question
+        (lambda: evqa_correct(None, "red", Q, "automatic", qid="q7"), "q7.*prediction"),
+        (lambda: evqa_correct("x", "", Q, "automatic", qid="q7"), "q7.*empty"),
+        (lambda: evqa_correct("x", "The", Q, "automatic", qid="q7"), "q7.*empty"),
+        (lambda: evqa_correct("x", "red|the answer is", Q, "templated", qid="q7"), "q7.*empty"),
+        (lambda: evqa_correct("x", "a&&the", Q, "multi_answer", qid="q7"), "q7.*empty"),
+        (lambda: evqa_correct("x", "red", Q, "multianswer", qid="q7"), "q7.*question type"),
+        (
+            lambda: evqa_correct_batch(
+                [dict(id="q7", prediction=None, answer="red", question=Q, question_type="automatic")]
+            ),
+            "q7.*prediction",
+        ),
+        (lambda: infoseek_correct(None, ["China"], "String", qid="q7"), "q7.*prediction"),
+        (lambda: infoseek_correct("x", [], "String", qid="q7"), "q7.*answer_eval"),
+        (lambda: infoseek_correct("3", [], "Numerical", qid="q7"), "q7.*answer_eval"),
+        (lambda: infoseek_correct("3", ["3"], "Numerical", qid="q7"), "q7.*range"),
+        (lambda: _infoseek(prediction=None), "q7.*prediction"),
+        (lambda: _infoseek(answer_eval=[]), "q7.*answer_eval"),
+        (lambda: _infoseek(data_split=None), "q7.*data_split"),
+        (lambda: _infoseek(question_type=None), "question_type.*q7"),
+        (lambda: _vqa(prediction=None), "q7.*prediction"),
+        (lambda: _vqa(answers=[]), "q7.*answers"),
+        (lambda: _vqa(answer_type=None), "q7.*answer_type"),
+    ],
+)
 def test_bad_input_is_refused_naming_the_question(call, match):
     with pytest.raises(ValueError, match=match):
         call()

@@ -25,16 +25,31 @@ def assert_no_placeholder(card: str):
     assert "[None]" not in card and "None" not in card and "fine-tuned version of" not in card
 
 
-@pytest.mark.parametrize("value,shown", [
-    (0.5, "0.5"), (1.0, "1"), (1 / 3, "0.3333"), (-2.5, "-2.5"), (1e-7, "0"), (-1e-7, "0"), (3, "3"),
-    (None, "—"), (True, "yes"), (False, "no"), (float("nan"), "nan"), ("a|b\nc", "a\\|b c"), (12345.678, "12345.678"),
-])
+@pytest.mark.parametrize(
+    "value,shown",
+    [
+        (0.5, "0.5"),
+        (1.0, "1"),
+        (1 / 3, "0.3333"),
+        (-2.5, "-2.5"),
+        (1e-7, "0"),
+        (-1e-7, "0"),
+        (3, "3"),
+        (None, "—"),
+        (True, "yes"),
+        (False, "no"),
+        (float("nan"), "nan"),
+        ("a|b\nc", "a\\|b c"),
+        (12345.678, "12345.678"),
+    ],
+)
 def test_format_value(value, shown):
     assert format_value(value) == shown
 
 
-@pytest.mark.parametrize("base,has_base", [("Qwen/Qwen2.5-VL-3B-Instruct", True), ("/runs/warm", True),
-                                           (None, False), ("", False)])
+@pytest.mark.parametrize(
+    "base,has_base", [("Qwen/Qwen2.5-VL-3B-Instruct", True), ("/runs/warm", True), (None, False), ("", False)]
+)
 def test_front_matter(base, has_base):
     meta = meta_of(front_matter(base, ["a", "b"]))
     assert meta["library_name"] == "transformers" and meta["pipeline_tag"] == "image-text-to-text"
@@ -48,12 +63,18 @@ def test_render_card_leaves_out_empty_sections():
     assert "Empty" not in card
 
 
-@pytest.mark.parametrize("metrics,rows", [
-    ({"accuracy": 0.625, "n": 8}, ["| accuracy | 0.625 |", "| n | 8 |"]),
-    ({"accuracy_by_class": {"pass": 1.0, "fail": 0.0}}, ["| accuracy_by_class/pass | 1 |",
-                                                         "| accuracy_by_class/fail | 0 |"]),
-    ({}, ["nothing here"]), (None, ["nothing here"]),
-])
+@pytest.mark.parametrize(
+    "metrics,rows",
+    [
+        ({"accuracy": 0.625, "n": 8}, ["| accuracy | 0.625 |", "| n | 8 |"]),
+        (
+            {"accuracy_by_class": {"pass": 1.0, "fail": 0.0}},
+            ["| accuracy_by_class/pass | 1 |", "| accuracy_by_class/fail | 0 |"],
+        ),
+        ({}, ["nothing here"]),
+        (None, ["nothing here"]),
+    ],
+)
 def test_figures_table(metrics, rows):
     table = figures_table(metrics, "nothing here")
     assert all(r in table for r in rows)
@@ -61,63 +82,134 @@ def test_figures_table(metrics, rows):
 
 
 def test_held_out_is_the_latest_evaluation_at_or_before_the_step():
-    history = [{"step": 1, "loss": 0.1}, {"step": 2, "eval_reward": 1.0, "eval_runtime": 3.0},
-               {"step": 3, "reward": 2.0}, {"step": 4, "eval_reward": 2.0}]
+    history = [
+        {"step": 1, "loss": 0.1},
+        {"step": 2, "eval_reward": 1.0, "eval_runtime": 3.0},
+        {"step": 3, "reward": 2.0},
+        {"step": 4, "eval_reward": 2.0},
+    ]
     assert held_out(history) == {"step": 4, "eval_reward": 2.0}
     assert held_out(history, step=3) == {"step": 2, "eval_reward": 1.0, "eval_runtime": 3.0}
     assert held_out(history, step=1) == {} and held_out([]) == {}
 
 
 def test_ordered_figures_reward_then_retrieval_then_terms_without_the_bookkeeping():
-    figures = ordered_figures({"step": 3, "eval_loss": 0.0, "eval_runtime": 2.4, "eval_clip_ratio/low_min": 0.0,
-                               "eval_completions/mean_length": 22.0, "eval_rewards/format_reward/mean": 1.0,
-                               "eval_retrieval/hit@10": 0.6, "eval_retrieval/hit@5": 0.5, "eval_reward_std": 1.8,
-                               "eval_reward": 2.0, "eval_retrieval/hit@1": 0.25})
-    assert list(figures) == ["reward", "reward_std", "retrieval/hit@1", "retrieval/hit@5", "retrieval/hit@10",
-                             "rewards/format_reward/mean", "completions/mean_length"]
+    figures = ordered_figures(
+        {
+            "step": 3,
+            "eval_loss": 0.0,
+            "eval_runtime": 2.4,
+            "eval_clip_ratio/low_min": 0.0,
+            "eval_completions/mean_length": 22.0,
+            "eval_rewards/format_reward/mean": 1.0,
+            "eval_retrieval/hit@10": 0.6,
+            "eval_retrieval/hit@5": 0.5,
+            "eval_reward_std": 1.8,
+            "eval_reward": 2.0,
+            "eval_retrieval/hit@1": 0.25,
+        }
+    )
+    assert list(figures) == [
+        "reward",
+        "reward_std",
+        "retrieval/hit@1",
+        "retrieval/hit@5",
+        "retrieval/hit@10",
+        "rewards/format_reward/mean",
+        "completions/mean_length",
+    ]
 
 
 def run_record(**args) -> dict:
     return {
         "base_model": "/runs/warm_start",
-        "refiner_args": {"index": "idx", "alpha": 0.5, "eval_file": "/data/val.jsonl", "eval_limit": 5, "prompt": "toy",
-                         "depth": 200, "reward_tiers": "1-5:4,6-10:3.5,11-20:3,21-50:1,51-100:0.5,101-200:0.1",
-                         "miss_reward": -2.5, "unparseable_retrieval_reward": -3.0, "format_valid_reward": 1.0,
-                         "format_invalid_reward": -4.0, "max_query_tokens": 128} | args,
+        "refiner_args": {
+            "index": "idx",
+            "alpha": 0.5,
+            "eval_file": "/data/val.jsonl",
+            "eval_limit": 5,
+            "prompt": "toy",
+            "depth": 200,
+            "reward_tiers": "1-5:4,6-10:3.5,11-20:3,21-50:1,51-100:0.5,101-200:0.1",
+            "miss_reward": -2.5,
+            "unparseable_retrieval_reward": -3.0,
+            "format_valid_reward": 1.0,
+            "format_invalid_reward": -4.0,
+            "max_query_tokens": 128,
+        }
+        | args,
         "prompt": {"name": "toy", "system": "Refine the question.", "user_template": "{question}"},
         "index": {"path": "/idx", "alpha": 0.5, "image_encoder": "tiny", "text_encoder": "minilm"},
         "generation": {"temperature": 1.0, "top_p": 0.9, "max_new_tokens": 40},
-        "image_budget": {"min_pixels": 12544, "max_pixels": 12544}, "precision": "weights in float32",
+        "image_budget": {"min_pixels": 12544, "max_pixels": 12544},
+        "precision": "weights in float32",
     }
 
 
 EVAL = {"step": 2, "eval_reward": 2.3456789, "eval_retrieval/hit@1": 1 / 3, "eval_retrieval/miss_rate": 0.25}
 
 
-@pytest.mark.parametrize("record,metrics,export,present,absent", [
-    (run_record(), EVAL, None,
-     ["| 1–5 | 4 |", "| 101–200 | 0.1 |", "not found within depth 200 is a miss: -2.5", "parsed gets -3",
-      "**Format**: 1 when", "at most 128 tokens, -4 otherwise", "| reward | 2.3457 |", "| retrieval/hit@1 | 0.3333 |",
-      "| retrieval/miss_rate | 0.25 |", "evaluation at step 2", "`/data/val.jsonl` (the first 5)",
-      "python -m rl.export --checkpoint /runs/r/final --out $SERVE_DIR"],
-     ["No held-out figures", "Exported from"]),
-    (run_record(eval_file=None, eval_limit=None), {}, None, ["No held-out figures"], ["| figure | value |"]),
-    (run_record(reward_tiers="1-10:2,11-50:1", depth=100, miss_reward=-1.0), None,
-     {"dtype": "float32", "source": "/runs/r/checkpoint-2"},
-     ["| 1–10 | 2 |", "| 11–50 | 1 |", "deeper than 50, or not found within depth 100, is a miss: -1",
-      "Exported from `/runs/r/checkpoint-2` in float32", "No held-out figures",
-      "python -m rl.refine --model /runs/r/final --queries"],
-     ["| 51–100", "python -m rl.export"]),
-])
+@pytest.mark.parametrize(
+    "record,metrics,export,present,absent",
+    [
+        (
+            run_record(),
+            EVAL,
+            None,
+            [
+                "| 1–5 | 4 |",
+                "| 101–200 | 0.1 |",
+                "not found within depth 200 is a miss: -2.5",
+                "parsed gets -3",
+                "**Format**: 1 when",
+                "at most 128 tokens, -4 otherwise",
+                "| reward | 2.3457 |",
+                "| retrieval/hit@1 | 0.3333 |",
+                "| retrieval/miss_rate | 0.25 |",
+                "evaluation at step 2",
+                "`/data/val.jsonl` (the first 5)",
+                "python -m rl.export --checkpoint /runs/r/final --out $SERVE_DIR",
+            ],
+            ["No held-out figures", "Exported from"],
+        ),
+        (run_record(eval_file=None, eval_limit=None), {}, None, ["No held-out figures"], ["| figure | value |"]),
+        (
+            run_record(reward_tiers="1-10:2,11-50:1", depth=100, miss_reward=-1.0),
+            None,
+            {"dtype": "float32", "source": "/runs/r/checkpoint-2"},
+            [
+                "| 1–10 | 2 |",
+                "| 11–50 | 1 |",
+                "deeper than 50, or not found within depth 100, is a miss: -1",
+                "Exported from `/runs/r/checkpoint-2` in float32",
+                "No held-out figures",
+                "python -m rl.refine --model /runs/r/final --queries",
+            ],
+            ["| 51–100", "python -m rl.export"],
+        ),
+    ],
+)
 def test_refiner_card(record, metrics, export, present, absent):
     card = refiner_card(record, metrics, name="r", step=2, folder="/runs/r/final", export=export)
     meta = meta_of(card)
     assert meta["base_model"] == "/runs/warm_start" and "grpo" in meta["tags"]
-    for needed in ["`/runs/warm_start`", "- α (image weight of a query): 0.5", "- Image encoder: `tiny`",
-                   "- Text encoder: `minilm`", "- Path: `/idx`", '<answer>{"query": "…"}</answer>',
-                   "Refine the question.", "Training step: 2", "12544–12544 pixels",
-                   vllm_serve_command("/runs/r/final" if export else "$SERVE_DIR", export["dtype"] if export
-                                      else "bfloat16", record["image_budget"]), *present]:
+    for needed in [
+        "`/runs/warm_start`",
+        "- α (image weight of a query): 0.5",
+        "- Image encoder: `tiny`",
+        "- Text encoder: `minilm`",
+        "- Path: `/idx`",
+        '<answer>{"query": "…"}</answer>',
+        "Refine the question.",
+        "Training step: 2",
+        "12544–12544 pixels",
+        vllm_serve_command(
+            "/runs/r/final" if export else "$SERVE_DIR",
+            export["dtype"] if export else "bfloat16",
+            record["image_budget"],
+        ),
+        *present,
+    ]:
         assert needed in card, needed
     assert not any(a in card for a in absent), [a for a in absent if a in card]
     assert_no_placeholder(card)
@@ -132,35 +224,68 @@ def test_refiner_card_says_what_the_record_lacks():
 
 def gate_info(variant: str) -> dict:
     s = spec(variant)
-    return {"variant": variant, "verbalisers": list(s["verbalisers"]), "base_model": "/models/toy-vlm",
-            "prompt": {"system": s["system"], "user_template": s["user"]}}
+    return {
+        "variant": variant,
+        "verbalisers": list(s["verbalisers"]),
+        "base_model": "/models/toy-vlm",
+        "prompt": {"system": s["system"], "user_template": s["user"]},
+    }
 
 
-BINARY_EVAL = {"variant": "hkb", "n": 8, "threshold": 0.5, "accuracy": 0.625, "balanced_accuracy": 0.6,
-               "majority_baseline": 0.5, "predicted_positive_ratio": 0.375, "true_positive_ratio": 0.5}
+BINARY_EVAL = {
+    "variant": "hkb",
+    "n": 8,
+    "threshold": 0.5,
+    "accuracy": 0.625,
+    "balanced_accuracy": 0.6,
+    "majority_baseline": 0.5,
+    "predicted_positive_ratio": 0.375,
+    "true_positive_ratio": 0.5,
+}
 GENERATED_EVAL = {"variant": "mct", "n": 4, "accuracy": 0.5, "parsed": 0.75, "accuracy_by_class": {"a": 1.0}}
 
 
-@pytest.mark.parametrize("variant,metrics,present", [
-    ("hkb", BINARY_EVAL, ["`true` (positive: search needed) or `false` (negative)", "| accuracy | 0.625 |",
-                          "| majority_baseline | 0.5 |", "first_token_scores(model, processor, spec, images, questions)",
-                          "decisions(scores, 0.5)", "python -m gate.train.evaluation --model /o/hkb/final"]),
-    ("skb", None, ["`1`, `2`, `3`, `4`, `5`", "decisions(scores, 3)", "No held-out figures"]),
-    ("kbm-cert", None, ["`unknown` (positive: search needed) or `known`", "certainty C = 1 − H/Hmax"]),
-    ("ret", None, ["`Ret` (positive: retrieval needed) or `NoRet`"]),
-    ("srt", None, ["`Rel` (positive: relevant) or `NoRel`", "questions, contexts)", "Context: {context}"]),
-    ("inspector", None, ['`{"pass": "true"}` (positive: pass)', '`{"pass": "false", "answer": "…"}`']),
-    ("mct", GENERATED_EVAL, ["generate_parsed(model, processor, spec", "| accuracy_by_class/a | 1 |",
-                             "| parsed | 0.75 |"]),
-    ("answer", None, ["A short answer phrase", "generate_parsed("]),
-])
+@pytest.mark.parametrize(
+    "variant,metrics,present",
+    [
+        (
+            "hkb",
+            BINARY_EVAL,
+            [
+                "`true` (positive: search needed) or `false` (negative)",
+                "| accuracy | 0.625 |",
+                "| majority_baseline | 0.5 |",
+                "first_token_scores(model, processor, spec, images, questions)",
+                "decisions(scores, 0.5)",
+                "python -m gate.train.evaluation --model /o/hkb/final",
+            ],
+        ),
+        ("skb", None, ["`1`, `2`, `3`, `4`, `5`", "decisions(scores, 3)", "No held-out figures"]),
+        ("kbm-cert", None, ["`unknown` (positive: search needed) or `known`", "certainty C = 1 − H/Hmax"]),
+        ("ret", None, ["`Ret` (positive: retrieval needed) or `NoRet`"]),
+        ("srt", None, ["`Rel` (positive: relevant) or `NoRel`", "questions, contexts)", "Context: {context}"]),
+        ("inspector", None, ['`{"pass": "true"}` (positive: pass)', '`{"pass": "false", "answer": "…"}`']),
+        (
+            "mct",
+            GENERATED_EVAL,
+            ["generate_parsed(model, processor, spec", "| accuracy_by_class/a | 1 |", "| parsed | 0.75 |"],
+        ),
+        ("answer", None, ["A short answer phrase", "generate_parsed("]),
+    ],
+)
 def test_gate_card(variant, metrics, present):
     card = gate_card(gate_info(variant), metrics, name=variant, folder=f"/o/{variant}/final")
     meta = meta_of(card)
     assert meta["base_model"] == "/models/toy-vlm" and variant in meta["tags"]
     label = VARIANTS[variant][0]
-    for needed in [f"# {variant}: {label} gate", f"- Variant: `{variant}`", "`/models/toy-vlm`",
-                   f'load_gate("/o/{variant}/final"', spec(variant)["system"], *present]:
+    for needed in [
+        f"# {variant}: {label} gate",
+        f"- Variant: `{variant}`",
+        "`/models/toy-vlm`",
+        f'load_gate("/o/{variant}/final"',
+        spec(variant)["system"],
+        *present,
+    ]:
         assert needed in card, needed
     assert ("No held-out figures" in card) == (metrics is None)
     assert "| variant |" not in card
@@ -186,8 +311,9 @@ def test_write_run_cards_over_trl_and_peft_cards(tmp_path):
     (run / RUN_RECORD).write_text(json.dumps(run_record()))
     for folder in (run, run / "final"):
         (folder / "README.md").write_text(TRL_PLACEHOLDER)
-    text = write_run_cards(run, [{"step": 1, "reward": 1.0}, {"step": 2, **{k: v for k, v in EVAL.items()
-                                                                             if k != "step"}}])
+    text = write_run_cards(
+        run, [{"step": 1, "reward": 1.0}, {"step": 2, **{k: v for k, v in EVAL.items() if k != "step"}}]
+    )
     for folder in (run, run / "final"):
         assert (folder / "README.md").read_text() == text
     assert "Training step: 2" in text and "| retrieval/hit@1 | 0.3333 |" in text
@@ -198,6 +324,7 @@ def test_write_gate_cards(tmp_path):
     (tmp_path / "hkb" / "final").mkdir(parents=True)
     (tmp_path / "hkb" / "final" / "gate.json").write_text(json.dumps(gate_info("hkb")))
     text = write_gate_cards(tmp_path / "hkb", None)
-    assert (tmp_path / "hkb" / "README.md").read_text() == (tmp_path / "hkb" / "final" / "README.md").read_text() \
-        == text
+    assert (
+        (tmp_path / "hkb" / "README.md").read_text() == (tmp_path / "hkb" / "final" / "README.md").read_text() == text
+    )
     assert "No held-out figures" in text

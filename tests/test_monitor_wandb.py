@@ -31,10 +31,16 @@ def finished_writing(wandb) -> None:
     wandb.teardown()
 
 
-@pytest.mark.parametrize("key,label", [
-    ("path:/data/toyworld/images/E0154_train0.png", "E0154_train0.png"), ("path:relative/x.jpg", "x.jpg"),
-    ("pixels:0123456789abcdef0123456789abcdef", "pixels:0123456789ab"), ("E1.png", "E1.png"), ("path:", "path:"),
-])
+@pytest.mark.parametrize(
+    "key,label",
+    [
+        ("path:/data/toyworld/images/E0154_train0.png", "E0154_train0.png"),
+        ("path:relative/x.jpg", "x.jpg"),
+        ("pixels:0123456789abcdef0123456789abcdef", "pixels:0123456789ab"),
+        ("E1.png", "E1.png"),
+        ("path:", "path:"),
+    ],
+)
 def test_image_label_is_short(key, label):
     assert image_label(key) == label
 
@@ -42,7 +48,9 @@ def test_image_label_is_short(key, label):
 def test_caption_names_query_rank_and_reward():
     row = {"image_key": "E1.png", "query": "red cross", "gold_title": "Holhol", "rank": 3, "total_reward": 4.5}
     assert caption(row) == "E1.png: red cross | gold Holhol rank 3 | reward 4.50"
-    assert "not in the top depth" in caption({**row, "rank": None}) and "(unparseable)" in caption({**row, "query": None})
+    assert "not in the top depth" in caption({**row, "rank": None}) and "(unparseable)" in caption(
+        {**row, "query": None}
+    )
 
 
 def test_offline_run_holds_table_rows_and_captioned_images(tmp_path, monkeypatch):
@@ -50,13 +58,25 @@ def test_offline_run_holds_table_rows_and_captioned_images(tmp_path, monkeypatch
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     rng = np.random.default_rng(0)
-    last = [{"image_key": f"img{i}.png", "query": f"green cross {i}", "question": "What is it?", "entity_id": f"E{i}",
-             "reward": 4.0 - i, "rank": i + 1} for i in range(3)] + \
-        [{"image_key": "img3.png", "query": None, "question": "What?", "entity_id": "E3", "reward": -2.5, "rank": None}]
+    last = [
+        {
+            "image_key": f"img{i}.png",
+            "query": f"green cross {i}",
+            "question": "What is it?",
+            "entity_id": f"E{i}",
+            "reward": 4.0 - i,
+            "rank": i + 1,
+        }
+        for i in range(3)
+    ] + [{"image_key": "img3.png", "query": None, "question": "What?", "entity_id": "E3", "reward": -2.5, "rank": None}]
     retrieval = SimpleNamespace(
-        last=last, image_cache={}, depth=200, alpha=0.3,
+        last=last,
+        image_cache={},
+        depth=200,
+        alpha=0.3,
         images={r["image_key"]: Image.fromarray(rng.integers(0, 255, (16, 16, 3), dtype=np.uint8)) for r in last},
-        index=SimpleNamespace(entity_titles={f"E{i}": f"Title{i}" for i in range(4)}))
+        index=SimpleNamespace(entity_titles={f"E{i}": f"Title{i}" for i in range(4)}),
+    )
     fmt = TimedReward(lambda *a, **k: [1.0, 1.0, 1.0, -4.0])
     fmt.last = [1.0, 1.0, 1.0, -4.0]
     monitor = RefinerMonitor(retrieval, fmt, [fmt], table_steps=1, output_dir=str(tmp_path))
@@ -93,8 +113,8 @@ def wandb_records(path: Path):
         if block - pos % block < 7:  # a block's tail too short for a chunk header is padding
             pos += block - pos % block
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
         if kind in (1, 2):  # full record, or its first chunk
             pending = chunk
         elif kind in (3, 4):  # middle or last chunk
@@ -120,42 +140,64 @@ def test_a_grpo_run_logged_offline_reads_back(config, tmp_path, monkeypatch):
     wandb.finish()  # what the process's exit does after a real run
     finished_writing(wandb)
     (log,) = run_dir.glob("run-*.wandb")
-    history = [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
-               for r in wandb_records(Path(log)) if r.WhichOneof("record_type") == "history"]
+    history = [
+        {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
+        for r in wandb_records(Path(log))
+        if r.WhichOneof("record_type") == "history"
+    ]
     by_step = {h["train/global_step"]: h for h in history if "train/retrieval/hit@1" in h}
     logged = {h["step"]: h for h in result["log_history"] if "retrieval/hit@1" in h}
     assert set(by_step) == set(logged) == {1, 2}
     for step, h in by_step.items():  # what W&B holds is what the trainer logged
-        for key in ("rewards/format_reward/mean", "rewards/retrieval_reward/mean", "retrieval/hit@1",
-                    "retrieval/hit@10", "retrieval/parse_rate", "reward"):
+        for key in (
+            "rewards/format_reward/mean",
+            "rewards/retrieval_reward/mean",
+            "retrieval/hit@1",
+            "retrieval/hit@10",
+            "retrieval/parse_rate",
+            "reward",
+        ):
             assert h[f"train/{key}"] == pytest.approx(logged[step][key], abs=1e-6), (step, key)
     tables = [h for h in history if "completions/path" in h]
     assert len(tables) == 2  # one table per step (log_table_steps 1)
     run_files = run_dir / "files"
     table = json.loads((run_files / tables[-1]["completions/path"]).read_text())
-    assert table["columns"][:3] == ["step", "image", "question"] and len(table["data"]) == tables[-1]["completions/nrows"]
+    assert (
+        table["columns"][:3] == ["step", "image", "question"] and len(table["data"]) == tables[-1]["completions/nrows"]
+    )
     assert all(row[1].endswith(".png") and not row[1].startswith("path:") for row in table["data"])
     images = tables[-1]
     assert images["completion_images/count"] == len(table["data"]) and images["completion_images/_type"].startswith(
-        "images")
+        "images"
+    )
     for cap, row in zip(images["completion_images/captions"], table["data"]):
         assert cap.startswith(f"{row[1]}: ") and " | gold " in cap and " | reward " in cap
     for name in set(images["completion_images/filenames"]):
         assert (run_files / name).stat().st_size > 0
 
 
-@pytest.mark.parametrize("netrc_entry,key_in_env,mode", [
-    (None, False, "offline"), ("machine api.wandb.ai\n  login user\n  password " + "a" * 40 + "\n", False, None),
-    ("machine other.example.com\n  login user\n  password " + "a" * 40 + "\n", False, "offline"),
-    (None, True, None),
-])
+@pytest.mark.parametrize(
+    "netrc_entry,key_in_env,mode",
+    [
+        (None, False, "offline"),
+        ("machine api.wandb.ai\n  login user\n  password " + "a" * 40 + "\n", False, None),
+        ("machine other.example.com\n  login user\n  password " + "a" * 40 + "\n", False, "offline"),
+        (None, True, None),
+    ],
+)
 def test_wandb_is_online_for_a_user_who_logged_in(tmp_path, monkeypatch, netrc_entry, key_in_env, mode):
     """`wandb login` writes ~/.netrc: such a user logs online without a key in the environment; nobody else is sent
     online (WANDB_MODE offline), and WANDB_MODE set by the user is kept."""
     from rl.monitor import setup_wandb
 
-    for var in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL", "WANDB_DIR",
-                "WANDB_CACHE_DIR"):
+    for var in (
+        "WANDB_MODE",
+        "WANDB_API_KEY",
+        "WANDB_IDENTITY_TOKEN_FILE",
+        "WANDB_BASE_URL",
+        "WANDB_DIR",
+        "WANDB_CACHE_DIR",
+    ):
         monkeypatch.delenv(var, raising=False)
     netrc = tmp_path / "netrc"
     netrc.write_text(netrc_entry or "")

@@ -27,20 +27,43 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def two_processes(argv: list[str], cwd: Path, timeout: int = 600, accelerate_config: Path | None = None,
-                  **env: str) -> subprocess.CompletedProcess:
+def two_processes(
+    argv: list[str], cwd: Path, timeout: int = 600, accelerate_config: Path | None = None, **env: str
+) -> subprocess.CompletedProcess:
     """``torchrun --nproc_per_node 2 <argv>`` from ``cwd``: two CPU processes over gloo, one thread each, offline, W&B
     disabled (``env`` adds or overrides variables). The way to test anything distributed on this machine. With
     ``accelerate_config`` (a two-process config such as configs/accelerate/zero3-cpu2.yaml): ``accelerate launch
     --config_file …`` instead, as a user runs it."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-           "WANDB_MODE": "disabled", **env}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "WANDB_MODE": "disabled",
+        **env,
+    }
     if accelerate_config is None:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), *argv]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            *argv,
+        ]
     else:
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(accelerate_config),
-               "--main_process_port", str(free_port()), *argv]
+        cmd = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(accelerate_config),
+            "--main_process_port",
+            str(free_port()),
+            *argv,
+        ]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
 
 
@@ -52,18 +75,47 @@ def two_process_run(tiny_world, tiny_index_dir, tiny_refiner, tmp_path_factory):
     # draws one has no hit at all in that step
     train = rows[:2] + [dict(r, id=f"ghost-{i}", entity_id=f"GHOST{i}") for i, r in enumerate(rows[2:4])]
     (tmp / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train))
-    cfg = dict(index=str(tiny_index_dir), train_file=str(tmp / "train.jsonl"), images_root=str(tiny_world),
-               eval_file=str(tiny_world / "val.jsonl"), eval_limit=4, alpha=0.5, prompt="toy", depth=8,
-               model_name_or_path=str(tiny_refiner), output_dir=str(tmp / "run"), use_cpu=True, bf16=False,
-               activation_checkpointing=False, seed=0, num_generations=4, per_device_train_batch_size=4,
-               per_device_eval_batch_size=4, gradient_accumulation_steps=1, max_steps=6, learning_rate=1e-3,
-               temperature=1.0, max_completion_length=40, logging_steps=1, eval_strategy="steps", eval_steps=3,
-               save_strategy="steps", save_steps=3, report_to="none", log_table_steps=0, completions_log=True,
-               dataloader_num_workers=0, disable_tqdm=True, min_pixels=112 * 112, max_pixels=112 * 112,
-               ddp_timeout=120)
+    cfg = dict(
+        index=str(tiny_index_dir),
+        train_file=str(tmp / "train.jsonl"),
+        images_root=str(tiny_world),
+        eval_file=str(tiny_world / "val.jsonl"),
+        eval_limit=4,
+        alpha=0.5,
+        prompt="toy",
+        depth=8,
+        model_name_or_path=str(tiny_refiner),
+        output_dir=str(tmp / "run"),
+        use_cpu=True,
+        bf16=False,
+        activation_checkpointing=False,
+        seed=0,
+        num_generations=4,
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=4,
+        gradient_accumulation_steps=1,
+        max_steps=6,
+        learning_rate=1e-3,
+        temperature=1.0,
+        max_completion_length=40,
+        logging_steps=1,
+        eval_strategy="steps",
+        eval_steps=3,
+        save_strategy="steps",
+        save_steps=3,
+        report_to="none",
+        log_table_steps=0,
+        completions_log=True,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        min_pixels=112 * 112,
+        max_pixels=112 * 112,
+        ddp_timeout=120,
+    )
     (tmp / "cfg.yaml").write_text(yaml.safe_dump(cfg))
-    proc = two_processes([str(ROOT / "rl" / "train_grpo.py"), "--config", str(tmp / "cfg.yaml")], cwd=tmp,
-                         accelerate_config=ZERO[2])
+    proc = two_processes(
+        [str(ROOT / "rl" / "train_grpo.py"), "--config", str(tmp / "cfg.yaml")], cwd=tmp, accelerate_config=ZERO[2]
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return tmp / "run", proc.stdout + proc.stderr
 
@@ -91,8 +143,12 @@ def encoder_elements(output: str) -> dict[int, int]:
     """``rank R: index: … N encoder(s) (E parameter elements here)`` → {R: E}."""
     import re
 
-    return {int(r): int(n.replace(",", "")) for r, n in
-            re.findall(r"rank (\d+): index: [\d,]+ rows, \d encoder\(s\) \(([\d,]+) parameter elements here\)", output)}
+    return {
+        int(r): int(n.replace(",", ""))
+        for r, n in re.findall(
+            r"rank (\d+): index: [\d,]+ rows, \d encoder\(s\) \(([\d,]+) parameter elements here\)", output
+        )
+    }
 
 
 def check_saved_engine_weights(run: Path, steps: int, stage: int, output: str, start_model: Path, encoders) -> None:
@@ -171,8 +227,11 @@ def test_logged_metrics_are_exact_over_both_ranks(two_process_run):
 def test_a_barrier_nobody_reaches_is_an_error_naming_the_step(tmp_path):
     """A process that never arrives: the other one's barrier fails after the group's timeout (3 s here) with an
     error naming what it waited for, instead of a wait without end."""
-    proc = two_processes([str(ROOT / "tests" / "scripts" / "late_process.py"), "3", str(tmp_path / "done")],
-                         cwd=tmp_path, timeout=120)
+    proc = two_processes(
+        [str(ROOT / "tests" / "scripts" / "late_process.py"), "3", str(tmp_path / "done")], cwd=tmp_path, timeout=120
+    )
     assert proc.returncode != 0
-    assert "TimeoutError: process 0/2: the other processes did not arrive at the barrier after process 0 wrote the " \
-           "shards within the collective timeout" in proc.stdout
+    assert (
+        "TimeoutError: process 0/2: the other processes did not arrive at the barrier after process 0 wrote the "
+        "shards within the collective timeout" in proc.stdout
+    )

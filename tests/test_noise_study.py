@@ -26,14 +26,22 @@ def test_levels_and_generators_parse_and_bad_ones_are_named():
         with pytest.raises(ValueError, match=match):
             parse_levels(bad)
     assert parse_generators("VLM=vlm:/m,LLM text=llm:/l,API=endpoint:gpt@http://x") == {
-        "VLM": ("vlm", "/m"), "LLM text": ("llm", "/l"), "API": ("endpoint", "gpt@http://x")}
+        "VLM": ("vlm", "/m"),
+        "LLM text": ("llm", "/l"),
+        "API": ("endpoint", "gpt@http://x"),
+    }
     for bad in ["VLM", "VLM=clip:/m", "=vlm:/m", ""]:
         with pytest.raises(ValueError, match="--generators"):
             parse_generators(bad)
 
 
-@given(st.integers(1, 5), st.integers(1, 12), st.sampled_from([0, 0.1, 0.25, 0.5, 0.9, 1, "oracle"]),
-       st.integers(0, 99), st.integers(0, 8))
+@given(
+    st.integers(1, 5),
+    st.integers(1, 12),
+    st.sampled_from([0, 0.1, 0.25, 0.5, 0.9, 1, "oracle"]),
+    st.integers(0, 99),
+    st.integers(0, 8),
+)
 def test_a_context_holds_the_share_of_relevant_sections_asked_for(n_relevant, n, level, seed, own_in_pool):
     relevant = [f"R{i}" for i in range(n_relevant)]
     pool = [("other", f"D{i}") for i in range(20)] + [("gold", f"G{i}") for i in range(own_in_pool)]
@@ -54,8 +62,11 @@ def test_a_pool_too_small_for_the_context_is_named():
 
 
 def test_relevant_sections_hold_an_answer_with_the_evidence_section_first():
-    sections = [{"section": 0, "title": "T", "text": "It eats seeds."}, {"section": 1, "text": "Nothing here."},
-                {"section": 2, "title": "T", "text": "Seeds, mostly."}]
+    sections = [
+        {"section": 0, "title": "T", "text": "It eats seeds."},
+        {"section": 1, "text": "Nothing here."},
+        {"section": 2, "title": "T", "text": "Seeds, mostly."},
+    ]
     q = {"answers": ["seeds"], "evidence_section_id": 2}
     assert relevant_sections(q, sections) == ["T: Seeds, mostly.", "T: It eats seeds."]
     assert relevant_sections({"answers": ["fish"]}, sections) == []
@@ -63,8 +74,12 @@ def test_relevant_sections_hold_an_answer_with_the_evidence_section_first():
 
 def test_the_table_has_a_row_per_generator_and_a_column_per_level():
     table = accuracy_table({"VLM": {"0": 0.25, "oracle": 1.0}, "LLM": {"0": 0.0}}, ["0", "oracle"])
-    assert table.splitlines() == ["| generator | 0 | oracle |", "|---|---|---|", "| VLM | 25.0 | 100.0 |",
-                                  "| LLM | 0.0 | — |"]
+    assert table.splitlines() == [
+        "| generator | 0 | oracle |",
+        "|---|---|---|",
+        "| VLM | 25.0 | 100.0 |",
+        "| LLM | 0.0 | — |",
+    ]
 
 
 class Interrupted(Exception):
@@ -85,11 +100,21 @@ def test_an_interrupted_study_resumes_and_scores_by_the_official_rule(tiny_world
         calls.append(len(questions))
         if len(calls) == 2:
             raise Interrupted
-        return [next((g for g in sorted(golds[q]) if g.lower() in c.lower()), "no idea")
-                for q, c in zip(questions, contexts)]
+        return [
+            next((g for g in sorted(golds[q]) if g.lower() in c.lower()), "no idea")
+            for q, c in zip(questions, contexts)
+        ]
 
-    args = NoiseArgs(queries=str(tiny_world / "test.jsonl"), kb=str(tiny_world / "kb.jsonl"), out=str(tmp_path),
-                     levels="0,0.5,oracle", n_sections=4, limit=6, batch_size=4, generator_prompt="toy")
+    args = NoiseArgs(
+        queries=str(tiny_world / "test.jsonl"),
+        kb=str(tiny_world / "kb.jsonl"),
+        out=str(tmp_path),
+        levels="0,0.5,oracle",
+        n_sections=4,
+        limit=6,
+        batch_size=4,
+        generator_prompt="toy",
+    )
     with pytest.raises(Interrupted):
         run_study(args, generators={"reader": reader}, **QUIET)
     assert len(list(read_jsonl(tmp_path / "answers.jsonl"))) == 4
@@ -101,14 +126,23 @@ def test_an_interrupted_study_resumes_and_scores_by_the_official_rule(tiny_world
     assert (tmp_path / "noise_table.md").read_text().startswith("| generator | 0 | 0.5 | oracle |")
 
 
-def test_the_toy_world_study_with_a_vlm_with_and_without_the_image_and_a_text_llm(tiny_world, tiny_gate_vlm,
-                                                                                  tiny_text_llm, tmp_path):
+def test_the_toy_world_study_with_a_vlm_with_and_without_the_image_and_a_text_llm(
+    tiny_world, tiny_gate_vlm, tiny_text_llm, tmp_path
+):
     lines = []
-    args = NoiseArgs(queries=str(tiny_world / "test.jsonl"), kb=str(tiny_world / "kb.jsonl"), out=str(tmp_path),
-                     generators=f"VLM=vlm:{tiny_gate_vlm},VLM text-only=vlm-text:{tiny_gate_vlm},"
-                                f"LLM=llm:{tiny_text_llm}",
-                     levels="0,0.5,oracle", n_sections=3, limit=4, batch_size=6, max_new_tokens=4,
-                     generator_prompt="toy", device="cpu")
+    args = NoiseArgs(
+        queries=str(tiny_world / "test.jsonl"),
+        kb=str(tiny_world / "kb.jsonl"),
+        out=str(tmp_path),
+        generators=f"VLM=vlm:{tiny_gate_vlm},VLM text-only=vlm-text:{tiny_gate_vlm},LLM=llm:{tiny_text_llm}",
+        levels="0,0.5,oracle",
+        n_sections=3,
+        limit=4,
+        batch_size=6,
+        max_new_tokens=4,
+        generator_prompt="toy",
+        device="cpu",
+    )
     result = run_study(args, log=lines.append)
     assert set(result["accuracy"]) == {"VLM", "VLM text-only", "LLM"}
     assert all(0 <= v <= 1 for acc in result["accuracy"].values() for v in acc.values())

@@ -39,10 +39,22 @@ def queries(tiny_world, tmp_path):
 
 
 def args_for(queries, tiny_world, tiny_index_dir, tiny_gate_vlm, tmp_path, **kw):
-    base = dict(queries=str(queries[0]), images_root=str(tiny_world), out=str(tmp_path / "out"), gate="always",
-                answerer=str(tiny_gate_vlm), refiner="none", index=str(tiny_index_dir), alpha=0.5, k=3,
-                generator=str(tiny_gate_vlm), generator_image=True, generator_prompt="toy", max_new_tokens=6,
-                batch_size=3)
+    base = dict(
+        queries=str(queries[0]),
+        images_root=str(tiny_world),
+        out=str(tmp_path / "out"),
+        gate="always",
+        answerer=str(tiny_gate_vlm),
+        refiner="none",
+        index=str(tiny_index_dir),
+        alpha=0.5,
+        k=3,
+        generator=str(tiny_gate_vlm),
+        generator_image=True,
+        generator_prompt="toy",
+        max_new_tokens=6,
+        batch_size=3,
+    )
     return PipelineArgs(**{**base, **kw})
 
 
@@ -60,8 +72,14 @@ def predictions(args):
 
 
 def test_every_stage_on(make_args, gates, tiny_refiner, queries):
-    args = make_args(gate=gates["hkb"], refiner=str(tiny_refiner), reranker=f"vlm:{gates['srt']}",
-                     reranker_verbalisers="Rel,NoRel", text_reranker="tiny", inspector=gates["inspector"])
+    args = make_args(
+        gate=gates["hkb"],
+        refiner=str(tiny_refiner),
+        reranker=f"vlm:{gates['srt']}",
+        reranker_verbalisers="Rel,NoRel",
+        text_reranker="tiny",
+        inspector=gates["inspector"],
+    )
     metrics = run(args, **QUIET)
     recs = predictions(args)
     assert [r["id"] for r in recs] == [q["id"] for q in queries[1]]
@@ -110,12 +128,20 @@ def test_endpoint_generator_answers_and_failures(make_args, queries, stub):
     assert good.requests[0]["body"]["messages"][1]["content"].startswith("Context: ")
 
     down = stub([], status=500)
-    args = make_args(generator="endpoint", generator_url=down.url, generator_model="m", generator_retries=2,
-                     generator_backoff=0.0, out=str(tmp_path_of(make_args()).parent / "down"))
+    args = make_args(
+        generator="endpoint",
+        generator_url=down.url,
+        generator_model="m",
+        generator_retries=2,
+        generator_backoff=0.0,
+        out=str(tmp_path_of(make_args()).parent / "down"),
+    )
     m = run(args, **QUIET)
     assert len(down.requests) == 2 * 6 and m["accuracy"] == 0.0 and m["failed"] == 6
-    assert all(r["rag"]["answer"] is None and "generator failed after 2 attempts" in r["rag"]["failed"]
-               for r in predictions(args))
+    assert all(
+        r["rag"]["answer"] is None and "generator failed after 2 attempts" in r["rag"]["failed"]
+        for r in predictions(args)
+    )
 
 
 def test_resume_after_an_interruption(make_args, monkeypatch):
@@ -128,6 +154,7 @@ def test_resume_after_an_interruption(make_args, monkeypatch):
         if len(calls) == 2:
             raise RuntimeError("killed")
         return real(*a, **kw)
+
     monkeypatch.setattr(pipeline, "run_batch", flaky)
     args = make_args()
     with pytest.raises(RuntimeError):
@@ -148,15 +175,18 @@ def test_missing_image_is_skipped_and_the_run_goes_on(make_args, queries):
     assert "image file missing" in recs["lost"]["skipped"] and m["n"] == 6 and m["skipped"] == 1
 
 
-@pytest.mark.parametrize("override,match", [
-    (dict(gate="/no/gate"), "--gate: /no/gate is not a model folder"),
-    (dict(answerer=None), "--answerer"),
-    (dict(inspector="/no/inspector"), "--inspector: /no/inspector"),
-    (dict(generator="endpoint"), "generator_url"),
-    (dict(generator_prompt="poem"), "--generator_prompt"),
-    (dict(consistency_strategy="vote"), "--consistency_strategy: 'vote' is not one of filter, merge, rerank"),
-    (dict(consistency="/no/mct"), "--consistency: /no/mct"),
-])
+@pytest.mark.parametrize(
+    "override,match",
+    [
+        (dict(gate="/no/gate"), "--gate: /no/gate is not a model folder"),
+        (dict(answerer=None), "--answerer"),
+        (dict(inspector="/no/inspector"), "--inspector: /no/inspector"),
+        (dict(generator="endpoint"), "generator_url"),
+        (dict(generator_prompt="poem"), "--generator_prompt"),
+        (dict(consistency_strategy="vote"), "--consistency_strategy: 'vote' is not one of filter, merge, rerank"),
+        (dict(consistency="/no/mct"), "--consistency: /no/mct"),
+    ],
+)
 def test_bad_input_is_named_before_models_load(make_args, override, match):
     with pytest.raises(ValueError, match=match):
         run(make_args(**override), **QUIET)
@@ -174,8 +204,9 @@ def test_text_llm_generator(make_args, tiny_text_llm):
     assert m["n"] == 6
     for r in recs:  # a random LM may say nothing: that is recorded as a failure, never an empty answer
         rag = r["rag"]
-        assert (rag["answer"] is None and rag["failed"] == "empty answer" and not rag["correct"]) or \
-            (rag["answer"] and rag["answer"] == rag["answer"].strip())
+        assert (rag["answer"] is None and rag["failed"] == "empty answer" and not rag["correct"]) or (
+            rag["answer"] and rag["answer"] == rag["answer"].strip()
+        )
 
 
 def test_a_folder_resumes_only_its_own_settings(make_args):
@@ -198,7 +229,9 @@ def test_the_e_vqa_metric_asks_bem_once_per_batch_about_undecided_answers(make_a
     by_question = {r["question"] + r["image"]: r for r in rows}
     calls = []
     real_call = gb.BEMScorer.__call__
-    monkeypatch.setattr(gb.BEMScorer, "__call__", lambda self, c, r, q: calls.append(len(c)) or real_call(self, c, r, q))
+    monkeypatch.setattr(
+        gb.BEMScorer, "__call__", lambda self, c, r, q: calls.append(len(c)) or real_call(self, c, r, q)
+    )
     args = make_args(metric="evqa", bem=str(tiny_bem), bem_device="cpu")
     stages = Stages(args)
     exact = {}
@@ -210,6 +243,7 @@ def test_the_e_vqa_metric_asks_bem_once_per_batch_about_undecided_answers(make_a
             exact[r["id"]] = len(exact) % 2 == 0
             out.append(r["answers"][0].upper() + "." if exact[r["id"]] else "something else")
         return out
+
     stages.answer = answer_alone
     stages.generate = lambda images, questions, contexts: [("another thing", None)] * len(questions)
     metrics = run(args, stages=stages, **QUIET)
@@ -248,19 +282,29 @@ def test_mct_strategies_decide_what_the_generator_reads(make_args, gates, stub, 
     from gate.pipeline.stages import Stages
 
     server = stub(["x"] * 12)
-    args = make_args(consistency=gates["mct"], consistency_strategy=strategy, generator="endpoint",
-                     generator_url=server.url, generator_model="m", baselines=False)
+    args = make_args(
+        consistency=gates["mct"],
+        consistency_strategy=strategy,
+        generator="endpoint",
+        generator_url=server.url,
+        generator_model="m",
+        baselines=False,
+    )
     stages = Stages(args)
     seen = []
 
     def scripted(images, questions, sections):
         seen.extend(sections)
-        return [{**apply_strategy(strategy, len(s), {"consistent": [3, 2], "summary": "SUMMARY"}), "listed": [3, 2]}
-                for s in sections]
+        return [
+            {**apply_strategy(strategy, len(s), {"consistent": [3, 2], "summary": "SUMMARY"}), "listed": [3, 2]}
+            for s in sections
+        ]
+
     stages.consistency = scripted
     run(args, stages=stages, **QUIET)
-    contexts = [req["body"]["messages"][1]["content"].split("\nQuestion: ")[0][len("Context: "):]
-                for req in server.requests]
+    contexts = [
+        req["body"]["messages"][1]["content"].split("\nQuestion: ")[0][len("Context: ") :] for req in server.requests
+    ]
     recs = predictions(args)
     assert len(contexts) == len(seen) == 6
     for r, sections, context in zip(recs, seen, contexts):

@@ -6,20 +6,28 @@ from gate.pipeline.end_to_end import baselines, format_table, split_accuracy, su
 
 
 def rec(alone, rag, retrieve, score=None, split="test", section_right=True, inspector=None, **kw):
-    return {"id": kw.get("id", "q"), "split": split, "gate": {"retrieve": retrieve, "score": score},
-            "alone": {"correct": alone, "token_accuracy": float(alone)},
-            "rag": {"correct": rag, "token_accuracy": float(rag), "section_right": section_right,
-                    "inspector": inspector}, "latency": {"gate": 0.1, "generate": 0.3}}
+    return {
+        "id": kw.get("id", "q"),
+        "split": split,
+        "gate": {"retrieve": retrieve, "score": score},
+        "alone": {"correct": alone, "token_accuracy": float(alone)},
+        "rag": {"correct": rag, "token_accuracy": float(rag), "section_right": section_right, "inspector": inspector},
+        "latency": {"gate": 0.1, "generate": 0.3},
+    }
 
 
 # alone right on 0 and 1; RAG right on 1, 2 and 3; the gate retrieves for 2 and 3 (perfect) and for 1 (harmless)
-RECORDS = [rec(True, False, False, 0.2), rec(True, True, True, 0.6), rec(False, True, True, 0.9),
-           rec(False, True, True, 0.7), rec(False, False, False, 0.4)]
+RECORDS = [
+    rec(True, False, False, 0.2),
+    rec(True, True, True, 0.6),
+    rec(False, True, True, 0.9),
+    rec(False, True, True, 0.7),
+    rec(False, False, False, 0.4),
+]
 
 
 def test_system_correct_mixes_the_two_paths():
-    assert system_correct(RECORDS, [r["gate"]["retrieve"] for r in RECORDS]).tolist() == [True, True, True, True,
-                                                                                           False]
+    assert system_correct(RECORDS, [r["gate"]["retrieve"] for r in RECORDS]).tolist() == [True, True, True, True, False]
 
 
 def test_baselines_hand_computed():
@@ -48,13 +56,20 @@ def test_summarize():
 
 
 def test_inspector_confusion_against_the_oracle():
-    recs = [rec(False, True, True, inspector={"pass": True}, section_right=True),
-            rec(False, False, True, inspector={"pass": True}, section_right=False),
-            rec(False, False, True, inspector={"pass": False}, section_right=False),
-            rec(False, False, True, inspector={"pass": False}, section_right=False)]
+    recs = [
+        rec(False, True, True, inspector={"pass": True}, section_right=True),
+        rec(False, False, True, inspector={"pass": True}, section_right=False),
+        rec(False, False, True, inspector={"pass": False}, section_right=False),
+        rec(False, False, True, inspector={"pass": False}, section_right=False),
+    ]
     m = summarize(recs)
-    assert m["inspector_confusion"] == {"pass_right": 1, "pass_wrong": 1, "fail_right": 0, "fail_wrong": 2,
-                                        "routing_accuracy": 0.75}
+    assert m["inspector_confusion"] == {
+        "pass_right": 1,
+        "pass_wrong": 1,
+        "fail_right": 0,
+        "fail_wrong": 2,
+        "routing_accuracy": 0.75,
+    }
     assert m["without_inspector"] is None  # no record carries the answer without the Inspector
     table = format_table(m)
     assert "| PASS | 1 | 1 |" in table and "| FAIL | 0 | 2 |" in table and "routing accuracy: 75.0 %" in table
@@ -63,23 +78,34 @@ def test_inspector_confusion_against_the_oracle():
 def test_the_same_run_without_the_inspector():
     """Question 1: the Inspector FAILed a right section and its own answer was wrong, the generator's right; question
     2: it FAILed a wrong section and answered right itself, the generator wrong."""
-    recs = [rec(False, False, True, inspector={"pass": False}), rec(False, True, True, inspector={"pass": False}),
-            rec(True, True, False, inspector={"pass": True})]
+    recs = [
+        rec(False, False, True, inspector={"pass": False}),
+        rec(False, True, True, inspector={"pass": False}),
+        rec(True, True, False, inspector={"pass": True}),
+    ]
     for r, plain in zip(recs, (True, False, True)):
         r["rag"]["without_inspector"] = {"answer": "x", "correct": plain}
     m = summarize(recs)
     assert m["accuracy"] == pytest.approx(2 / 3)  # with: wrong, right, right (alone)
-    assert m["without_inspector"] == {"accuracy": pytest.approx(2 / 3), "All RAG": pytest.approx(2 / 3),
-                                      "oracle gate": pytest.approx(2 / 3)}
+    assert m["without_inspector"] == {
+        "accuracy": pytest.approx(2 / 3),
+        "All RAG": pytest.approx(2 / 3),
+        "oracle gate": pytest.approx(2 / 3),
+    }
     recs[1]["rag"]["without_inspector"]["correct"] = True
     assert summarize(recs)["without_inspector"]["All RAG"] == pytest.approx(1.0)
     assert "| All RAG, without the Inspector | 100.0 | 100.0 |" in format_table(summarize(recs))
 
 
 def test_split_accuracy_with_the_infoseek_harmonic_mean():
-    recs = [rec(True, True, False, split="val_unseen_question"), rec(False, False, False, split="val_unseen_question"),
-            rec(True, True, False, split="val_unseen_entity"), rec(True, True, False, split="val_unseen_entity"),
-            rec(True, True, False, split="unseen_entity"), rec(False, False, False, split="unseen_entity")]
+    recs = [
+        rec(True, True, False, split="val_unseen_question"),
+        rec(False, False, False, split="val_unseen_question"),
+        rec(True, True, False, split="val_unseen_entity"),
+        rec(True, True, False, split="val_unseen_entity"),
+        rec(True, True, False, split="unseen_entity"),
+        rec(False, False, False, split="unseen_entity"),
+    ]
     for r in recs:
         r["question_type"] = "String"
     acc = split_accuracy(recs, system_correct(recs, [False] * 6))
@@ -122,9 +148,13 @@ def test_rerank_score_is_the_beta_mix():
 def test_infoseek_official_and_every_question_figures_side_by_side():
     """InfoSeek's official scorer never sees a question the pipeline gave no answer for (left out of its split);
     ours counts it wrong. metrics.json and metrics.md carry both, labelled."""
-    recs = [rec(True, True, False, split="val_unseen_question"), rec(False, False, False, split="val_unseen_question"),
-            rec(True, True, False, split="val_unseen_question"), rec(True, True, False, split="val_unseen_entity"),
-            rec(False, False, False, split="val_unseen_entity")]
+    recs = [
+        rec(True, True, False, split="val_unseen_question"),
+        rec(False, False, False, split="val_unseen_question"),
+        rec(True, True, False, split="val_unseen_question"),
+        rec(True, True, False, split="val_unseen_entity"),
+        rec(False, False, False, split="val_unseen_entity"),
+    ]
     for i, (r, kind) in enumerate(zip(recs, ["String", "Time", "String", "Numerical", "String"])):
         r["id"], r["question_type"] = f"q{i}", kind
         r["alone"]["answer"] = "x"

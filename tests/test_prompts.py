@@ -29,8 +29,11 @@ def test_the_run_record_carries_the_files_wording_for_export_and_refine(refiner_
     """rl.run_record writes prompt_spec(args.prompt), which rl.export copies into refiner.json and rl.refine reads:
     the wording itself travels with the model, not the path of a file that may not exist elsewhere."""
     spec = prompt_spec(refiner_prompt)
-    assert spec == {"name": refiner_prompt, "system": "The published refiner prompt.",
-                    "user_template": "Question: {question}"}
+    assert spec == {
+        "name": refiner_prompt,
+        "system": "The published refiner prompt.",
+        "user_template": "Question: {question}",
+    }
     assert prompt_spec("wikiseeker") == {"name": "wikiseeker", **REFINER_PROMPTS["wikiseeker"]}
 
 
@@ -56,19 +59,38 @@ def test_a_gate_prompt_file_renders_the_rows_and_is_recorded_beside_them(tmp_pat
     from common.files import read_jsonl, write_jsonl_atomic
     from gate.train.build_data import BuildDataArgs, stage_render
 
-    write_jsonl_atomic(tmp_path / "labels-inspector.jsonl", [
-        {"id": "q1", "question": "Where?", "context": "A section.", "image_path": "/i.png", "variant": "inspector",
-         "pass": True, "inspector": {"pass": "true"}}])
+    write_jsonl_atomic(
+        tmp_path / "labels-inspector.jsonl",
+        [
+            {
+                "id": "q1",
+                "question": "Where?",
+                "context": "A section.",
+                "image_path": "/i.png",
+                "variant": "inspector",
+                "pass": True,
+                "inspector": {"pass": "true"},
+            }
+        ],
+    )
     good, bad = tmp_path / "inspector.yaml", tmp_path / "no-context.yaml"
     good.write_text("system: The published Inspector prompt.\nuser_template: '{context} / {question}'\n")
     bad.write_text("system: s\nuser_template: '{question}'\n")
-    stage_render(BuildDataArgs(stage="render", out=str(tmp_path), variant="inspector", gate_prompt=str(good)),
-                 tmp_path, log=lambda *a: None)
+    stage_render(
+        BuildDataArgs(stage="render", out=str(tmp_path), variant="inspector", gate_prompt=str(good)),
+        tmp_path,
+        log=lambda *a: None,
+    )
     (row,) = read_jsonl(tmp_path / "inspector.train.jsonl")
-    assert row["prompt"] == [{"role": "system", "content": "The published Inspector prompt."},
-                             {"role": "user", "content": "A section. / Where?"}]
+    assert row["prompt"] == [
+        {"role": "system", "content": "The published Inspector prompt."},
+        {"role": "user", "content": "A section. / Where?"},
+    ]
     recorded = json.loads((tmp_path / "inspector.prompt.json").read_text())
     assert recorded["source"] == str(good) and recorded["user_template"] == "{context} / {question}"
     with pytest.raises(ValueError, match=r"--gate_prompt .*no-context.yaml: user_template lacks \{context\}"):
-        stage_render(BuildDataArgs(stage="render", out=str(tmp_path), variant="inspector", gate_prompt=str(bad)),
-                     tmp_path, log=lambda *a: None)
+        stage_render(
+            BuildDataArgs(stage="render", out=str(tmp_path), variant="inspector", gate_prompt=str(bad)),
+            tmp_path,
+            log=lambda *a: None,
+        )

@@ -49,26 +49,54 @@ def test_published_config_files_parse_to_the_real_values():
 
     vlm = real_vlm_config()
     t, v = vlm.text_config, vlm.vision_config
-    assert (t.hidden_size, t.intermediate_size, t.num_attention_heads, t.num_key_value_heads, t.num_hidden_layers,
-            t.vocab_size, t.rms_norm_eps) == (2048, 11008, 16, 2, 36, 151936, 1e-6)
+    assert (
+        t.hidden_size,
+        t.intermediate_size,
+        t.num_attention_heads,
+        t.num_key_value_heads,
+        t.num_hidden_layers,
+        t.vocab_size,
+        t.rms_norm_eps,
+    ) == (2048, 11008, 16, 2, 36, 151936, 1e-6)
     assert t.rope_parameters["rope_theta"] == 1e6 and t.rope_parameters["mrope_section"] == [16, 24, 24]
     assert sum(t.rope_parameters["mrope_section"]) == t.hidden_size // t.num_attention_heads // 2
     assert vlm.tie_word_embeddings is True
-    assert (v.depth, v.hidden_size, v.intermediate_size, v.num_heads, v.out_hidden_size, v.patch_size,
-            v.spatial_merge_size, v.temporal_patch_size, v.window_size, v.fullatt_block_indexes) == \
-        (32, 1280, 3420, 16, 2048, 14, 2, 2, 112, [7, 15, 23, 31])
-    assert (vlm.image_token_id, vlm.video_token_id, vlm.vision_start_token_id, vlm.vision_end_token_id) == \
-        (151655, 151656, 151652, 151653)
+    assert (
+        v.depth,
+        v.hidden_size,
+        v.intermediate_size,
+        v.num_heads,
+        v.out_hidden_size,
+        v.patch_size,
+        v.spatial_merge_size,
+        v.temporal_patch_size,
+        v.window_size,
+        v.fullatt_block_indexes,
+    ) == (32, 1280, 3420, 16, 2048, 14, 2, 2, 112, [7, 15, 23, 31])
+    assert (vlm.image_token_id, vlm.video_token_id, vlm.vision_start_token_id, vlm.vision_end_token_id) == (
+        151655,
+        151656,
+        151652,
+        151653,
+    )
     ip = real_image_processor()
     assert dict(ip.size) == {"shortest_edge": 3136, "longest_edge": 12845056}
     assert (ip.patch_size, ip.merge_size, ip.temporal_patch_size) == (14, 2, 2)
     emb = Qwen3Config.from_pretrained(str(EMBEDDING_06B))
-    assert (emb.hidden_size, emb.num_hidden_layers, emb.num_attention_heads, emb.num_key_value_heads, emb.head_dim,
-            emb.intermediate_size, emb.max_position_embeddings, emb.vocab_size) == \
-        (1024, 28, 16, 8, 128, 3072, 32768, 151669)
+    assert (
+        emb.hidden_size,
+        emb.num_hidden_layers,
+        emb.num_attention_heads,
+        emb.num_key_value_heads,
+        emb.head_dim,
+        emb.intermediate_size,
+        emb.max_position_embeddings,
+        emb.vocab_size,
+    ) == (1024, 28, 16, 8, 128, 3072, 32768, 151669)
     assert emb.rope_parameters["rope_theta"] == 1e6 and emb.tie_word_embeddings is True
-    assert QUERY_INSTRUCTION == ("Instruct: Given a web search query, retrieve relevant passages that answer the "
-                                 "query\nQuery:")
+    assert QUERY_INSTRUCTION == (
+        "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery:"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -90,14 +118,29 @@ def test_built_model_has_every_real_width(real_vlm, real_vlm_loaded):
     model, processor = real_vlm_loaded
     text, vision = model.config.text_config, model.config.vision_config
     rv = REAL_VLM["vision_config"]
-    assert (text.hidden_size, text.intermediate_size, text.num_attention_heads, text.num_key_value_heads) == \
-        (REAL_VLM["hidden_size"], REAL_VLM["intermediate_size"], REAL_VLM["num_attention_heads"],
-         REAL_VLM["num_key_value_heads"]) == (2048, 11008, 16, 2)
+    assert (
+        (text.hidden_size, text.intermediate_size, text.num_attention_heads, text.num_key_value_heads)
+        == (
+            REAL_VLM["hidden_size"],
+            REAL_VLM["intermediate_size"],
+            REAL_VLM["num_attention_heads"],
+            REAL_VLM["num_key_value_heads"],
+        )
+        == (2048, 11008, 16, 2)
+    )
     assert text.rms_norm_eps == REAL_VLM["rms_norm_eps"] and text.rope_parameters["rope_theta"] == 1e6
     assert text.rope_parameters["mrope_section"] == REAL_VLM["rope_scaling"]["mrope_section"] == [16, 24, 24]
     assert model.config.tie_word_embeddings is True
-    for name in ("hidden_size", "intermediate_size", "num_heads", "out_hidden_size", "patch_size",
-                 "spatial_merge_size", "temporal_patch_size", "window_size"):
+    for name in (
+        "hidden_size",
+        "intermediate_size",
+        "num_heads",
+        "out_hidden_size",
+        "patch_size",
+        "spatial_merge_size",
+        "temporal_patch_size",
+        "window_size",
+    ):
         assert getattr(vision, name) == rv[name], name
     assert (text.num_hidden_layers, vision.depth, vision.fullatt_block_indexes) == (1, 2, [1])  # only depth is cut
     # the tensors themselves (not just the config): GQA 16 query / 2 KV heads of 128, the merger 4·1280 → 2048
@@ -117,11 +160,15 @@ def test_built_model_has_every_real_width(real_vlm, real_vlm_loaded):
     assert model.config.vision_start_token_id == tok.convert_tokens_to_ids("<|vision_start|>")
     # the processor is the real one: pixel range, patch / merge / temporal sizes, CLIP mean and std
     ip = processor.image_processor
-    assert dict(ip.size) == {"shortest_edge": REAL_PREPROCESSOR["min_pixels"],
-                             "longest_edge": REAL_PREPROCESSOR["max_pixels"]} == \
-        {"shortest_edge": 3136, "longest_edge": 12845056}
+    assert (
+        dict(ip.size)
+        == {"shortest_edge": REAL_PREPROCESSOR["min_pixels"], "longest_edge": REAL_PREPROCESSOR["max_pixels"]}
+        == {"shortest_edge": 3136, "longest_edge": 12845056}
+    )
     assert (ip.patch_size, ip.merge_size, ip.temporal_patch_size) == (14, 2, 2)
-    assert list(ip.image_mean) == REAL_PREPROCESSOR["image_mean"] and list(ip.image_std) == REAL_PREPROCESSOR["image_std"]
+    assert (
+        list(ip.image_mean) == REAL_PREPROCESSOR["image_mean"] and list(ip.image_std) == REAL_PREPROCESSOR["image_std"]
+    )
     assert json.loads((real_vlm / "config.json").read_text())["dtype"] == "bfloat16"
 
 
@@ -134,8 +181,10 @@ def test_paper_budget_caps_a_large_photo_that_the_real_default_would_not(real_vl
     n_default, grid_default, _ = image_token_count(default, photo)
     budgeted = apply_image_budget(AutoProcessor.from_pretrained(str(real_vlm)), PAPER_BUDGET)
     n_paper, grid_paper, _ = image_token_count(budgeted, photo)
-    print(f"\n3000×2000 photo: {n_default} image tokens with the real default pixel range (grid {grid_default}), "
-          f"{n_paper} with the paper's budget (grid {grid_paper})")
+    print(
+        f"\n3000×2000 photo: {n_default} image tokens with the real default pixel range (grid {grid_default}), "
+        f"{n_paper} with the paper's budget (grid {grid_paper})"
+    )
     assert n_default == (1988 // 28) * (2996 // 28) == 7597  # 2000×3000 rounded to the 28-px grid, no downscale
     assert max_image_tokens(PAPER_BUDGET, budgeted.image_processor) == 1024
     assert 900 < n_paper <= 1024
@@ -159,8 +208,9 @@ def write_big_image_questions(tiny_world, out, n=4, size=(1120, 840)):
 
 
 @pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
-def test_two_grpo_steps_at_real_width_stay_within_the_image_budget(config, real_vlm, tiny_world, tmp_path,
-                                                                   monkeypatch, dtype):
+def test_two_grpo_steps_at_real_width_stay_within_the_image_budget(
+    config, real_vlm, tiny_world, tmp_path, monkeypatch, dtype
+):
     """At real width, in fp32 (seconds) or in the real configs' bf16 (``-m slow``: on a CPU without bf16 instructions
     torch runs bf16 through slow fallbacks, half an hour on the slowest machine of this kind)."""
     from transformers import AutoProcessor
@@ -171,8 +221,9 @@ def test_two_grpo_steps_at_real_width_stay_within_the_image_budget(config, real_
     start = time.perf_counter()
     train = write_big_image_questions(tiny_world, tmp_path / "data")
     first_image = Image.open(tmp_path / "data" / json.loads(train.read_text().splitlines()[0])["image"])
-    expected = image_token_count(apply_image_budget(AutoProcessor.from_pretrained(str(real_vlm)), TEST_BUDGET),
-                                 first_image)[0]
+    expected = image_token_count(
+        apply_image_budget(AutoProcessor.from_pretrained(str(real_vlm)), TEST_BUDGET), first_image
+    )[0]
     seen, image_token = [], {}
 
     def record(module, args, kwargs):
@@ -197,15 +248,32 @@ def test_two_grpo_steps_at_real_width_stay_within_the_image_budget(config, real_
     # texts of a group score differently and the update is not zero.
     monkeypatch.setattr(rewards.retrieval, "parse_query", lambda text, max_tokens=None: text.strip() or None)
     tiers = ",".join(f"{r}-{r}:{(24 - r) / 6:.4f}" for r in range(1, 25))
-    result = tg.main(config(
-        model_name_or_path=str(real_vlm), prompt="wikiseeker", train_file=str(train), images_root=str(train.parent),
-        dtype=dtype, bf16=dtype == "bfloat16", num_generations=2, per_device_train_batch_size=4, max_completion_length=16,
-        max_steps=2, learning_rate=1e-6, lr_scheduler_type="constant", reward_tiers=tiers, alpha=0.0, **TEST_BUDGET))
+    result = tg.main(
+        config(
+            model_name_or_path=str(real_vlm),
+            prompt="wikiseeker",
+            train_file=str(train),
+            images_root=str(train.parent),
+            dtype=dtype,
+            bf16=dtype == "bfloat16",
+            num_generations=2,
+            per_device_train_batch_size=4,
+            max_completion_length=16,
+            max_steps=2,
+            learning_rate=1e-6,
+            lr_scheduler_type="constant",
+            reward_tiers=tiers,
+            alpha=0.0,
+            **TEST_BUDGET,
+        )
+    )
     wall = time.perf_counter() - start
     cap = max_image_tokens(TEST_BUDGET, AutoProcessor.from_pretrained(str(real_vlm)).image_processor)
     rows = [n for forward in seen for n in forward]
-    print(f"\nGRPO at real width, 2 steps × 2 prompts × 2 generations: {len(seen)} forward passes with images, "
-          f"{sorted(set(rows))} image tokens per row (budget cap {cap}); wall {wall:.1f}s")
+    print(
+        f"\nGRPO at real width, 2 steps × 2 prompts × 2 generations: {len(seen)} forward passes with images, "
+        f"{sorted(set(rows))} image tokens per row (budget cap {cap}); wall {wall:.1f}s"
+    )
     assert cap == 64 and len(seen) >= 4 and all(0 < n <= cap for n in rows)  # per step: generation + loss forward
     assert set(rows) == {expected}  # 1120×840 → the budget's grid, in generation and in the loss forward alike
     logs = [h for h in result["log_history"] if "reward" in h]
@@ -225,8 +293,9 @@ def test_two_grpo_steps_at_real_width_stay_within_the_image_budget(config, real_
 def real_embedder(tiny_world, tmp_path_factory):
     from toy.refiner import tokenizer_corpus
 
-    return build_real_width_embedder(tmp_path_factory.mktemp("real-emb") / "qwen3-embedding-cut",
-                                     tokenizer_corpus(tiny_world))
+    return build_real_width_embedder(
+        tmp_path_factory.mktemp("real-emb") / "qwen3-embedding-cut", tokenizer_corpus(tiny_world)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -239,14 +308,24 @@ def real_text_encoder(real_embedder):
 def test_embedder_has_real_widths_and_the_instruction_reaches_queries_only(real_embedder, real_text_encoder):
     enc = real_text_encoder
     cfg = enc.model[0].auto_model.config
-    for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                 "max_position_embeddings", "rms_norm_eps"):
+    for name in (
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "max_position_embeddings",
+        "rms_norm_eps",
+    ):
         assert getattr(cfg, name) == REAL_EMBEDDING[name], name
     assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (1024, 16, 8, 128)
     assert cfg.num_hidden_layers == 2 and enc.dim == 1024
     assert json.loads((real_embedder / "1_Pooling" / "config.json").read_text())["pooling_mode"] == "lasttoken"
-    assert [m["type"].rsplit(".", 1)[-1] for m in json.loads((real_embedder / "modules.json").read_text())] == \
-        ["Transformer", "Pooling", "Normalize"]
+    assert [m["type"].rsplit(".", 1)[-1] for m in json.loads((real_embedder / "modules.json").read_text())] == [
+        "Transformer",
+        "Pooling",
+        "Normalize",
+    ]
     tok = enc.model.tokenizer
     batch = tok(["a red dotted star", "a"], padding=True)
     eos = tok.convert_tokens_to_ids("<|endoftext|>")
@@ -274,8 +353,9 @@ class PixelProjection:
         self.weight = np.random.default_rng(seed).normal(size=(16 * 16 * 3, self.dim)).astype(np.float32)
 
     def encode(self, images):
-        x = np.stack([np.asarray(im.convert("RGB").resize((16, 16)), dtype=np.float32).ravel() / 255 - 0.5
-                      for im in images])
+        x = np.stack(
+            [np.asarray(im.convert("RGB").resize((16, 16)), dtype=np.float32).ravel() / 255 - 0.5 for im in images]
+        )
         v = x @ self.weight
         return (v / np.linalg.norm(v, axis=1, keepdims=True)).astype(np.float32)
 
@@ -291,27 +371,46 @@ def test_retrieval_reward_at_1024_plus_1024_matches_a_numpy_brute_force(real_tex
     rng = np.random.default_rng(0)
     enc, images_enc, alpha, n_ent, per_ent, g = real_text_encoder, PixelProjection(), 0.63, 300, 10, 4
     colours = list(COLOURS)
-    desc = [f"The E{e:03d} is a {colours[e % len(colours)]} {PATTERNS[e // 8 % 4]} {SHAPES[e // 32 % 6]}."
-            for e in range(n_ent)]
+    desc = [
+        f"The E{e:03d} is a {colours[e % len(colours)]} {PATTERNS[e // 8 % 4]} {SHAPES[e // 32 % 6]}."
+        for e in range(n_ent)
+    ]
     # pictures in 12 colour groups (like the toy world's colours): the image narrows the search to a group, the text
     # has to do the rest, so ranks spread over the tiers
     base = rng.integers(40, 216, size=(12, 1, 1, 3))
-    noisy = lambda e: Image.fromarray(np.clip(base[e % 12] + rng.normal(0, 24, size=(16, 16, 3)), 0, 255)  # noqa: E731
-                                      .astype(np.uint8))
+
+    def noisy(e):
+        return Image.fromarray(np.clip(base[e % 12] + rng.normal(0, 24, size=(16, 16, 3)), 0, 255).astype(np.uint8))
+
     pictures = [noisy(e) for e in range(n_ent)]
     kb_text = np.repeat(enc.encode(desc, is_query=False), per_ent, axis=0)
     kb_image = np.repeat(images_enc.encode(pictures), per_ent, axis=0)
-    rows = np.concatenate([l2_normalize(kb_image + 0.01 * rng.normal(size=kb_image.shape)),
-                           l2_normalize(kb_text + 0.01 * rng.normal(size=kb_text.shape))], 1).astype(np.float32)
+    rows = np.concatenate(
+        [
+            l2_normalize(kb_image + 0.01 * rng.normal(size=kb_image.shape)),
+            l2_normalize(kb_text + 0.01 * rng.normal(size=kb_text.shape)),
+        ],
+        1,
+    ).astype(np.float32)
     entity_ids = [f"ent{e:03d}" for e in range(n_ent) for _ in range(per_ent)]
     manifest = {"image_dim": 1024, "text_dim": 1024, "image_encoder": images_enc.name, "text_encoder": enc.name}
-    index = MultimodalIndex(build_faiss_index(rows, "Flat"), [f"row{i}" for i in range(len(rows))], entity_ids,
-                            manifest, image_encoder=images_enc, text_encoder=enc, device="cpu", rank_method="exact")
+    index = MultimodalIndex(
+        build_faiss_index(rows, "Flat"),
+        [f"row{i}" for i in range(len(rows))],
+        entity_ids,
+        manifest,
+        image_encoder=images_enc,
+        text_encoder=enc,
+        device="cpu",
+        rank_method="exact",
+    )
     assert index.uses_exact_ranks and len(index) == 3000 and rows.shape[1] == 2048
 
     gold = [int(e) for e in rng.choice(n_ent, size=6, replace=False)]
-    questions = [{"id": f"q{i}", "entity_id": f"ent{e:03d}", "question": "What is this creature called?"}
-                 for i, e in enumerate(gold)]
+    questions = [
+        {"id": f"q{i}", "entity_id": f"ent{e:03d}", "question": "What is this creature called?"}
+        for i, e in enumerate(gold)
+    ]
     images = [noisy(e) for e in gold]  # another photo of the entity: its colour group, fresh noise
     queries = []
     for i, e in enumerate(gold):
@@ -320,11 +419,18 @@ def test_retrieval_reward_at_1024_plus_1024_matches_a_numpy_brute_force(real_tex
     completions = [format_completion(q) if q else "no format here" for q in queries]
     reward = RetrievalReward(index, alpha=alpha)
     rep = lambda xs: [x for x in xs for _ in range(g)]  # noqa: E731  TRL repeats each column per generation
-    out = reward(prompts=rep([[{"role": "user", "content": q["question"]}] for q in questions]),
-                 completions=[[{"role": "assistant", "content": c}] for c in completions],
-                 completion_ids=[[1, 2]] * len(completions), id=rep([q["id"] for q in questions]),
-                 entity_id=rep([q["entity_id"] for q in questions]), question=rep([q["question"] for q in questions]),
-                 image=rep(images), trainer_state=None, log_extra=lambda *a: None, log_metric=lambda *a: None)
+    out = reward(
+        prompts=rep([[{"role": "user", "content": q["question"]}] for q in questions]),
+        completions=[[{"role": "assistant", "content": c}] for c in completions],
+        completion_ids=[[1, 2]] * len(completions),
+        id=rep([q["id"] for q in questions]),
+        entity_id=rep([q["entity_id"] for q in questions]),
+        question=rep([q["question"] for q in questions]),
+        image=rep(images),
+        trainer_state=None,
+        log_extra=lambda *a: None,
+        log_metric=lambda *a: None,
+    )
 
     # the brute force: its own query vectors (sentence-transformers with the instruction, the projection), its own
     # α-weighted concatenation, the best row per entity, rank = 1 + entities strictly better (ties within 1e-5)
@@ -368,5 +474,8 @@ def test_truncated_sections_keep_the_token_qwen3_embedding_pools(real_embedder):
     assert ids.shape[1] == 12 and ids[0, -1] == eos and ids[1, -1] == eos and mask[1, 0] == 0
     full = tok(long)["input_ids"]
     assert len(full) > 12 and ids[0, :-1].tolist() == full[:11]  # the first 11 tokens of the section, then <eos>
-    np.testing.assert_allclose(enc.encode([long]), text_encoder(str(real_embedder), device="cpu",
-                                                                max_seq_length=12).encode([long + " more"]), atol=1e-5)
+    np.testing.assert_allclose(
+        enc.encode([long]),
+        text_encoder(str(real_embedder), device="cpu", max_seq_length=12).encode([long + " more"]),
+        atol=1e-5,
+    )

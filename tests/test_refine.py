@@ -55,8 +55,9 @@ def test_refine_file_resumes_without_losing_or_repeating(toy_refiner, tiny_world
 def test_missing_image_is_named(toy_refiner, tmp_path):
     (tmp_path / "q.jsonl").write_text(json.dumps({"id": "a", "image": "gone.png", "question": "?"}) + "\n")
     with pytest.raises(ValueError, match="gone.png"):
-        refine_file(RefineArgs(queries=str(tmp_path / "q.jsonl"), out=str(tmp_path / "o.jsonl")),
-                    refiner=toy_refiner, **QUIET)
+        refine_file(
+            RefineArgs(queries=str(tmp_path / "q.jsonl"), out=str(tmp_path / "o.jsonl")), refiner=toy_refiner, **QUIET
+        )
     assert not (tmp_path / "o.jsonl").exists()
 
 
@@ -70,8 +71,7 @@ def test_vllm_backend_without_vllm_is_a_clear_error(tmp_path):
 
 def test_exported_refiner_loads_and_refines(config, tiny_world, tmp_path):
     tg.main(config(max_steps=1, save_strategy="steps", save_steps=1))
-    folder = export(ExportArgs(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "serve"), dtype="fp32"),
-                    **QUIET)
+    folder = export(ExportArgs(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "serve"), dtype="fp32"), **QUIET)
     refiner = Refiner.load(folder)
     assert refiner.spec["prompt"]["name"] == "toy"
     rows = [json.loads(x) for x in open(tiny_world / "test.jsonl")][:4]
@@ -91,16 +91,22 @@ def test_the_training_image_budget_reaches_export_refine_and_vllm(config, tiny_w
     budget = {"min_pixels": 112 * 112, "max_pixels": 64 * 28 * 28}  # toy images still seen at 112 px, as trained
     tg.main(config(max_steps=1, save_strategy="steps", save_steps=1, **budget))
     printed = []
-    folder = export(ExportArgs(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "serve"), dtype="fp32"),
-                    log=printed.append)
+    folder = export(
+        ExportArgs(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "serve"), dtype="fp32"), log=printed.append
+    )
     assert json.loads((folder / "refiner.json").read_text())["image_budget"] == budget
     assert f"--mm-processor-kwargs '{json.dumps(budget)}'" in printed[-1]
     refiner = Refiner.load(folder)
     seen = []
     pad = refiner.model.config.image_token_id
-    refiner.model.register_forward_pre_hook(lambda m, a, kw: seen.append(int((kw["input_ids"] == pad).sum(-1).max()))
-                                            if kw.get("input_ids") is not None and kw["input_ids"].shape[1] > 1
-                                            else None, with_kwargs=True)
+    refiner.model.register_forward_pre_hook(
+        lambda m, a, kw: (
+            seen.append(int((kw["input_ids"] == pad).sum(-1).max()))
+            if kw.get("input_ids") is not None and kw["input_ids"].shape[1] > 1
+            else None
+        ),
+        with_kwargs=True,
+    )
     big = Image.open(tiny_world / json.loads(open(tiny_world / "test.jsonl").readline())["image"]).resize((900, 700))
     refiner.refine([big], ["Where does it live?"])
     assert seen and 0 < max(seen) <= 64

@@ -14,8 +14,8 @@ scores = st.lists(st.floats(0, 1), min_size=1, max_size=8)
 @given(scores, st.data())
 def test_beta_extremes_reproduce_one_stage_exactly(first, data):
     reranker = data.draw(st.lists(st.floats(0, 1), min_size=len(first), max_size=len(first)))
-    assert combine(first, reranker, 1.0).tolist() == first            # β1 = 1: the retrieval scores alone
-    assert within_article(first, reranker, 0.0).tolist() == first     # β2 = 0: the first stage alone
+    assert combine(first, reranker, 1.0).tolist() == first  # β1 = 1: the retrieval scores alone
+    assert within_article(first, reranker, 0.0).tolist() == first  # β2 = 0: the first stage alone
     assert within_article(first, reranker, 1.0).tolist() == reranker  # β2 = 1: the text reranker alone
 
 
@@ -56,8 +56,9 @@ def test_a_vlm_scores_relevance_zero_shot_by_its_first_token(tiny_gate_vlm, tiny
     row = next(iter(read_jsonl(tiny_world / "test.jsonl")))
     image = Image.open(tiny_world / row["image"]).convert("RGB")
     scores = rr.score([image], [row["question"]], [["a section", "another section", "a third"]])
-    direct = first_token_scores(rr.model, rr.processor, rr.spec, [image] * 3, [row["question"]] * 3,
-                                ["a section", "another section", "a third"])
+    direct = first_token_scores(
+        rr.model, rr.processor, rr.spec, [image] * 3, [row["question"]] * 3, ["a section", "another section", "a third"]
+    )
     assert len(scores) == 1 and np.allclose(scores[0], direct) and ((0 < scores[0]) & (scores[0] < 1)).all()
     with pytest.raises(ValueError, match="verbaliser"):
         load_reranker(f"vlm:{tiny_gate_vlm}", device="cpu", verbalisers=("Absolutely certainly", "No way at all"))

@@ -14,7 +14,7 @@ CASES = [
     (f"<think>x</think><answer>{A}</answer>", "red star"),
     (f"<think></think><answer>{A}</answer>", "red star"),  # empty think is fine
     (f"  \n<think>x</think>\n <answer> {A} </answer>\n\n", "red star"),  # whitespace around
-    (f'<think>x</think><answer>```json\n{A}\n```</answer>', "red star"),  # fenced JSON
+    (f"<think>x</think><answer>```json\n{A}\n```</answer>", "red star"),  # fenced JSON
     (f"<think>x</think><answer>```\n{A}\n```</answer>", "red star"),
     ('<think>x</think><answer>{"query": "  red star  ", "extra": 1}</answer>', "red star"),
     ('<think>é</think><answer>{"query": "étoile rouge ★"}</answer>', "étoile rouge ★"),
@@ -25,7 +25,7 @@ CASES = [
     (f"<think>x</think><answer>{A}</answer><answer>{A}</answer>", None),  # repeated tag
     (f"<think><think>x</think></think><answer>{A}</answer>", None),  # nested
     (f"<think>x</think><answer>{A}", None),  # unclosed
-    ("<think>x</think><answer>[\"red star\"]</answer>", None),  # JSON list
+    ('<think>x</think><answer>["red star"]</answer>', None),  # JSON list
     ('<think>x</think><answer>{"query": 3}</answer>', None),  # number for query
     ('<think>x</think><answer>{"query": ""}</answer>', None),
     ('<think>x</think><answer>{"query": "   "}</answer>', None),
@@ -76,8 +76,32 @@ def test_huge_and_deeply_nested_inputs():
     assert parse_query(f'<think></think><answer>{{"query": {deep}}}</answer>') is None
 
 
-fragments = st.sampled_from(["<think>", "</think>", "<answer>", "</answer>", "{", "}", '"query"', ":", '"', "```",
-                             "json", " ", "\n", "[", "]", "null", "3", "red", "\\", "\x00", "é", "★"])
+fragments = st.sampled_from(
+    [
+        "<think>",
+        "</think>",
+        "<answer>",
+        "</answer>",
+        "{",
+        "}",
+        '"query"',
+        ":",
+        '"',
+        "```",
+        "json",
+        " ",
+        "\n",
+        "[",
+        "]",
+        "null",
+        "3",
+        "red",
+        "\\",
+        "\x00",
+        "é",
+        "★",
+    ]
+)
 
 
 @settings(max_examples=3000, deadline=None)

@@ -6,8 +6,22 @@ from hypothesis import strategies as st
 
 from rewards import DEFAULT_TIERS, parse_tiers, rank_reward, validate_tiers
 
-PAPER = [(1, 4.0), (5, 4.0), (6, 3.5), (10, 3.5), (11, 3.0), (20, 3.0), (21, 1.0), (50, 1.0), (51, 0.5),
-         (100, 0.5), (101, 0.1), (200, 0.1), (201, -2.5), (None, -2.5)]
+PAPER = [
+    (1, 4.0),
+    (5, 4.0),
+    (6, 3.5),
+    (10, 3.5),
+    (11, 3.0),
+    (20, 3.0),
+    (21, 1.0),
+    (50, 1.0),
+    (51, 0.5),
+    (100, 0.5),
+    (101, 0.1),
+    (200, 0.1),
+    (201, -2.5),
+    (None, -2.5),
+]
 
 
 @pytest.mark.parametrize("rank,reward", PAPER)
@@ -21,15 +35,18 @@ def test_custom_tiers_and_miss():
     assert parse_tiers("1-5:4,6-10:3.5,11-20:3,21-50:1,51-100:0.5,101-200:0.1") == DEFAULT_TIERS
 
 
-@pytest.mark.parametrize("tiers,match", [
-    ([], "empty"),
-    ([(2, 5, 4.0)], "contiguous from rank 1"),
-    ([(1, 5, 4.0), (7, 10, 3.0)], "should start at 6"),
-    ([(1, 5, 4.0), (6, 4, 3.0)], "ends before it starts"),
-    ([(1, 5, 3.0), (6, 10, 3.5)], "must not increase"),
-    ([(1, 5, float("nan"))], "non-finite"),
-    ("nonsense", "triples"),
-])
+@pytest.mark.parametrize(
+    "tiers,match",
+    [
+        ([], "empty"),
+        ([(2, 5, 4.0)], "contiguous from rank 1"),
+        ([(1, 5, 4.0), (7, 10, 3.0)], "should start at 6"),
+        ([(1, 5, 4.0), (6, 4, 3.0)], "ends before it starts"),
+        ([(1, 5, 3.0), (6, 10, 3.5)], "must not increase"),
+        ([(1, 5, float("nan"))], "non-finite"),
+        ("nonsense", "triples"),
+    ],
+)
 def test_bad_tables_are_refused(tiers, match):
     with pytest.raises(ValueError, match=match):
         validate_tiers(tiers)

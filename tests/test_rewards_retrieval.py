@@ -17,12 +17,20 @@ def trl_call(reward, rows, completions, images, **extra):
     """Mimic GRPOTrainer._calculate_rewards: every column but prompt, repeated G times, plus TRL's extras."""
     rep = lambda xs: [x for x in xs for _ in range(G)]  # noqa: E731
     logged = {}
-    out = reward(prompts=rep([[{"role": "user", "content": r["question"]}] for r in rows]),
-                 completions=[[{"role": "assistant", "content": c}] for c in completions],
-                 completion_ids=[[1, 2]] * len(completions), id=rep([r["id"] for r in rows]),
-                 entity_id=rep([r["entity_id"] for r in rows]), question=rep([r["question"] for r in rows]),
-                 answers=rep([r["answers"] for r in rows]), image=rep(images), trainer_state=None,
-                 log_extra=lambda *a: None, log_metric=lambda k, v: logged.setdefault(k, []).append(v), **extra)
+    out = reward(
+        prompts=rep([[{"role": "user", "content": r["question"]}] for r in rows]),
+        completions=[[{"role": "assistant", "content": c}] for c in completions],
+        completion_ids=[[1, 2]] * len(completions),
+        id=rep([r["id"] for r in rows]),
+        entity_id=rep([r["entity_id"] for r in rows]),
+        question=rep([r["question"] for r in rows]),
+        answers=rep([r["answers"] for r in rows]),
+        image=rep(images),
+        trainer_state=None,
+        log_extra=lambda *a: None,
+        log_metric=lambda k, v: logged.setdefault(k, []).append(v),
+        **extra,
+    )
     return out, {k: float(np.mean(v)) for k, v in logged.items()}
 
 
@@ -39,8 +47,7 @@ def test_rewards_match_direct_ranking(tiny_index, batch):
     queries = []
     for r in rows:
         a = r["attributes"]
-        queries += [f"{r['question']} {a['colour']} {a['shape']} {a['pattern']}", r["question"], "nonsense words",
-                    None]
+        queries += [f"{r['question']} {a['colour']} {a['shape']} {a['pattern']}", r["question"], "nonsense words", None]
     completions = [format_completion(q) if q else "garbage" for q in queries]
     out, logged = trl_call(reward, rows, completions, images)
     assert len(out) == len(completions) and all(math.isfinite(x) for x in out)
@@ -50,7 +57,7 @@ def test_rewards_match_direct_ranking(tiny_index, batch):
         if q is None:
             assert out[i] == -2.5  # unparseable → the miss penalty on the retrieval side
         else:
-            expected = tiny_index.entity_ranks(img[i:i + 1], [q], [gold[i]], alpha=0.5, depth=200)[0]
+            expected = tiny_index.entity_ranks(img[i : i + 1], [q], [gold[i]], alpha=0.5, depth=200)[0]
             assert out[i] == rank_reward(expected)
     assert logged["retrieval/parse_rate"] == pytest.approx(0.75)
     assert logged["retrieval/same_as_question"] == pytest.approx(0.25)
@@ -88,9 +95,19 @@ def test_one_text_batch_and_one_ranking_pass_per_call(tiny_index, batch, monkeyp
         monkeypatch.setattr(tiny_index.faiss, "search", lambda *a: pytest.fail("FAISS searched"), raising=False)
     else:  # a CPU's path (faster there): one FAISS search for every query of the call
         real_s = tiny_index.faiss.search
-        monkeypatch.setattr(tiny_index, "faiss", type("F", (), {
-            "search": lambda self, q, k: passes.append(len(q)) or real_s(q, k), "ntotal": tiny_index.faiss.ntotal,
-            "d": tiny_index.faiss.d})())
+        monkeypatch.setattr(
+            tiny_index,
+            "faiss",
+            type(
+                "F",
+                (),
+                {
+                    "search": lambda self, q, k: passes.append(len(q)) or real_s(q, k),
+                    "ntotal": tiny_index.faiss.ntotal,
+                    "d": tiny_index.faiss.d,
+                },
+            )(),
+        )
     trl_call(reward, rows, [format_completion(f"q {i}") for i in range(len(rows) * G)], images)
     assert texts == [len(rows) * G] and passes == [len(rows) * G]
 

@@ -28,8 +28,9 @@ def test_parse_strata():
             parse_strata(bad)
 
 
-@pytest.mark.parametrize("rank,bucket", [(1, "1-5"), (5, "1-5"), (6, "6-10"), (200, "21-200"), (None, "miss"),
-                                         (201, None)])
+@pytest.mark.parametrize(
+    "rank,bucket", [(1, "1-5"), (5, "1-5"), (6, "6-10"), (200, "21-200"), (None, "miss"), (201, None)]
+)
 def test_bucket_of(rank, bucket):
     assert bucket_of(rank, parse_strata("1-5:1,6-10:1,11-20:1,21-200:1,miss:1")) == bucket
 
@@ -66,15 +67,30 @@ def test_build_rl_data_skips_unknown_entities_and_bad_images(tiny_world, tiny_in
     rows[3]["image"] = str(tmp_path / "broken.png")
     out = tmp_path / "o.jsonl"
     lines = []
-    summary = build_rl_data(RLDataArgs(queries=str(write_rows(tmp_path / "q.jsonl", rows)), index=str(tiny_index_dir),
-                                       alpha=0.5, strata="1-1000:100,miss:100", out=str(out), depth=1000,
-                                       images_root=str(tiny_world)), log=lines.append)
+    summary = build_rl_data(
+        RLDataArgs(
+            queries=str(write_rows(tmp_path / "q.jsonl", rows)),
+            index=str(tiny_index_dir),
+            alpha=0.5,
+            strata="1-1000:100,miss:100",
+            out=str(out),
+            depth=1000,
+            images_root=str(tiny_world),
+        ),
+        log=lines.append,
+    )
     skipped = {r["id"]: r for r in map(json.loads, open(f"{out}.skipped.jsonl"))}
     assert set(skipped) == {rows[i]["id"] for i in (1, 2, 3)}
-    assert skipped[rows[1]["id"]] == {"id": rows[1]["id"], "entity_id": "E9999", "image": rows[1]["image"],
-                                      "reason": NOT_IN_INDEX}
-    assert skipped[rows[2]["id"]]["reason"].startswith("image file missing: ") and "gone.png" in \
-        skipped[rows[2]["id"]]["reason"]
+    assert skipped[rows[1]["id"]] == {
+        "id": rows[1]["id"],
+        "entity_id": "E9999",
+        "image": rows[1]["image"],
+        "reason": NOT_IN_INDEX,
+    }
+    assert (
+        skipped[rows[2]["id"]]["reason"].startswith("image file missing: ")
+        and "gone.png" in skipped[rows[2]["id"]]["reason"]
+    )
     assert skipped[rows[3]["id"]]["reason"].startswith("image unreadable: ")
     written = [json.loads(x) for x in open(out)]
     assert [r["id"] for r in written] == [rows[i]["id"] for i in (0, 4, 5)]
@@ -83,8 +99,9 @@ def test_build_rl_data_skips_unknown_entities_and_bad_images(tiny_world, tiny_in
     assert any("left out 3 of 6" in line and "1 with the gold entity not in the index" in line for line in lines)
 
 
-def test_build_rl_data_writes_an_empty_skip_list_and_refuses_when_nothing_is_usable(tiny_world, tiny_index_dir,
-                                                                                    tmp_path, shared_encoders):
+def test_build_rl_data_writes_an_empty_skip_list_and_refuses_when_nothing_is_usable(
+    tiny_world, tiny_index_dir, tmp_path, shared_encoders
+):
     rows = [json.loads(x) for x in open(tiny_world / "train.jsonl")][:2]
     args = dict(index=str(tiny_index_dir), alpha=0.5, images_root=str(tiny_world), out=str(tmp_path / "o.jsonl"))
     build_rl_data(RLDataArgs(queries=str(write_rows(tmp_path / "q.jsonl", rows)), **args), log=lambda *a: None)
@@ -100,8 +117,16 @@ def test_build_rl_data_refuses_duplicate_ids(tiny_world, tiny_index_dir, tmp_pat
     rows[2]["id"] = rows[0]["id"]
     queries = write_rows(tmp_path / "q.jsonl", rows)
     with pytest.raises(ValueError, match=f"q.jsonl: 1 id value.*: {rows[0]['id']} "):
-        build_rl_data(RLDataArgs(queries=str(queries), index=str(tiny_index_dir), alpha=0.5,
-                                 out=str(tmp_path / "o.jsonl"), images_root=str(tiny_world)), log=lambda *a: None)
+        build_rl_data(
+            RLDataArgs(
+                queries=str(queries),
+                index=str(tiny_index_dir),
+                alpha=0.5,
+                out=str(tmp_path / "o.jsonl"),
+                images_root=str(tiny_world),
+            ),
+            log=lambda *a: None,
+        )
     assert not (tmp_path / "o.jsonl").exists()
 
 
@@ -117,11 +142,23 @@ def test_check_unique_ids_names_the_first_ten_duplicates_and_the_source():
 
 def test_build_rl_data_writes_buckets(tiny_world, tiny_index_dir, tmp_path, shared_encoders):
     out = tmp_path / "rl.jsonl"
-    summary = build_rl_data(RLDataArgs(queries=str(tiny_world / "train.jsonl"), index=str(tiny_index_dir), alpha=0.5,
-                                       strata="1-5:3,6-24:100", out=str(out), seed=1), log=lambda *a: None)
+    summary = build_rl_data(
+        RLDataArgs(
+            queries=str(tiny_world / "train.jsonl"),
+            index=str(tiny_index_dir),
+            alpha=0.5,
+            strata="1-5:3,6-24:100",
+            out=str(out),
+            seed=1,
+        ),
+        log=lambda *a: None,
+    )
     rows = [json.loads(x) for x in open(out)]
-    assert summary["sampled"] == len(rows) == min(3, summary["buckets"]["1-5"]["available"]) + \
-        summary["buckets"]["6-24"]["available"]
+    assert (
+        summary["sampled"]
+        == len(rows)
+        == min(3, summary["buckets"]["1-5"]["available"]) + summary["buckets"]["6-24"]["available"]
+    )
     assert all(r["baseline_rank"] is not None and 1 <= r["baseline_rank"] <= 24 for r in rows)
     assert (tmp_path / "rl.jsonl.buckets.png").stat().st_size > 1000
 
@@ -142,10 +179,15 @@ def test_question_dataset_leaves_out_bad_images_and_lists_them(tiny_world, tmp_p
     rows[2]["image"] = str(tmp_path / "broken.png")
     queries = write_rows(tmp_path / "q.jsonl", rows)
     lines = []
-    ds = question_dataset(queries, images_root=tiny_world, prompt="toy", bad_images_dir=tmp_path / "run", log=lines.append)
+    ds = question_dataset(
+        queries, images_root=tiny_world, prompt="toy", bad_images_dir=tmp_path / "run", log=lines.append
+    )
     assert ds["id"] == [rows[0]["id"], rows[3]["id"]]
     bad = [json.loads(x) for x in open(tmp_path / "run" / "q.bad_images.jsonl")]
-    assert [(b["id"], b["image"]) for b in bad] == [(rows[1]["id"], "images/gone.png"), (rows[2]["id"], rows[2]["image"])]
+    assert [(b["id"], b["image"]) for b in bad] == [
+        (rows[1]["id"], "images/gone.png"),
+        (rows[2]["id"], rows[2]["image"]),
+    ]
     assert bad[0]["reason"].startswith("image file missing") and bad[1]["reason"].startswith("image unreadable")
     assert len(lines) == 1 and "left out 2 question(s)" in lines[0] and "q.bad_images.jsonl" in lines[0]
     lines.clear()
@@ -154,8 +196,9 @@ def test_question_dataset_leaves_out_bad_images_and_lists_them(tiny_world, tmp_p
 
 
 def test_question_dataset_refuses_when_no_image_is_usable(tmp_path):
-    queries = write_rows(tmp_path / "q.jsonl", [{"id": "q1", "image": "nope.png", "question": "?", "entity_id": "E1",
-                                                 "answers": []}])
+    queries = write_rows(
+        tmp_path / "q.jsonl", [{"id": "q1", "image": "nope.png", "question": "?", "entity_id": "E1", "answers": []}]
+    )
     with pytest.raises(ValueError, match=r"q.jsonl holds no question with a usable image \(1 bad\)"):
         question_dataset(queries, log=lambda *a: None)
 
@@ -175,10 +218,13 @@ def test_a_zero_count_bucket_takes_nothing():
     assert not {0, 1} & set(chosen) and len(chosen) == 3 and 5 in chosen
 
 
-@pytest.mark.parametrize("name,queries,alpha,strata", [
-    ("infoseek", "data/infoseek/train.jsonl", 0.63, "1-5:0,6-10:500,11-20:1000,21-200:2500,miss:3000"),
-    ("evqa", "data/evqa/train.jsonl", 0.59, "1-5:500,6-10:1000,11-20:1000,21-200:2500,miss:2000"),
-])
+@pytest.mark.parametrize(
+    "name,queries,alpha,strata",
+    [
+        ("infoseek", "data/infoseek/train.jsonl", 0.63, "1-5:0,6-10:500,11-20:1000,21-200:2500,miss:3000"),
+        ("evqa", "data/evqa/train.jsonl", 0.59, "1-5:500,6-10:1000,11-20:1000,21-200:2500,miss:2000"),
+    ],
+)
 def test_rl_data_configs_carry_the_papers_strata(name, queries, alpha, strata):
     from common.cli import parse
 
@@ -188,14 +234,17 @@ def test_rl_data_configs_carry_the_papers_strata(name, queries, alpha, strata):
     assert sum(count for *_, count in parse_strata(args.strata)) == 7000
 
 
-@pytest.mark.parametrize("query,expected", [
-    ("Where? red star striped", (3, 0, 3)),
-    ("Where? orange star striped", (2, 1, 3)),
-    ("Where? red", (1, 0, 1)),
-    ("Where does it live?", (0, 0, 0)),
-    (None, (0, 0, 0)),
-    ("RED Star, striped", (3, 0, 3)),
-])
+@pytest.mark.parametrize(
+    "query,expected",
+    [
+        ("Where? red star striped", (3, 0, 3)),
+        ("Where? orange star striped", (2, 1, 3)),
+        ("Where? red", (1, 0, 1)),
+        ("Where does it live?", (0, 0, 0)),
+        (None, (0, 0, 0)),
+        ("RED Star, striped", (3, 0, 3)),
+    ],
+)
 def test_attribute_stats(query, expected):
     assert attribute_stats(query, {"colour": "red", "shape": "star", "pattern": "striped"}) == expected
 
@@ -212,12 +261,13 @@ def test_learning_row():
 def test_warm_start_shift_is_seeded_and_partial(tiny_world):
     rows = warm_start_rows(tiny_world, shift_fraction=0.5, seed=0)
     train = [json.loads(x) for x in open(tiny_world / "train.jsonl")]
-    shifted = sum(COLOUR_SHIFT[q["attributes"]["colour"]] in r["completion"][0]["content"]
-                  for q, r in zip(train, rows))
+    shifted = sum(COLOUR_SHIFT[q["attributes"]["colour"]] in r["completion"][0]["content"] for q, r in zip(train, rows))
     assert 0.25 * len(rows) < shifted < 0.75 * len(rows)
     assert rows == warm_start_rows(tiny_world, shift_fraction=0.5, seed=0)
-    assert all(q["attributes"]["colour"] in r["completion"][0]["content"]
-               for q, r in zip(train, warm_start_rows(tiny_world, shift_fraction=0.0, seed=0)))
+    assert all(
+        q["attributes"]["colour"] in r["completion"][0]["content"]
+        for q, r in zip(train, warm_start_rows(tiny_world, shift_fraction=0.0, seed=0))
+    )
 
 
 @pytest.mark.parametrize("name,alpha", [("infoseek", 0.63), ("evqa", 0.59)])
@@ -227,9 +277,10 @@ def test_paper_configs_parse_and_match_the_paper(name, alpha):
     from common.cli import parse
     from rl.arguments import RefinerArguments, validate
 
-    args, training, model = parse((RefinerArguments, GRPOConfig, ModelConfig),
-                                  ["--config", str(CONFIGS / "grpo" / f"{name}.yaml"), "--use_cpu", "true",
-                                   "--bf16", "false"])
+    args, training, model = parse(
+        (RefinerArguments, GRPOConfig, ModelConfig),
+        ["--config", str(CONFIGS / "grpo" / f"{name}.yaml"), "--use_cpu", "true", "--bf16", "false"],
+    )
     assert args.alpha == alpha and training.num_generations == 5 and training.temperature == 0.7
     assert training.learning_rate == 1e-6 and training.max_steps == 600 and args.freeze_vision_tower
     assert model.model_name_or_path == "Qwen/Qwen2.5-VL-3B-Instruct"

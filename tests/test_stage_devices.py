@@ -57,8 +57,9 @@ def test_first_token_scores_keep_only_the_last_position(tiny_gate_vlm, tiny_worl
     np.testing.assert_allclose(kept, probs, atol=1e-5)
 
 
-def test_every_pipeline_stage_loads_on_the_device_and_dtype_asked(tiny_world, tiny_index_dir, tiny_gate_vlm,
-                                                                 tiny_refiner, tmp_path, monkeypatch):
+def test_every_pipeline_stage_loads_on_the_device_and_dtype_asked(
+    tiny_world, tiny_index_dir, tiny_gate_vlm, tiny_refiner, tmp_path, monkeypatch
+):
     """dtype bf16 on the CPU: every model the pipeline loads (gate, answerer, refiner, reranker, Inspector, generator)
     is asked for, and holds, bf16 weights on the given device; the placement is logged and one batch runs."""
     import shutil
@@ -86,11 +87,26 @@ def test_every_pipeline_stage_loads_on_the_device_and_dtype_asked(tiny_world, ti
     for module in list(sys.modules.values()):  # wherever a module holds rl.model.load_model under that name
         if getattr(module, "load_model", None) is real:
             monkeypatch.setattr(module, "load_model", spy)
-    args = PipelineArgs(queries=str(tmp_path / "q.jsonl"), images_root=str(tiny_world), out=str(tmp_path / "out"),
-                        gate=gates["ret"], answerer=str(tiny_gate_vlm), refiner=str(tiny_refiner),
-                        index=str(tiny_index_dir), alpha=0.5, k=2, reranker=f"gate:{gates['srt']}",
-                        inspector=gates["inspector"], generator=str(tiny_gate_vlm), generator_image=True,
-                        generator_prompt="toy", max_new_tokens=4, batch_size=2, device="cpu", dtype="bf16")
+    args = PipelineArgs(
+        queries=str(tmp_path / "q.jsonl"),
+        images_root=str(tiny_world),
+        out=str(tmp_path / "out"),
+        gate=gates["ret"],
+        answerer=str(tiny_gate_vlm),
+        refiner=str(tiny_refiner),
+        index=str(tiny_index_dir),
+        alpha=0.5,
+        k=2,
+        reranker=f"gate:{gates['srt']}",
+        inspector=gates["inspector"],
+        generator=str(tiny_gate_vlm),
+        generator_image=True,
+        generator_prompt="toy",
+        max_new_tokens=4,
+        batch_size=2,
+        device="cpu",
+        dtype="bf16",
+    )
     stages = Stages(args)
     assert len(loads) == 6 and set(loads) == {("bf16", "cpu")}  # gate, answerer, refiner, srt, inspector, generator
     for model in (stages.gate.model, stages.inspect.model, stages.rerank.reranker.model):

@@ -15,9 +15,17 @@ WORDS = lambda text: len(text.split())  # noqa: E731  a stand-in tokenizer: one 
 
 def kb_rows(n: int) -> list[dict]:
     """Rows whose section text has 3 + 4·(i mod 4) words; rows i and i + 4 share a section."""
-    return [{"entry_id": f"r{i}", "entity_id": f"E{i % 4}", "title": f"T{i % 4}", "section_title": "S",
-             "text": " ".join(["word"] * (3 + 4 * (i % 4))) + f" of E{i % 4}", "image": f"images/{i}.png"}
-            for i in range(n)]
+    return [
+        {
+            "entry_id": f"r{i}",
+            "entity_id": f"E{i % 4}",
+            "title": f"T{i % 4}",
+            "section_title": "S",
+            "text": " ".join(["word"] * (3 + 4 * (i % 4))) + f" of E{i % 4}",
+            "image": f"images/{i}.png",
+        }
+        for i in range(n)
+    ]
 
 
 def test_long_sections_are_the_distinct_texts_over_the_limit():
@@ -41,8 +49,10 @@ class Interrupted(Exception):
 
 
 def test_summaries_resume_count_failures_and_take_a_prompt_file(tmp_path):
-    write_jsonl_atomic(tmp_path / "kb.jsonl", kb_rows(40) + [{**r, "entity_id": f"F{i}", "text": f"long {i} " * 20}
-                                                              for i, r in enumerate(kb_rows(6))])
+    write_jsonl_atomic(
+        tmp_path / "kb.jsonl",
+        kb_rows(40) + [{**r, "entity_id": f"F{i}", "text": f"long {i} " * 20} for i, r in enumerate(kb_rows(6))],
+    )
     (tmp_path / "p.yaml").write_text("system: Published summary prompt.\nuser_template: 'Summarise: {text}'\n")
     calls = []
 
@@ -52,8 +62,13 @@ def test_summaries_resume_count_failures_and_take_a_prompt_file(tmp_path):
             raise Interrupted
         return ["" if "long 3 " in u else "a short summary" for u in users]
 
-    args = SummarizeArgs(kb=str(tmp_path / "kb.jsonl"), out=str(tmp_path / "s.jsonl"), max_tokens=10, batch_size=3,
-                         summary_prompt=str(tmp_path / "p.yaml"))
+    args = SummarizeArgs(
+        kb=str(tmp_path / "kb.jsonl"),
+        out=str(tmp_path / "s.jsonl"),
+        max_tokens=10,
+        batch_size=3,
+        summary_prompt=str(tmp_path / "p.yaml"),
+    )
     with pytest.raises(Interrupted):
         summarize_kb(args, summarize=summarize, count_tokens=WORDS, **QUIET)
     counts = summarize_kb(args, summarize=summarize, count_tokens=WORDS, **QUIET)
@@ -62,8 +77,12 @@ def test_summaries_resume_count_failures_and_take_a_prompt_file(tmp_path):
     assert json.loads((tmp_path / "s.jsonl.counts.json").read_text()) == counts
     with pytest.raises(ValueError, match=r"--summary_prompt .*user_template lacks \{text\}"):
         (tmp_path / "bad.yaml").write_text("system: s\nuser_template: '{title}'\n")
-        summarize_kb(SummarizeArgs(**{**args.__dict__, "summary_prompt": str(tmp_path / "bad.yaml")}),
-                     summarize=summarize, count_tokens=WORDS, **QUIET)
+        summarize_kb(
+            SummarizeArgs(**{**args.__dict__, "summary_prompt": str(tmp_path / "bad.yaml")}),
+            summarize=summarize,
+            count_tokens=WORDS,
+            **QUIET,
+        )
 
 
 def test_the_build_embeds_summaries_in_place_of_long_sections(tiny_world, encoders, tmp_path):
@@ -74,11 +93,21 @@ def test_the_build_embeds_summaries_in_place_of_long_sections(tiny_world, encode
     write_jsonl_atomic(tmp_path / "kb.jsonl", kb)
     summary = "A short summary."
     write_jsonl_atomic(tmp_path / "s.jsonl", [{"text_sha": text_sha(kb[0]["text"]), "summary": summary, "tokens": 99}])
-    settings = dict(kb=str(tmp_path / "kb.jsonl"), images_root=str(tiny_world), image_encoder="tiny",
-                    text_encoder="tiny", shard_size=8, batch_size=4, device="cpu")
+    settings = dict(
+        kb=str(tmp_path / "kb.jsonl"),
+        images_root=str(tiny_world),
+        image_encoder="tiny",
+        text_encoder="tiny",
+        shard_size=8,
+        batch_size=4,
+        device="cpu",
+    )
     plain = build_index(BuildArgs(**settings, out=str(tmp_path / "plain")), encoders=encoders, **QUIET)
-    summed = build_index(BuildArgs(**settings, out=str(tmp_path / "summed"), summaries=str(tmp_path / "s.jsonl")),
-                         encoders=encoders, **QUIET)
+    summed = build_index(
+        BuildArgs(**settings, out=str(tmp_path / "summed"), summaries=str(tmp_path / "s.jsonl")),
+        encoders=encoders,
+        **QUIET,
+    )
     assert plain["text_summaries"] is None and summed["text_summaries"]["texts_summarized"] == 1
     a, b = vectors(tmp_path / "plain"), vectors(tmp_path / "summed")
     same_text = [i for i, r in enumerate(kb) if r["text"] == kb[0]["text"]]
@@ -88,9 +117,13 @@ def test_the_build_embeds_summaries_in_place_of_long_sections(tiny_world, encode
     expected = encoders[1].encode([f"{kb[0]['title']}. {kb[0]['section_title']}. {summary}"], is_query=False)[0]
     for i in same_text:
         text_part = b[i, image_dim:]
-        np.testing.assert_allclose(text_part / np.linalg.norm(text_part), expected / np.linalg.norm(expected),
-                                   atol=1e-5)
+        np.testing.assert_allclose(
+            text_part / np.linalg.norm(text_part), expected / np.linalg.norm(expected), atol=1e-5
+        )
     with pytest.raises(ValueError, match="other settings"):  # another summaries file is another index
         write_jsonl_atomic(tmp_path / "s.jsonl", [])
-        build_index(BuildArgs(**settings, out=str(tmp_path / "summed"), summaries=str(tmp_path / "s.jsonl")),
-                    encoders=encoders, **QUIET)
+        build_index(
+            BuildArgs(**settings, out=str(tmp_path / "summed"), summaries=str(tmp_path / "s.jsonl")),
+            encoders=encoders,
+            **QUIET,
+        )

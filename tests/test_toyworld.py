@@ -30,10 +30,13 @@ def digest(folder):
 
 def test_generation_is_deterministic(tmp_path):
     for name in "ab":
-        generate(ToyWorldArgs(out=str(tmp_path / name), entities=12, train_images=1, test_images=1), log=lambda *a: None)
+        generate(
+            ToyWorldArgs(out=str(tmp_path / name), entities=12, train_images=1, test_images=1), log=lambda *a: None
+        )
     assert digest(tmp_path / "a") == digest(tmp_path / "b")
-    generate(ToyWorldArgs(out=str(tmp_path / "c"), entities=12, train_images=1, test_images=1, seed=1),
-             log=lambda *a: None)
+    generate(
+        ToyWorldArgs(out=str(tmp_path / "c"), entities=12, train_images=1, test_images=1, seed=1), log=lambda *a: None
+    )
     assert digest(tmp_path / "a") != digest(tmp_path / "c")
 
 
@@ -94,8 +97,9 @@ def test_the_embedded_default_keeps_a_world_already_generated(tmp_path, tiny_wor
     kept = world_args(str(tiny_world), alpha=0.4)
     recorded = json.loads((tiny_world / "world.json").read_text())["settings"]
     assert (kept.entities, kept.train_images, kept.test_images, kept.alpha) == (24, 2, 2, 0.4)
-    assert {k: getattr(kept, k) for k in recorded if k != "version"} == {k: v for k, v in recorded.items()
-                                                                       if k != "version"}
+    assert {k: getattr(kept, k) for k in recorded if k != "version"} == {
+        k: v for k, v in recorded.items() if k != "version"
+    }
     assert world_args(str(tmp_path / "none"), alpha=0.3) == ToyWorldArgs(out=str(tmp_path / "none"), alpha=0.3)
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / "world.json").write_text(json.dumps({"settings": {**recorded, "version": -1}}))

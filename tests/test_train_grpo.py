@@ -38,8 +38,15 @@ def test_two_steps_train_the_text_model_not_the_vision_tower(config, tiny_refine
     assert any(not torch.allclose(before[k], after[k]) for k in text)
     logs = [h for h in result["log_history"] if "reward" in h]
     assert len(logs) == 2
-    for key in ["rewards/format_reward/mean", "rewards/retrieval_reward/mean", "retrieval/hit@1",
-                "retrieval/hit@200", "retrieval/miss_rate", "retrieval/parse_rate", "retrieval/same_as_question"]:
+    for key in [
+        "rewards/format_reward/mean",
+        "rewards/retrieval_reward/mean",
+        "retrieval/hit@1",
+        "retrieval/hit@200",
+        "retrieval/miss_rate",
+        "retrieval/parse_rate",
+        "retrieval/same_as_question",
+    ]:
         assert all(key in h for h in logs), key
     assert all(-6.5 <= h["reward"] <= 5.0 for h in logs)
     # our completions table rows and the end-of-run files
@@ -51,8 +58,7 @@ def test_two_steps_train_the_text_model_not_the_vision_tower(config, tiny_refine
 
 
 def test_lora_trains_adapters_only(config, tiny_refiner, tmp_path):
-    tg.main(config(use_peft=True, lora_r=4, lora_alpha=8, lora_target_modules=["q_proj", "v_proj"],
-                   learning_rate=1e-2))
+    tg.main(config(use_peft=True, lora_r=4, lora_alpha=8, lora_target_modules=["q_proj", "v_proj"], learning_rate=1e-2))
     adapter = load_file(str(tmp_path / "run" / "final" / "adapter_model.safetensors"))
     assert adapter and all("lora_" in k for k in adapter) and not any("visual." in k for k in adapter)
     assert any(v.abs().sum() > 0 for k, v in adapter.items() if "lora_B" in k)  # B starts at zero: it moved
@@ -62,8 +68,15 @@ def test_lora_trains_adapters_only(config, tiny_refiner, tmp_path):
 def test_resume_continues_from_the_saved_step(config, tmp_path):
     """Resuming from checkpoint-2 runs only step 3, on the same prompts as the uninterrupted run's step 3."""
     full = tg.main(config(max_steps=3, save_strategy="steps", save_steps=1, output_dir=str(tmp_path / "a")))
-    resumed = tg.main(config(max_steps=3, save_strategy="steps", save_steps=1, output_dir=str(tmp_path / "b"),
-                             resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2")))
+    resumed = tg.main(
+        config(
+            max_steps=3,
+            save_strategy="steps",
+            save_steps=1,
+            output_dir=str(tmp_path / "b"),
+            resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"),
+        )
+    )
     assert [h["step"] for h in full["log_history"] if "reward" in h] == [1, 2, 3]
     assert [h["step"] for h in resumed["log_history"] if "reward" in h][-1] == 3
 
@@ -78,15 +91,18 @@ def test_resume_continues_from_the_saved_step(config, tmp_path):
     assert a[1] != a[3] or a[2] != a[3]
 
 
-@pytest.mark.parametrize("overrides,match", [
-    (dict(per_device_train_batch_size=6), "num_generations"),
-    (dict(alpha=1.5), "alpha"),
-    (dict(prompt="nope"), "unknown prompt"),
-    (dict(reward_tiers="1-5:4,7-10:3"), "contiguous"),
-    (dict(reward_tiers="1-5:1,6-10:3"), "must not increase"),
-    (dict(index="/does/not/exist"), "--index"),
-    (dict(train_file="/does/not/exist.jsonl"), "--train_file"),
-])
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (dict(per_device_train_batch_size=6), "num_generations"),
+        (dict(alpha=1.5), "alpha"),
+        (dict(prompt="nope"), "unknown prompt"),
+        (dict(reward_tiers="1-5:4,7-10:3"), "contiguous"),
+        (dict(reward_tiers="1-5:1,6-10:3"), "must not increase"),
+        (dict(index="/does/not/exist"), "--index"),
+        (dict(train_file="/does/not/exist.jsonl"), "--train_file"),
+    ],
+)
 def test_bad_settings_fail_before_any_model_loads(config, monkeypatch, overrides, match):
 
     monkeypatch.setattr("rl.trainer_parts.load_model", lambda *a, **k: pytest.fail("a model was loaded"))
@@ -98,10 +114,20 @@ def test_held_out_eval_selects_the_best_checkpoint(config, tiny_world, tiny_refi
     """The eval split is scored with the same reward, its metrics are exact means over every eval completion (not
     means of batch means: 5 questions × 4 generations in batches of 8, 8 and 4), and metric_for_best_model can
     pick by held-out hit@1."""
-    result = tg.main(config(eval_file=str(tiny_world / "val.jsonl"), eval_limit=5, eval_strategy="steps",
-                            eval_steps=1, save_strategy="steps", save_steps=1, per_device_eval_batch_size=8,
-                            metric_for_best_model="retrieval/hit@1", load_best_model_at_end=True,
-                            completions_log=True))
+    result = tg.main(
+        config(
+            eval_file=str(tiny_world / "val.jsonl"),
+            eval_limit=5,
+            eval_strategy="steps",
+            eval_steps=1,
+            save_strategy="steps",
+            save_steps=1,
+            per_device_eval_batch_size=8,
+            metric_for_best_model="retrieval/hit@1",
+            load_best_model_at_end=True,
+            completions_log=True,
+        )
+    )
     evals = [h for h in result["log_history"] if "eval_retrieval/hit@1" in h]
     assert len(evals) == 2 and all(0 <= h["eval_retrieval/hit@1"] <= 1 for h in evals)
     scored = [r for r in map(json.loads, open(tmp_path / "run" / "completions.rank0.jsonl")) if r["mode"] == "eval"]
@@ -122,25 +148,63 @@ def test_held_out_eval_selects_the_best_checkpoint(config, tiny_world, tiny_refi
     assert f"| retrieval/hit@1 | {format_value(evals[-1]['eval_retrieval/hit@1'])} |" in card
 
 
-@pytest.mark.parametrize("requested,peft,stage,mixed,loaded,said", [
-    ("bfloat16", False, None, "bf16", "float32", "full fine-tuning outside DeepSpeed: fp32 master weights"),
-    ("float16", False, None, "fp16", "float32", "autocast"),
-    ("bfloat16", True, None, "bf16", "bfloat16", "frozen; LoRA adapters in float32 (PEFT's autocast_adapter_dtype)"),
-    ("bfloat16", True, 3, "bf16", "bfloat16", "LoRA adapters in bfloat16 (TRL: autocast_adapter_dtype=False under "
-                                              "ZeRO-3); DeepSpeed keeps fp32 master copies (mixed precision)"),
-    # no mixed precision: zero.Init makes every parameter fp32 whatever was asked (the CPU configs; tested for real
-    # in test_deepspeed.py)
-    ("bfloat16", True, 3, None, "float32", "weights in float32, frozen (ZeRO-3's partitioned init casts every "
-                                           "parameter to float32, not the bfloat16 asked for); LoRA adapters in "
-                                           "float32 (TRL"),
-    ("bfloat16", True, 2, "bf16", "bfloat16", "LoRA adapters in float32 (PEFT's autocast_adapter_dtype); DeepSpeed "
-                                              "ZeRO-2 keeps fp32 master copies"),
-    ("bfloat16", False, 3, "bf16", "bfloat16", "weights in bfloat16 (ZeRO-3's partitioned init casts every parameter "
-                                               "to bfloat16); DeepSpeed keeps fp32 master copies"),
-    ("bfloat16", False, 2, None, "float32", "under DeepSpeed ZeRO-2 without mixed precision: fp32 master weights"),
-    ("float32", False, 2, None, "float32", "weights in float32; DeepSpeed ZeRO-2"),
-    ("float32", False, None, None, "float32", "as configured"), (None, False, None, None, None, "weights in auto"),
-])
+@pytest.mark.parametrize(
+    "requested,peft,stage,mixed,loaded,said",
+    [
+        ("bfloat16", False, None, "bf16", "float32", "full fine-tuning outside DeepSpeed: fp32 master weights"),
+        ("float16", False, None, "fp16", "float32", "autocast"),
+        (
+            "bfloat16",
+            True,
+            None,
+            "bf16",
+            "bfloat16",
+            "frozen; LoRA adapters in float32 (PEFT's autocast_adapter_dtype)",
+        ),
+        (
+            "bfloat16",
+            True,
+            3,
+            "bf16",
+            "bfloat16",
+            "LoRA adapters in bfloat16 (TRL: autocast_adapter_dtype=False under "
+            "ZeRO-3); DeepSpeed keeps fp32 master copies (mixed precision)",
+        ),
+        # no mixed precision: zero.Init makes every parameter fp32 whatever was asked (the CPU configs; tested for real
+        # in test_deepspeed.py)
+        (
+            "bfloat16",
+            True,
+            3,
+            None,
+            "float32",
+            "weights in float32, frozen (ZeRO-3's partitioned init casts every "
+            "parameter to float32, not the bfloat16 asked for); LoRA adapters in "
+            "float32 (TRL",
+        ),
+        (
+            "bfloat16",
+            True,
+            2,
+            "bf16",
+            "bfloat16",
+            "LoRA adapters in float32 (PEFT's autocast_adapter_dtype); DeepSpeed ZeRO-2 keeps fp32 master copies",
+        ),
+        (
+            "bfloat16",
+            False,
+            3,
+            "bf16",
+            "bfloat16",
+            "weights in bfloat16 (ZeRO-3's partitioned init casts every parameter "
+            "to bfloat16); DeepSpeed keeps fp32 master copies",
+        ),
+        ("bfloat16", False, 2, None, "float32", "under DeepSpeed ZeRO-2 without mixed precision: fp32 master weights"),
+        ("float32", False, 2, None, "float32", "weights in float32; DeepSpeed ZeRO-2"),
+        ("float32", False, None, None, "float32", "as configured"),
+        (None, False, None, None, None, "weights in auto"),
+    ],
+)
 def test_master_weights_dtype(requested, peft, stage, mixed, loaded, said):
     from rl.model import master_dtype
 
@@ -155,8 +219,9 @@ def changed_share(before, after):
     return changed / sum(before[k].numel() for k in keys)
 
 
-def test_one_step_at_lr_1e6_moves_full_finetuned_weights_in_the_real_precision(config, tiny_refiner, tmp_path,
-                                                                              monkeypatch):
+def test_one_step_at_lr_1e6_moves_full_finetuned_weights_in_the_real_precision(
+    config, tiny_refiner, tmp_path, monkeypatch
+):
     """The real configs' precision (dtype bfloat16, bf16 autocast) without DeepSpeed or LoRA: fp32 master weights, so
     one step at the paper's lr 1e-6 changes them; loaded in bf16 as asked (the old behaviour) almost nothing moves."""
 
@@ -201,15 +266,23 @@ def test_vllm_loads_the_policy_with_the_training_image_budget(config, tiny_refin
     assert dict(vllm_side.image_processor.size) == {"shortest_edge": 112 * 112, "longest_edge": 32 * 28 * 28}
     big = probe_image(budget)
     assert image_token_count(vllm_side, big)[0] == image_token_count(seen["processor"], big)[0] <= 32
-    assert image_token_count(AutoProcessor.from_pretrained(str(tiny_refiner)), probe_image(None))[0] != \
-        image_token_count(vllm_side, probe_image(None))[0]  # the base folder's processor would have disagreed
+    assert (
+        image_token_count(AutoProcessor.from_pretrained(str(tiny_refiner)), probe_image(None))[0]
+        != image_token_count(vllm_side, probe_image(None))[0]
+    )  # the base folder's processor would have disagreed
     AutoModelForImageTextToText.from_pretrained(str(folder))  # the linked folder loads as a model
 
 
-@pytest.mark.parametrize("index,processes,local,folder", [
-    (0, 1, 1, "vllm-model"), (3, 8, 8, "vllm-model"),  # one node
-    (0, 16, 8, "vllm-model-node0"), (8, 16, 8, "vllm-model-node1"), (15, 16, 8, "vllm-model-node1"),
-])
+@pytest.mark.parametrize(
+    "index,processes,local,folder",
+    [
+        (0, 1, 1, "vllm-model"),
+        (3, 8, 8, "vllm-model"),  # one node
+        (0, 16, 8, "vllm-model-node0"),
+        (8, 16, 8, "vllm-model-node1"),
+        (15, 16, 8, "vllm-model-node1"),
+    ],
+)
 def test_each_node_has_its_own_vllm_folder(index, processes, local, folder, tmp_path):
     from rl.image_budget import vllm_model_dir
 
@@ -228,8 +301,12 @@ def test_each_nodes_local_main_process_writes_its_vllm_folder(tiny_refiner, tmp_
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     processor = AutoProcessor.from_pretrained(str(tiny_refiner))
     for index in (8, 9):
-        state = SimpleNamespace(process_index=index, num_processes=16, is_local_main_process=index % 8 == 0,
-                                local_main_process_first=nullcontext)
+        state = SimpleNamespace(
+            process_index=index,
+            num_processes=16,
+            is_local_main_process=index % 8 == 0,
+            local_main_process_first=nullcontext,
+        )
         folder = write_vllm_model(state, str(tiny_refiner), processor, tmp_path / f"p{index}")
         assert folder.name == "vllm-model-node1" and folder.exists() == (index == 8)
     assert (tmp_path / "p8" / "vllm-model-node1" / "config.json").is_symlink()
@@ -240,10 +317,13 @@ def test_vllm_serve_folder_cli(tiny_refiner, tmp_path, capsys):
 
     from rl.image_budget import main as folder_main
 
-    folder_main(["--model", str(tiny_refiner), "--out", str(tmp_path / "v"), "--min_pixels", "3136",
-                 "--max_pixels", "50176"])
+    folder_main(
+        ["--model", str(tiny_refiner), "--out", str(tmp_path / "v"), "--min_pixels", "3136", "--max_pixels", "50176"]
+    )
     assert dict(AutoProcessor.from_pretrained(str(tmp_path / "v")).image_processor.size) == {
-        "shortest_edge": 3136, "longest_edge": 50176}
+        "shortest_edge": 3136,
+        "longest_edge": 50176,
+    }
     assert "trl vllm-serve --model" in capsys.readouterr().out
     with pytest.raises(ValueError, match="max_pixels"):
         folder_main(["--model", str(tiny_refiner), "--out", str(tmp_path / "w"), "--max_pixels", "0"])
@@ -264,19 +344,23 @@ def test_vllm_model_folder_links_only_config_and_weights(tiny_refiner, tmp_path)
     (hub / "preprocessor_config.json").write_text(json.dumps({"min_pixels": 3136, "max_pixels": 12845056}))
     (hub / "chat_template.json").write_text(json.dumps({"chat_template": "{{ 'hub template' }}"}))
     budget = {"min_pixels": 112 * 112, "max_pixels": 112 * 112}
-    folder = vllm_model_folder(str(hub), apply_image_budget(AutoProcessor.from_pretrained(str(hub)), budget),
-                               tmp_path / "vllm-model")
+    folder = vllm_model_folder(
+        str(hub), apply_image_budget(AutoProcessor.from_pretrained(str(hub)), budget), tmp_path / "vllm-model"
+    )
     links = {f.name for f in folder.iterdir() if f.is_symlink()}
     assert links == {"config.json", "generation_config.json", "model.safetensors"}
     assert not (folder / "preprocessor_config.json").exists() and not (folder / "chat_template.json").exists()
     written = {f.name for f in folder.iterdir() if not f.is_symlink()}
     assert {"tokenizer_config.json", "tokenizer.json"} <= written
     assert dict(AutoProcessor.from_pretrained(str(folder)).image_processor.size) == {
-        "shortest_edge": 112 * 112, "longest_edge": 112 * 112}
+        "shortest_edge": 112 * 112,
+        "longest_edge": 112 * 112,
+    }
 
 
 def test_full_fine_tuning_of_3b_without_deepspeed_is_refused_on_an_80_gb_gpu():
-    """The arithmetic (docs/scaling.md) for configs/accelerate/ddp.yaml at Qwen2.5-VL-3B (3.75 B parameters, 3.09 B trained),
+    """The arithmetic (docs/scaling.md) for configs/accelerate/ddp.yaml at Qwen2.5-VL-3B (3.75 B parameters, 3.09 B
+    trained),
     colocated vLLM at 0.25 of 80 GB, a 2 M × 2,304 fp16 index replica and the text encoder: ~96 GB before
     activations, refused; LoRA-sized training (a few million trained) fits."""
     from rl.model import check_fits, ddp_full_finetune_bytes
@@ -284,8 +368,11 @@ def test_full_fine_tuning_of_3b_without_deepspeed_is_refused_on_an_80_gb_gpu():
     gpu = 80e9
     parts = ddp_full_finetune_bytes(3.75e9, 3.09e9, 0.25 * gpu, 2e6 * 2304 * 2, 0.6e9 * 2)
     assert sum(parts.values()) / 1e9 == pytest.approx(15.0 + 12.36 + 12.36 + 24.72 + 20 + 9.216 + 1.2)
-    with pytest.raises(ValueError, match=r"cannot fit on this GPU: at least 94\.9 GB before activations .* against "
-                                         r"80\.0 GB\. Use DeepSpeed"):
+    with pytest.raises(
+        ValueError,
+        match=r"cannot fit on this GPU: at least 94\.9 GB before activations .* against "
+        r"80\.0 GB\. Use DeepSpeed",
+    ):
         check_fits(parts, gpu, "full fine-tuning without DeepSpeed")
     small = ddp_full_finetune_bytes(3.75e9, 20e6, 0.25 * gpu, 2e6 * 2304 * 2, 0.6e9 * 2)
     assert check_fits(small, gpu, "x") == pytest.approx(sum(small.values())) and sum(small.values()) < 60e9

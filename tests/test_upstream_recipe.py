@@ -36,7 +36,7 @@ def recipe_section() -> str:
     text = (REPO / "docs/reproducing.md").read_text()
     start = text.index("## Reproducing the paper")
     end = text.find("\n## ", start + 1)
-    return text[start:end if end > 0 else None]
+    return text[start : end if end > 0 else None]
 
 
 def bash_blocks() -> list[str]:
@@ -66,7 +66,7 @@ def commands(block: str, alternative: bool = False) -> list[list[str]]:
     for line in lines:
         argv = shlex.split(line, comments=True)
         if argv[0] == "for":
-            var, values = argv[1], [v.rstrip(";") for v in argv[3:argv.index("do")]]
+            var, values = argv[1], [v.rstrip(";") for v in argv[3 : argv.index("do")]]
             loop = (var, [v for v in values if v], [])
         elif argv == ["done"]:
             var, values, body = loop
@@ -120,11 +120,27 @@ def untar(argv: list[str]) -> None:
 # --------------------------------------------------------------------------- fixtures as the downloads pack them
 
 
-EVQA_COLUMNS = ["question", "answer", "dataset_image_ids", "dataset_name", "dataset_category_id", "question_type",
-                "wikipedia_url", "wikipedia_title", "evidence", "evidence_section_id", "evidence_section_title",
-                "encyclopedic_vqa_split", "question_original", "wikipedia_url_used_in_train"]
-ZORVAK, NOPIC, ELSEWHERE = ("https://en.wikipedia.org/wiki/Zorvak", "https://en.wikipedia.org/wiki/No_picture",
-                            "https://en.wikipedia.org/wiki/Not_in_the_KB")
+EVQA_COLUMNS = [
+    "question",
+    "answer",
+    "dataset_image_ids",
+    "dataset_name",
+    "dataset_category_id",
+    "question_type",
+    "wikipedia_url",
+    "wikipedia_title",
+    "evidence",
+    "evidence_section_id",
+    "evidence_section_title",
+    "encyclopedic_vqa_split",
+    "question_original",
+    "wikipedia_url_used_in_train",
+]
+ZORVAK, NOPIC, ELSEWHERE = (
+    "https://en.wikipedia.org/wiki/Zorvak",
+    "https://en.wikipedia.org/wiki/No_picture",
+    "https://en.wikipedia.org/wiki/Not_in_the_KB",
+)
 LANDMARK = "8b3e4a5c6d7e8f90"
 
 
@@ -138,9 +154,18 @@ def write_csv(path: Path, rows: list[dict], columns=EVQA_COLUMNS):
 
 
 def question(**kw) -> dict:
-    return {"question": "What is it?", "answer": "red|crimson", "dataset_name": "inaturalist", "question_type": "templated",
-            "wikipedia_url": ZORVAK, "wikipedia_title": "Zorvak", "evidence_section_id": "1.0",
-            "encyclopedic_vqa_split": "test", "wikipedia_url_used_in_train": "False", **kw}
+    return {
+        "question": "What is it?",
+        "answer": "red|crimson",
+        "dataset_name": "inaturalist",
+        "question_type": "templated",
+        "wikipedia_url": ZORVAK,
+        "wikipedia_title": "Zorvak",
+        "evidence_section_id": "1.0",
+        "encyclopedic_vqa_split": "test",
+        "wikipedia_url_used_in_train": "False",
+        **kw,
+    }
 
 
 def touch(path: Path, data: bytes = b"x"):
@@ -156,15 +181,27 @@ def zipped(path: Path, member: str, obj) -> None:
 
 def evqa_kb(site: Site) -> dict:
     def article(url, title, sections, images):
-        return {"title": title, "url": url, "section_titles": [t for t, _ in sections],
-                "section_texts": [x for _, x in sections], "image_urls": images,
-                "image_reference_descriptions": [""] * len(images), "image_section_indices": [1] * len(images)}
+        return {
+            "title": title,
+            "url": url,
+            "section_titles": [t for t, _ in sections],
+            "section_texts": [x for _, x in sections],
+            "image_urls": images,
+            "image_reference_descriptions": [""] * len(images),
+            "image_section_indices": [1] * len(images),
+        }
 
     return {
-        ZORVAK: article(ZORVAK, "Zorvak", [("Zorvak", "A red star."), ("Habitat", "Caves."),
-                                           ("Notes and references", "Smith 2001.")],
-                        [site.url("/wikipedia/commons/1/12/Zorvak.jpg"), site.url("/wikipedia/commons/a/ab/Flag.svg"),
-                         site.url("/wikipedia/commons/d/de/Dead.jpg")]),
+        ZORVAK: article(
+            ZORVAK,
+            "Zorvak",
+            [("Zorvak", "A red star."), ("Habitat", "Caves."), ("Notes and references", "Smith 2001.")],
+            [
+                site.url("/wikipedia/commons/1/12/Zorvak.jpg"),
+                site.url("/wikipedia/commons/a/ab/Flag.svg"),
+                site.url("/wikipedia/commons/d/de/Dead.jpg"),
+            ],
+        ),
         NOPIC: article(NOPIC, "No picture", [("No picture", "A place.")], []),
     }
 
@@ -180,52 +217,110 @@ def evqa_downloads(root: Path, site: Site) -> None:
     touch(images / f"landmarks/8/b/3/{LANDMARK}.jpg")
     write_csv(raw / "train.csv", [question(dataset_image_ids="1001", encyclopedic_vqa_split="train")])
     write_csv(raw / "val.csv", [question(dataset_image_ids="2002", encyclopedic_vqa_split="val")])
-    write_csv(raw / "test.csv", [
-        question(dataset_image_ids="2002"),
-        question(question_type="2_hop", dataset_image_ids="2002", wikipedia_url=f"{ZORVAK}|{NOPIC}",
-                 evidence_section_id="1|0"),
-        question(dataset_name="landmarks", dataset_image_ids=LANDMARK, question_type="automatic",
-                 wikipedia_url=ELSEWHERE, evidence_section_id="3.0"),
-    ])
-    site.routes.update({
-        "/wikipedia/commons/1/12/Zorvak.jpg": [ok(jpeg_bytes(), "image/jpeg")],
-        "/wikipedia/commons/thumb/a/ab/Flag.svg/960px-Flag.svg.png": [ok(png_bytes())],
-        "/wikipedia/commons/a/ab/Flag.svg": [ok(SVG, "image/svg+xml")],
-    })
+    write_csv(
+        raw / "test.csv",
+        [
+            question(dataset_image_ids="2002"),
+            question(
+                question_type="2_hop",
+                dataset_image_ids="2002",
+                wikipedia_url=f"{ZORVAK}|{NOPIC}",
+                evidence_section_id="1|0",
+            ),
+            question(
+                dataset_name="landmarks",
+                dataset_image_ids=LANDMARK,
+                question_type="automatic",
+                wikipedia_url=ELSEWHERE,
+                evidence_section_id="3.0",
+            ),
+        ],
+    )
+    site.routes.update(
+        {
+            "/wikipedia/commons/1/12/Zorvak.jpg": [ok(jpeg_bytes(), "image/jpeg")],
+            "/wikipedia/commons/thumb/a/ab/Flag.svg/960px-Flag.svg.png": [ok(png_bytes())],
+            "/wikipedia/commons/a/ab/Flag.svg": [ok(SVG, "image/svg+xml")],
+        }
+    )
 
 
 def infoseek_downloads(root: Path, site: Site) -> None:
     raw, images = root / "data/infoseek/raw", root / "data/infoseek/images"
     paris, tower = "https://en.wikipedia.org/wiki/Paris", "https://en.wikipedia.org/wiki/Eiffel_Tower"
-    kb = {u: {"title": t, "url": u, "section_titles": [t], "section_texts": [f"{t} text."],
-              "image_urls": [site.url(f"/wikipedia/commons/0/0{i}/{t}.jpg")], "image_reference_descriptions": [""],
-              "image_section_indices": [0]} for i, (u, t) in enumerate([(paris, "Paris"), (tower, "Eiffel_Tower")])}
+    kb = {
+        u: {
+            "title": t,
+            "url": u,
+            "section_titles": [t],
+            "section_texts": [f"{t} text."],
+            "image_urls": [site.url(f"/wikipedia/commons/0/0{i}/{t}.jpg")],
+            "image_reference_descriptions": [""],
+            "image_section_indices": [0],
+        }
+        for i, (u, t) in enumerate([(paris, "Paris"), (tower, "Eiffel_Tower")])
+    }
     zipped(raw / "infoseek_100k_wiki.zip", "wiki_100_dict_v4.json", kb)  # what EchoSight's zip holds
     for i, t in enumerate(["Paris", "Eiffel_Tower"]):
         site.routes[f"/wikipedia/commons/0/0{i}/{t}.jpg"] = [ok(jpeg_bytes(), "image/jpeg")]
-    qs = {"train": [("infoseek_train_00000001", "oven_00000101", "Q90", paris)],
-          "val": [("infoseek_val_00000001", "oven_00000201", "Q243", tower),
-                  ("infoseek_val_00000002", "oven_00000202", "Q90", paris)]}
+    qs = {
+        "train": [("infoseek_train_00000001", "oven_00000101", "Q90", paris)],
+        "val": [
+            ("infoseek_val_00000001", "oven_00000201", "Q243", tower),
+            ("infoseek_val_00000002", "oven_00000202", "Q90", paris),
+        ],
+    }
     for split, rows in qs.items():
-        lines = [{"data_id": d, "image_id": im, "question": "Which city?", "answer": ["Paris"],
-                  "answer_eval": ["Paris"], "data_split": "train" if split == "train" else "val_unseen_entity"}
-                 for d, im, _, _ in rows]
+        lines = [
+            {
+                "data_id": d,
+                "image_id": im,
+                "question": "Which city?",
+                "answer": ["Paris"],
+                "answer_eval": ["Paris"],
+                "data_split": "train" if split == "train" else "val_unseen_entity",
+            }
+            for d, im, _, _ in rows
+        ]
         (raw / f"infoseek_{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
-        (raw / f"infoseek_{split}_withkb.jsonl").write_text("".join(
-            json.dumps({"data_id": d, "entity_id": q, "entity_text": u.rsplit("/", 1)[1]}) + "\n"
-            for d, _, q, u in reversed(rows)))
+        (raw / f"infoseek_{split}_withkb.jsonl").write_text(
+            "".join(
+                json.dumps({"data_id": d, "entity_id": q, "entity_text": u.rsplit("/", 1)[1]}) + "\n"
+                for d, _, q, u in reversed(rows)
+            )
+        )
         name = "infoseek_train_filtered.csv" if split == "train" else "infoseek_test_filtered.csv"
-        write_csv(raw / name, [question(data_id=d, dataset_name="infoseek", question_type="infoseek",
-                                        dataset_image_ids=im, wikipedia_url=u) for d, im, _, u in rows],
-                  EVQA_COLUMNS + ["data_id"])
+        write_csv(
+            raw / name,
+            [
+                question(
+                    data_id=d, dataset_name="infoseek", question_type="infoseek", dataset_image_ids=im, wikipedia_url=u
+                )
+                for d, im, _, u in rows
+            ],
+            EVQA_COLUMNS + ["data_id"],
+        )
         for _, im, _, _ in rows:
             touch(images / im[-8:-6] / f"{im}.jpg")
-    (raw / "infoseek_val_qtype.jsonl").write_text("".join(
-        json.dumps({"data_id": d, "question_type": "String"}) + "\n" for d, _, _, _ in qs["val"]))
-    wiki6m = [{"wikidata_id": "Q243", "wikipedia_title": "Eiffel Tower", "wikipedia_summary": "",
-               "wikipedia_content": "A tower in Paris.", "wikipedia_image_url": site.url("/e.jpg")},
-              {"wikidata_id": "Q90", "wikipedia_title": "Paris", "wikipedia_summary": "Capital of France.",
-               "wikipedia_content": "Capital of France. Big.", "wikipedia_image_url": None}]
+    (raw / "infoseek_val_qtype.jsonl").write_text(
+        "".join(json.dumps({"data_id": d, "question_type": "String"}) + "\n" for d, _, _, _ in qs["val"])
+    )
+    wiki6m = [
+        {
+            "wikidata_id": "Q243",
+            "wikipedia_title": "Eiffel Tower",
+            "wikipedia_summary": "",
+            "wikipedia_content": "A tower in Paris.",
+            "wikipedia_image_url": site.url("/e.jpg"),
+        },
+        {
+            "wikidata_id": "Q90",
+            "wikipedia_title": "Paris",
+            "wikipedia_summary": "Capital of France.",
+            "wikipedia_content": "Capital of France. Big.",
+            "wikipedia_image_url": None,
+        },
+    ]
     (raw / "Wiki6M_ver_1_0.jsonl.gz").write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in wiki6m).encode()))
     with tarfile.open(raw / "all_wikipedia_images.tar", "w") as t:
         for qid in ("Q243", "Q90"):
@@ -244,7 +339,9 @@ def test_recipe_evqa_first_steps_on_the_downloads(tmp_path, monkeypatch):
         evqa_downloads(tmp_path, site)
         ran = run_recipe(commands(bash_blocks()[0]), tmp_path, monkeypatch)
         agents = {ua for _, ua in site.requests}
-    assert [a[2] for a in ran] == ["retrieval.upstream.fetch_images", "retrieval.upstream.convert"] + ["retrieval.upstream.convert"] * 3
+    assert [a[2] for a in ran] == ["retrieval.upstream.fetch_images", "retrieval.upstream.convert"] + [
+        "retrieval.upstream.convert"
+    ] * 3
     assert len(agents) == 1 and "@" in agents.pop()  # the recipe's User-Agent, with a contact
     data = tmp_path / "data/evqa"
     kb = {r["image"]: r for r in read_jsonl(data / "kb.jsonl")}
@@ -270,16 +367,20 @@ def test_recipe_infoseek_first_steps_with_echosight_kb(tmp_path, monkeypatch):
     with Site() as site:
         infoseek_downloads(tmp_path, site)
         ran = run_recipe(commands(bash_blocks()[1]), tmp_path, monkeypatch)
-    assert [a[2] if a[0] == "python" else a[0] for a in ran] == \
-        ["retrieval.upstream.fetch_images"] + ["retrieval.upstream.convert"] * 3 + ["cat"] + ["retrieval.upstream.convert"] * 2
+    assert [a[2] if a[0] == "python" else a[0] for a in ran] == ["retrieval.upstream.fetch_images"] + [
+        "retrieval.upstream.convert"
+    ] * 3 + ["cat"] + ["retrieval.upstream.convert"] * 2
     data = tmp_path / "data/infoseek"
     assert len(list(read_jsonl(data / "kb.jsonl"))) == 2
     assert sorted(set((data / "qid2url.tsv").read_text().splitlines())) == [  # Q90 in both maps
-        "Q243\thttps://en.wikipedia.org/wiki/Eiffel_Tower", "Q90\thttps://en.wikipedia.org/wiki/Paris"]
+        "Q243\thttps://en.wikipedia.org/wiki/Eiffel_Tower",
+        "Q90\thttps://en.wikipedia.org/wiki/Paris",
+    ]
     val = {q["id"]: q for q in read_jsonl(data / "val.jsonl")}
     assert val["infoseek_val_00000001"]["entity_id"] == "https://en.wikipedia.org/wiki/Eiffel_Tower"
-    assert {q["question_type"] for q in val.values()} == {"String"} and val["infoseek_val_00000002"]["image"] == \
-        "00/oven_00000202.jpg"
+    assert {q["question_type"] for q in val.values()} == {"String"} and val["infoseek_val_00000002"][
+        "image"
+    ] == "00/oven_00000202.jpg"
     (train,) = read_jsonl(data / "train.jsonl")
     assert train["entity_id"] == "https://en.wikipedia.org/wiki/Paris"
     assert not (data / "val.jsonl.absent.jsonl").exists() and not (data / "val.jsonl.skipped.jsonl").exists()
@@ -302,21 +403,33 @@ def test_recipe_infoseek_wiki6m_alternative(tmp_path, monkeypatch):
 # --------------------------------------------------------------------------- the recipe's names and settings
 
 
-@pytest.mark.parametrize("name", [
-    "encyclopedic_kb_wiki.zip", "AToMiC-Images-v0.2",                                  # E-VQA's KB and its pixels
-    "train_full_image_cleaned.csv",                                                    # EchoSight's cleaned train CSV
-    "infoseek_100k_wiki.zip", "infoseek_train_filtered.csv", "infoseek_test_filtered.csv",  # EchoSight's InfoSeek
-    "Wiki6M_ver_1_0.jsonl.gz", "all_wikipedia_images.tar",                              # OVEN
-    "https://storage.googleapis.com/gresearch/open-vision-language/infoseek/infoseek_val_qtype.jsonl",
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "encyclopedic_kb_wiki.zip",
+        "AToMiC-Images-v0.2",  # E-VQA's KB and its pixels
+        "train_full_image_cleaned.csv",  # EchoSight's cleaned train CSV
+        "infoseek_100k_wiki.zip",
+        "infoseek_train_filtered.csv",
+        "infoseek_test_filtered.csv",  # EchoSight's InfoSeek
+        "Wiki6M_ver_1_0.jsonl.gz",
+        "all_wikipedia_images.tar",  # OVEN
+        "https://storage.googleapis.com/gresearch/open-vision-language/infoseek/infoseek_val_qtype.jsonl",
+    ],
+)
 def test_recipe_names_the_downloads_as_published(name):
     assert name in recipe_section()
 
 
-@pytest.mark.parametrize("pattern", [
-    r"Wiki6M_ver_1_0\.jsonl(?!\.gz)", r"infoseek_kb_100k\.json", r"data/infoseek/raw/(train|test)\.csv",
-    r"\.\./shared",
-])
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        r"Wiki6M_ver_1_0\.jsonl(?!\.gz)",
+        r"infoseek_kb_100k\.json",
+        r"data/infoseek/raw/(train|test)\.csv",
+        r"\.\./shared",
+    ],
+)
 def test_recipe_has_no_name_the_downloads_do_not_use(pattern):
     assert not re.search(pattern, recipe_section())
 
@@ -325,8 +438,11 @@ def all_commands() -> list[list[str]]:
     return [c for b in bash_blocks() for alt in (False, True) for c in commands(b, alt)]
 
 
-@pytest.mark.parametrize("argv", [c for c in all_commands() if c[:3] == ["python", "-m", "retrieval.upstream.fetch_images"]],
-                         ids=lambda c: c[c.index("--kb") + 1])
+@pytest.mark.parametrize(
+    "argv",
+    [c for c in all_commands() if c[:3] == ["python", "-m", "retrieval.upstream.fetch_images"]],
+    ids=lambda c: c[c.index("--kb") + 1],
+)
 def test_recipe_fetches_with_a_user_agent_naming_a_contact(argv):
     assert "--user_agent" in argv
     agent = argv[argv.index("--user_agent") + 1]
@@ -346,8 +462,11 @@ def test_no_tracked_file_outside_tests_points_at_shared():
         files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
         pytest.skip("not a git checkout")
-    hits = [f for f in files.splitlines() if not f.startswith("tests/") and (REPO / f).is_file()
-            and outside in (REPO / f).read_bytes()]
+    hits = [
+        f
+        for f in files.splitlines()
+        if not f.startswith("tests/") and (REPO / f).is_file() and outside in (REPO / f).read_bytes()
+    ]
     assert hits == []
 
 
@@ -366,7 +485,17 @@ def test_build_keeps_kb_images_past_the_pixel_limit(tiny_world, tmp_path, monkey
     kb[2]["image"] = str(big)
     (tmp_path / "kb.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kb))
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 5_000)  # 60,000 pixels: past PIL's limit (10,000), like 200 MP
-    m = build_index(BuildArgs(kb=str(tmp_path / "kb.jsonl"), images_root=str(tiny_world), out=str(tmp_path / "idx"),
-                              image_encoder="tiny", text_encoder="tiny", shard_size=4, workers=0),
-                    encoders=encoders, log=lambda *a: None)
+    m = build_index(
+        BuildArgs(
+            kb=str(tmp_path / "kb.jsonl"),
+            images_root=str(tiny_world),
+            out=str(tmp_path / "idx"),
+            image_encoder="tiny",
+            text_encoder="tiny",
+            shard_size=4,
+            workers=0,
+        ),
+        encoders=encoders,
+        log=lambda *a: None,
+    )
     assert m["rows"] == 6 and m["skipped"] == 0

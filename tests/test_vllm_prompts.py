@@ -17,11 +17,17 @@ from rl.vllm_prompts import image_runs, one_placeholder_per_image
 PAD = 7
 
 
-@pytest.mark.parametrize("ids,expected", [
-    ([1, 2, 3], [1, 2, 3]), ([1, PAD, PAD, PAD, 2], [1, PAD, 2]), ([PAD], [PAD]), ([], []),
-    ([5, PAD, PAD, 6, 5, PAD, PAD, PAD, 6], [5, PAD, 6, 5, PAD, 6]),  # two images: one pad each
-    ([PAD, PAD, 1, PAD], [PAD, 1, PAD]),
-])
+@pytest.mark.parametrize(
+    "ids,expected",
+    [
+        ([1, 2, 3], [1, 2, 3]),
+        ([1, PAD, PAD, PAD, 2], [1, PAD, 2]),
+        ([PAD], [PAD]),
+        ([], []),
+        ([5, PAD, PAD, 6, 5, PAD, PAD, PAD, 6], [5, PAD, 6, 5, PAD, 6]),  # two images: one pad each
+        ([PAD, PAD, 1, PAD], [PAD, 1, PAD]),
+    ],
+)
 def test_each_run_of_pads_becomes_one(ids, expected):
     assert one_placeholder_per_image(ids, PAD) == expected
 
@@ -43,15 +49,21 @@ class RecordingLLM:
     def __init__(self, **kwargs):
         self.kwargs, self.calls, self.loaded = kwargs, [], []
         runner = SimpleNamespace(model=SimpleNamespace(load_weights=lambda weights: self.loaded.extend(weights)))
-        self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=SimpleNamespace(
-            model_runner=runner)))
+        self.llm_engine = SimpleNamespace(
+            model_executor=SimpleNamespace(driver_worker=SimpleNamespace(model_runner=runner))
+        )
         RecordingLLM.instances.append(self)
 
     def generate(self, prompts, sampling_params=None, use_tqdm=False):
         self.calls.append(prompts)
         logprob = SimpleNamespace(logprob=-0.5, rank=1)
-        return [SimpleNamespace(prompt_token_ids=self.expanded(p), outputs=[SimpleNamespace(
-            token_ids=list(self.answer), logprobs=[{t: logprob} for t in self.answer])]) for p in prompts]
+        return [
+            SimpleNamespace(
+                prompt_token_ids=self.expanded(p),
+                outputs=[SimpleNamespace(token_ids=list(self.answer), logprobs=[{t: logprob} for t in self.answer])],
+            )
+            for p in prompts
+        ]
 
     def expanded(self, prompt: dict) -> list[int]:
         """The prompt vLLM reports having sampled from: for the i-th image, the i-th ``<|image_pad|>`` replaced by the
@@ -64,9 +76,11 @@ class RecordingLLM:
             return list(prompt["prompt_token_ids"])
         proc = AutoProcessor.from_pretrained(self.kwargs["model"])
         pad = proc.tokenizer.convert_tokens_to_ids(proc.image_token)
-        merge = proc.image_processor.merge_size ** 2
-        sizes = [int(proc.image_processor(images=[im])["image_grid_thw"][0].prod()) // merge
-                 for im in (images if isinstance(images, list) else [images])]
+        merge = proc.image_processor.merge_size**2
+        sizes = [
+            int(proc.image_processor(images=[im])["image_grid_thw"][0].prod()) // merge
+            for im in (images if isinstance(images, list) else [images])
+        ]
         out = []
         for t in prompt["prompt_token_ids"]:
             out += [pad] * sizes.pop(0) if t == pad and sizes else [t]
@@ -93,8 +107,9 @@ def recording_vllm(tiny_refiner, monkeypatch):
 
     tok = AutoProcessor.from_pretrained(str(tiny_refiner)).tokenizer
     RecordingLLM.instances = []
-    RecordingLLM.answer = tok(format_completion("a red striped star"), add_special_tokens=False)["input_ids"] + \
-        [tok.convert_tokens_to_ids("<|im_end|>")]
+    RecordingLLM.answer = tok(format_completion("a red striped star"), add_special_tokens=False)["input_ids"] + [
+        tok.convert_tokens_to_ids("<|im_end|>")
+    ]
     monkeypatch.setattr(vg, "is_vllm_available", lambda *a, **k: True)
     monkeypatch.setattr(vg, "LLM", RecordingLLM, raising=False)
     monkeypatch.setattr(vg, "SamplingParams", lambda **kw: SimpleNamespace(**kw), raising=False)
@@ -109,9 +124,11 @@ def test_colocated_vllm_receives_one_placeholder_per_image(config, recording_vll
     tok = recording_vllm
     trainer_prompts = []  # what TRL's trainer tokenized (its own prompt ids), recorded on the way through
     generate = vg.VLLMGeneration.generate
-    monkeypatch.setattr(vg.VLLMGeneration, "generate",
-                        lambda self, prompts, *a, **k: trainer_prompts.extend(prompts) or generate(self, prompts, *a,
-                                                                                                    **k))
+    monkeypatch.setattr(
+        vg.VLLMGeneration,
+        "generate",
+        lambda self, prompts, *a, **k: trainer_prompts.extend(prompts) or generate(self, prompts, *a, **k),
+    )
     result = tg.main(config(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=False, max_steps=2))
 
     (llm,) = RecordingLLM.instances
@@ -135,19 +152,24 @@ def test_colocated_vllm_receives_one_placeholder_per_image(config, recording_vll
     assert llm.loaded  # the policy's weights were pushed to the engine before generating
     said = capsys.readouterr().out
     assert "colocated vLLM receives one image placeholder per image" in said
-    assert "vLLM probe: a [261, 224] image gives a" in said and "-token prompt with image-token runs [12] in vLLM, as " \
-        "in the trainer's" in said
+    assert (
+        "vLLM probe: a [261, 224] image gives a" in said
+        and "-token prompt with image-token runs [12] in vLLM, as in the trainer's" in said
+    )
 
 
-def test_training_is_refused_when_vllm_would_sample_from_another_prompt(config, recording_vllm, tmp_path,
-                                                                        monkeypatch):
-    """Without the one-placeholder fix, the start-up probe sees vLLM expand the trainer's 12 pads into 23 (2N−1) and stops
+def test_training_is_refused_when_vllm_would_sample_from_another_prompt(config, recording_vllm, tmp_path, monkeypatch):
+    """Without the one-placeholder fix, the start-up probe sees vLLM expand the trainer's 12 pads into 23 (2N−1) and
+    stops
     the run before any training step."""
     import rl.train_grpo as tg
 
     monkeypatch.setattr("rl.trainer_parts.fix_colocated_vllm_prompts", lambda *a: False)
-    with pytest.raises(RuntimeError, match=r"its prompt has \d+ tokens with image-token runs \[23\], the trainer's "
-                                           r"\d+ with \[12\]"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"its prompt has \d+ tokens with image-token runs \[23\], the trainer's "
+        r"\d+ with \[12\]",
+    ):
         tg.main(config(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=False, max_steps=1))
     assert not list((tmp_path / "run").glob("checkpoint-*")) and not (tmp_path / "run" / "final").exists()
 
@@ -157,8 +179,18 @@ def test_a_lora_adapter_trained_with_vllm_names_the_real_base_model(config, reco
     run); once vLLM is built, the adapter and the config name the real base again, so rl.export works elsewhere."""
     import rl.train_grpo as tg
 
-    tg.main(config(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=False, max_steps=1, use_peft=True,
-                   lora_r=4, lora_alpha=8, lora_target_modules=["q_proj", "v_proj"]))
+    tg.main(
+        config(
+            use_vllm=True,
+            vllm_mode="colocate",
+            vllm_enable_sleep_mode=False,
+            max_steps=1,
+            use_peft=True,
+            lora_r=4,
+            lora_alpha=8,
+            lora_target_modules=["q_proj", "v_proj"],
+        )
+    )
     assert RecordingLLM.instances[0].kwargs["model"].endswith("vllm-model")  # vLLM itself got the budget folder
     adapter = json.loads((tmp_path / "run" / "final" / "adapter_config.json").read_text())
     assert adapter["base_model_name_or_path"] == str(tiny_refiner)

@@ -46,8 +46,11 @@ class Site:
                 with site.lock:
                     site.requests.append((self.path, self.headers.get("User-Agent", "")))
                     queue = site.routes.get(self.path)
-                    status, headers, body = (queue.pop(0) if len(queue) > 1 else queue[0]) if queue else \
-                        (404, {"Content-Type": "text/html"}, b"<html>not found</html>")
+                    status, headers, body = (
+                        (queue.pop(0) if len(queue) > 1 else queue[0])
+                        if queue
+                        else (404, {"Content-Type": "text/html"}, b"<html>not found</html>")
+                    )
                 self.send_response(status)
                 for k, v in headers.items():
                     self.send_header(k, v)

@@ -20,14 +20,21 @@ from toy.world import build, world_args
 
 @dataclass
 class Arguments:
-    toy_world: str = field(default=None, metadata={"help": "the toy world's folder; generated there if missing (a world "
-                                                         "already there is used as it is)"})
+    toy_world: str = field(
+        default=None,
+        metadata={
+            "help": "the toy world's folder; generated there if missing (a world already there is used as it is)"
+        },
+    )
     warm_start_steps: int = field(default=0, metadata={"help": "supervised warm start steps before GRPO"})
     warm_start_batch_size: int = field(default=16, metadata={"help": "warm start batch size over all processes"})
     warm_start_learning_rate: float = field(default=1e-3, metadata={"help": "warm start learning rate"})
-    warm_start_shift: float = field(default=0.5, metadata={"help": "share of warm-start examples with a shifted "
-                                                                   "colour"})
-    learning_table: bool = field(default=False, metadata={"help": "print/write the toy-world learning table at the end"})
+    warm_start_shift: float = field(
+        default=0.5, metadata={"help": "share of warm-start examples with a shifted colour"}
+    )
+    learning_table: bool = field(
+        default=False, metadata={"help": "print/write the toy-world learning table at the end"}
+    )
 
 
 def prepare(args, toy, model_args, training_args, procs) -> str:
@@ -54,16 +61,27 @@ def prepare(args, toy, model_args, training_args, procs) -> str:
     procs.barrier("process 0 built the toy world, its index and the tiny base model")
     if toy.warm_start_steps > 0:
         batch = per_device_batch(toy.warm_start_batch_size, procs.count, 1, "warm_start_batch_size")
-        model_path = str(run_warm_start(Path(model_path), Path(toy.toy_world), output_dir / "warm_start",
-                                        toy.warm_start_steps, batch, toy.warm_start_learning_rate,
-                                        toy.warm_start_shift, seed=seed, procs=procs))
+        model_path = str(
+            run_warm_start(
+                Path(model_path),
+                Path(toy.toy_world),
+                output_dir / "warm_start",
+                toy.warm_start_steps,
+                batch,
+                toy.warm_start_learning_rate,
+                toy.warm_start_shift,
+                seed=seed,
+                procs=procs,
+            )
+        )
     if training_args.deepspeed_plugin is not None:  # the warm start's SFT config registered its own with transformers
         training_args.deepspeed_plugin.set_deepspeed_weakref()
     return model_path
 
 
 def report(args, toy, index, model_path: str, processor, output_dir: Path, t_start: float) -> dict | None:
-    """With ``learning_table``, on process 0 (``model_path``: the warm start GRPO began from): test-set R@k and attribute accuracy of the original question, the
+    """With ``learning_table``, on process 0 (``model_path``: the warm start GRPO began from): test-set R@k and
+    attribute accuracy of the original question, the
     warm-started refiner and the GRPO refiner."""
     if not toy.learning_table:
         return None
@@ -82,8 +100,10 @@ def report(args, toy, index, model_path: str, processor, output_dir: Path, t_sta
         model, _ = load_trained(output_dir / "final", base=model_path)
         table["grpo"], samples["grpo"] = evaluate_refiner(index, world, args.alpha, model, processor)
         bar.update()
-    print(f"evaluation: original question, warm start and GRPO refiner on {len(samples['original'])} test "
-          f"questions in {time.time() - t0:.0f} s")
+    print(
+        f"evaluation: original question, warm start and GRPO refiner on {len(samples['original'])} test "
+        f"questions in {time.time() - t0:.0f} s"
+    )
     table["wall_seconds"] = time.time() - t_start
     table["test_questions"] = len(samples["original"])
     write_json_atomic(output_dir / "learning.json", table)

@@ -31,8 +31,11 @@ from gate.variants import VARIANTS
 from toy.refiner import tokenizer_corpus
 from toy.tiny_vlm import build_tiny_vlm
 
-ATTRIBUTE_QUESTIONS = {"colour": "What colour is this creature?", "shape": "What shape is this creature?",
-                       "pattern": "What pattern does this creature have?"}
+ATTRIBUTE_QUESTIONS = {
+    "colour": "What colour is this creature?",
+    "shape": "What shape is this creature?",
+    "pattern": "What pattern does this creature have?",
+}
 
 
 @dataclass
@@ -54,8 +57,16 @@ def gate_questions(world_rows: list[dict], n: int, seed: int) -> list[dict]:
     for i, r in enumerate(chosen):
         out.append({**r, "kind": "knowledge"})
         attr = list(ATTRIBUTE_QUESTIONS)[i % len(ATTRIBUTE_QUESTIONS)]
-        out.append({**r, "id": f"{r['id']}-{attr}", "question": ATTRIBUTE_QUESTIONS[attr],
-                    "answers": [r["attributes"][attr]], "question_type": attr, "kind": "attribute"})
+        out.append(
+            {
+                **r,
+                "id": f"{r['id']}-{attr}",
+                "question": ATTRIBUTE_QUESTIONS[attr],
+                "answers": [r["attributes"][attr]],
+                "question_type": attr,
+                "kind": "attribute",
+            }
+        )
     return out
 
 
@@ -67,8 +78,9 @@ def answerer_rows(questions: list[dict], world: Path, sections: dict[str, dict[s
         rec = {**q, "image_path": str((world / q["image"]).resolve())}
         if q["kind"] == "knowledge":
             by_title = sections[q["entity_id"]]
-            rec["context"] = section_text(by_title.get("Diet" if q["question_type"] == "diet" else "Habitat")
-                                          or next(iter(by_title.values())))
+            rec["context"] = section_text(
+                by_title.get("Diet" if q["question_type"] == "diet" else "Habitat") or next(iter(by_title.values()))
+            )
         rows.append(rec)
     return rows
 

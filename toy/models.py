@@ -24,6 +24,7 @@ TINY_SEED = 0
 @contextmanager
 def _without_random_init_warning():
     """open_clip warns on the root logger that a model built without pretrained weights is random."""
+
     def keep(record) -> bool:
         return "No pretrained weights loaded" not in record.getMessage()
 
@@ -50,8 +51,12 @@ def tiny_image_encoder():
 
 
 TINY_TEXT_CONFIG = dict(
-    hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
-    max_position_embeddings=256, type_vocab_size=2,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    intermediate_size=128,
+    max_position_embeddings=256,
+    type_vocab_size=2,
 )
 
 
@@ -112,8 +117,9 @@ def build_tiny_cross_encoder(folder: Path) -> Path:
     tokenizer = BertTokenizerFast(vocab={w: i for i, w in enumerate(tiny_vocab())}, do_lower_case=True)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(TINY_SEED)
-        model = BertForSequenceClassification(BertConfig(vocab_size=len(tiny_vocab()), num_labels=1,
-                                                         **TINY_TEXT_CONFIG))
+        model = BertForSequenceClassification(
+            BertConfig(vocab_size=len(tiny_vocab()), num_labels=1, **TINY_TEXT_CONFIG)
+        )
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     try:

@@ -45,9 +45,13 @@ def warm_start_rows(world: Path, shift_fraction: float, seed: int) -> list[dict]
         attrs = dict(q["attributes"])
         if rng.random() < shift_fraction:
             attrs["colour"] = COLOUR_SHIFT[attrs["colour"]]
-        rows.append({"prompt": prompt_messages(q["question"], "toy"),
-                     "completion": [{"role": "assistant", "content": target_completion(q["question"], attrs)}],
-                     "image": str(world / q["image"])})
+        rows.append(
+            {
+                "prompt": prompt_messages(q["question"], "toy"),
+                "completion": [{"role": "assistant", "content": target_completion(q["question"], attrs)}],
+                "image": str(world / q["image"]),
+            }
+        )
     return rows
 
 
@@ -58,26 +62,46 @@ def tokenizer_corpus(world: Path) -> list[str]:
     return texts + list(SYSTEM_PROMPTS.values())
 
 
-def run_warm_start(base: Path, world: Path, out: Path, steps: int, batch_size: int, learning_rate: float,
-                   shift_fraction: float, seed: int, procs=None, log=print) -> Path:
+def run_warm_start(
+    base: Path,
+    world: Path,
+    out: Path,
+    steps: int,
+    batch_size: int,
+    learning_rate: float,
+    shift_fraction: float,
+    seed: int,
+    procs=None,
+    log=print,
+) -> Path:
     """TRL SFTTrainer on the warm-start rows, as one job over ``procs`` (each process takes ``batch_size`` examples a
     step); the finished model is saved to ``out`` by process 0. A finished warm start with the same settings is
     reused; one with other settings is an error naming them (nothing is overwritten)."""
     procs = procs or Processes()
-    settings = {"base": str(Path(base).resolve()), "steps": steps, "batch_size": batch_size * procs.count,
-                "learning_rate": learning_rate, "shift_fraction": shift_fraction, "seed": seed}
+    settings = {
+        "base": str(Path(base).resolve()),
+        "steps": steps,
+        "batch_size": batch_size * procs.count,
+        "learning_rate": learning_rate,
+        "shift_fraction": shift_fraction,
+        "seed": seed,
+    }
     done = out / "warm_start.json"
     procs.barrier()  # every process sees the same folder
     if done.exists():
         previous = json.loads(done.read_text()).get("settings")
         if previous is None:
-            raise ValueError(f"{out} holds a warm start from an earlier version that recorded no settings: delete it "
-                             "or choose another --output_dir")
+            raise ValueError(
+                f"{out} holds a warm start from an earlier version that recorded no settings: delete it "
+                "or choose another --output_dir"
+            )
         differ = sorted(k for k in settings if previous.get(k) != settings[k])
         if differ:
-            raise ValueError(f"{out} holds a warm start made with other settings ("
-                             + "; ".join(f"{k}: {previous.get(k)!r} there, {settings[k]!r} now" for k in differ)
-                             + "): delete it or choose another --output_dir")
+            raise ValueError(
+                f"{out} holds a warm start made with other settings ("
+                + "; ".join(f"{k}: {previous.get(k)!r} there, {settings[k]!r} now" for k in differ)
+                + "): delete it or choose another --output_dir"
+            )
         log(f"warm start: reusing {out} ({steps} steps, seed {seed})")
         return out
     from datasets import Dataset, Image
@@ -85,21 +109,36 @@ def run_warm_start(base: Path, world: Path, out: Path, steps: int, batch_size: i
 
     model, processor = load_model(str(base))
     data = Dataset.from_list(warm_start_rows(world, shift_fraction, seed)).cast_column("image", Image())
-    config = SFTConfig(output_dir=str(out / "run"), max_steps=steps, per_device_train_batch_size=batch_size,
-                       learning_rate=learning_rate, warmup_steps=min(50, steps // 10), lr_scheduler_type="cosine",
-                       logging_steps=max(1, steps // 20), save_strategy="no", report_to="none", use_cpu=True,
-                       bf16=False, activation_checkpointing=False, max_length=None, seed=seed,
-                       ddp_find_unused_parameters=False,
-                       dataloader_num_workers=0, disable_tqdm=False)
+    config = SFTConfig(
+        output_dir=str(out / "run"),
+        max_steps=steps,
+        per_device_train_batch_size=batch_size,
+        learning_rate=learning_rate,
+        warmup_steps=min(50, steps // 10),
+        lr_scheduler_type="cosine",
+        logging_steps=max(1, steps // 20),
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        activation_checkpointing=False,
+        max_length=None,
+        seed=seed,
+        ddp_find_unused_parameters=False,
+        dataloader_num_workers=0,
+        disable_tqdm=False,
+    )
     trainer = SFTTrainer(model=model, args=config, train_dataset=data, processing_class=processor)
-    use_phase_progress(trainer, PhaseProgress("warm start (SFT)", {"loss": "loss",
-                                                                   "mean_token_accuracy": "token accuracy"}))
+    use_phase_progress(
+        trainer, PhaseProgress("warm start (SFT)", {"loss": "loss", "mean_token_accuracy": "token accuracy"})
+    )
     result = trainer.train()
     trainer.save_model(str(out))  # process 0 writes
     if procs.rank == 0:
         processor.save_pretrained(str(out))
-        write_json_atomic(done, {"settings": settings, "processes": procs.count,
-                                 "train_loss": result.training_loss})  # last: marks it finished
+        write_json_atomic(
+            done, {"settings": settings, "processes": procs.count, "train_loss": result.training_loss}
+        )  # last: marks it finished
     procs.barrier("process 0 saved the warm start")
     if trainer.is_deepspeed_enabled:
         # accelerate allows one DeepSpeed plugin per process state: the GRPO trainer that follows builds its own
@@ -144,8 +183,16 @@ def learning_row(ranks: list[int | None], queries: list[str | None] | None, gold
     return row
 
 
-def evaluate_refiner(index, world: Path, alpha: float, model=None, processor=None, split: str = "test",
-                     batch_size: int = 64, max_new_tokens: int = 64) -> tuple[dict, list[dict]]:
+def evaluate_refiner(
+    index,
+    world: Path,
+    alpha: float,
+    model=None,
+    processor=None,
+    split: str = "test",
+    batch_size: int = 64,
+    max_new_tokens: int = 64,
+) -> tuple[dict, list[dict]]:
     """Greedy refined queries for a split → (learning-table row, per-question records). Without a model the
     original question is the query. An unparseable completion falls back to the original question."""
     rows = list(read_jsonl(world / f"{split}.jsonl"))
@@ -155,13 +202,16 @@ def evaluate_refiner(index, world: Path, alpha: float, model=None, processor=Non
         raw, queries = None, None
         texts = questions
     else:
-        raw = generate_completions(model, processor, images, questions, prompt="toy", batch_size=batch_size,
-                                   max_new_tokens=max_new_tokens)
+        raw = generate_completions(
+            model, processor, images, questions, prompt="toy", batch_size=batch_size, max_new_tokens=max_new_tokens
+        )
         queries = [parse_query(t) for t in raw]
         texts = [q if q is not None else orig for q, orig in zip(queries, questions)]
     ranks = index.entity_ranks(images, texts, [r["entity_id"] for r in rows], alpha=alpha, depth=200)
-    records = [{"id": r["id"], "question": r["question"], "query": t, "rank": k,
-                "raw": None if raw is None else raw[i]} for i, (r, t, k) in enumerate(zip(rows, texts, ranks))]
+    records = [
+        {"id": r["id"], "question": r["question"], "query": t, "rank": k, "raw": None if raw is None else raw[i]}
+        for i, (r, t, k) in enumerate(zip(rows, texts, ranks))
+    ]
     return learning_row(ranks, queries, [r["attributes"] for r in rows]), records
 
 
@@ -171,7 +221,12 @@ def format_learning_table(table: dict) -> str:
     for name in ("original", "warm_start", "grpo"):
         if name in table:
             row = table[name]
-            lines.append(f"| {name} | " + " | ".join(
-                "—" if c not in row else (f"{row[c]:.2f}" if c == "attribute_words_per_query" else f"{row[c]:.1f}")
-                for c in cols) + " |")
+            lines.append(
+                f"| {name} | "
+                + " | ".join(
+                    "—" if c not in row else (f"{row[c]:.2f}" if c == "attribute_words_per_query" else f"{row[c]:.1f}")
+                    for c in cols
+                )
+                + " |"
+            )
     return "\n".join(lines)

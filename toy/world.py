@@ -33,18 +33,64 @@ from retrieval.index import MultimodalIndex, check_alpha
 from retrieval.upstream.articles import store_from_kb_rows, store_path_for
 
 COLOURS = {
-    "red": (210, 40, 40), "orange": (240, 140, 30), "yellow": (235, 215, 40), "green": (50, 160, 60),
-    "blue": (40, 80, 210), "purple": (130, 50, 180), "pink": (240, 120, 180), "brown": (120, 75, 35),
+    "red": (210, 40, 40),
+    "orange": (240, 140, 30),
+    "yellow": (235, 215, 40),
+    "green": (50, 160, 60),
+    "blue": (40, 80, 210),
+    "purple": (130, 50, 180),
+    "pink": (240, 120, 180),
+    "brown": (120, 75, 35),
 }
 SHAPES = ["circle", "square", "triangle", "star", "cross", "diamond"]
 PATTERNS = ["plain", "striped", "dotted", "checkered"]
-HABITATS = ["mossy caves", "salt marshes", "pine forests", "coral reefs", "desert dunes", "river deltas",
-            "mountain cliffs", "bamboo groves", "frozen tundra", "volcanic slopes", "mangrove swamps",
-            "open grasslands"]
-DIETS = ["beetles", "seaweed", "berries", "small fish", "tree bark", "mushrooms", "nectar", "seeds", "snails",
-         "algae"]
-SYLLABLES = ["ka", "lo", "mi", "zu", "ren", "tal", "vor", "shi", "bel", "dro", "fen", "gil", "nax", "pim", "qua",
-             "sol", "tev", "ul", "wyn", "yor", "bri", "cas", "dun", "eth", "hol", "jor", "kel", "mur", "ost", "rag"]
+HABITATS = [
+    "mossy caves",
+    "salt marshes",
+    "pine forests",
+    "coral reefs",
+    "desert dunes",
+    "river deltas",
+    "mountain cliffs",
+    "bamboo groves",
+    "frozen tundra",
+    "volcanic slopes",
+    "mangrove swamps",
+    "open grasslands",
+]
+DIETS = ["beetles", "seaweed", "berries", "small fish", "tree bark", "mushrooms", "nectar", "seeds", "snails", "algae"]
+SYLLABLES = [
+    "ka",
+    "lo",
+    "mi",
+    "zu",
+    "ren",
+    "tal",
+    "vor",
+    "shi",
+    "bel",
+    "dro",
+    "fen",
+    "gil",
+    "nax",
+    "pim",
+    "qua",
+    "sol",
+    "tev",
+    "ul",
+    "wyn",
+    "yor",
+    "bri",
+    "cas",
+    "dun",
+    "eth",
+    "hol",
+    "jor",
+    "kel",
+    "mur",
+    "ost",
+    "rag",
+]
 QUESTIONS = {
     "habitat": "Where does this creature live?",
     "diet": "What does this creature eat?",
@@ -61,11 +107,15 @@ BUCKETS = [("1-5", 1, 5), ("6-10", 6, 10), ("11-20", 11, 20), ("21-200", 21, 200
 @dataclass
 class ToyWorldArgs:
     out: str = field(default="outputs/toyworld", metadata={"help": "folder to write the world into"})
-    entities: int = field(default=180, metadata={"help": f"number of entities (≤ {len(COLOURS) * len(SHAPES) * len(PATTERNS)})"})
+    entities: int = field(
+        default=180, metadata={"help": f"number of entities (≤ {len(COLOURS) * len(SHAPES) * len(PATTERNS)})"}
+    )
     seed: int = field(default=0, metadata={"help": "world seed"})
     kb_images: int = field(default=2, metadata={"help": "KB images per entity"})
     train_images: int = field(default=20, metadata={"help": "train question images per entity"})
-    val_images: int = field(default=1, metadata={"help": "validation question images per entity (checkpoint selection)"})
+    val_images: int = field(
+        default=1, metadata={"help": "validation question images per entity (checkpoint selection)"}
+    )
     test_images: int = field(default=2, metadata={"help": "held-out test question images per entity"})
     noise: float = field(default=8.0, metadata={"help": "pixel noise σ"})
     alpha: float = field(default=0.3, metadata={"help": "α used to calibrate the world (the embedded default's α)"})
@@ -92,8 +142,18 @@ def make_entities(n: int, seed: int) -> list[dict]:
             if name not in names:
                 names.add(name)
                 break
-        entities.append(dict(entity_id=f"E{i:04d}", name=name, colour=colour, shape=shape, pattern=pattern,
-                             habitat=str(rng.choice(HABITATS)), diet=str(rng.choice(DIETS)), category="creature"))
+        entities.append(
+            dict(
+                entity_id=f"E{i:04d}",
+                name=name,
+                colour=colour,
+                shape=shape,
+                pattern=pattern,
+                habitat=str(rng.choice(HABITATS)),
+                diet=str(rng.choice(DIETS)),
+                category="creature",
+            )
+        )
     return entities
 
 
@@ -137,9 +197,20 @@ def _shape_polygon(shape: str, cx: float, cy: float, r: float):
         return pts
     if shape == "cross":
         w = r * 0.38
-        return [(cx - w, cy - r), (cx + w, cy - r), (cx + w, cy - w), (cx + r, cy - w), (cx + r, cy + w),
-                (cx + w, cy + w), (cx + w, cy + r), (cx - w, cy + r), (cx - w, cy + w), (cx - r, cy + w),
-                (cx - r, cy - w), (cx - w, cy - w)]
+        return [
+            (cx - w, cy - r),
+            (cx + w, cy - r),
+            (cx + w, cy - w),
+            (cx + r, cy - w),
+            (cx + r, cy + w),
+            (cx + w, cy + w),
+            (cx + w, cy + r),
+            (cx - w, cy + r),
+            (cx - w, cy + w),
+            (cx - r, cy + w),
+            (cx - r, cy - w),
+            (cx - w, cy - w),
+        ]
     raise ValueError(f"unknown shape {shape!r}")
 
 
@@ -194,8 +265,10 @@ def render(e: dict, rng: np.random.Generator, noise: float = 8.0):
 def generate(args: ToyWorldArgs, log=print) -> dict:
     """Write the world's data files (idempotent: an existing world with the same settings is kept)."""
     out = Path(args.out)
-    settings = {k: getattr(args, k) for k in ("entities", "seed", "kb_images", "train_images", "val_images", "test_images",
-                                    "noise")}
+    settings = {
+        k: getattr(args, k)
+        for k in ("entities", "seed", "kb_images", "train_images", "val_images", "test_images", "noise")
+    }
     settings["version"] = WORLD_VERSION
     world_file = out / "world.json"
     if world_file.exists() and json.loads(world_file.read_text()).get("settings") == settings:
@@ -214,29 +287,51 @@ def generate(args: ToyWorldArgs, log=print) -> dict:
             image = f"images/{eid}_kb{j}.png"
             render(e, rng, args.noise).save(out / image)
             for k, (title, text) in enumerate(sections(e)):
-                kb.append(dict(entry_id=f"{eid}-img{j}-sec{k}", entity_id=eid, title=e["name"], section_title=title,
-                               text=text, image=image))
+                kb.append(
+                    dict(
+                        entry_id=f"{eid}-img{j}-sec{k}",
+                        entity_id=eid,
+                        title=e["name"],
+                        section_title=title,
+                        text=text,
+                        image=image,
+                    )
+                )
         for split, n in (("train", args.train_images), ("val", args.val_images), ("test", args.test_images)):
             for j in range(n):
                 image = f"images/{eid}_{split}{j}.png"
                 render(e, rng, args.noise).save(out / image)
                 qtype = qtypes[int(rng.integers(len(qtypes)))]
-                questions[split].append(dict(
-                    id=f"{eid}-{split}{j}", image=image, question=QUESTIONS[qtype], entity_id=eid,
-                    answers=answers_for(e, qtype), question_type=qtype, split=split,
-                    attributes={a: e[a] for a in ATTRIBUTES}))
+                questions[split].append(
+                    dict(
+                        id=f"{eid}-{split}{j}",
+                        image=image,
+                        question=QUESTIONS[qtype],
+                        entity_id=eid,
+                        answers=answers_for(e, qtype),
+                        question_type=qtype,
+                        split=split,
+                        attributes={a: e[a] for a in ATTRIBUTES},
+                    )
+                )
     write_jsonl_atomic(out / "entities.jsonl", entities)
     write_jsonl_atomic(out / "kb.jsonl", kb)
     store_from_kb_rows(kb, store_path_for(out / "kb.jsonl"))  # the same canonical path as a converted KB
     for split, rows in questions.items():
         write_jsonl_atomic(out / f"{split}.jsonl", rows)
-    world = {"settings": settings, "entities": len(entities), "kb_rows": len(kb),
-             **{f"{split}_questions": len(rows) for split, rows in questions.items()}}
+    world = {
+        "settings": settings,
+        "entities": len(entities),
+        "kb_rows": len(kb),
+        **{f"{split}_questions": len(rows) for split, rows in questions.items()},
+    }
     write_json_atomic(world_file, world)  # last: marks the world complete
     world["generated_now"] = True
-    log(f"toy world: {len(entities)} entities, {len(kb)} KB rows, {len(questions['train'])} train / "
+    log(
+        f"toy world: {len(entities)} entities, {len(kb)} KB rows, {len(questions['train'])} train / "
         f"{len(questions['val'])} val / {len(questions['test'])} test questions in {out} "
-        f"({time.perf_counter() - t0:.0f} s)")
+        f"({time.perf_counter() - t0:.0f} s)"
+    )
     return world
 
 
@@ -285,7 +380,10 @@ def calibrate(index, world_dir: Path, alpha: float, depth: int = 200, seed: int 
     two_plus_wrong = ranks(with_words(keys[2], wrong=lambda r: next(it)))
     medians = {n: median_rank(by_count[n], depth) for n in range(4)}
     report = {
-        "alpha": alpha, "depth": depth, "questions": len(rows), "entities": index.num_entities,
+        "alpha": alpha,
+        "depth": depth,
+        "questions": len(rows),
+        "entities": index.num_entities,
         "original_buckets": bucket_histogram(original),
         "original_median_rank": median_rank(original, depth),
         "all_attributes_top5": float(np.mean([r is not None and r <= 5 for r in by_count[3]])),
@@ -296,8 +394,10 @@ def calibrate(index, world_dir: Path, alpha: float, depth: int = 200, seed: int 
     report["checks"] = {
         "original ranks spread over ≥ 3 reward buckets (≥ 5 % each)": spread >= 3,
         "all three attributes rank the gold entity top-5 for most questions": report["all_attributes_top5"] >= 0.7,
-        "each additional correct attribute improves the median rank":
-            all(medians[n + 1] <= medians[n] for n in range(3)) and medians[3] < medians[0],
+        "each additional correct attribute improves the median rank": all(
+            medians[n + 1] <= medians[n] for n in range(3)
+        )
+        and medians[3] < medians[0],
         "a wrong attribute word worsens the median rank": report["median_rank_two_correct_one_wrong"] > medians[2],
     }
     return report
@@ -327,16 +427,27 @@ def build(args: ToyWorldArgs, log=print) -> dict:
     if args.skip_index:
         return {}
     index_dir = out / "index"
-    build_index(BuildArgs(kb=str(out / "kb.jsonl"), out=str(index_dir), images_root=str(out),
-                          image_encoder=args.image_encoder, text_encoder=args.text_encoder, factory="Flat",
-                          device="cpu", overwrite=fresh or _index_stale(index_dir, args)), log=log)
+    build_index(
+        BuildArgs(
+            kb=str(out / "kb.jsonl"),
+            out=str(index_dir),
+            images_root=str(out),
+            image_encoder=args.image_encoder,
+            text_encoder=args.text_encoder,
+            factory="Flat",
+            device="cpu",
+            overwrite=fresh or _index_stale(index_dir, args),
+        ),
+        log=log,
+    )
     built = json.loads((index_dir / "manifest.json").read_text())["created"]
     previous = out / "calibration.json"
     if previous.exists():
         report = json.loads(previous.read_text())
         if (report.get("index_created"), report.get("alpha"), report.get("depth")) == (built, args.alpha, args.depth):
             report["median_rank_by_correct_attributes"] = {
-                int(k): v for k, v in report["median_rank_by_correct_attributes"].items()}
+                int(k): v for k, v in report["median_rank_by_correct_attributes"].items()
+            }
             log(format_report(report))
             return report
     index = MultimodalIndex.load(index_dir, device="cpu")
@@ -364,7 +475,10 @@ def _index_stale(index_dir: Path, args: ToyWorldArgs) -> bool:
         return False
     m = json.loads(manifest.read_text())
     return (m.get("image_encoder"), m.get("text_encoder"), m.get("kb_fingerprint")) != (
-        args.image_encoder, args.text_encoder, file_fingerprint(index_dir.parent / "kb.jsonl"))
+        args.image_encoder,
+        args.text_encoder,
+        file_fingerprint(index_dir.parent / "kb.jsonl"),
+    )
 
 
 def main(argv=None) -> None:

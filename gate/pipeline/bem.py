@@ -22,18 +22,30 @@ from common.placement import resolve_device
 DEFAULT_BEM = "kortukov/answer-equivalence-bem"
 
 
-def bem_inputs(tokenizer, candidates: Sequence[str], references: Sequence[str], questions: Sequence[str],
-               max_length: int = 512, question_segment: int = 1):
+def bem_inputs(
+    tokenizer,
+    candidates: Sequence[str],
+    references: Sequence[str],
+    questions: Sequence[str],
+    max_length: int = 512,
+    question_segment: int = 1,
+):
     """The tokenised batch BEM reads (padded to the longest, truncated to ``max_length`` as the model card does):
     segment ids 0 for ``[CLS] candidate [SEP]``, 1 for ``reference [SEP]`` and ``question_segment`` for
     ``question [SEP]`` (1: the PyTorch port's card; 2: the official ``combine_segments``); padding keeps 0."""
     if question_segment not in (1, 2):
-        raise ValueError(f"question_segment must be 1 (the PyTorch port) or 2 (the official input), got "
-                         f"{question_segment}")
-    batch = tokenizer(text=[f"[CLS] {c} [SEP]" for c in candidates],
-                      text_pair=[f"{r} [SEP] {q} [SEP]" for r, q in zip(references, questions)],
-                      add_special_tokens=False, padding=True, truncation=True, max_length=max_length,
-                      return_tensors="pt")
+        raise ValueError(
+            f"question_segment must be 1 (the PyTorch port) or 2 (the official input), got {question_segment}"
+        )
+    batch = tokenizer(
+        text=[f"[CLS] {c} [SEP]" for c in candidates],
+        text_pair=[f"{r} [SEP] {q} [SEP]" for r, q in zip(references, questions)],
+        add_special_tokens=False,
+        padding=True,
+        truncation=True,
+        max_length=max_length,
+        return_tensors="pt",
+    )
     if question_segment != 1:
         import torch
 
@@ -47,32 +59,46 @@ def bem_inputs(tokenizer, candidates: Sequence[str], references: Sequence[str], 
 class BEMScorer:
     """``scorer(candidates, references, questions) -> [P(equivalent)]``, in batches, on one device."""
 
-    def __init__(self, model: str = DEFAULT_BEM, device: str | None = None, dtype: str = "auto", batch_size: int = 64,
-                 log=print):
+    def __init__(
+        self, model: str = DEFAULT_BEM, device: str | None = None, dtype: str = "auto", batch_size: int = 64, log=print
+    ):
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         self.device = resolve_device(device)
-        self.dtype = {"auto": torch.bfloat16 if self.device.startswith("cuda") else torch.float32,
-                      "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+        self.dtype = {
+            "auto": torch.bfloat16 if self.device.startswith("cuda") else torch.float32,
+            "bf16": torch.bfloat16,
+            "fp16": torch.float16,
+            "fp32": torch.float32,
+        }[dtype]
         self.batch_size = batch_size
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.model = AutoModelForSequenceClassification.from_pretrained(model, dtype=self.dtype).to(self.device).eval()
         if self.model.config.num_labels != 2:
-            raise ValueError(f"BEM model {model!r} has {self.model.config.num_labels} labels; expected 2 "
-                             "(not equivalent, equivalent)")
+            raise ValueError(
+                f"BEM model {model!r} has {self.model.config.num_labels} labels; expected 2 "
+                "(not equivalent, equivalent)"
+            )
         types = int(getattr(self.model.config, "type_vocab_size", 2))
         self.question_segment = 2 if types >= 3 else 1
-        log(f"BEM {model}: {self.device}, {str(self.dtype).replace('torch.', '')}, batches of {batch_size}, "
-            f"segment ids 0/1/{self.question_segment} ({types} segment types)")
+        log(
+            f"BEM {model}: {self.device}, {str(self.dtype).replace('torch.', '')}, batches of {batch_size}, "
+            f"segment ids 0/1/{self.question_segment} ({types} segment types)"
+        )
 
     def __call__(self, candidates: Sequence[str], references: Sequence[str], questions: Sequence[str]) -> list[float]:
         import torch
 
         out: list[float] = []
         for s in range(0, len(candidates), self.batch_size):
-            batch = bem_inputs(self.tokenizer, candidates[s:s + self.batch_size], references[s:s + self.batch_size],
-                               questions[s:s + self.batch_size], question_segment=self.question_segment)
+            batch = bem_inputs(
+                self.tokenizer,
+                candidates[s : s + self.batch_size],
+                references[s : s + self.batch_size],
+                questions[s : s + self.batch_size],
+                question_segment=self.question_segment,
+            )
             batch = batch.to(self.device)
             with torch.no_grad():
                 logits = self.model(**batch).logits.float()

@@ -30,8 +30,10 @@ from gate.scoring import gate_of, generate_parsed
 from gate.variants import numbered_documents
 
 STRATEGIES = ("filter", "merge", "rerank")
-SUMMARY_SYSTEM = ("You are given an image, a question about it and numbered documents that help answer it. In one or "
-                  "two sentences, summarise what the documents say that answers the question.")
+SUMMARY_SYSTEM = (
+    "You are given an image, a question about it and numbered documents that help answer it. In one or "
+    "two sentences, summarise what the documents say that answers the question."
+)
 
 
 # ---------------------------------------------------------------- data
@@ -39,12 +41,14 @@ SUMMARY_SYSTEM = ("You are given an image, a question about it and numbered docu
 
 def judged_relevance(contexts: dict, correct_score: float):
     """P(Rel) without an srt gate: 1.0 for a document whose answer was judged correct, else 0.0."""
+
     def relevance(images, batch):
         out = []
         for r in batch:
             scores = (contexts.get(str(r["id"])) or {}).get("doc_scores") or [None] * len(r["hits"])
             out.append([1.0 if s is not None and s >= correct_score else 0.0 for s in scores])
         return out
+
     return relevance
 
 
@@ -53,9 +57,11 @@ def srt_relevance(path: str, device: str, dtype: str | None):
     reranker = FirstTokenReranker.srt_gate(path, device=device, dtype=dtype)
 
     def relevance(images, batch):
-        scores = reranker.score(images, [r["question"] for r in batch],
-                                [[section_text(h) for h in r["hits"]] for r in batch])
+        scores = reranker.score(
+            images, [r["question"] for r in batch], [[section_text(h) for h in r["hits"]] for r in batch]
+        )
         return [[float(x) for x in s] for s in scores]
+
     return relevance
 
 
@@ -71,8 +77,10 @@ def stage_consistency(args, out: Path, log=print, relevance=None, summarise=None
     if not args.srt_gate and relevance is None:
         ctx_path = out / "contexts.jsonl"
         if not ctx_path.is_file():
-            raise ValueError(f"consistency without --srt_gate judges relevance by {ctx_path}, which does not exist "
-                             "(run --stage context first, or give --srt_gate)")
+            raise ValueError(
+                f"consistency without --srt_gate judges relevance by {ctx_path}, which does not exist "
+                "(run --stage context first, or give --srt_gate)"
+            )
         contexts = {str(r["id"]): r for r in read_jsonl(ctx_path)}
     rows = list(read_jsonl(source))
     parts = JobParts(out / "consistency.jsonl", state)
@@ -82,23 +90,37 @@ def stage_consistency(args, out: Path, log=print, relevance=None, summarise=None
     if batches:
         device = resolve_device(args.device)
         if relevance is None:
-            relevance = srt_relevance(args.srt_gate, device, args.dtype) if args.srt_gate \
+            relevance = (
+                srt_relevance(args.srt_gate, device, args.dtype)
+                if args.srt_gate
                 else judged_relevance(contexts, args.correct_score)
+            )
         if summarise is None:
-            summarise = vlm_answerer(args.model, args.summary_max_new_tokens, system=SUMMARY_SYSTEM,
-                                     device=device, dtype=args.dtype)
+            summarise = vlm_answerer(
+                args.model, args.summary_max_new_tokens, system=SUMMARY_SYSTEM, device=device, dtype=args.dtype
+            )
     qualified = 0
     for batch in tqdm(batches, desc="consistency", disable=not batches):
         images = [Image.open(r["image_path"]).convert("RGB") for r in batch]
         probs = relevance(images, batch)
-        relevant = [[section_text(h) for h, x in zip(r["hits"], p) if x >= args.mct_gamma] for r, p in zip(batch, probs)]
+        relevant = [
+            [section_text(h) for h, x in zip(r["hits"], p) if x >= args.mct_gamma] for r, p in zip(batch, probs)
+        ]
         todo = [i for i, docs in enumerate(relevant) if len(docs) > 1]
         texts = [f"Documents:\n{numbered_documents(relevant[i])}\nQuestion: {batch[i]['question']}" for i in todo]
         summaries = dict(zip(todo, summarise([images[i] for i in todo], texts, False))) if todo else {}
         qualified += len(todo)
-        parts.append([{"id": r["id"], "rel_probs": p, "relevance": origin,
-                       "summary": summaries[i].strip() if i in summaries else None}
-                      for i, (r, p) in enumerate(zip(batch, probs))])
+        parts.append(
+            [
+                {
+                    "id": r["id"],
+                    "rel_probs": p,
+                    "relevance": origin,
+                    "summary": summaries[i].strip() if i in summaries else None,
+                }
+                for i, (r, p) in enumerate(zip(batch, probs))
+            ]
+        )
     log(f"consistency: {qualified} of {parts.mine} questions here have more than one relevant document")
     parts.finish(rows)
     return parts.mine
@@ -139,8 +161,17 @@ class ConsistencyChecker:
         self.strategy, self.max_new_tokens = strategy, max_new_tokens
 
     def __call__(self, images, questions, sections: list[list[str]]) -> list[dict]:
-        parsed = generate_parsed(self.model, self.processor, self.spec, images, questions,
-                                 [numbered_documents(s) for s in sections], batch_size=len(questions),
-                                 max_new_tokens=self.max_new_tokens)
-        return [{**apply_strategy(self.strategy, len(s), p), "listed": (p or {}).get("consistent")}
-                for s, p in zip(sections, parsed)]
+        parsed = generate_parsed(
+            self.model,
+            self.processor,
+            self.spec,
+            images,
+            questions,
+            [numbered_documents(s) for s in sections],
+            batch_size=len(questions),
+            max_new_tokens=self.max_new_tokens,
+        )
+        return [
+            {**apply_strategy(self.strategy, len(s), p), "listed": (p or {}).get("consistent")}
+            for s, p in zip(sections, parsed)
+        ]

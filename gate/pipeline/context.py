@@ -66,19 +66,41 @@ def stage_retrieve(args, out: Path, log=print, index=None, refiner=None) -> int:
 
     store = open_store(kb_path, getattr(args, "articles", None), log)
     for start in tqdm(range(0, len(todo), args.batch_size), desc="retrieving"):
-        batch = todo[start:start + args.batch_size]
+        batch = todo[start : start + args.batch_size]
         images = [Image.open(r["image_path"]).convert("RGB") for r in batch]
         questions = [r["question"] for r in batch]
         texts = refiner.refine(images, questions, batch_size=len(batch)) if refiner is not None else questions
         hits, ranks = index.search_and_rank(images, texts, [r["entity_id"] for r in batch], alpha, args.k)
         entries = [[store.entry(h.entry_id) for h in hs] for hs in hits]
         if any(e is None for es in entries for e in es):
-            raise ValueError(f"article store {store.path} lacks entries the index returned: it was built from another "
-                             f"KB than {kb_path}")
-        append_jsonl(target, [{**r, "query": t, "alpha": alpha, "gold_rank": rank, "hits": [
-            {"entity_id": h.entity_id, "entry_id": h.entry_id, "score": round(h.score, 6),
-             "title": e["title"], "section_title": e["section_title"], "text": e["text"], "section": e["section"]}
-            for h, e in zip(hs, es)]} for r, t, hs, es, rank in zip(batch, texts, hits, entries, ranks)])
+            raise ValueError(
+                f"article store {store.path} lacks entries the index returned: it was built from another "
+                f"KB than {kb_path}"
+            )
+        append_jsonl(
+            target,
+            [
+                {
+                    **r,
+                    "query": t,
+                    "alpha": alpha,
+                    "gold_rank": rank,
+                    "hits": [
+                        {
+                            "entity_id": h.entity_id,
+                            "entry_id": h.entry_id,
+                            "score": round(h.score, 6),
+                            "title": e["title"],
+                            "section_title": e["section_title"],
+                            "text": e["text"],
+                            "section": e["section"],
+                        }
+                        for h, e in zip(hs, es)
+                    ],
+                }
+                for r, t, hs, es, rank in zip(batch, texts, hits, entries, ranks)
+            ],
+        )
     return len(todo)
 
 
@@ -101,8 +123,13 @@ def stage_context(args, out: Path, log=print, generate=None, state=None) -> int:
     batches = parts.start(rows, args.batch_size)
     log(f"context, {parts.status}")
     if generate is None and batches:
-        generate = vlm_answerer(args.model, args.max_new_tokens, backend=args.backend,
-                                device=resolve_device(getattr(args, "device", None)), dtype=getattr(args, "dtype", None))
+        generate = vlm_answerer(
+            args.model,
+            args.max_new_tokens,
+            backend=args.backend,
+            device=resolve_device(getattr(args, "device", None)),
+            dtype=getattr(args, "dtype", None),
+        )
     answer = spec("answer")
     for batch in tqdm(batches, desc="answering with context", disable=not batches):
         pairs = [(r, h) for r in batch for h in r["hits"]]
@@ -110,7 +137,7 @@ def stage_context(args, out: Path, log=print, generate=None, state=None) -> int:
         texts = generate(images, [user_text(answer, r["question"], section_text(h)) for r, h in pairs], False)
         records, i = [], 0
         for r in batch:
-            answers = [t.strip() for t in texts[i:i + len(r["hits"])]]
+            answers = [t.strip() for t in texts[i : i + len(r["hits"])]]
             i += len(r["hits"])
             scores = [judge.score(r["question"], a, r.get("answers") or [], r.get("answer_eval")) for a in answers]
             records.append({"id": r["id"], "doc_answers": answers, "doc_scores": scores})
@@ -119,8 +146,15 @@ def stage_context(args, out: Path, log=print, generate=None, state=None) -> int:
     return parts.mine
 
 
-def vlm_answerer(model_path: str, max_new_tokens: int, temperature: float = 1.0, backend: str = "hf",
-                 system: str | None = None, device: str = "cpu", dtype: str | None = None):
+def vlm_answerer(
+    model_path: str,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    backend: str = "hf",
+    system: str | None = None,
+    device: str = "cpu",
+    dtype: str | None = None,
+):
     """generate(images, user_texts, sample) with any VLM (rl.generate.vlm_generator) and the answer prompt (or
     ``system``)."""
     prompt = {"system": system or spec("answer")["system"], "user_template": "{question}"}

@@ -39,8 +39,10 @@ def baselines(records: list[dict], ratio: float, seeds: int = 5) -> dict[str, di
     if n == 0:
         return {}
     alone_ok = np.array([bool(r["alone"]["correct"]) for r in records])
-    out = {"No RAG": {"accuracy": float(alone_ok.mean()), "retrieval_ratio": 0.0},
-           "All RAG": {"accuracy": float(system_correct(records, np.ones(n)).mean()), "retrieval_ratio": 1.0}}
+    out = {
+        "No RAG": {"accuracy": float(alone_ok.mean()), "retrieval_ratio": 0.0},
+        "All RAG": {"accuracy": float(system_correct(records, np.ones(n)).mean()), "retrieval_ratio": 1.0},
+    }
     k = int(round(ratio * n))
     accs = []
     for seed in range(seeds):
@@ -49,8 +51,10 @@ def baselines(records: list[dict], ratio: float, seeds: int = 5) -> dict[str, di
         accs.append(system_correct(records, pick).mean())
     out["random gate"] = {"accuracy": float(np.mean(accs)), "retrieval_ratio": k / n}
     oracle = ~alone_ok
-    out["oracle gate"] = {"accuracy": float(system_correct(records, oracle).mean()),
-                          "retrieval_ratio": float(oracle.mean())}
+    out["oracle gate"] = {
+        "accuracy": float(system_correct(records, oracle).mean()),
+        "retrieval_ratio": float(oracle.mean()),
+    }
     return out
 
 
@@ -72,12 +76,18 @@ def split_accuracy(records: list[dict], correct: np.ndarray) -> dict[str, float]
 def chosen_answered(records: list[dict], retrieve) -> np.ndarray:
     """Whether the answer the system gave (RAG where ``retrieve``, else the VLM's own) exists: the pipeline records a
     missing or empty one as ``answer: None`` (with why, under ``failed``)."""
-    return np.array([(r["rag"] if go else r["alone"]).get("answer", "") is not None
-                     for r, go in zip(records, np.asarray(retrieve, dtype=bool))], dtype=bool)
+    return np.array(
+        [
+            (r["rag"] if go else r["alone"]).get("answer", "") is not None
+            for r, go in zip(records, np.asarray(retrieve, dtype=bool))
+        ],
+        dtype=bool,
+    )
 
 
 def infoseek_figures(records: list[dict], correct, answered) -> dict | None:
-    """InfoSeek's scores in % (gate.pipeline.metrics.infoseek_report) when every record has an InfoSeek question type and a
+    """InfoSeek's scores in % (gate.pipeline.metrics.infoseek_report) when every record has an InfoSeek question type
+    and a
     split: the official scorer's (a question without an answer left out, as that scorer never sees it) and, under
     ``all_questions``, ours (every question, no answer wrong); None otherwise."""
     if not records or not all(is_infoseek_type(r.get("question_type")) and r.get("split") for r in records):
@@ -103,7 +113,9 @@ def inspector_confusion(records: list[dict]) -> dict[str, int] | None:
         return None
     out = {"pass_right": 0, "pass_wrong": 0, "fail_right": 0, "fail_wrong": 0}
     for r in seen:
-        key = ("pass" if r["rag"]["inspector"]["pass"] else "fail") + ("_right" if r["rag"]["section_right"] else "_wrong")
+        key = ("pass" if r["rag"]["inspector"]["pass"] else "fail") + (
+            "_right" if r["rag"]["section_right"] else "_wrong"
+        )
         out[key] += 1
     out["routing_accuracy"] = (out["pass_right"] + out["fail_wrong"]) / len(seen)
     return out
@@ -116,9 +128,11 @@ def without_inspector(records: list[dict], retrieve) -> dict | None:
         return None
     plain = [dict(r, rag=r["rag"]["without_inspector"]) for r in records]
     alone_ok = np.array([bool(r["alone"]["correct"]) for r in records])
-    return {"accuracy": float(system_correct(plain, retrieve).mean()),
-            "All RAG": float(system_correct(plain, np.ones(len(plain))).mean()),
-            "oracle gate": float(system_correct(plain, ~alone_ok).mean())}
+    return {
+        "accuracy": float(system_correct(plain, retrieve).mean()),
+        "All RAG": float(system_correct(plain, np.ones(len(plain))).mean()),
+        "oracle gate": float(system_correct(plain, ~alone_ok).mean()),
+    }
 
 
 def consistency_report(records: list[dict]) -> dict | None:
@@ -127,9 +141,12 @@ def consistency_report(records: list[dict]) -> dict | None:
     seen = [r["rag"]["consistency"] for r in records if (r.get("rag") or {}).get("consistency")]
     if not seen:
         return None
-    return {"strategy": seen[0]["strategy"], "n": len(seen),
-            "fallback_ratio": float(np.mean([m["fallback"] for m in seen])),
-            "mean_listed": float(np.mean([len(m["listed"] or []) for m in seen]))}
+    return {
+        "strategy": seen[0]["strategy"],
+        "n": len(seen),
+        "fallback_ratio": float(np.mean([m["fallback"] for m in seen])),
+        "mean_listed": float(np.mean([len(m["listed"] or []) for m in seen])),
+    }
 
 
 def summarize(records: list[dict], threshold_name: str = "threshold") -> dict:
@@ -145,16 +162,23 @@ def summarize(records: list[dict], threshold_name: str = "threshold") -> dict:
     latency = {s: float(np.mean([r["latency"][s] for r in done if s in r.get("latency", {})])) for s in stages}
     failed = sum(bool(r["rag"].get("failed")) or bool(r["alone"].get("failed")) for r in done)
     section_right = [r["rag"]["section_right"] for r in done if r["rag"].get("section_right") is not None]
-    return {"n": len(done), "skipped": len(records) - len(done), "failed": failed,
-            "accuracy": float(correct.mean()), "token_accuracy": float(np.mean(token)),
-            "retrieval_ratio": float(retrieve.mean()), "accuracy_by_split": split_accuracy(done, correct),
-            "accuracy_by_hops": hop_accuracy(done, correct),
-            "infoseek": infoseek_figures(done, correct, chosen_answered(done, retrieve)),
-            "section_right": float(np.mean(section_right)) if section_right else None,
-            "inspector_confusion": inspector_confusion(done), "without_inspector": without_inspector(done, retrieve),
-            "consistency": consistency_report(done),
-            "latency_s": latency,
-            "baselines": baselines(done, float(retrieve.mean()))}
+    return {
+        "n": len(done),
+        "skipped": len(records) - len(done),
+        "failed": failed,
+        "accuracy": float(correct.mean()),
+        "token_accuracy": float(np.mean(token)),
+        "retrieval_ratio": float(retrieve.mean()),
+        "accuracy_by_split": split_accuracy(done, correct),
+        "accuracy_by_hops": hop_accuracy(done, correct),
+        "infoseek": infoseek_figures(done, correct, chosen_answered(done, retrieve)),
+        "section_right": float(np.mean(section_right)) if section_right else None,
+        "inspector_confusion": inspector_confusion(done),
+        "without_inspector": without_inspector(done, retrieve),
+        "consistency": consistency_report(done),
+        "latency_s": latency,
+        "baselines": baselines(done, float(retrieve.mean())),
+    }
 
 
 def threshold_curve(records: list[dict], thresholds) -> list[dict]:
@@ -164,43 +188,67 @@ def threshold_curve(records: list[dict], thresholds) -> list[dict]:
     out = []
     for t in thresholds:
         retrieve = scores >= t
-        out.append({"threshold": float(t), "retrieval_ratio": float(retrieve.mean()) if len(done) else 0.0,
-                    "accuracy": float(system_correct(done, retrieve).mean()) if len(done) else 0.0})
+        out.append(
+            {
+                "threshold": float(t),
+                "retrieval_ratio": float(retrieve.mean()) if len(done) else 0.0,
+                "accuracy": float(system_correct(done, retrieve).mean()) if len(done) else 0.0,
+            }
+        )
     return out
 
 
 def format_table(metrics: dict, system: str = "gated pipeline") -> str:
     """Markdown: the system and its baselines, accuracy and retrieval ratio in %."""
-    lines = ["| system | accuracy | retrieval ratio |", "|---|---|---|",
-             f"| {system} | {100 * metrics['accuracy']:.1f} | {100 * metrics['retrieval_ratio']:.1f} |"]
+    lines = [
+        "| system | accuracy | retrieval ratio |",
+        "|---|---|---|",
+        f"| {system} | {100 * metrics['accuracy']:.1f} | {100 * metrics['retrieval_ratio']:.1f} |",
+    ]
     for name, b in metrics.get("baselines", {}).items():
         lines.append(f"| {name} | {100 * b['accuracy']:.1f} | {100 * b['retrieval_ratio']:.1f} |")
     plain = metrics.get("without_inspector")
     if plain:
-        lines.append(f"| {system}, without the Inspector | {100 * plain['accuracy']:.1f} | "
-                     f"{100 * metrics['retrieval_ratio']:.1f} |")
+        lines.append(
+            f"| {system}, without the Inspector | {100 * plain['accuracy']:.1f} | "
+            f"{100 * metrics['retrieval_ratio']:.1f} |"
+        )
         lines.append(f"| All RAG, without the Inspector | {100 * plain['All RAG']:.1f} | 100.0 |")
         oracle = metrics.get("baselines", {}).get("oracle gate")
         if oracle:
-            lines.append(f"| oracle gate, without the Inspector | {100 * plain['oracle gate']:.1f} | "
-                         f"{100 * oracle['retrieval_ratio']:.1f} |")
+            lines.append(
+                f"| oracle gate, without the Inspector | {100 * plain['oracle gate']:.1f} | "
+                f"{100 * oracle['retrieval_ratio']:.1f} |"
+            )
     info = metrics.get("infoseek")
     if info:
         ours = info["all_questions"]
         left_out = sum(info["no_prediction"].values())
-        lines += ["", "| InfoSeek (%) | unseen question | unseen entity | final |", "|---|---|---|---|",
-                  f"| official scorer (questions without an answer left out: {left_out}) | "
-                  f"{info['unseen_question']:.2f} | {info['unseen_entity']:.2f} | {info['final']:.2f} |",
-                  f"| every question (no answer counted wrong) | {ours['unseen_question']:.2f} | "
-                  f"{ours['unseen_entity']:.2f} | {ours['final']:.2f} |"]
+        lines += [
+            "",
+            "| InfoSeek (%) | unseen question | unseen entity | final |",
+            "|---|---|---|---|",
+            f"| official scorer (questions without an answer left out: {left_out}) | "
+            f"{info['unseen_question']:.2f} | {info['unseen_entity']:.2f} | {info['final']:.2f} |",
+            f"| every question (no answer counted wrong) | {ours['unseen_question']:.2f} | "
+            f"{ours['unseen_entity']:.2f} | {ours['final']:.2f} |",
+        ]
     mct = metrics.get("consistency")
     if mct:
-        lines += ["", f"MCT ({mct['strategy']}): {mct['mean_listed']:.2f} sections listed on average; "
-                      f"{100 * mct['fallback_ratio']:.1f} % fell back to the first stage's choice"]
+        lines += [
+            "",
+            f"MCT ({mct['strategy']}): {mct['mean_listed']:.2f} sections listed on average; "
+            f"{100 * mct['fallback_ratio']:.1f} % fell back to the first stage's choice",
+        ]
     confusion = metrics.get("inspector_confusion")
     if confusion:
-        lines += ["", "| Inspector | right section | wrong section |", "|---|---|---|",
-                  f"| PASS | {confusion['pass_right']} | {confusion['pass_wrong']} |",
-                  f"| FAIL | {confusion['fail_right']} | {confusion['fail_wrong']} |",
-                  "", f"Inspector routing accuracy: {100 * confusion['routing_accuracy']:.1f} %"]
+        lines += [
+            "",
+            "| Inspector | right section | wrong section |",
+            "|---|---|---|",
+            f"| PASS | {confusion['pass_right']} | {confusion['pass_wrong']} |",
+            f"| FAIL | {confusion['fail_right']} | {confusion['fail_wrong']} |",
+            "",
+            f"Inspector routing accuracy: {100 * confusion['routing_accuracy']:.1f} %",
+        ]
     return "\n".join(lines)

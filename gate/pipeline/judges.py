@@ -56,8 +56,15 @@ class TokenJudge:
 class LLMJudge:
     name = "llm"
 
-    def __init__(self, url: str, model: str, api_key_env: str = "OPENAI_API_KEY", retries: int = 3,
-                 timeout: float = 60.0, backoff: float = 1.0):
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        api_key_env: str = "OPENAI_API_KEY",
+        retries: int = 3,
+        timeout: float = 60.0,
+        backoff: float = 1.0,
+    ):
         if not url or not model:
             raise ValueError("the llm judge needs --judge_url (an OpenAI-compatible endpoint) and --judge_model")
         self.url = chat_url(url)
@@ -66,14 +73,21 @@ class LLMJudge:
         self.failures = 0
 
     def _ask(self, question: str, answer: str, golds) -> str:
-        messages = [{"role": "system", "content": CORRECTNESS_SYSTEM},
-                    {"role": "user", "content": CORRECTNESS_USER.format(
-                        question=question, reference=" | ".join(map(str, golds)), answer=answer)}]
+        messages = [
+            {"role": "system", "content": CORRECTNESS_SYSTEM},
+            {
+                "role": "user",
+                "content": CORRECTNESS_USER.format(
+                    question=question, reference=" | ".join(map(str, golds)), answer=answer
+                ),
+            },
+        ]
         return chat(self.url, self.model, messages, self.api_key_env, self.timeout)
 
     def score(self, question: str, answer: str, golds, answer_eval=None) -> float | None:
-        value, reason = ask_with_retries(lambda: self._ask(question, answer, golds), parse_score, self.retries,
-                                         self.backoff, "unparseable reply")
+        value, reason = ask_with_retries(
+            lambda: self._ask(question, answer, golds), parse_score, self.retries, self.backoff, "unparseable reply"
+        )
         if value is None:
             self.failures += 1
             self.last_failure = reason
@@ -89,8 +103,9 @@ def make_judge(name: str, **kwargs):
 
 def judge_from_args(args):
     """The judge a data-construction config names (``judge``, and for ``llm`` its URL, model and key variable)."""
-    kwargs = dict(url=args.judge_url, model=args.judge_model, api_key_env=args.judge_key_env) \
-        if args.judge == "llm" else {}
+    kwargs = (
+        dict(url=args.judge_url, model=args.judge_model, api_key_env=args.judge_key_env) if args.judge == "llm" else {}
+    )
     return make_judge(args.judge, **kwargs)
 
 

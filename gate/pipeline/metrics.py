@@ -6,7 +6,8 @@ written anew (and checked by table-driven tests built from reading it, tests/tes
 E-VQA — google-research ``encyclopedic_vqa/evaluation_utils.py``: answers normalised by ``preprocess_answer``; a
 question right on exact match (``singleanswer_exact_match``) or, for ``multi_answer``, on the IoU of the reference's
 ``&&`` parts and the candidate split on ",", " and ", " & " (``multianswer_exact_match``); otherwise BEM decides,
-P[equivalent] ≥ 0.5 (``initialize_bem_scoring_function``; gate/pipeline/bem.py builds its input). The best over a question's
+P[equivalent] ≥ 0.5 (``initialize_bem_scoring_function``; gate/pipeline/bem.py builds its input). The best over a
+question's
 ``|`` alternatives counts (``evaluate_example``). A blank prediction goes to BEM like any other.
 
 InfoSeek — edchengg/infoseek_eval ``infoseek_eval.py`` (the scorer the InfoSeek README links): Time and String
@@ -28,8 +29,20 @@ from collections.abc import Callable, Sequence
 
 from retrieval.answers import answer_in_passage, normalize_answer
 
-__all__ = ["answer_in_passage", "evqa_correct", "official_correct", "evqa_normalize", "infoseek_correct",
-           "infoseek_scores", "infoseek_report", "normalize_answer", "numeric_answer", "harmonic_mean", "infoseek_match", "token_accuracy"]
+__all__ = [
+    "answer_in_passage",
+    "evqa_correct",
+    "official_correct",
+    "evqa_normalize",
+    "infoseek_correct",
+    "infoseek_scores",
+    "infoseek_report",
+    "normalize_answer",
+    "numeric_answer",
+    "harmonic_mean",
+    "infoseek_match",
+    "token_accuracy",
+]
 
 
 def who(qid) -> str:
@@ -42,35 +55,51 @@ EVQA_QUESTION_TYPES = ("templated", "automatic", "multi_answer", "2_hop")
 _EVQA_PUNCT = set(string.punctuation + "‘’´`_")
 _EVQA_ARTICLES = re.compile(r"\b(the answer is|a|an|the)\b")
 _SPAN_PREFIX = "<extra_id_0> "
-DIGIT_WORDS = {"none": "0", "zero": "0", "one": "1", "two": "2", "three": "3", "four": "4", "five": "5", "six": "6",
-           "seven": "7", "eight": "8", "nine": "9", "ten": "10"}
+DIGIT_WORDS = {
+    "none": "0",
+    "zero": "0",
+    "one": "1",
+    "two": "2",
+    "three": "3",
+    "four": "4",
+    "five": "5",
+    "six": "6",
+    "seven": "7",
+    "eight": "8",
+    "nine": "9",
+    "ten": "10",
+}
 _EVQA_WORDS = {**DIGIT_WORDS, "entailment": "yes", "true": "yes", "contradiction": "no", "false": "no"}
 
 BEM = Callable[[Sequence[str], Sequence[str], Sequence[str]], Sequence[float]]  # (candidates, references, questions)
 
 
-CONTRACTIONS = dict(pair.split(":") for pair in (
-    "aint:ain't arent:aren't cant:can't couldve:could've couldnt:couldn't couldn'tve:couldn't've "
-    "couldnt've:couldn't've didnt:didn't doesnt:doesn't dont:don't hadnt:hadn't hadnt've:hadn't've "
-    "hadn'tve:hadn't've hasnt:hasn't havent:haven't hed:he'd hed've:he'd've he'dve:he'd've hes:he's howd:how'd "
-    "howll:how'll hows:how's Id've:I'd've I'dve:I'd've Im:I'm Ive:I've isnt:isn't itd:it'd itd've:it'd've "
-    "it'dve:it'd've itll:it'll let's:let's maam:ma'am "
-    "mightnt:mightn't mightnt've:mightn't've mightn'tve:mightn't've mightve:might've mustnt:mustn't mustve:must've "
-    "neednt:needn't notve:not've oclock:o'clock oughtnt:oughtn't "
-    "ow's'at:'ow's'at 'ows'at:'ow's'at 'ow'sat:'ow's'at shant:shan't shed've:she'd've she'dve:she'd've she's:she's "
-    "shouldve:should've shouldnt:shouldn't shouldnt've:shouldn't've shouldn'tve:shouldn't've "
-    "somebody'd:somebodyd somebodyd've:somebody'd've somebody'dve:somebody'd've somebodyll:somebody'll "
-    "somebodys:somebody's someoned:someone'd someoned've:someone'd've someone'dve:someone'd've "
-    "someonell:someone'll someones:someone's somethingd:something'd somethingd've:something'd've "
-    "something'dve:something'd've somethingll:something'll thats:that's thered:there'd thered've:there'd've "
-    "there'dve:there'd've therere:there're theres:there's theyd:they'd theyd've:they'd've they'dve:they'd've "
-    "theyll:they'll theyre:they're theyve:they've twas:'twas wasnt:wasn't wed've:we'd've we'dve:we'd've "
-    "weve:we've werent:weren't whatll:what'll whatre:what're whats:what's whatve:what've whens:when's "
-    "whered:where'd wheres:where's whereve:where've whod:who'd whod've:who'd've who'dve:who'd've wholl:who'll "
-    "whos:who's whove:who've whyll:why'll whyre:why're whys:why's wont:won't wouldve:would've wouldnt:wouldn't "
-    "wouldnt've:wouldn't've wouldn'tve:wouldn't've yall:y'all yall'll:y'all'll y'allll:y'all'll "
-    "yall'd've:y'all'd've y'alld've:y'all'd've y'all'dve:y'all'd've youd:you'd youd've:you'd've "
-    "you'dve:you'd've youll:you'll youre:you're youve:you've").split())
+CONTRACTIONS = dict(
+    pair.split(":")
+    for pair in (
+        "aint:ain't arent:aren't cant:can't couldve:could've couldnt:couldn't couldn'tve:couldn't've "
+        "couldnt've:couldn't've didnt:didn't doesnt:doesn't dont:don't hadnt:hadn't hadnt've:hadn't've "
+        "hadn'tve:hadn't've hasnt:hasn't havent:haven't hed:he'd hed've:he'd've he'dve:he'd've hes:he's howd:how'd "
+        "howll:how'll hows:how's Id've:I'd've I'dve:I'd've Im:I'm Ive:I've isnt:isn't itd:it'd itd've:it'd've "
+        "it'dve:it'd've itll:it'll let's:let's maam:ma'am "
+        "mightnt:mightn't mightnt've:mightn't've mightn'tve:mightn't've mightve:might've mustnt:mustn't mustve:must've "
+        "neednt:needn't notve:not've oclock:o'clock oughtnt:oughtn't "
+        "ow's'at:'ow's'at 'ows'at:'ow's'at 'ow'sat:'ow's'at shant:shan't shed've:she'd've she'dve:she'd've she's:she's "
+        "shouldve:should've shouldnt:shouldn't shouldnt've:shouldn't've shouldn'tve:shouldn't've "
+        "somebody'd:somebodyd somebodyd've:somebody'd've somebody'dve:somebody'd've somebodyll:somebody'll "
+        "somebodys:somebody's someoned:someone'd someoned've:someone'd've someone'dve:someone'd've "
+        "someonell:someone'll someones:someone's somethingd:something'd somethingd've:something'd've "
+        "something'dve:something'd've somethingll:something'll thats:that's thered:there'd thered've:there'd've "
+        "there'dve:there'd've therere:there're theres:there's theyd:they'd theyd've:they'd've they'dve:they'd've "
+        "theyll:they'll theyre:they're theyve:they've twas:'twas wasnt:wasn't wed've:we'd've we'dve:we'd've "
+        "weve:we've werent:weren't whatll:what'll whatre:what're whats:what's whatve:what've whens:when's "
+        "whered:where'd wheres:where's whereve:where've whod:who'd whod've:who'd've who'dve:who'd've wholl:who'll "
+        "whos:who's whove:who've whyll:why'll whyre:why're whys:why's wont:won't wouldve:would've wouldnt:wouldn't "
+        "wouldnt've:wouldn't've wouldn'tve:wouldn't've yall:y'all yall'll:y'all'll y'allll:y'all'll "
+        "yall'd've:y'all'd've y'alld've:y'all'd've y'all'dve:y'all'd've youd:you'd youd've:you'd've "
+        "you'dve:you'd've youll:you'll youre:you're youve:you've"
+    ).split()
+)
 
 
 def evqa_normalize(answer: str) -> str:
@@ -113,8 +142,10 @@ def _evqa_references(answer, question_type: str, qid) -> list[str]:
     for ref in alternatives:
         parts = ref.split("&&") if question_type == "multi_answer" else [ref]
         if not ref or not _evqa_parts(parts):
-            raise ValueError(f"E-VQA {who(qid)}: a reference answer in {answer!r} is empty after normalisation "
-                             "(the official scorer refuses it)")
+            raise ValueError(
+                f"E-VQA {who(qid)}: a reference answer in {answer!r} is empty after normalisation "
+                "(the official scorer refuses it)"
+            )
     return alternatives
 
 
@@ -123,19 +154,23 @@ def evqa_undecided(prediction: str, answer: str, question_type: str, qid=None) -
     alternatives; else the references BEM must judge (``&&`` turned into commas for ``multi_answer``, as the official
     BEM scoring does). A None prediction, an unknown question type or an empty reference is refused."""
     if not isinstance(prediction, str):
-        raise ValueError(f"E-VQA {who(qid)}: the prediction must be a string (an empty answer is ''), got "
-                         f"{prediction!r}")
+        raise ValueError(
+            f"E-VQA {who(qid)}: the prediction must be a string (an empty answer is ''), got {prediction!r}"
+        )
     if question_type not in EVQA_QUESTION_TYPES:
-        raise ValueError(f"E-VQA {who(qid)}: unknown question type {question_type!r} (expected one of "
-                         f"{', '.join(EVQA_QUESTION_TYPES)})")
+        raise ValueError(
+            f"E-VQA {who(qid)}: unknown question type {question_type!r} (expected one of "
+            f"{', '.join(EVQA_QUESTION_TYPES)})"
+        )
     alternatives = _evqa_references(answer, question_type, qid)
     if any(_evqa_exact(prediction, ref, question_type) for ref in alternatives):
         return None
     return [ref.replace("&&", ",") if question_type == "multi_answer" else ref for ref in alternatives]
 
 
-def evqa_correct(prediction: str, answer: str, question: str, question_type: str, bem: BEM | None = None,
-                 qid=None) -> bool:
+def evqa_correct(
+    prediction: str, answer: str, question: str, question_type: str, bem: BEM | None = None, qid=None
+) -> bool:
     """The official E-VQA decision for one question (``encyclopedic_vqa_evaluation_function`` and
     ``evaluate_example``): exact match first, then BEM on the raw strings for every undecided alternative — a blank
     prediction included. Without ``bem``, an undecided answer is wrong (exact match only)."""
@@ -167,6 +202,7 @@ def evqa_correct_batch(records: Sequence[dict], bem: BEM | None = None) -> list[
 def evqa_report(records: Sequence[dict], correct: Sequence[bool]) -> dict:
     """Accuracy (%) per question kind: single-hop (every type but 2_hop), two-hop, overall (the E-VQA README: the
     accuracy of a split is the mean score over its questions)."""
+
     def pct(sel):
         sel = list(sel)
         return 100.0 * sum(sel) / len(sel) if sel else None
@@ -240,8 +276,10 @@ def _answer_range(answer_eval, qid) -> tuple[float, float]:
             raise ValueError(f"InfoSeek {who(qid)}: answer_eval is empty (the official scorer needs a range)")
         answer_eval = answer_eval[0]
     if not isinstance(answer_eval, dict) or answer_eval.get("range") is None or len(list(answer_eval["range"])) < 2:
-        raise ValueError(f"InfoSeek {who(qid)}: a Numerical question needs answer_eval with a range of two numbers, "
-                         f"got {answer_eval!r}")
+        raise ValueError(
+            f"InfoSeek {who(qid)}: a Numerical question needs answer_eval with a range of two numbers, "
+            f"got {answer_eval!r}"
+        )
     low, high = (float(x) for x in list(answer_eval["range"])[:2])
     return low, high
 
@@ -249,8 +287,10 @@ def _answer_range(answer_eval, qid) -> tuple[float, float]:
 def _aliases(answer_eval, qid) -> list[str]:
     items = [answer_eval] if isinstance(answer_eval, str) else answer_eval
     if not isinstance(items, (list, tuple)) or not items:
-        raise ValueError(f"InfoSeek {who(qid)}: answer_eval must be a non-empty list of answers (the official scorer "
-                         f"takes the best over them), got {answer_eval!r}")
+        raise ValueError(
+            f"InfoSeek {who(qid)}: answer_eval must be a non-empty list of answers (the official scorer "
+            f"takes the best over them), got {answer_eval!r}"
+        )
     if any(a is None or isinstance(a, (dict, list, tuple)) for a in items):
         raise ValueError(f"InfoSeek {who(qid)}: a String / Time answer_eval must hold strings, got {answer_eval!r}")
     return [str(a) for a in items]
@@ -264,8 +304,9 @@ def infoseek_correct(prediction: str, answer_eval, question_type: str, qid=None,
     (an empty prediction never matches), which ``infoseek_match`` uses. A None prediction, a missing question type or
     an empty ``answer_eval`` is refused."""
     if not isinstance(prediction, str):
-        raise ValueError(f"InfoSeek {who(qid)}: the prediction must be a string (an empty answer is ''), got "
-                         f"{prediction!r}")
+        raise ValueError(
+            f"InfoSeek {who(qid)}: the prediction must be a string (an empty answer is ''), got {prediction!r}"
+        )
     if question_type is None:
         raise ValueError(f"InfoSeek {who(qid)}: no question_type (the official scorer needs one per question)")
     if infoseek_kind(question_type) == "numerical":
@@ -291,8 +332,10 @@ def _final(scores: Sequence[float]) -> float:
 def _infoseek_checked(records: Sequence[dict]) -> None:
     untyped = [r.get("id", i) for i, r in enumerate(records) if r.get("question_type") is None]
     if untyped:
-        raise ValueError(f"{len(untyped)} InfoSeek record(s) have no question_type (e.g. {untyped[0]!r}): the official "
-                         "score needs them (retrieval.upstream.convert --qtype infoseek_val_qtype.jsonl)")
+        raise ValueError(
+            f"{len(untyped)} InfoSeek record(s) have no question_type (e.g. {untyped[0]!r}): the official "
+            "score needs them (retrieval.upstream.convert --qtype infoseek_val_qtype.jsonl)"
+        )
     for i, r in enumerate(records):
         if r.get("data_split") is None:
             raise ValueError(f"InfoSeek {who(r.get('id', i))}: no data_split (the official scorer splits on it)")
@@ -338,8 +381,12 @@ def infoseek_scores(records: Sequence[dict]) -> dict:
     prediction (left out of the official figures, wrong in ``all_questions``); ``prediction: None`` is refused, as the
     official scorer cannot read it."""
     _infoseek_checked(records)
-    correct = [infoseek_correct(r["prediction"], r.get("answer_eval"), r["question_type"], qid=r.get("id", i))
-               if "prediction" in r else None for i, r in enumerate(records)]
+    correct = [
+        infoseek_correct(r["prediction"], r.get("answer_eval"), r["question_type"], qid=r.get("id", i))
+        if "prediction" in r
+        else None
+        for i, r in enumerate(records)
+    ]
     return infoseek_report(records, correct)
 
 
@@ -352,8 +399,11 @@ def infoseek_match(prediction, answer_eval) -> bool:
     items = answer_eval if isinstance(answer_eval, (list, tuple)) else [answer_eval]
     if any(isinstance(i, dict) and i.get("range") is not None for i in items):
         return infoseek_correct(prediction, answer_eval, "Numerical")
-    aliases = [str(i["wikidata"]) if isinstance(i, dict) else i for i in items
-               if not isinstance(i, dict) or i.get("wikidata") is not None]
+    aliases = [
+        str(i["wikidata"]) if isinstance(i, dict) else i
+        for i in items
+        if not isinstance(i, dict) or i.get("wikidata") is not None
+    ]
     aliases = [a for a in aliases if a is not None]
     return bool(aliases) and infoseek_correct(prediction, aliases, "String", empty_matches=False)
 
@@ -363,8 +413,9 @@ def infoseek_match(prediction, answer_eval) -> bool:
 METRICS = ("infoseek", "evqa")
 
 
-def official_correct(metric: str, records: Sequence[dict], predictions: Sequence[str | None],
-                     bem: BEM | None = None) -> list[bool]:
+def official_correct(
+    metric: str, records: Sequence[dict], predictions: Sequence[str | None], bem: BEM | None = None
+) -> list[bool]:
     """Correctness of ``predictions`` for question ``records`` (our question format) under a benchmark's rule:
     ``evqa`` (the CSV answer is ``|``.join(answers); BEM batched over the undecided ones, blank predictions included)
     or ``infoseek`` (``infoseek_correct`` when the record has an InfoSeek question type, else ``infoseek_match``).
@@ -374,10 +425,16 @@ def official_correct(metric: str, records: Sequence[dict], predictions: Sequence
         raise ValueError(f"{len(records)} question records but {len(predictions)} predictions")
     if metric == "evqa":
         given = [i for i, p in enumerate(predictions) if p is not None]
-        rows = [{"id": records[i].get("id", f"#{i}"), "prediction": predictions[i],
-                 "answer": "|".join(str(a) for a in records[i].get("answers") or []),
-                 "question": records[i]["question"], "question_type": records[i].get("question_type") or "automatic"}
-                for i in given]
+        rows = [
+            {
+                "id": records[i].get("id", f"#{i}"),
+                "prediction": predictions[i],
+                "answer": "|".join(str(a) for a in records[i].get("answers") or []),
+                "question": records[i]["question"],
+                "question_type": records[i].get("question_type") or "automatic",
+            }
+            for i in given
+        ]
         out = [False] * len(records)
         for i, ok in zip(given, evqa_correct_batch(rows, bem)):
             out[i] = ok

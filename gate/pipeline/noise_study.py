@@ -9,7 +9,8 @@ left out and counted), a context of ``n_sections`` sections is built per level: 
 when the entity has fewer), the rest sections of other entities drawn with a seed, shuffled; ``oracle`` is the one
 best relevant section alone (the evidence section when the question names it). Each generator answers every
 (question, level) with the generator prompt (``--generator_prompt``: a built-in name or a YAML file), answers are
-scored by the benchmark's official rule (gate.pipeline.metrics.official_correct), and the table — generators as rows, levels
+scored by the benchmark's official rule (gate.pipeline.metrics.official_correct), and the table — generators as rows,
+levels
 as columns, accuracy in % — is printed and written to ``DIR/noise_table.md`` and ``DIR/noise.json``. Answers are
 appended to ``DIR/answers.jsonl`` per batch: an interrupted study goes on where it stopped.
 
@@ -48,8 +49,9 @@ class NoiseArgs:
     kb: str = field(default=None, metadata={"help": "KB JSONL whose rows are sections (entity_id, title, text)"})
     out: str = field(default=None, metadata={"help": "output folder"})
     images_root: str = field(default=None, metadata={"help": "default: the queries file's folder"})
-    generators: str = field(default=None, metadata={"help": "name=kind:path list; kinds: vlm, vlm-text, llm, "
-                                                            "endpoint (MODEL@URL)"})
+    generators: str = field(
+        default=None, metadata={"help": "name=kind:path list; kinds: vlm, vlm-text, llm, endpoint (MODEL@URL)"}
+    )
     levels: str = field(default=DEFAULT_LEVELS, metadata={"help": "shares of relevant sections, and/or oracle"})
     n_sections: int = field(default=10, metadata={"help": "sections per context (oracle: one)"})
     metric: str = field(default="infoseek", metadata={"help": "official rule: infoseek | evqa"})
@@ -90,16 +92,24 @@ def parse_generators(text: str) -> dict[str, tuple[str, str]]:
         name, _, spec = part.partition("=")
         kind, _, target = spec.partition(":")
         if not name.strip() or kind not in KINDS or not target:
-            raise ValueError(f"--generators: {part!r} must look like name=kind:path with kind one of "
-                             f"{', '.join(KINDS)}")
+            raise ValueError(
+                f"--generators: {part!r} must look like name=kind:path with kind one of {', '.join(KINDS)}"
+            )
         out[name.strip()] = (kind, target)
     if not out:
         raise ValueError("--generators: give at least one name=kind:path")
     return out
 
 
-def noisy_context(relevant: list[str], pool: list[tuple[str, str]], entity: str, level: str, n: int, seed: int,
-                  entity_in_pool: int | None = None) -> list[str]:
+def noisy_context(
+    relevant: list[str],
+    pool: list[tuple[str, str]],
+    entity: str,
+    level: str,
+    n: int,
+    seed: int,
+    entity_in_pool: int | None = None,
+) -> list[str]:
     """The sections of one context: ``oracle`` → the first relevant section alone; a share → round(share × n)
     relevant sections (cycled) and n minus that many distractors — sections of ``pool`` ((entity, text) pairs) of
     another entity than ``entity``, drawn without replacement — shuffled with ``seed``. ``entity_in_pool``: how many
@@ -116,7 +126,7 @@ def noisy_context(relevant: list[str], pool: list[tuple[str, str]], entity: str,
     rng = random.Random(seed)
     # enough draws that, with every one of the entity's own sections among them, n − k others remain
     drawn = rng.sample(range(len(pool)), min(len(pool), n - k + entity_in_pool))
-    others = [pool[i][1] for i in drawn if pool[i][0] != entity][:n - k]
+    others = [pool[i][1] for i in drawn if pool[i][0] != entity][: n - k]
     sections = [relevant[j % len(relevant)] for j in range(k)] + others
     rng.shuffle(sections)
     return sections
@@ -134,8 +144,10 @@ def relevant_sections(question: dict, sections: list[dict]) -> list[str]:
 def accuracy_table(results: dict[str, dict[str, float]], levels: list[str]) -> str:
     """Markdown: a row per generator, a column per level, accuracy in %."""
     head = "| generator | " + " | ".join("oracle" if lv == "oracle" else f"{float(lv):g}" for lv in levels) + " |"
-    rows = [f"| {name} | " + " | ".join(f"{100 * acc[lv]:.1f}" if lv in acc else "—" for lv in levels) + " |"
-            for name, acc in results.items()]
+    rows = [
+        f"| {name} | " + " | ".join(f"{100 * acc[lv]:.1f}" if lv in acc else "—" for lv in levels) + " |"
+        for name, acc in results.items()
+    ]
     return "\n".join([head, "|" + "---|" * (len(levels) + 1), *rows])
 
 
@@ -156,6 +168,7 @@ def load_generator(kind: str, target: str, args: NoiseArgs, prompt: dict, device
             texts = [prompt["user_template"].format(question=q, context=c) for q, c in zip(questions, contexts)]
             answers = vlm(images if kind == "vlm" else None, texts, False)
             return [(a.strip() or None, None) for a in answers]
+
     return lambda images, questions, contexts: [a for a, _ in generate(images, questions, contexts)]
 
 
@@ -215,20 +228,42 @@ def run_study(args: NoiseArgs, log=print, generators: dict | None = None) -> dic
             continue
         generate = generators[name] if generators is not None else load_generator(*spec, args, prompt, device)
         for start in tqdm(range(0, len(todo), args.batch_size), desc=f"noise study: {name}"):
-            batch = todo[start:start + args.batch_size]
-            contexts = ["\n\n".join(noisy_context(q["relevant"], pool, str(q["entity_id"]), lv, args.n_sections,
-                                                  args.seed + zlib.crc32(f"{lv}|{q['id']}".encode()),
-                                                  q["entity_in_pool"])) for lv, q in batch]
+            batch = todo[start : start + args.batch_size]
+            contexts = [
+                "\n\n".join(
+                    noisy_context(
+                        q["relevant"],
+                        pool,
+                        str(q["entity_id"]),
+                        lv,
+                        args.n_sections,
+                        args.seed + zlib.crc32(f"{lv}|{q['id']}".encode()),
+                        q["entity_in_pool"],
+                    )
+                )
+                for lv, q in batch
+            ]
             images = [Image.open(q["image_path"]).convert("RGB") for _, q in batch]
             answers = generate(images, [q["question"] for _, q in batch], contexts)
-            append_jsonl(answers_path, [{"id": f"{name}|{lv}|{q['id']}", "generator": name, "level": lv,
-                                         "question_id": str(q["id"]), "answer": a}
-                                        for (lv, q), a in zip(batch, answers)])
+            append_jsonl(
+                answers_path,
+                [
+                    {
+                        "id": f"{name}|{lv}|{q['id']}",
+                        "generator": name,
+                        "level": lv,
+                        "question_id": str(q["id"]),
+                        "answer": a,
+                    }
+                    for (lv, q), a in zip(batch, answers)
+                ],
+            )
     return score(args, rows, levels, list(specs), answers_path, left_out, log)
 
 
-def score(args: NoiseArgs, rows: list[dict], levels: list[str], names: list[str], answers_path: Path,
-          left_out: int, log) -> dict:
+def score(
+    args: NoiseArgs, rows: list[dict], levels: list[str], names: list[str], answers_path: Path, left_out: int, log
+) -> dict:
     bem = None
     if args.metric == "evqa" and args.bem != "none":
         bem = BEMScorer(args.bem, device=args.device or "cpu", batch_size=args.batch_size)
@@ -240,12 +275,20 @@ def score(args: NoiseArgs, rows: list[dict], levels: list[str], names: list[str]
             correct = official_correct(args.metric, rows, predictions, bem)
             results.setdefault(name, {})[lv] = sum(correct) / max(len(rows), 1)
     table = accuracy_table(results, levels)
-    log(f"answer accuracy (%) by share of relevant sections in a {args.n_sections}-section context, "
-        f"{len(rows)} questions ({args.metric} rule):\n{table}")
+    log(
+        f"answer accuracy (%) by share of relevant sections in a {args.n_sections}-section context, "
+        f"{len(rows)} questions ({args.metric} rule):\n{table}"
+    )
     out = Path(args.out)
     write_text_atomic(out / "noise_table.md", table + "\n")
-    summary = {"questions": len(rows), "left_out": left_out, "n_sections": args.n_sections, "metric": args.metric,
-               "levels": levels, "accuracy": results}
+    summary = {
+        "questions": len(rows),
+        "left_out": left_out,
+        "n_sections": args.n_sections,
+        "metric": args.metric,
+        "levels": levels,
+        "accuracy": results,
+    }
     write_json_atomic(out / "noise.json", summary)
     return summary
 

@@ -57,8 +57,10 @@ class FirstTokenReranker:
     """A VLM's P(positive verbaliser | image, question, section) from its first token: a trained srt gate
     (``gate:DIR``, P(Rel)) or any VLM zero-shot (``vlm:NAME``, P(Yes) to a relevance question)."""
 
-    VLM_SYSTEM = ("You are given an image, a question about it and a document. Does the document help answer the "
-                  "question about the entity in the image? Reply Yes or No.")
+    VLM_SYSTEM = (
+        "You are given an image, a question about it and a document. Does the document help answer the "
+        "question about the entity in the image? Reply Yes or No."
+    )
 
     def __init__(self, model, processor, spec: dict, name: str):
         self.model, self.processor, self.spec, self.name = model, processor, spec, name
@@ -71,8 +73,9 @@ class FirstTokenReranker:
         return cls(model, processor, s, f"gate:{path}")
 
     @classmethod
-    def vlm(cls, path: str, device: str = "cpu", dtype: str | None = None,
-            verbalisers=("Yes", "No")) -> FirstTokenReranker:
+    def vlm(
+        cls, path: str, device: str = "cpu", dtype: str | None = None, verbalisers=("Yes", "No")
+    ) -> FirstTokenReranker:
         model, processor = load_model(path, dtype=dtype, device=device)
         s = dict(spec("srt", verbalisers), system=cls.VLM_SYSTEM.replace("Yes or No", " or ".join(verbalisers)))
         verbaliser_ids(processor.tokenizer, s)  # each verbaliser must be one token of this model
@@ -82,8 +85,9 @@ class FirstTokenReranker:
         flat_images = [im for im, secs in zip(images, sections) for _ in secs]
         flat_q = [q for q, secs in zip(queries, sections) for _ in secs]
         flat_s = [s for secs in sections for s in secs]
-        return unflatten(first_token_scores(self.model, self.processor, self.spec, flat_images, flat_q, flat_s),
-                         sections)
+        return unflatten(
+            first_token_scores(self.model, self.processor, self.spec, flat_images, flat_q, flat_s), sections
+        )
 
 
 def load_reranker(name: str | None, device: str = "cpu", dtype: str | None = None, verbalisers=("Yes", "No")):
@@ -91,9 +95,9 @@ def load_reranker(name: str | None, device: str = "cpu", dtype: str | None = Non
     if name in (None, "", "none"):
         return None
     if name.startswith("gate:"):
-        return FirstTokenReranker.srt_gate(name[len("gate:"):], device=device, dtype=dtype)
+        return FirstTokenReranker.srt_gate(name[len("gate:") :], device=device, dtype=dtype)
     if name.startswith("vlm:"):
-        return FirstTokenReranker.vlm(name[len("vlm:"):], device=device, dtype=dtype, verbalisers=verbalisers)
+        return FirstTokenReranker.vlm(name[len("vlm:") :], device=device, dtype=dtype, verbalisers=verbalisers)
     return CrossEncoderReranker(name, device=device, dtype=dtype)
 
 
@@ -102,6 +106,8 @@ def load_text_reranker(name: str | None, device: str = "cpu", dtype: str | None 
     if name in (None, "", "none"):
         return None
     if name.startswith(("gate:", "vlm:")):
-        raise ValueError(f"--text_reranker {name!r}: the within-article stage takes a text cross-encoder "
-                         "(e.g. BAAI/bge-reranker-v2-m3); multimodal rerankers go in --reranker")
+        raise ValueError(
+            f"--text_reranker {name!r}: the within-article stage takes a text cross-encoder "
+            "(e.g. BAAI/bge-reranker-v2-m3); multimodal rerankers go in --reranker"
+        )
     return CrossEncoderReranker(name, device=device, dtype=dtype)

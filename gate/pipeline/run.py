@@ -12,7 +12,8 @@ With ``baselines: true`` (default) every question goes through both paths, so No
 same retrieval ratio and the oracle gate come from the same run and table; ``baselines: false`` runs only the path
 the gate chose. Every stage is batched with its own progress bar; each finished question is appended (resumable: ids
 already done are skipped). ``accelerate launch -m gate.pipeline …`` splits the questions over processes, every model
-of a process on its own device, and merges their parts into ``predictions.jsonl`` in input order. Writes ``metrics.json``, ``metrics.md`` and
+of a process on its own device, and merges their parts into ``predictions.jsonl`` in input order. Writes
+``metrics.json``, ``metrics.md`` and
 ``accuracy_vs_retrieval.png`` (the gate's threshold swept over one scoring pass, with the baselines).
 """
 
@@ -45,25 +46,62 @@ class PipelineArgs:
     out: str = field(default=None, metadata={"help": "output folder (predictions.jsonl appended; resumable)"})
     images_root: str = field(default=None, metadata={"help": "default: the queries file's folder"})
     gate: str = field(default="always", metadata={"help": "always | never | trained boundary gate folder"})
-    gate_threshold: float = field(default=None, metadata={"help": "scoring threshold γ on the gate's probability (default 0.5; the KBM label threshold τ is a separate build_data setting) or ε for skb (default 3)"})
+    gate_threshold: float = field(
+        default=None,
+        metadata={
+            "help": "scoring threshold γ on the gate's probability (default 0.5; the KBM label threshold τ is a "
+            "separate build_data setting) or ε for skb (default 3)"
+        },
+    )
     answerer: str = field(default=None, metadata={"help": "the VLM that answers without retrieval"})
     refiner: str = field(default="none", metadata={"help": "exported refiner folder, or none"})
     index: str = field(default=None, metadata={"help": "index directory"})
     kb: str = field(default=None, metadata={"help": "KB JSONL (default: the one the index was built from)"})
-    articles: str = field(default=None, metadata={"help": "article store (default: <kb>.articles.sqlite beside the KB, "
-                                                           "built from the KB rows when missing)"})
+    articles: str = field(
+        default=None,
+        metadata={
+            "help": "article store (default: <kb>.articles.sqlite beside the KB, built from the KB rows when missing)"
+        },
+    )
     alpha: float = field(default=None, metadata={"help": "α (default: the refiner's index α)"})
     k: int = field(default=5, metadata={"help": "entities (sections) retrieved per question"})
-    reranker: str = field(default="none", metadata={"help": "first stage over the top-k sections (β1): none | vlm:<VLM> (zero-shot, first-token P(Yes)) | gate:<srt dir> | a CrossEncoder (text) | tiny"})
-    reranker_verbalisers: str = field(default="Yes,No", metadata={"help": "vlm: reranker: the positive and negative first tokens"})
-    text_reranker: str = field(default="none", metadata={"help": "within the chosen article (β2): none (text similarity alone) | a CrossEncoder such as BAAI/bge-reranker-v2-m3 | tiny"})
-    beta1: float = field(default=0.6, metadata={"help": "section stage: β1·retrieval + (1−β1)·reranker (WikiSeeker: "
-                                                        "0.6 E-VQA, 0.8 InfoSeek)"})
-    beta2: float = field(default=0.2, metadata={"help": "within the chosen article: (1−β2)·text similarity + "
-                                                        "β2·text reranker (WikiSeeker: 0.2)"})
-    consistency: str = field(default="none", metadata={"help": "none | trained mct gate folder (MMKB-RAG's MCT over the first-stage top-k sections)"})
-    consistency_strategy: str = field(default="filter", metadata={"help": "what the generator gets from the mct gate: filter (the listed sections) | merge (its summary) | rerank (the first listed section's article)",
-                                                                  "choices": STRATEGIES})
+    reranker: str = field(
+        default="none",
+        metadata={
+            "help": "first stage over the top-k sections (β1): none | vlm:<VLM> (zero-shot, first-token P(Yes)) | "
+            "gate:<srt dir> | a CrossEncoder (text) | tiny"
+        },
+    )
+    reranker_verbalisers: str = field(
+        default="Yes,No", metadata={"help": "vlm: reranker: the positive and negative first tokens"}
+    )
+    text_reranker: str = field(
+        default="none",
+        metadata={
+            "help": "within the chosen article (β2): none (text similarity alone) | a CrossEncoder such as "
+            "BAAI/bge-reranker-v2-m3 | tiny"
+        },
+    )
+    beta1: float = field(
+        default=0.6,
+        metadata={"help": "section stage: β1·retrieval + (1−β1)·reranker (WikiSeeker: 0.6 E-VQA, 0.8 InfoSeek)"},
+    )
+    beta2: float = field(
+        default=0.2,
+        metadata={"help": "within the chosen article: (1−β2)·text similarity + β2·text reranker (WikiSeeker: 0.2)"},
+    )
+    consistency: str = field(
+        default="none",
+        metadata={"help": "none | trained mct gate folder (MMKB-RAG's MCT over the first-stage top-k sections)"},
+    )
+    consistency_strategy: str = field(
+        default="filter",
+        metadata={
+            "help": "what the generator gets from the mct gate: filter (the listed sections) | merge (its summary) | "
+            "rerank (the first listed section's article)",
+            "choices": STRATEGIES,
+        },
+    )
     consistency_max_new_tokens: int = field(default=128, metadata={"help": "mct gate output length (list + summary)"})
     inspector: str = field(default="none", metadata={"help": "none | trained inspector gate folder"})
     inspector_threshold: float = field(default=0.5, metadata={"help": "PASS when P(pass) ≥ this"})
@@ -73,17 +111,35 @@ class PipelineArgs:
     generator_key_env: str = field(default="OPENAI_API_KEY", metadata={"help": "env var holding the endpoint key"})
     generator_retries: int = field(default=3, metadata={"help": "endpoint attempts per question"})
     generator_backoff: float = field(default=1.0, metadata={"help": "endpoint backoff seconds (× attempt)"})
-    generator_prompt: str = field(default="infoseek", metadata={"help": "infoseek | evqa | toy | a .yaml "
-                                                                                "prompt file ({context}, {question})"})
+    generator_prompt: str = field(
+        default="infoseek", metadata={"help": "infoseek | evqa | toy | a .yaml prompt file ({context}, {question})"}
+    )
     generator_image: bool = field(default=False, metadata={"help": "a VLM generator also sees the image"})
     max_new_tokens: int = field(default=24, metadata={"help": "answer length"})
     batch_size: int = field(default=32, metadata={"help": "questions per batch"})
-    metric: str = field(default="infoseek", metadata={"help": "the benchmark's official answer rule: infoseek (per question type; String/Time exact, Numerical ranges) or evqa (exact match, multi-answer IoU, then BEM)",
-                                                      "choices": METRICS})
-    bem: str = field(default="kortukov/answer-equivalence-bem", metadata={"help": "metric evqa: the BEM model (transformers), or none for exact match only"})
+    metric: str = field(
+        default="infoseek",
+        metadata={
+            "help": "the benchmark's official answer rule: infoseek (per question type; String/Time exact, Numerical "
+            "ranges) or evqa (exact match, multi-answer IoU, then BEM)",
+            "choices": METRICS,
+        },
+    )
+    bem: str = field(
+        default="kortukov/answer-equivalence-bem",
+        metadata={"help": "metric evqa: the BEM model (transformers), or none for exact match only"},
+    )
     bem_device: str = field(default=None, metadata={"help": "device for BEM (default: this process's own)"})
-    device: str = field(default=None, metadata={"help": "device of every stage's model: cuda:N / cpu (default: this process's own, cuda:LOCAL_RANK or cpu)"})
-    dtype: str = field(default="auto", metadata={"help": "weights of every stage's model: auto (bf16 on a GPU, fp32 on the CPU), bf16, fp16, fp32"})
+    device: str = field(
+        default=None,
+        metadata={
+            "help": "device of every stage's model: cuda:N / cpu (default: this process's own, cuda:LOCAL_RANK or cpu)"
+        },
+    )
+    dtype: str = field(
+        default="auto",
+        metadata={"help": "weights of every stage's model: auto (bf16 on a GPU, fp32 on the CPU), bf16, fp16, fp32"},
+    )
     baselines: bool = field(default=True, metadata={"help": "run both paths for every question (baselines)"})
     limit: int = field(default=None, metadata={"help": "only the first N questions"})
 
@@ -105,10 +161,15 @@ def validate(args: PipelineArgs) -> None:
         require_index(args.index)
         if not args.generator and args.inspector == "none":
             raise ValueError("--generator is required")
-    for stage, value in (("gate", args.gate), ("answerer", args.answerer), ("refiner", args.refiner),
-                         ("consistency", args.consistency), ("inspector", args.inspector), ("generator", args.generator),
-                         ("reranker", args.reranker.split(":", 1)[1] if args.reranker.startswith(("gate:", "vlm:"))
-                          else None)):
+    for stage, value in (
+        ("gate", args.gate),
+        ("answerer", args.answerer),
+        ("refiner", args.refiner),
+        ("consistency", args.consistency),
+        ("inspector", args.inspector),
+        ("generator", args.generator),
+        ("reranker", args.reranker.split(":", 1)[1] if args.reranker.startswith(("gate:", "vlm:")) else None),
+    ):
         if value in (None, "none", "always", "never", "endpoint") or not _looks_local(value):
             continue
         if not (Path(value) / "config.json").is_file():
@@ -132,8 +193,10 @@ def check_same_config(out: Path, args: PipelineArgs) -> None:
         before = json.loads(path.read_text())
         changed = sorted(k for k in set(before) | set(current) if before.get(k) != current.get(k))
         if changed and (out / "predictions.jsonl").is_file():
-            raise ValueError(f"--out {out} holds predictions made with other settings ({', '.join(changed)}); "
-                             "use another --out, or delete it to start over")
+            raise ValueError(
+                f"--out {out} holds predictions made with other settings ({', '.join(changed)}); "
+                "use another --out, or delete it to start over"
+            )
     write_json_atomic(path, current)
 
 
@@ -168,8 +231,11 @@ def answered(answer: str | None, failed: str | None = None) -> dict:
 
 def stage_names(consistency: bool) -> list[str]:
     """The pipeline's timed stages in order (progress bars, latency, benchmarks/pipeline.py)."""
-    return ["gate", "answer alone", "refine", "retrieve", "rerank"] + ["consistency"] * consistency + \
-        ["section", "inspect", "generate"]
+    return (
+        ["gate", "answer alone", "refine", "retrieve", "rerank"]
+        + ["consistency"] * consistency
+        + ["section", "inspect", "generate"]
+    )
 
 
 def context_of(mct: dict | None, chosen: dict, picked: list[dict]) -> tuple[list[dict], str]:
@@ -188,23 +254,46 @@ def rag_path(st: Stages, batch: list[dict], images, clock: Clock) -> list[dict]:
     if not n:
         return []
     questions = [r["question"] for r in batch]
-    queries = clock.time("refine", n, st.refiner.refine, images, questions, batch_size=n) \
-        if st.refiner is not None else questions
+    queries = (
+        clock.time("refine", n, st.refiner.refine, images, questions, batch_size=n)
+        if st.refiner is not None
+        else questions
+    )
     text_emb, hits, ranks = clock.time("retrieve", n, st.retrieve, images, queries, [r.get("entity_id") for r in batch])
     ranked = clock.time("rerank", n, st.rerank.first_stage, images, questions, hits)
-    mct = clock.time("consistency", n, st.consistency, images, questions,
-                     [[section_text(e) for e in es] for es in ranked]) if st.consistency else [None] * n
+    mct = (
+        clock.time(
+            "consistency", n, st.consistency, images, questions, [[section_text(e) for e in es] for es in ranked]
+        )
+        if st.consistency
+        else [None] * n
+    )
     picked = [[es[j] for j in m["docs"]] if m else es[:1] for es, m in zip(ranked, mct)]
-    chosen = clock.time("section", n, st.rerank.within, images, questions, text_emb,
-                        [p[0]["entity_id"] for p in picked])
+    chosen = clock.time(
+        "section", n, st.rerank.within, images, questions, text_emb, [p[0]["entity_id"] for p in picked]
+    )
     shown, contexts = map(list, zip(*[context_of(m, c, p) for m, c, p in zip(mct, chosen, picked)]))
     verdicts = clock.time("inspect", n, st.inspect, images, questions, contexts) if st.inspect else [None] * n
     # with baselines, the generator also answers where the Inspector failed the section: the pipeline without the
     # Inspector (WikiSeeker's ablation) comes from the same run
     to_generate = [i for i in range(n) if verdicts[i] is None or verdicts[i]["pass"] or st.args.baselines]
-    generated = dict(zip(to_generate, clock.time(
-        "generate", len(to_generate), st.generate, [images[i] for i in to_generate],
-        [questions[i] for i in to_generate], [contexts[i] for i in to_generate]))) if to_generate else {}
+    generated = (
+        dict(
+            zip(
+                to_generate,
+                clock.time(
+                    "generate",
+                    len(to_generate),
+                    st.generate,
+                    [images[i] for i in to_generate],
+                    [questions[i] for i in to_generate],
+                    [contexts[i] for i in to_generate],
+                ),
+            )
+        )
+        if to_generate
+        else {}
+    )
     results = []
     for i, r in enumerate(batch):
         if verdicts[i] is None or verdicts[i]["pass"]:
@@ -212,12 +301,21 @@ def rag_path(st: Stages, batch: list[dict], images, clock: Clock) -> list[dict]:
         else:
             answer = verdicts[i]["answer"]
             reason = None if answer else "the Inspector failed the section and gave no parseable answer"
-        results.append({"query": queries[i], "retrieved": [h.entity_id for h in hits[i]], "gold_rank": ranks[i],
-                        "section": chosen[i]["entry_id"],
-                        "section_right": any(is_gold_section(e["entity_id"], e.get("section"), r.get("entity_id"),
-                                                             r.get("evidence_section_id")) for e in shown[i]),
-                        **({"consistency": mct[i]} if mct[i] is not None else {}),
-                        "inspector": verdicts[i], **answered(answer, reason)})
+        results.append(
+            {
+                "query": queries[i],
+                "retrieved": [h.entity_id for h in hits[i]],
+                "gold_rank": ranks[i],
+                "section": chosen[i]["entry_id"],
+                "section_right": any(
+                    is_gold_section(e["entity_id"], e.get("section"), r.get("entity_id"), r.get("evidence_section_id"))
+                    for e in shown[i]
+                ),
+                **({"consistency": mct[i]} if mct[i] is not None else {}),
+                "inspector": verdicts[i],
+                **answered(answer, reason),
+            }
+        )
         if verdicts[i] is not None and i in generated:  # the generator's answer with this section, Inspector or not
             results[-1]["without_inspector"] = answered(*generated[i])
     return results
@@ -235,13 +333,29 @@ def run_batch(st: Stages, batch: list[dict], images, bars: dict | None = None) -
         scores, retrieve = [None] * n, [args.gate == "always"] * n
     alone_idx = [i for i in range(n) if args.baselines or not retrieve[i]]
     rag_idx = [i for i in range(n) if args.baselines or retrieve[i]]
-    alone = dict(zip(alone_idx, clock.time("answer alone", len(alone_idx), st.answer,
-                                           [images[i] for i in alone_idx], [questions[i] for i in alone_idx])))\
-        if alone_idx else {}
+    alone = (
+        dict(
+            zip(
+                alone_idx,
+                clock.time(
+                    "answer alone",
+                    len(alone_idx),
+                    st.answer,
+                    [images[i] for i in alone_idx],
+                    [questions[i] for i in alone_idx],
+                ),
+            )
+        )
+        if alone_idx
+        else {}
+    )
     rag = dict(zip(rag_idx, rag_path(st, [batch[i] for i in rag_idx], [images[i] for i in rag_idx], clock)))
     alone = {i: answered(a) for i, a in alone.items()}
-    st.judge([(batch[i], a) for i, a in alone.items()] + [(batch[i], x) for i, x in rag.items()] +
-             [(batch[i], x["without_inspector"]) for i, x in rag.items() if "without_inspector" in x])
+    st.judge(
+        [(batch[i], a) for i, a in alone.items()]
+        + [(batch[i], x) for i, x in rag.items()]
+        + [(batch[i], x["without_inspector"]) for i, x in rag.items() if "without_inspector" in x]
+    )
     per_question = clock.per_question()
     out = []
     for i, r in enumerate(batch):
@@ -250,14 +364,26 @@ def run_batch(st: Stages, batch: list[dict], images, bars: dict | None = None) -
         went = {"gate"} | ({"answer alone"} if i in alone else set())
         if i in rag:
             verdict = rag[i]["inspector"]
-            went |= {"refine", "retrieve", "rerank", "consistency", "section", "inspect"} | \
-                ({"generate"} if not verdict or verdict["pass"] else set())
+            went |= {"refine", "retrieve", "rerank", "consistency", "section", "inspect"} | (
+                {"generate"} if not verdict or verdict["pass"] else set()
+            )
         latency = {s: v for s, v in per_question.items() if s in went}  # summed over questions = stage seconds
-        out.append({"id": r["id"], "split": r.get("split"), "question": r["question"], "answers": r.get("answers"),
-                    "entity_id": r.get("entity_id"), "question_type": r.get("question_type"),
-                    "gate": {"score": None if scores[i] is None else float(scores[i]), "retrieve": retrieve[i]},
-                    "alone": a, "rag": rag.get(i), "answer": chosen["answer"], "correct": chosen["correct"],
-                    "latency": latency})
+        out.append(
+            {
+                "id": r["id"],
+                "split": r.get("split"),
+                "question": r["question"],
+                "answers": r.get("answers"),
+                "entity_id": r.get("entity_id"),
+                "question_type": r.get("question_type"),
+                "gate": {"score": None if scores[i] is None else float(scores[i]), "retrieve": retrieve[i]},
+                "alone": a,
+                "rag": rag.get(i),
+                "answer": chosen["answer"],
+                "correct": chosen["correct"],
+                "latency": latency,
+            }
+        )
     return out
 
 
@@ -266,7 +392,7 @@ def run(args: PipelineArgs, log=print, stages: Stages | None = None, state=None)
     each answers every N-th batch on its own device and process 0 merges the parts in input order and reports (the
     others return None): the same predictions as one process (common.job_parts)."""
     validate(args)
-    rows = list(read_jsonl(args.queries))[:args.limit]
+    rows = list(read_jsonl(args.queries))[: args.limit]
     check_unique_ids(rows, args.queries)
     root = Path(args.images_root or Path(args.queries).parent)
     out = Path(args.out)
@@ -283,8 +409,11 @@ def run(args: PipelineArgs, log=print, stages: Stages | None = None, state=None)
         bars = {s: tqdm(total=parts.mine, desc=f"{s:>12}", position=i, unit="q") for i, s in enumerate(names)}
         for batch in batches:
             present = [r for r in batch if (root / str(r.get("image"))).is_file()]
-            skipped = [{"id": r["id"], "skipped": f"image file missing: {root / str(r.get('image'))}"}
-                       for r in batch if r not in present]
+            skipped = [
+                {"id": r["id"], "skipped": f"image file missing: {root / str(r.get('image'))}"}
+                for r in batch
+                if r not in present
+            ]
             images = [Image.open(root / r["image"]).convert("RGB") for r in present]
             parts.append(skipped + (run_batch(stages, present, images, bars) if present else []))
         for bar in bars.values():
@@ -339,10 +468,17 @@ def _summarize_chosen(records: list[dict]) -> dict:
     done = [r for r in records if "skipped" not in r]
     if not done:
         return {"n": 0, "skipped": len(records)}
-    return {"n": len(done), "skipped": len(records) - len(done), "accuracy": float(np.mean([r["correct"] for r in done])),
-            "retrieval_ratio": float(np.mean([r["gate"]["retrieve"] for r in done])), "baselines": {},
-            "latency_s": {s: float(np.mean([r["latency"].get(s, 0.0) for r in done]))
-                          for s in sorted({s for r in done for s in r["latency"]})}}
+    return {
+        "n": len(done),
+        "skipped": len(records) - len(done),
+        "accuracy": float(np.mean([r["correct"] for r in done])),
+        "retrieval_ratio": float(np.mean([r["gate"]["retrieve"] for r in done])),
+        "baselines": {},
+        "latency_s": {
+            s: float(np.mean([r["latency"].get(s, 0.0) for r in done]))
+            for s in sorted({s for r in done for s in r["latency"]})
+        },
+    }
 
 
 def main(argv=None) -> None:

@@ -22,14 +22,20 @@ from rl.refine import Refiner
 
 BOUNDARY_VARIANTS = ("hkb", "skb", "kbm-acc", "kbm-cert", "ret")
 GENERATOR_PROMPTS = {
-    "infoseek": {"system": "You are a helpful assistant that answers questions about an image using a retrieved "
-                           "encyclopedia section. Answer with a short phrase only: an entity, a number or a date.",
-                 "user_template": "Context: {context}\nQuestion: {question}\nShort answer:"},
-    "evqa": {"system": "You are a helpful assistant that answers questions about an image using a retrieved "
-                       "encyclopedia section. Answer in a few words, without explanation.",
-             "user_template": "Context: {context}\nQuestion: {question}\nAnswer:"},
-    "toy": {"system": "Answer the question about the image with a short phrase.",  # the toy answerer's own prompt
-            "user_template": "Context: {context}\nQuestion: {question}"},
+    "infoseek": {
+        "system": "You are a helpful assistant that answers questions about an image using a retrieved "
+        "encyclopedia section. Answer with a short phrase only: an entity, a number or a date.",
+        "user_template": "Context: {context}\nQuestion: {question}\nShort answer:",
+    },
+    "evqa": {
+        "system": "You are a helpful assistant that answers questions about an image using a retrieved "
+        "encyclopedia section. Answer in a few words, without explanation.",
+        "user_template": "Context: {context}\nQuestion: {question}\nAnswer:",
+    },
+    "toy": {
+        "system": "Answer the question about the image with a short phrase.",  # the toy answerer's own prompt
+        "user_template": "Context: {context}\nQuestion: {question}",
+    },
 }
 
 
@@ -48,8 +54,12 @@ class BoundaryGate:
         self.threshold = threshold if threshold is not None else DEFAULT_THRESHOLDS.get(self.spec["name"], 0.5)
 
     def __call__(self, images, questions) -> list[float]:
-        return [float(x) for x in first_token_scores(self.model, self.processor, self.spec, images, questions,
-                                                     batch_size=len(questions))]
+        return [
+            float(x)
+            for x in first_token_scores(
+                self.model, self.processor, self.spec, images, questions, batch_size=len(questions)
+            )
+        ]
 
 
 class Answerer:
@@ -94,8 +104,9 @@ class SectionRanker:
 
     def article_sections(self, entity_id: str) -> list[dict]:
         """Every section of an article from the store (not only those paired with an image in the index)."""
-        return self.store.sections(entity_id, skip_titles=SKIPPED_SECTIONS) or \
-            self.store.sections(entity_id)  # an article of references only still has something to show
+        return self.store.sections(entity_id, skip_titles=SKIPPED_SECTIONS) or self.store.sections(
+            entity_id
+        )  # an article of references only still has something to show
 
     def first_stage(self, images, questions, hits) -> list[list[dict]]:
         """Each question's top-k sections (article-store entries), best first by β1·retrieval + (1−β1)·reranker
@@ -103,8 +114,10 @@ class SectionRanker:
         entries = [[self.store.entry(h.entry_id) for h in hs] for hs in hits]
         missing = [h.entry_id for hs, es in zip(hits, entries) for h, e in zip(hs, es) if e is None]
         if missing:
-            raise ValueError(f"article store {self.store.path} has no entry {missing[0]!r} ({len(missing)} missing): "
-                             "it was built from another KB than the index")
+            raise ValueError(
+                f"article store {self.store.path} has no entry {missing[0]!r} ({len(missing)} missing): "
+                "it was built from another KB than the index"
+            )
         if self.reranker is None:
             return entries
         rr = self.reranker.score(images, questions, [[section_text(e) for e in es] for es in entries])
@@ -121,11 +134,14 @@ class SectionRanker:
             emb = self.index.encode_documents([template.format(**{"section_title": "", **e}) for e in new])
             self.section_emb.update({e["entry_id"]: v for e, v in zip(new, emb)})
         sims = np.stack([self.section_emb[e["entry_id"]] for e in flat]) if flat else None
-        rr2 = self.text_reranker.score(images, questions, [[section_text(e) for e in art] for art in articles]) \
-            if self.text_reranker is not None else None
+        rr2 = (
+            self.text_reranker.score(images, questions, [[section_text(e) for e in art] for art in articles])
+            if self.text_reranker is not None
+            else None
+        )
         out, i = [], 0
         for q, art in enumerate(articles):
-            sim = sims[i:i + len(art)] @ text_emb[q]
+            sim = sims[i : i + len(art)] @ text_emb[q]
             i += len(art)
             score = within_article(sim, rr2[q], self.beta2) if rr2 is not None else sim
             out.append(art[int(np.argmax(score))])
@@ -143,9 +159,19 @@ class Inspector:
         n = len(questions)
         p = first_token_scores(self.model, self.processor, self.spec, images, questions, contexts, batch_size=n)
         fail = [i for i in range(n) if p[i] < self.threshold]
-        parsed = generate_parsed(self.model, self.processor, self.spec, [images[i] for i in fail],
-                                 [questions[i] for i in fail], [contexts[i] for i in fail],
-                                 batch_size=max(1, len(fail))) if fail else []
+        parsed = (
+            generate_parsed(
+                self.model,
+                self.processor,
+                self.spec,
+                [images[i] for i in fail],
+                [questions[i] for i in fail],
+                [contexts[i] for i in fail],
+                batch_size=max(1, len(fail)),
+            )
+            if fail
+            else []
+        )
         out = [{"pass": True, "p_pass": float(x), "answer": None} for x in p]
         for i, res in zip(fail, parsed):
             out[i] = {"pass": False, "p_pass": float(p[i]), "answer": (res or {}).get("answer")}
@@ -156,14 +182,22 @@ def load_generator(args, device: str, dtype: str | None):
     """generate(images, questions, contexts) → [(answer or None, why not)]: a text LLM, a VLM, or an endpoint."""
     prompt = generator_prompt(args.generator_prompt)
     if args.generator == "endpoint":
-        return endpoint_generator(args.generator_url, args.generator_model, prompt, args.generator_key_env,
-                                  args.max_new_tokens, retries=args.generator_retries, backoff=args.generator_backoff)
+        return endpoint_generator(
+            args.generator_url,
+            args.generator_model,
+            prompt,
+            args.generator_key_env,
+            args.max_new_tokens,
+            retries=args.generator_retries,
+            backoff=args.generator_backoff,
+        )
     if args.generator_image:
         vlm = vlm_answerer(args.generator, args.max_new_tokens, system=prompt["system"], device=device, dtype=dtype)
 
         def generate(images, questions, contexts):
             texts = [prompt["user_template"].format(question=q, context=c) for q, c in zip(questions, contexts)]
             return [(a.strip() or None, None if a.strip() else "empty answer") for a in vlm(images, texts, False)]
+
         return generate
     return text_generator(args.generator, prompt, args.max_new_tokens, device=device, dtype=dtype)
 
@@ -185,8 +219,9 @@ class Judge:
         correct = official_correct(self.metric, [r for r, _ in pairs], [a["answer"] for _, a in pairs], self.bem)
         for (r, a), ok in zip(pairs, correct):
             a["correct"] = bool(ok)
-            a["token_accuracy"] = token_accuracy(a["answer"], r.get("answers") or []) \
-                if a["answer"] is not None else 0.0
+            a["token_accuracy"] = (
+                token_accuracy(a["answer"], r.get("answers") or []) if a["answer"] is not None else 0.0
+            )
 
 
 class Stages:
@@ -198,10 +233,14 @@ class Stages:
         device, dtype = resolve_device(args.device), args.dtype
         self.device, self.dtype = device, dtype
         load = _load
-        self.gate = load("gate", BoundaryGate, args.gate, args.gate_threshold, device, dtype) \
-            if args.gate not in ("always", "never") else None
-        self.answer = load("answerer", Answerer, args.answerer, args.max_new_tokens, device, dtype) \
-            if args.answerer else None
+        self.gate = (
+            load("gate", BoundaryGate, args.gate, args.gate_threshold, device, dtype)
+            if args.gate not in ("always", "never")
+            else None
+        )
+        self.answer = (
+            load("answerer", Answerer, args.answerer, args.max_new_tokens, device, dtype) if args.answerer else None
+        )
         self.refiner = self.retrieve = self.rerank = None
         if args.index:
             if args.refiner != "none":
@@ -210,19 +249,38 @@ class Stages:
             self.rerank = load("reranker", SectionRanker, args, self.retrieve.index, device, dtype)
         self.consistency = None
         if args.index and args.consistency != "none":
-            self.consistency = load("consistency", ConsistencyChecker, args.consistency, args.consistency_strategy,
-                                    args.consistency_max_new_tokens, device, dtype)
-        self.inspect = load("inspector", Inspector, args.inspector, args.inspector_threshold, device, dtype) \
-            if args.inspector != "none" else None
+            self.consistency = load(
+                "consistency",
+                ConsistencyChecker,
+                args.consistency,
+                args.consistency_strategy,
+                args.consistency_max_new_tokens,
+                device,
+                dtype,
+            )
+        self.inspect = (
+            load("inspector", Inspector, args.inspector, args.inspector_threshold, device, dtype)
+            if args.inspector != "none"
+            else None
+        )
         self.generate = load("generator", load_generator, args, device, dtype) if args.generator else None
         self.judge = load("BEM", Judge, args, device)
 
         where = f"{device} {str(resolve_dtype(dtype, device)).replace('torch.', '')}"
-        self.placement = {name: where for name, present in (
-            ("gate", self.gate), ("answerer", self.answer), ("refiner", self.refiner),
-            ("reranker", self.rerank and self.rerank.reranker), ("text reranker", self.rerank and self.rerank.text_reranker),
-            ("consistency", self.consistency), ("inspector", self.inspect), ("generator", self.generate))
-            if present is not None}
+        self.placement = {
+            name: where
+            for name, present in (
+                ("gate", self.gate),
+                ("answerer", self.answer),
+                ("refiner", self.refiner),
+                ("reranker", self.rerank and self.rerank.reranker),
+                ("text reranker", self.rerank and self.rerank.text_reranker),
+                ("consistency", self.consistency),
+                ("inspector", self.inspect),
+                ("generator", self.generate),
+            )
+            if present is not None
+        }
         if args.generator == "endpoint":
             self.placement["generator"] = f"endpoint {args.generator_url}"
         if self.retrieve is not None:

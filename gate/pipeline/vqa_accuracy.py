@@ -18,6 +18,8 @@ from gate.pipeline.metrics import CONTRACTIONS, DIGIT_WORDS, who
 _VQA_PUNCT = [";", "/", "[", "]", '"', "{", "}", "(", ")", "=", "+", "\\", "_", "-", ">", "<", "@", "`", ",", "?", "!"]
 _PERIOD = re.compile(r"(?!<=\d)(\.)(?!\d)")
 _COMMA_DIGITS = re.compile(r"(\d)(,)(\d)")
+
+
 # vqaEval.py's contraction table, entry for entry (E-VQA's preprocess_answer has the same one); the capitalised keys
 # never match (both scorers lowercase first), and neither do identities like "let's", but they are the table
 def vqa_normalize(text: str) -> str:
@@ -85,6 +87,11 @@ def vqa_scores(records: Sequence[dict]) -> dict:
 
     def pct(values):
         return round_py2(100 * float(sum(values)) / len(values))
-    return {"overall": pct(accs), "per_question_type": {k: pct(v) for k, v in by_qtype.items()},
-            "per_answer_type": {k: pct(v) for k, v in by_atype.items()}, "per_question": per_question,
-            "n": len(accs)}
+
+    return {
+        "overall": pct(accs),
+        "per_question_type": {k: pct(v) for k, v in by_qtype.items()},
+        "per_answer_type": {k: pct(v) for k, v in by_atype.items()},
+        "per_question": per_question,
+        "n": len(accs),
+    }

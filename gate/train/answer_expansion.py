@@ -28,8 +28,8 @@ from retrieval.answers import answer_in_passage
 EXPANSION_PROMPT = {
     "name": "answer_expansion",
     "system": "You turn the short answer to a question into one complete, descriptive sentence that answers the "
-              "question. Keep the short answer word for word inside the sentence. Reply with one JSON object only: "
-              "{\"expanded_answer\": \"...\"}.",
+    "question. Keep the short answer word for word inside the sentence. Reply with one JSON object only: "
+    '{"expanded_answer": "..."}.',
     "user_template": "Question: {question}\nShort answer: {answer}",
 }
 EXPANDED_FILE = "expanded-inspector.jsonl"
@@ -56,10 +56,19 @@ def expansion_target(short: str, reply) -> dict:
 
 def expander(args, prompt: dict):
     """(questions, short answers) → replies (None for a failed request), from an endpoint or a local text LLM."""
-    reply = replier(prompt["system"], args.max_new_tokens, args.expander_url, args.expander_model, args.judge_key_env,
-                    args.expander, device=args.device or "cpu", dtype=None if args.dtype == "auto" else args.dtype)
-    return lambda questions, answers: reply([prompt["user_template"].format(question=q, answer=a)
-                                             for q, a in zip(questions, answers)])
+    reply = replier(
+        prompt["system"],
+        args.max_new_tokens,
+        args.expander_url,
+        args.expander_model,
+        args.judge_key_env,
+        args.expander,
+        device=args.device or "cpu",
+        dtype=None if args.dtype == "auto" else args.dtype,
+    )
+    return lambda questions, answers: reply(
+        [prompt["user_template"].format(question=q, answer=a) for q, a in zip(questions, answers)]
+    )
 
 
 def stage_expand(args, out: Path, log=print, expand=None) -> int:
@@ -68,10 +77,15 @@ def stage_expand(args, out: Path, log=print, expand=None) -> int:
     if not source.is_file():
         raise ValueError(f"expand: {source} does not exist (run --stage label --variant inspector first)")
     if expand is None and not (args.expander_url and args.expander_model) and not args.expander:
-        raise ValueError("expand: give --expander_url and --expander_model (an OpenAI-compatible endpoint) or "
-                         "--expander (a local model)")
-    prompt = load_prompt(args.expansion_prompt, {}, ("{question}", "{answer}"), "--expansion_prompt") \
-        if args.expansion_prompt else EXPANSION_PROMPT
+        raise ValueError(
+            "expand: give --expander_url and --expander_model (an OpenAI-compatible endpoint) or "
+            "--expander (a local model)"
+        )
+    prompt = (
+        load_prompt(args.expansion_prompt, {}, ("{question}", "{answer}"), "--expansion_prompt")
+        if args.expansion_prompt
+        else EXPANSION_PROMPT
+    )
     target = out / EXPANDED_FILE
     done = completed_ids(target)
     todo = [r for r in read_jsonl(source) if not r["pass"] and str(r["id"]) not in done]
@@ -79,15 +93,19 @@ def stage_expand(args, out: Path, log=print, expand=None) -> int:
         expand = expand or expander(args, prompt)
     kept_short = 0
     for start in tqdm(range(0, len(todo), args.batch_size), desc="expanding answers", disable=not todo):
-        batch = todo[start:start + args.batch_size]
+        batch = todo[start : start + args.batch_size]
         shorts = [str(r["inspector"].get("answer", "")) for r in batch]
         replies = expand([r["question"] for r in batch], shorts)
-        rows = [{"id": str(r["id"]), "answer": short, "reply": reply, **expansion_target(short, reply)}
-                for r, short, reply in zip(batch, shorts, replies)]
+        rows = [
+            {"id": str(r["id"]), "answer": short, "reply": reply, **expansion_target(short, reply)}
+            for r, short, reply in zip(batch, shorts, replies)
+        ]
         kept_short += sum(not x["expanded"] for x in rows)
         append_jsonl(target, rows)
-    log(f"expand: {len(todo)} FAIL answers expanded now ({len(done)} before); {kept_short} kept the short answer "
-        f"(no parsable sentence, or one without the short answer: the reason is in {target.name})")
+    log(
+        f"expand: {len(todo)} FAIL answers expanded now ({len(done)} before); {kept_short} kept the short answer "
+        f"(no parsable sentence, or one without the short answer: the reason is in {target.name})"
+    )
     return len(todo)
 
 

@@ -1,12 +1,14 @@
 """Gate training data, in stages cached to JSONL and resumable per question id.
 
-    python -m gate.train.build_data --stage sample   --queries q.jsonl --model VLM --out DIR [--samples 30] [--temperature 1.0]
+    python -m gate.train.build_data --stage sample   --queries q.jsonl --model VLM --out DIR [--samples 30]
+    [--temperature 1.0]
     python -m gate.train.build_data --stage judge    --out DIR --judge exact|token|llm [--judge_url URL --judge_model M]
     python -m gate.train.build_data --stage retrieve --queries q.jsonl --index IDX --out DIR [--refiner DIR] [--k 5]
     python -m gate.train.build_data --stage context  --model VLM --out DIR --judge exact
     python -m gate.train.build_data --stage consistency --model VLM --out DIR [--srt_gate DIR]        (mct's data)
     python -m gate.train.build_data --stage label    --out DIR --variant hkb|skb|kbm-acc|kbm-cert|ret|srt|mct|inspector
-    python -m gate.train.build_data --stage expand   --out DIR --expander_url URL --expander_model M   (Inspector, E-VQA)
+    python -m gate.train.build_data --stage expand   --out DIR --expander_url URL --expander_model M   (Inspector,
+    E-VQA)
     python -m gate.train.build_data --stage render   --out DIR --variant V [--max_per_class N] [--balance]
         [--class_targets pass:3000,fail:5000] [--inspector_expanded]
 
@@ -14,8 +16,10 @@
 ``samples.jsonl``; ``judge`` scores every sampled answer on the 1–5 scale (each distinct answer once) →
 ``judged.jsonl``; ``retrieve`` and ``context`` (gate.pipeline.context) record the top-k retrieved sections and the
 VLM's answer with each; ``consistency`` (gate.pipeline.consistency) each document's P(Rel) and, for questions with more
-than one relevant document, the MLLM's summary of them (MMKB-RAG's MCT data); ``label`` turns them into the variant's labels (gate.train.labels) → ``labels-<variant>.jsonl``;
-``expand`` turns the Inspector's FAIL answers into sentences (gate.train.answer_expansion); ``render`` writes TRL conversational prompt–completion datasets ``<variant>.<split>.jsonl`` and prints the class
+than one relevant document, the MLLM's summary of them (MMKB-RAG's MCT data); ``label`` turns them into the variant's
+labels (gate.train.labels) → ``labels-<variant>.jsonl``;
+``expand`` turns the Inspector's FAIL answers into sentences (gate.train.answer_expansion); ``render`` writes TRL
+conversational prompt–completion datasets ``<variant>.<split>.jsonl`` and prints the class
 balance. Every stage appends per batch and skips ids already written. A question without a gold answer is labelled
 for ``kbm-cert`` only (reported).
 """
@@ -57,8 +61,16 @@ MCT_RULES = ("srt", "gold-entity")
 SKB_TARGETS = ("stochastic", "round")
 ALONE_RULES = ("greedy", "sampled-majority")
 BACKENDS = ("hf", "vllm")  # rl.generate.vlm_generator's
-LABEL_SOURCES = {"hkb": "judged", "skb": "judged", "kbm-acc": "judged", "kbm-cert": "samples", "ret": "judged",
-                 "srt": "judged", "mct": "retrieved", "inspector": "retrieved"}  # the stage file each variant labels
+LABEL_SOURCES = {
+    "hkb": "judged",
+    "skb": "judged",
+    "kbm-acc": "judged",
+    "kbm-cert": "samples",
+    "ret": "judged",
+    "srt": "judged",
+    "mct": "retrieved",
+    "inspector": "retrieved",
+}  # the stage file each variant labels
 
 
 @dataclass
@@ -70,10 +82,17 @@ class BuildDataArgs:
     model: str = field(default=None, metadata={"help": "sample/context: VLM path or name"})
     samples: int = field(default=30, metadata={"help": "sample: answers per question (R)"})
     temperature: float = field(default=1.0, metadata={"help": "sample: sampling temperature"})
-    backend: str = field(default="hf", metadata={"help": "sample/context: vllm when vLLM is installed",
-                                                 "choices": BACKENDS})
-    device: str = field(default=None, metadata={"help": "sample/context: the VLM's device (default: this process's own, cuda:LOCAL_RANK or cpu)"})
-    dtype: str = field(default="auto", metadata={"help": "sample/context: the VLM's weights: auto (bf16 on a GPU, fp32 on the CPU), bf16, fp16, fp32"})
+    backend: str = field(
+        default="hf", metadata={"help": "sample/context: vllm when vLLM is installed", "choices": BACKENDS}
+    )
+    device: str = field(
+        default=None,
+        metadata={"help": "sample/context: the VLM's device (default: this process's own, cuda:LOCAL_RANK or cpu)"},
+    )
+    dtype: str = field(
+        default="auto",
+        metadata={"help": "sample/context: the VLM's weights: auto (bf16 on a GPU, fp32 on the CPU), bf16, fp16, fp32"},
+    )
     max_new_tokens: int = field(default=32, metadata={"help": "sample/context: answer length"})
     batch_size: int = field(default=8, metadata={"help": "questions per batch"})
     judge: str = field(default="exact", metadata={"help": "judge/context: exact | token | llm"})
@@ -85,39 +104,89 @@ class BuildDataArgs:
     refiner: str = field(default=None, metadata={"help": "retrieve: exported refiner folder (default: the question)"})
     alpha: float = field(default=None, metadata={"help": "retrieve: α (default: the refiner's index α)"})
     k: int = field(default=5, metadata={"help": "retrieve: sections per question"})
-    variant: str = field(default=None, metadata={"help": "label/render: the gate variant",
-                                                 "choices": tuple(LABEL_SOURCES)})
+    variant: str = field(
+        default=None, metadata={"help": "label/render: the gate variant", "choices": tuple(LABEL_SOURCES)}
+    )
     epsilon: float = field(default=3.0, metadata={"help": "label hkb: search needed when mean score < ε"})
-    tau: float = field(default=0.9, metadata={"help": "label kbm-*: the label threshold τ on sampled accuracy / certainty (not the scoring threshold γ, which is gate_threshold at inference)"})
+    tau: float = field(
+        default=0.9,
+        metadata={
+            "help": "label kbm-*: the label threshold τ on sampled accuracy / certainty (not the scoring threshold γ, "
+            "which is gate_threshold at inference)"
+        },
+    )
     correct_score: float = field(default=4.0, metadata={"help": "label: a judged score ≥ this is a correct answer"})
-    alone_rule: str = field(default="greedy", metadata={"help": "ret/srt labels: did the VLM answer right without retrieval — greedy (MMKB-RAG: its one greedy answer, judged) or sampled-majority (most of the R judged samples)",
-                                                        "choices": ALONE_RULES})
-    inspector_check_answer: bool = field(default=False, metadata={
-        "help": "label inspector: PASS also needs the answer with the top section to be judged correct"})
-    mct_rule: str = field(default="srt", metadata={"help": "label mct: srt (MMKB-RAG Algorithm 3, from --stage consistency: questions with more than one relevant document, τ of the NoRel ones mixed in, target ranked by P(Rel) plus a summary) or gold-entity (every retrieved section, the gold entity's ones consistent)",
-                                                   "choices": MCT_RULES})
-    srt_gate: str = field(default=None, metadata={"help": "consistency: trained srt gate whose P(Rel) judges each document (default: 1/0 by the judged answer with the document)"})
-    mct_gamma: float = field(default=0.5, metadata={"help": "consistency/label mct: a document is relevant when P(Rel) ≥ γ"})
-    mct_negative_ratio: float = field(default=0.3, metadata={"help": "label mct: τ, the share of a question's NoRel documents mixed in (0–1)"})
+    alone_rule: str = field(
+        default="greedy",
+        metadata={
+            "help": "ret/srt labels: did the VLM answer right without retrieval — greedy (MMKB-RAG: its one greedy "
+            "answer, judged) or sampled-majority (most of the R judged samples)",
+            "choices": ALONE_RULES,
+        },
+    )
+    inspector_check_answer: bool = field(
+        default=False,
+        metadata={"help": "label inspector: PASS also needs the answer with the top section to be judged correct"},
+    )
+    mct_rule: str = field(
+        default="srt",
+        metadata={
+            "help": "label mct: srt (MMKB-RAG Algorithm 3, from --stage consistency: questions with more than one "
+            "relevant document, τ of the NoRel ones mixed in, target ranked by P(Rel) plus a summary) or gold-entity "
+            "(every retrieved section, the gold entity's ones consistent)",
+            "choices": MCT_RULES,
+        },
+    )
+    srt_gate: str = field(
+        default=None,
+        metadata={
+            "help": "consistency: trained srt gate whose P(Rel) judges each document (default: 1/0 by the judged "
+            "answer with the document)"
+        },
+    )
+    mct_gamma: float = field(
+        default=0.5, metadata={"help": "consistency/label mct: a document is relevant when P(Rel) ≥ γ"}
+    )
+    mct_negative_ratio: float = field(
+        default=0.3, metadata={"help": "label mct: τ, the share of a question's NoRel documents mixed in (0–1)"}
+    )
     summary_max_new_tokens: int = field(default=64, metadata={"help": "consistency: length of the MLLM's summary"})
-    skb_target: str = field(default="stochastic", metadata={"help": "render skb: the non-integer score 1.0–5.0 as the target digit — stochastic (rounded up with probability equal to its fraction, seeded per example: the expected target is the score) or round",
-                                                            "choices": SKB_TARGETS})
+    skb_target: str = field(
+        default="stochastic",
+        metadata={
+            "help": "render skb: the non-integer score 1.0–5.0 as the target digit — stochastic (rounded up with "
+            "probability equal to its fraction, seeded per example: the expected target is the score) or round",
+            "choices": SKB_TARGETS,
+        },
+    )
     verbalisers: list[str] = field(default=None, metadata={"help": "render: replace the variant's verbalisers"})
     max_per_class: int = field(default=None, metadata={"help": "render: cap per class (train split)"})
     balance: bool = field(default=False, metadata={"help": "render: cap every train class at the smallest's size"})
     seed: int = field(default=0, metadata={"help": "sample: sampling seed (per batch); render: seed for capping"})
-    class_targets: str = field(default=None, metadata={"help": "render: per-class counts (pass:3000,fail:5000) or "
-                                                               "shares (pass:0.5,fail:0.5) of the train split, "
-                                                               "sampled with --seed"})
+    class_targets: str = field(
+        default=None,
+        metadata={
+            "help": "render: per-class counts (pass:3000,fail:5000) or "
+            "shares (pass:0.5,fail:0.5) of the train split, "
+            "sampled with --seed"
+        },
+    )
     expander: str = field(default=None, metadata={"help": "expand: a local text LLM (path or name)"})
-    expander_url: str = field(default=None, metadata={"help": "expand: OpenAI-compatible base URL (key from "
-                                                              "--judge_key_env)"})
+    expander_url: str = field(
+        default=None, metadata={"help": "expand: OpenAI-compatible base URL (key from --judge_key_env)"}
+    )
     expander_model: str = field(default=None, metadata={"help": "expand: the endpoint's model name"})
     expansion_prompt: str = field(default=None, metadata={"help": "expand: YAML prompt file ({question}, {answer})"})
-    gate_prompt: str = field(default=None, metadata={"help": "render: the variant's prompt from a YAML file "
-                                                             "(system, user_template); train_sft and scoring use it"})
-    inspector_expanded: bool = field(default=False, metadata={"help": "render inspector: FAIL completions use the "
-                                                                      "expanded answers (--stage expand)"})
+    gate_prompt: str = field(
+        default=None,
+        metadata={
+            "help": "render: the variant's prompt from a YAML file "
+            "(system, user_template); train_sft and scoring use it"
+        },
+    )
+    inspector_expanded: bool = field(
+        default=False, metadata={"help": "render inspector: FAIL completions use the expanded answers (--stage expand)"}
+    )
 
 
 def stage_sample(args: BuildDataArgs, out: Path, log=print, generate=None, state=None) -> int:
@@ -130,15 +199,29 @@ def stage_sample(args: BuildDataArgs, out: Path, log=print, generate=None, state
     batches = parts.start(rows, args.batch_size)
     log(f"sample, {parts.status}, R = {args.samples}")
     if generate is None and batches:
-        generate = vlm_answerer(args.model, args.max_new_tokens, args.temperature, backend=args.backend,
-                                device=resolve_device(args.device), dtype=args.dtype)
+        generate = vlm_answerer(
+            args.model,
+            args.max_new_tokens,
+            args.temperature,
+            backend=args.backend,
+            device=resolve_device(args.device),
+            dtype=args.dtype,
+        )
     for batch in tqdm(batches, desc="sampling", disable=not batches):
         images = [Image.open(r["image_path"]).convert("RGB") for r in batch for _ in range(args.samples)]
         torch.manual_seed(args.seed + zlib.crc32(str(batch[0]["id"]).encode()))  # same samples on a rerun
         texts = generate(images, [r["question"] for r in batch for _ in range(args.samples)], True)
-        greedy = generate(images[::args.samples], [r["question"] for r in batch], False)  # MMKB-RAG's one answer
-        parts.append([{**r, "samples": [t.strip() for t in texts[i * args.samples:(i + 1) * args.samples]],
-                       "greedy": greedy[i].strip()} for i, r in enumerate(batch)])
+        greedy = generate(images[:: args.samples], [r["question"] for r in batch], False)  # MMKB-RAG's one answer
+        parts.append(
+            [
+                {
+                    **r,
+                    "samples": [t.strip() for t in texts[i * args.samples : (i + 1) * args.samples]],
+                    "greedy": greedy[i].strip(),
+                }
+                for i, r in enumerate(batch)
+            ]
+        )
     parts.finish(rows)
     return parts.mine
 
@@ -153,12 +236,21 @@ def stage_judge(args: BuildDataArgs, out: Path, log=print) -> int:
     todo = [r for r in read_jsonl(source) if str(r["id"]) not in done]
     cache: dict = {}
     for start in range(0, len(todo), 64):
-        batch = todo[start:start + 64]
+        batch = todo[start : start + 64]
         greedy = [{**r, "samples": [r["greedy"]]} for r in batch if "greedy" in r]
         greedy_scores = iter(judge_all(greedy, judge, cache))  # the same cache: an answer is judged once
-        append_jsonl(target, [{**r, "judge": args.judge, "scores": s,
-                               **({"greedy_score": next(greedy_scores)[0]} if "greedy" in r else {})}
-                              for r, s in zip(batch, judge_all(batch, judge, cache))])
+        append_jsonl(
+            target,
+            [
+                {
+                    **r,
+                    "judge": args.judge,
+                    "scores": s,
+                    **({"greedy_score": next(greedy_scores)[0]} if "greedy" in r else {}),
+                }
+                for r, s in zip(batch, judge_all(batch, judge, cache))
+            ],
+        )
     failures = getattr(judge, "failures", 0)
     log(f"judge ({args.judge}): {len(todo)} questions, {len(cache)} distinct answers judged, {failures} failures")
     return len(todo)
@@ -180,8 +272,10 @@ def correct_alone(rec: dict, correct_score: float, rule: str = "sampled-majority
     MMKB-RAG's definition), or most of its judged samples do (``sampled-majority``); None when unknown."""
     if rule == "greedy":
         if "greedy_score" not in rec:
-            raise ValueError(f"question {rec.get('id')!r} has no judged greedy answer: --alone_rule greedy needs the "
-                             "sample and judge stages of this version (or use --alone_rule sampled-majority)")
+            raise ValueError(
+                f"question {rec.get('id')!r} has no judged greedy answer: --alone_rule greedy needs the "
+                "sample and judge stages of this version (or use --alone_rule sampled-majority)"
+            )
         return None if rec["greedy_score"] is None else rec["greedy_score"] >= correct_score
     scores = _scores(rec)
     return None if not scores else sum(s >= correct_score for s in scores) / len(scores) >= 0.5
@@ -199,27 +293,46 @@ def label_records(variant: str, rec: dict, args: BuildDataArgs, contexts: dict |
         return [{"search": kbm_certainty_label(rec["samples"], args.tau), "certainty": certainty(rec["samples"])}]
     if variant == "mct" and args.mct_rule == "srt":
         cons = (contexts or {}).get(str(rec["id"]))
-        example = cons and mct_example(cons["rel_probs"], args.mct_gamma, args.mct_negative_ratio,
-                                       seed=args.seed + zlib.crc32(str(rec["id"]).encode()))
+        example = cons and mct_example(
+            cons["rel_probs"],
+            args.mct_gamma,
+            args.mct_negative_ratio,
+            seed=args.seed + zlib.crc32(str(rec["id"]).encode()),
+        )
         if not example:
             return []
-        return [{"consistent": example["consistent"], "summary": cons.get("summary"),
-                 "context": numbered_documents([section_text(rec["hits"][j]) for j in example["shown"]])}]
+        return [
+            {
+                "consistent": example["consistent"],
+                "summary": cons.get("summary"),
+                "context": numbered_documents([section_text(rec["hits"][j]) for j in example["shown"]]),
+            }
+        ]
     if not _has_gold(rec):
         return []
     if variant in ("mct", "inspector"):
         hits, gold = rec["hits"], str(rec["entity_id"])
         if variant == "mct":
-            return [{"consistent": [j + 1 for j, h in enumerate(hits) if str(h["entity_id"]) == gold],
-                     "context": numbered_documents([section_text(h) for h in hits])}]
+            return [
+                {
+                    "consistent": [j + 1 for j, h in enumerate(hits) if str(h["entity_id"]) == gold],
+                    "context": numbered_documents([section_text(h) for h in hits]),
+                }
+            ]
         text_ok = None
         if args.inspector_check_answer:
             ctx = (contexts or {}).get(str(rec["id"]))
             if ctx is None or ctx["doc_scores"][0] is None:
                 return []
             text_ok = ctx["doc_scores"][0] >= args.correct_score
-        label = inspector_label(hits[0]["entity_id"], gold, str((rec.get("answers") or [""])[0]), text_ok,
-                                top_section=hits[0].get("section"), gold_section=rec.get("evidence_section_id"))
+        label = inspector_label(
+            hits[0]["entity_id"],
+            gold,
+            str((rec.get("answers") or [""])[0]),
+            text_ok,
+            top_section=hits[0].get("section"),
+            gold_section=rec.get("evidence_section_id"),
+        )
         return [{"pass": label["pass"] == "true", "inspector": label, "context": section_text(hits[0])}]
     scores = _scores(rec)
     if not scores:
@@ -246,8 +359,18 @@ def label_records(variant: str, rec: dict, args: BuildDataArgs, contexts: dict |
     return out
 
 
-KEEP = ("id", "image", "image_path", "question", "answers", "answer_eval", "entity_id", "question_type", "split",
-        "evidence_section_id")
+KEEP = (
+    "id",
+    "image",
+    "image_path",
+    "question",
+    "answers",
+    "answer_eval",
+    "entity_id",
+    "question_type",
+    "split",
+    "evidence_section_id",
+)
 
 
 def stage_label(args: BuildDataArgs, out: Path, log=print) -> int:
@@ -258,8 +381,9 @@ def stage_label(args: BuildDataArgs, out: Path, log=print) -> int:
     if mct_from_consistency(args):
         cons_path = out / "consistency.jsonl"
         if not cons_path.is_file():
-            raise ValueError(f"label mct: {cons_path} does not exist (run --stage consistency first, or set "
-                             "--mct_rule gold-entity)")
+            raise ValueError(
+                f"label mct: {cons_path} does not exist (run --stage consistency first, or set --mct_rule gold-entity)"
+            )
         contexts = {str(r["id"]): r for r in read_jsonl(cons_path)}
     elif args.variant == "srt" or (args.variant == "inspector" and args.inspector_check_answer):
         ctx_path = out / "contexts.jsonl"
@@ -281,8 +405,10 @@ def stage_label(args: BuildDataArgs, out: Path, log=print) -> int:
         base = {k: rec[k] for k in KEEP if k in rec} | {"variant": args.variant}
         rows += [base | lab for lab in labelled if str(lab.get("id", rec["id"])) not in done]
     append_jsonl(target, rows)
-    log(f"label ({args.variant}): {len(rows)} examples, {skipped} questions without a label"
-        + (f" ({no_gold} have no gold answer: usable by kbm-cert only)" if no_gold else ""))
+    log(
+        f"label ({args.variant}): {len(rows)} examples, {skipped} questions without a label"
+        + (f" ({no_gold} have no gold answer: usable by kbm-cert only)" if no_gold else "")
+    )
     return len(rows)
 
 
@@ -295,8 +421,10 @@ def stage_render(args: BuildDataArgs, out: Path, log=print) -> int:
     targets = parse_class_targets(args.class_targets) if args.class_targets else None
     prompt = load_gate_prompt(args.gate_prompt, args.variant) if args.gate_prompt else None
     used = spec(args.variant, args.verbalisers, prompt)
-    write_json_atomic(prompt_file_for(out, args.variant), {"system": used["system"], "user_template": used["user"],
-                                                          "source": prompt["name"] if prompt else "built-in"})
+    write_json_atomic(
+        prompt_file_for(out, args.variant),
+        {"system": used["system"], "user_template": used["user"], "source": prompt["name"] if prompt else "built-in"},
+    )
     by_split: dict[str, list[dict]] = {}
     for rec in read_jsonl(source):
         by_split.setdefault(rec.get("split") or "train", []).append(rec)
@@ -305,16 +433,27 @@ def stage_render(args: BuildDataArgs, out: Path, log=print) -> int:
     total = 0
     for split, recs in sorted(by_split.items()):
         report: dict = {}
-        rows = render_rows(args.variant, recs, verbalisers=args.verbalisers, max_per_class=args.max_per_class,
-                           seed=args.seed if split == "train" else None, balance=args.balance and split == "train",
-                           skb_target=args.skb_target, targets=targets if split == "train" else None, report=report,
-                           prompt=prompt)
+        rows = render_rows(
+            args.variant,
+            recs,
+            verbalisers=args.verbalisers,
+            max_per_class=args.max_per_class,
+            seed=args.seed if split == "train" else None,
+            balance=args.balance and split == "train",
+            skb_target=args.skb_target,
+            targets=targets if split == "train" else None,
+            report=report,
+            prompt=prompt,
+        )
         write_jsonl_atomic(out / f"{args.variant}.{split}.jsonl", rows)
-        log(f"render ({args.variant}, {split}): {len(rows)} rows → {out / f'{args.variant}.{split}.jsonl'}; "
-            f"classes {format_balance(class_balance(rows))}")
+        log(
+            f"render ({args.variant}, {split}): {len(rows)} rows → {out / f'{args.variant}.{split}.jsonl'}; "
+            f"classes {format_balance(class_balance(rows))}"
+        )
         for cls, rep in report.items():
-            short = "" if rep["taken"] >= rep["wanted"] or rep["wanted"] <= 1 else \
-                f"   (only {rep['available']} available)"
+            short = (
+                "" if rep["taken"] >= rep["wanted"] or rep["wanted"] <= 1 else f"   (only {rep['available']} available)"
+            )
             log(f"  {cls}: {rep['taken']} taken of {rep['available']} available (target {rep['wanted']:g}){short}")
         total += len(rows)
     return total
@@ -326,10 +465,11 @@ def with_expanded_answers(recs: list[dict], out: Path) -> list[dict]:
     targets = expanded_targets(out)
     missing = [str(r["id"]) for r in recs if not r["pass"] and str(r["id"]) not in targets]
     if missing:
-        raise ValueError(f"render --inspector_expanded: {len(missing)} FAIL example(s) have no expanded answer in "
-                         f"{out / EXPANDED_FILE} (first: {', '.join(missing[:3])}); run --stage expand")
-    return [r if r["pass"] else {**r, "inspector": {**r["inspector"], "answer": targets[str(r["id"])]}}
-            for r in recs]
+        raise ValueError(
+            f"render --inspector_expanded: {len(missing)} FAIL example(s) have no expanded answer in "
+            f"{out / EXPANDED_FILE} (first: {', '.join(missing[:3])}); run --stage expand"
+        )
+    return [r if r["pass"] else {**r, "inspector": {**r["inspector"], "answer": targets[str(r["id"])]}} for r in recs]
 
 
 def build(args: BuildDataArgs, log=print, state=None) -> int:
@@ -349,8 +489,16 @@ def build(args: BuildDataArgs, log=print, state=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    stages = {"sample": stage_sample, "judge": stage_judge, "retrieve": stage_retrieve, "context": stage_context,
-              "consistency": stage_consistency, "label": stage_label, "expand": stage_expand, "render": stage_render}
+    stages = {
+        "sample": stage_sample,
+        "judge": stage_judge,
+        "retrieve": stage_retrieve,
+        "context": stage_context,
+        "consistency": stage_consistency,
+        "label": stage_label,
+        "expand": stage_expand,
+        "render": stage_render,
+    }
     if args.stage in PARALLEL:
         return stages[args.stage](args, out, log, state=state)
     return stages[args.stage](args, out, log)

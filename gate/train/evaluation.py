@@ -26,8 +26,13 @@ def sweep(scores, labels, thresholds) -> list[dict]:
     rows = []
     for t in thresholds:
         d = decisions(scores, t)
-        rows.append({"threshold": float(t), "positive_ratio": float(d.mean()) if len(d) else 0.0,
-                     "accuracy": float((d == labels).mean()) if len(d) else 0.0})
+        rows.append(
+            {
+                "threshold": float(t),
+                "positive_ratio": float(d.mean()) if len(d) else 0.0,
+                "accuracy": float((d == labels).mean()) if len(d) else 0.0,
+            }
+        )
     return rows
 
 
@@ -43,8 +48,9 @@ def true_labels(s: dict, rows: list[dict], threshold: float) -> tuple[np.ndarray
     return np.asarray(targets, dtype=bool), None
 
 
-def evaluate_gate(model, processor, s: dict, rows: list[dict], threshold: float | None = None,
-                  batch_size: int = 16) -> dict:
+def evaluate_gate(
+    model, processor, s: dict, rows: list[dict], threshold: float | None = None, batch_size: int = 16
+) -> dict:
     """Held-out metrics of a gate on rendered rows: accuracy and balanced accuracy (mean recall of the two classes)
     at the threshold, the positive ratio predicted and true, the majority-class accuracy to beat, and (skb) the mean
     absolute error of the expected score."""
@@ -57,10 +63,16 @@ def evaluate_gate(model, processor, s: dict, rows: list[dict], threshold: float 
     d = decisions(scores, threshold)
     majority = max(truth.mean(), 1 - truth.mean()) if len(truth) else 0.0
     recalls = [float((d[truth == c] == c).mean()) for c in (True, False) if (truth == c).any()]
-    out = {"variant": s["name"], "n": len(rows), "threshold": threshold, "accuracy": float((d == truth).mean()),
-           "balanced_accuracy": float(np.mean(recalls)) if recalls else 0.0,
-           "majority_baseline": float(majority), "predicted_positive_ratio": float(d.mean()),
-           "true_positive_ratio": float(truth.mean())}
+    out = {
+        "variant": s["name"],
+        "n": len(rows),
+        "threshold": threshold,
+        "accuracy": float((d == truth).mean()),
+        "balanced_accuracy": float(np.mean(recalls)) if recalls else 0.0,
+        "majority_baseline": float(majority),
+        "predicted_positive_ratio": float(d.mean()),
+        "true_positive_ratio": float(truth.mean()),
+    }
     if values is not None:
         out["mae"] = float(np.abs(scores - values).mean())
     return out | {"scores": scores.tolist(), "truth": truth.tolist()}
@@ -70,8 +82,9 @@ def evaluate_generated(model, processor, s: dict, rows: list[dict], batch_size: 
     """Held-out accuracy of generate-and-parse: the parsed output equals the parsed target (answers compared after
     InfoSeek normalisation), and the share of outputs that parse."""
     images = [Image.open(r["image"]).convert("RGB") for r in rows]
-    got = generate_parsed(model, processor, s, images, [r["question"] for r in rows], [r.get("context") for r in rows],
-                          batch_size)
+    got = generate_parsed(
+        model, processor, s, images, [r["question"] for r in rows], [r.get("context") for r in rows], batch_size
+    )
     want = [parse_completion(s, r["completion"][0]["content"]) for r in rows]
     if s["name"] == "answer":
         got, want = [normalize_answer(g) for g in got], [normalize_answer(w) for w in want]
@@ -81,9 +94,13 @@ def evaluate_generated(model, processor, s: dict, rows: list[dict], batch_size: 
     by_class: dict[str, list[bool]] = {}
     for r, ok in zip(rows, right):
         by_class.setdefault(r.get("class", ""), []).append(ok)
-    return {"variant": s["name"], "n": len(rows), "accuracy": float(np.mean(right)) if rows else 0.0,
-            "parsed": float(np.mean([g is not None for g in got])) if rows else 0.0,
-            "accuracy_by_class": {k: float(np.mean(v)) for k, v in sorted(by_class.items())}}
+    return {
+        "variant": s["name"],
+        "n": len(rows),
+        "accuracy": float(np.mean(right)) if rows else 0.0,
+        "parsed": float(np.mean([g is not None for g in got])) if rows else 0.0,
+        "accuracy_by_class": {k: float(np.mean(v)) for k, v in sorted(by_class.items())},
+    }
 
 
 @dataclass
@@ -91,15 +108,20 @@ class ScoringArgs:
     model: str = field(default=None, metadata={"help": "trained gate folder (train_sft output_dir/final)"})
     data: str = field(default=None, metadata={"help": "rendered rows (gate.train.build_data --stage render)"})
     out: str = field(default=None, metadata={"help": "folder for scores.jsonl, metrics.json, sweep.csv, sweep.png"})
-    threshold: float = field(default=None, metadata={"help": "scoring threshold γ (binary, default 0.5) or ε (skb, default 3)"})
+    threshold: float = field(
+        default=None, metadata={"help": "scoring threshold γ (binary, default 0.5) or ε (skb, default 3)"}
+    )
     batch_size: int = field(default=16, metadata={"help": "examples per forward pass"})
 
 
 def write_sweep(out: Path, scores, truth, name: str) -> list[dict]:
     grid = np.linspace(1, 5, 41) if name == "skb" else np.linspace(0, 1, 41)
     rows = sweep(scores, truth, grid)
-    write_text_atomic(out / "sweep.csv", "threshold,positive_ratio,accuracy\n" + "".join(
-        f"{r['threshold']:.3f},{r['positive_ratio']:.4f},{r['accuracy']:.4f}\n" for r in rows))
+    write_text_atomic(
+        out / "sweep.csv",
+        "threshold,positive_ratio,accuracy\n"
+        + "".join(f"{r['threshold']:.3f},{r['positive_ratio']:.4f},{r['accuracy']:.4f}\n" for r in rows),
+    )
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(5, 4))
     ax.plot([r["positive_ratio"] for r in rows], [r["accuracy"] for r in rows], marker=".")
@@ -121,8 +143,10 @@ def score_file(args: ScoringArgs, log=print) -> dict:
     result = evaluate_gate(model, processor, s, rows, args.threshold, args.batch_size)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    write_jsonl_atomic(out / "scores.jsonl", ({"id": r["id"], "score": sc, "positive": t}
-                                              for r, sc, t in zip(rows, result["scores"], result["truth"])))
+    write_jsonl_atomic(
+        out / "scores.jsonl",
+        ({"id": r["id"], "score": sc, "positive": t} for r, sc, t in zip(rows, result["scores"], result["truth"])),
+    )
     write_sweep(out, result["scores"], result["truth"], s["name"])
     metrics = {k: v for k, v in result.items() if k not in ("scores", "truth")}
     write_json_atomic(out / "metrics.json", metrics)

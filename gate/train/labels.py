@@ -31,7 +31,7 @@ def judged_mean(scores) -> float:
 
 
 def hkb_label(scores, epsilon: float) -> str:
-    """"true" (search needed) when the mean judged score is below ε, else "false"."""
+    """ "true" (search needed) when the mean judged score is below ε, else "false"."""
     return "true" if judged_mean(scores) < epsilon else "false"
 
 
@@ -82,12 +82,12 @@ def kbm_certainty_label(answers, tau: float = 0.9) -> bool:
 
 
 def ret_label(correct_without_retrieval: bool) -> str:
-    """"NoRet" when the VLM alone answered correctly, else "Ret"."""
+    """ "NoRet" when the VLM alone answered correctly, else "Ret"."""
     return "NoRet" if correct_without_retrieval else "Ret"
 
 
 def srt_label(correct_without: bool, correct_with_document: bool) -> str | None:
-    """"Rel" if the document turns a wrong answer right, "NoRel" if it turns a right answer wrong, None (drop the
+    """ "Rel" if the document turns a wrong answer right, "NoRel" if it turns a right answer wrong, None (drop the
     pair) if it changes nothing."""
     if correct_with_document and not correct_without:
         return "Rel"
@@ -99,9 +99,14 @@ def srt_label(correct_without: bool, correct_with_document: bool) -> str | None:
 # ---------------------------------------------------------------- Inspector (WikiSeeker)
 
 
-def inspector_label(top_entity: str, gold_entity: str, gold_answer: str,
-                    text_only_correct: bool | None = None, top_section: int | None = None,
-                    gold_section: int | None = None) -> dict:
+def inspector_label(
+    top_entity: str,
+    gold_entity: str,
+    gold_answer: str,
+    text_only_correct: bool | None = None,
+    top_section: int | None = None,
+    gold_section: int | None = None,
+) -> dict:
     """PASS when the context is the gold section — the gold entity's, and its evidence section when the data has one
     (``is_gold_section``) — and, when given, a text-only answer with that context was judged correct (the paper's
     proxy); otherwise FAIL with the gold answer as the Inspector's own answer."""

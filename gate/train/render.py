@@ -37,8 +37,9 @@ def class_of(variant: str, rec: dict, verbalisers=None) -> str:
     return completion(s, value)
 
 
-def render_row(variant: str, rec: dict, verbalisers=None, skb_target: str = "stochastic",
-               prompt: dict | None = None) -> dict:
+def render_row(
+    variant: str, rec: dict, verbalisers=None, skb_target: str = "stochastic", prompt: dict | None = None
+) -> dict:
     """One SFT row. skb's non-integer score becomes a digit by ``skb_target``: ``round``, or ``stochastic`` (rounded
     up with probability equal to its fraction, seeded by the id: over examples the expected target is the score, the
     soft target without a custom loss); the row keeps the score as ``target``. ``prompt`` replaces the variant's."""
@@ -46,13 +47,18 @@ def render_row(variant: str, rec: dict, verbalisers=None, skb_target: str = "sto
     extra = {}
     if variant == "skb":
         score = float(label_value(variant, rec))
-        digit = stochastic_digit(score, zlib.crc32(str(rec["id"]).encode())) if skb_target == "stochastic" \
-            else score
+        digit = stochastic_digit(score, zlib.crc32(str(rec["id"]).encode())) if skb_target == "stochastic" else score
         rec, extra = {**rec, s["label"]: digit}, {"target": score}
-    return {"id": str(rec["id"]), "prompt": messages(s, rec["question"], rec.get("context")),
-            "completion": [{"role": "assistant", "content": completion(s, label_value(variant, rec))}],
-            "image": rec["image_path"], "class": class_of(variant, rec, verbalisers), "question": rec["question"],
-            "context": rec.get("context"), **extra}
+    return {
+        "id": str(rec["id"]),
+        "prompt": messages(s, rec["question"], rec.get("context")),
+        "completion": [{"role": "assistant", "content": completion(s, label_value(variant, rec))}],
+        "image": rec["image_path"],
+        "class": class_of(variant, rec, verbalisers),
+        "question": rec["question"],
+        "context": rec.get("context"),
+        **extra,
+    }
 
 
 def cap_classes(rows: list[dict], max_per_class: int | None, balance: bool, seed: int | None) -> list[dict]:
@@ -92,8 +98,10 @@ def class_targets(available: dict[str, int], targets: dict[str, float]) -> dict[
     must be named."""
     missing = sorted(set(available) - set(targets))
     if missing:
-        raise ValueError(f"--class_targets names no target for class(es) {', '.join(missing)} "
-                         f"(classes here: {', '.join(sorted(available))})")
+        raise ValueError(
+            f"--class_targets names no target for class(es) {', '.join(missing)} "
+            f"(classes here: {', '.join(sorted(available))})"
+        )
     values = [targets[c] for c in available]
     if all(float(v).is_integer() for v in values) and any(v > 1 for v in values):
         return {c: min(available[c], int(targets[c])) for c in available}
@@ -113,10 +121,18 @@ def take_classes(rows: list[dict], take: dict[str, int], seed: int | None) -> li
     return [r for i, r in enumerate(rows) if i in keep]
 
 
-def render_rows(variant: str, recs: list[dict], verbalisers=None, max_per_class: int | None = None,
-                seed: int | None = 0, balance: bool = False, skb_target: str = "stochastic",
-                targets: dict[str, float] | None = None, report: dict | None = None,
-                prompt: dict | None = None) -> list[dict]:
+def render_rows(
+    variant: str,
+    recs: list[dict],
+    verbalisers=None,
+    max_per_class: int | None = None,
+    seed: int | None = 0,
+    balance: bool = False,
+    skb_target: str = "stochastic",
+    targets: dict[str, float] | None = None,
+    report: dict | None = None,
+    prompt: dict | None = None,
+) -> list[dict]:
     """SFT rows; ``targets`` (``class_targets``) samples each class to its count or share, and ``report`` gets
     {class: {available, wanted, taken}}; ``prompt`` replaces the variant's."""
     rows = [render_row(variant, r, verbalisers, skb_target, prompt) for r in recs]

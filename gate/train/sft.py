@@ -45,11 +45,19 @@ PLACEHOLDER = "{variant}"
 
 @dataclass
 class GateArguments:
-    variant: str = field(default=None, metadata={"help": "the gate variant; fills {variant} in train_file, eval_file, "
-                                                         "output_dir and run_name", "choices": tuple(VARIANTS)})
-    train_file: str = field(default=None, metadata={"help": "rendered rows (<variant>.train.jsonl; may hold {variant})"})
-    eval_file: str = field(default=None, metadata={"help": "held-out rendered rows, scored after training (may hold "
-                                                           "{variant})"})
+    variant: str = field(
+        default=None,
+        metadata={
+            "help": "the gate variant; fills {variant} in train_file, eval_file, output_dir and run_name",
+            "choices": tuple(VARIANTS),
+        },
+    )
+    train_file: str = field(
+        default=None, metadata={"help": "rendered rows (<variant>.train.jsonl; may hold {variant})"}
+    )
+    eval_file: str = field(
+        default=None, metadata={"help": "held-out rendered rows, scored after training (may hold {variant})"}
+    )
     verbalisers: list[str] = field(default=None, metadata={"help": "the verbalisers the data was rendered with"})
     freeze_vision_tower: bool = field(default=True, metadata={"help": "train no vision-tower parameter"})
     allow_single_class: bool = field(default=False, metadata={"help": "train even if a class has no example"})
@@ -62,8 +70,12 @@ def fill_variant(args: GateArguments, training_args) -> None:
     5's TrainingArguments.__post_init__ only expands ``~`` in output_dir, which a placeholder does not change; the
     hub id and W&B's run name are read from them at training time)."""
     check_choices(args)
-    for obj, name in ((args, "train_file"), (args, "eval_file"), (training_args, "output_dir"),
-                      (training_args, "run_name")):
+    for obj, name in (
+        (args, "train_file"),
+        (args, "eval_file"),
+        (training_args, "output_dir"),
+        (training_args, "run_name"),
+    ):
         value = getattr(obj, name, None)
         if not isinstance(value, str) or PLACEHOLDER not in value:
             continue
@@ -97,16 +109,22 @@ def check_balance(args: GateArguments, rows: list[dict], log=print) -> dict:
     log(f"{args.variant} training data: {len(rows)} rows; classes {format_balance(balance)}")
     if args.variant in BINARY:
         s = spec(args.variant, args.verbalisers)
-        expected = {completion(s, True) if args.variant != "inspector" else "pass",
-                    completion(s, False) if args.variant != "inspector" else "fail"}
+        expected = {
+            completion(s, True) if args.variant != "inspector" else "pass",
+            completion(s, False) if args.variant != "inspector" else "fail",
+        }
         empty = sorted(expected - set(balance))
         unknown = sorted(set(balance) - expected)
         if unknown:
-            raise ValueError(f"{args.train_file}: classes {unknown} are not verbalisers of {args.variant} "
-                             f"{sorted(expected)} (rendered with other --verbalisers?)")
+            raise ValueError(
+                f"{args.train_file}: classes {unknown} are not verbalisers of {args.variant} "
+                f"{sorted(expected)} (rendered with other --verbalisers?)"
+            )
         if empty and not args.allow_single_class:
-            raise ValueError(f"{args.train_file}: class {empty} has no example; the gate would learn one answer "
-                             "(set allow_single_class to train anyway)")
+            raise ValueError(
+                f"{args.train_file}: class {empty} has no example; the gate would learn one answer "
+                "(set allow_single_class to train anyway)"
+            )
     return balance
 
 
@@ -157,25 +175,32 @@ def main(argv=None) -> dict:
     rows, eval_rows = validate(args, training_args, model_args)
     prompt = rendered_prompt(args.train_file, args.variant)
     s = spec(args.variant, args.verbalisers, prompt)
-    processor = AutoProcessor.from_pretrained(model_args.model_name_or_path,
-                                              trust_remote_code=training_args.trust_remote_code)
+    processor = AutoProcessor.from_pretrained(
+        model_args.model_name_or_path, trust_remote_code=training_args.trust_remote_code
+    )
     if args.variant in BINARY or args.variant == "skb":
         verbaliser_ids(processor.tokenizer, s)  # before the model loads
     # CPU processes under torchrun form one gloo group only when the first state knows use_cpu; every collective
     # waits at most ddp_timeout seconds
     state = PartialState(cpu=training_args.use_cpu, timeout=training_args.ddp_timeout_delta)
-    model, processor = load_model(model_args.model_name_or_path, model_args.dtype, device=str(state.device),
-                                  trust_remote_code=training_args.trust_remote_code,
-                                  attn_implementation=model_args.attn_implementation)
+    model, processor = load_model(
+        model_args.model_name_or_path,
+        model_args.dtype,
+        device=str(state.device),
+        trust_remote_code=training_args.trust_remote_code,
+        attn_implementation=model_args.attn_implementation,
+    )
     if args.freeze_vision_tower:
         print(f"vision tower frozen ({freeze_vision_tower(model):,} parameters)")
-    data = Dataset.from_list([{"prompt": r["prompt"], "completion": r["completion"], "image": r["image"]}
-                              for r in rows]).cast_column("image", Image())
+    data = Dataset.from_list(
+        [{"prompt": r["prompt"], "completion": r["completion"], "image": r["image"]} for r in rows]
+    ).cast_column("image", Image())
     peft_config = get_peft_config(model_args)
     if args.freeze_vision_tower:
         peft_config = exclude_vision_tower(model, peft_config)
-    trainer = SFTTrainer(model=model, args=training_args, train_dataset=data, processing_class=processor,
-                         peft_config=peft_config)
+    trainer = SFTTrainer(
+        model=model, args=training_args, train_dataset=data, processing_class=processor, peft_config=peft_config
+    )
     if args.freeze_vision_tower and trainable_parameters(vision_tower(trainer.model)):
         raise RuntimeError("vision-tower parameters are trainable despite freeze_vision_tower")
     print(f"trainable parameters: {trainable_parameters(trainer.model):,}")
@@ -192,13 +217,22 @@ def main(argv=None) -> dict:
     if not state.is_main_process:
         return result
     if zero3:
-        model, _ = load_trained(output_dir / "trained", model_args.dtype, device=str(state.device),
-                                base=model_args.model_name_or_path)
+        model, _ = load_trained(
+            output_dir / "trained", model_args.dtype, device=str(state.device), base=model_args.model_name_or_path
+        )
     else:
         model = trainer.model.merge_and_unload() if hasattr(trainer.model, "merge_and_unload") else trainer.model
-    save_final(output_dir / "final", model, processor, {"variant": args.variant, "verbalisers": list(s["verbalisers"]),
-                                                        "base_model": model_args.model_name_or_path,
-                                                        "prompt": {"system": s["system"], "user_template": s["user"]}})
+    save_final(
+        output_dir / "final",
+        model,
+        processor,
+        {
+            "variant": args.variant,
+            "verbalisers": list(s["verbalisers"]),
+            "base_model": model_args.model_name_or_path,
+            "prompt": {"system": s["system"], "user_template": s["user"]},
+        },
+    )
     if zero3:
         shutil.rmtree(output_dir / "trained")  # final/ holds it, merged
     if eval_rows:

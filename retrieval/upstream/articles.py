@@ -93,8 +93,10 @@ class ArticleStore:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         if not self.path.is_file():
-            raise ValueError(f"article store {self.path} does not exist; build it with `python -m retrieval.upstream.convert "
-                             f"--format articles --input <kb.jsonl> --out {self.path}` or a KB converter's --articles")
+            raise ValueError(
+                f"article store {self.path} does not exist; build it with `python -m retrieval.upstream.convert "
+                f"--format articles --input <kb.jsonl> --out {self.path}` or a KB converter's --articles"
+            )
         self.db = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, check_same_thread=False)
         self.db.execute(f"PRAGMA mmap_size={min(1 << 30, os.path.getsize(self.path))}")
 
@@ -115,11 +117,23 @@ class ArticleStore:
         sections whose title contains one of ``skip_titles`` (case-insensitive, as EchoSight skips "external links"
         and "references": "Notes and references" goes too) are left out."""
         skip = [t.lower() for t in skip_titles if t]
-        rows = self.db.execute("SELECT s.idx, s.section_title, s.text, a.title FROM sections s JOIN articles a "
-                               "USING (entity_id) WHERE s.entity_id=? ORDER BY s.idx", (str(entity_id),)).fetchall()
-        return [{"entry_id": f"{entity_id}#s{idx}", "entity_id": str(entity_id), "title": title, "section": idx,
-                 "section_title": st, "text": text} for idx, st, text, title in rows
-                if not any(word in st.lower() for word in skip)]
+        rows = self.db.execute(
+            "SELECT s.idx, s.section_title, s.text, a.title FROM sections s JOIN articles a "
+            "USING (entity_id) WHERE s.entity_id=? ORDER BY s.idx",
+            (str(entity_id),),
+        ).fetchall()
+        return [
+            {
+                "entry_id": f"{entity_id}#s{idx}",
+                "entity_id": str(entity_id),
+                "title": title,
+                "section": idx,
+                "section_title": st,
+                "text": text,
+            }
+            for idx, st, text, title in rows
+            if not any(word in st.lower() for word in skip)
+        ]
 
     def entry(self, entry_id) -> dict | None:
         """An index row as a KB entry (``entry_id``, ``entity_id``, ``title``, ``section_title``, ``text``, ``image``,
@@ -127,16 +141,26 @@ class ArticleStore:
         row = self.db.execute(
             "SELECT e.entity_id, e.idx, e.image, s.section_title, s.text, a.title FROM entries e "
             "JOIN sections s ON s.entity_id=e.entity_id AND s.idx=e.idx JOIN articles a ON a.entity_id=e.entity_id "
-            "WHERE e.entry_id=?", (str(entry_id),)).fetchone()
+            "WHERE e.entry_id=?",
+            (str(entry_id),),
+        ).fetchone()
         if row is None:
             return None
         entity, idx, image, st, text, title = row
-        return {"entry_id": str(entry_id), "entity_id": entity, "title": title, "section_title": st, "text": text,
-                "image": image, "section": idx}
+        return {
+            "entry_id": str(entry_id),
+            "entity_id": entity,
+            "title": title,
+            "section_title": st,
+            "text": text,
+            "image": image,
+            "section": idx,
+        }
 
     def counts(self) -> dict[str, int]:
-        return {t: self.db.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0]
-                for t in ("articles", "sections", "entries")}
+        return {
+            t: self.db.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0] for t in ("articles", "sections", "entries")
+        }
 
 
 def store_from_kb_rows(rows: Iterable[dict], out: str | Path) -> dict[str, int]:
@@ -178,6 +202,8 @@ def open_store(kb_path: str | Path, articles: str | Path | None = None, log=prin
             raise ValueError(f"--articles: {path} does not exist")
 
         counts = store_from_kb_rows(read_jsonl(kb_path), path)
-        log(f"article store {path} built from {kb_path}: {counts['articles']} articles, {counts['sections']} sections "
-            "(only the sections the KB rows hold; convert the upstream KB for every section of every article)")
+        log(
+            f"article store {path} built from {kb_path}: {counts['articles']} articles, {counts['sections']} sections "
+            "(only the sections the KB rows hold; convert the upstream KB for every section of every article)"
+        )
     return ArticleStore(path)

@@ -6,7 +6,8 @@ the KB's URLs):
         --image_dirs landmarks=landmarks,inaturalist=inaturalist [--inat_id2name test_id2name.json] \
         --out questions.jsonl [--include_two_hop] [--all_images] [--kb kb.jsonl]
     (EchoSight's InfoSeek CSV in E-VQA columns converts with the same format; its rows keep their data_id.)
-    python -m retrieval.upstream.convert --format infoseek --input infoseek_val.jsonl --withkb infoseek_val_withkb.jsonl \
+    python -m retrieval.upstream.convert --format infoseek --input infoseek_val.jsonl --withkb
+    infoseek_val_withkb.jsonl \
         --qtype infoseek_val_qtype.jsonl --images_root IMAGES --image_layout oven|flat --out questions.jsonl \
         [--require_entity false] [--entity_map qid2url.tsv] [--kb kb.jsonl]
 KBs (index rows to ``--out``, every section of every article to ``--articles``, default ``<out>`` with
@@ -14,10 +15,12 @@ KBs (index rows to ``--out``, every section of every article to ``--articles``, 
     python -m retrieval.upstream.convert --format evqa-kb --input encyclopedic_kb_wiki.zip --out kb.jsonl \
         (--image_map url2path.json | --image_dir DIR_OF_<md5(url)>.jpg |
          --image_csv "wiki_image_url_part_*.csv" --images_root WIKI_IMAGES)
-    python -m retrieval.upstream.convert --format wiki6m --input Wiki6M_ver_1_0.jsonl.gz --images_root IMAGES --out kb.jsonl
+    python -m retrieval.upstream.convert --format wiki6m --input Wiki6M_ver_1_0.jsonl.gz --images_root IMAGES --out
+    kb.jsonl
     python -m retrieval.upstream.convert --format articles --input kb.jsonl --out kb.articles.sqlite
     python -m retrieval.upstream.convert --format qid-map --input Wiki6M_ver_1_0.jsonl.gz --out qid2url.tsv
-    python -m retrieval.upstream.convert --format qid-map --input infoseek_test_filtered.csv --withkb infoseek_val_withkb.jsonl \
+    python -m retrieval.upstream.convert --format qid-map --input infoseek_test_filtered.csv --withkb
+    infoseek_val_withkb.jsonl \
         --out qid2url.tsv          (EchoSight's CSV joined with the withkb file: the URLs of its 100K KB)
 
 Inputs are read as the downloads pack them: plain, gzipped (``.jsonl.gz``) or the one data file of a ``.zip``.
@@ -75,29 +78,49 @@ class ConvertArgs:
     format: str = field(default=None, metadata={"help": "one of " + ", ".join(FORMATS)})
     input: str = field(default=None, metadata={"help": "upstream file"})
     out: str = field(default=None, metadata={"help": "file to write (JSONL; .sqlite for articles; .tsv for qid-map)"})
-    images_root: str = field(default=None, metadata={"help": "folder the image paths are relative to; files are "
-                                                              "checked there (without it, none are)"})
+    images_root: str = field(
+        default=None,
+        metadata={"help": "folder the image paths are relative to; files are checked there (without it, none are)"},
+    )
     # questions
-    split: str = field(default=None, metadata={"help": "evqa-questions: the CSV's split (train, val, test); "
-                                                        "question ids are evqa-<split>-<row>"})
-    image_dirs: str = field(default="landmarks=landmarks,inaturalist=inaturalist,infoseek=infoseek",
-                            metadata={"help": "evqa-questions: dataset_name=folder under --images_root, comma-separated"})
-    inat_id2name: str = field(default=None, metadata={"help": "evqa-questions: EchoSight's iNaturalist *_id2name.json "
-                                                               "(else iNat images are a flat <id>.jpg folder)"})
+    split: str = field(
+        default=None,
+        metadata={"help": "evqa-questions: the CSV's split (train, val, test); question ids are evqa-<split>-<row>"},
+    )
+    image_dirs: str = field(
+        default="landmarks=landmarks,inaturalist=inaturalist,infoseek=infoseek",
+        metadata={"help": "evqa-questions: dataset_name=folder under --images_root, comma-separated"},
+    )
+    inat_id2name: str = field(
+        default=None,
+        metadata={
+            "help": "evqa-questions: EchoSight's iNaturalist *_id2name.json "
+            "(else iNat images are a flat <id>.jpg folder)"
+        },
+    )
     include_two_hop: bool = field(default=False, metadata={"help": "evqa-questions: keep 2-hop questions"})
     all_images: bool = field(default=False, metadata={"help": "evqa-questions: one record per image, not per question"})
     withkb: str = field(default=None, metadata={"help": "infoseek: the *_withkb.jsonl file carrying entity_id"})
-    qtype: str = field(default=None, metadata={"help": "infoseek: infoseek_val_qtype.jsonl (question_type per data_id)"})
+    qtype: str = field(
+        default=None, metadata={"help": "infoseek: infoseek_val_qtype.jsonl (question_type per data_id)"}
+    )
     image_layout: str = field(default="oven", metadata={"help": "infoseek: oven (<id[-8:-6]>/<id>.jpg) or flat"})
-    require_entity: bool = field(default=True, metadata={"help": "infoseek: skip rows without an entity (false for "
-                                                                  "test rows, inference only)"})
-    entity_map: str = field(default=None, metadata={"help": "questions: QID → URL map (.json, .csv, .tsv) applied to "
-                                                             "entity ids"})
-    kb: str = field(default=None, metadata={"help": "questions: a KB JSONL or article store to check gold entities against"})
+    require_entity: bool = field(
+        default=True, metadata={"help": "infoseek: skip rows without an entity (false for test rows, inference only)"}
+    )
+    entity_map: str = field(
+        default=None, metadata={"help": "questions: QID → URL map (.json, .csv, .tsv) applied to entity ids"}
+    )
+    kb: str = field(
+        default=None, metadata={"help": "questions: a KB JSONL or article store to check gold entities against"}
+    )
     # KBs
-    articles: str = field(default=None, metadata={"help": "KB formats: the article store to write "
-                                                           "(default <out> with .articles.sqlite)"})
-    image_map: str = field(default=None, metadata={"help": "KB formats: JSON mapping image URL → path under images_root"})
+    articles: str = field(
+        default=None, metadata={"help": "KB formats: the article store to write (default <out> with .articles.sqlite)"}
+    )
+    image_map: str = field(
+        default=None, metadata={"help": "KB formats: JSON mapping image URL → path under images_root"}
+    )
     image_dir: str = field(default=None, metadata={"help": "KB formats: folder of images named <md5(url)>.<ext>"})
     image_csv: str = field(default=None, metadata={"help": "evqa-kb: WikiSeeker/OMGM title-keyed image CSVs (a glob)"})
 
@@ -107,23 +130,36 @@ def validate(args: ConvertArgs) -> None:
         raise ValueError(f"--format must be one of {', '.join(FORMATS)}, got {args.format!r}")
     if not args.input or not args.out:
         raise ValueError("--input and --out are required")
-    for name in ("input", "withkb", "qtype", "image_map", "image_dir", "images_root", "inat_id2name", "entity_map",
-                 "kb"):
+    for name in (
+        "input",
+        "withkb",
+        "qtype",
+        "image_map",
+        "image_dir",
+        "images_root",
+        "inat_id2name",
+        "entity_map",
+        "kb",
+    ):
         value = getattr(args, name)
         if value is not None and not Path(value).exists():
             raise ValueError(f"--{name}: {value} does not exist")
     if args.format in ("evqa-questions", "infoseek-csv") and not args.split:
         raise ValueError(f"{args.format} needs --split (train, val or test): question ids carry it")
     if args.format == "infoseek" and args.require_entity and not args.withkb:
-        raise ValueError("infoseek needs --withkb (the *_withkb.jsonl file with entity ids), or --require_entity false "
-                         "to convert rows without entities for inference")
+        raise ValueError(
+            "infoseek needs --withkb (the *_withkb.jsonl file with entity ids), or --require_entity false "
+            "to convert rows without entities for inference"
+        )
     if args.format == "evqa-kb" and sum(x is not None for x in (args.image_map, args.image_dir, args.image_csv)) != 1:
         raise ValueError("evqa-kb needs exactly one of --image_map, --image_dir, --image_csv to find the image files")
     if args.image_csv and not glob.glob(args.image_csv):
         raise ValueError(f"--image_csv: no file matches {args.image_csv}")
     if args.image_csv and not args.images_root:
-        raise ValueError("--image_csv needs --images_root: the CSVs' image paths are relative to it, and only files "
-                         "that exist there become index rows (as OMGM's and WikiSeeker's loaders keep them)")
+        raise ValueError(
+            "--image_csv needs --images_root: the CSVs' image paths are relative to it, and only files "
+            "that exist there become index rows (as OMGM's and WikiSeeker's loaders keep them)"
+        )
     if args.image_layout not in ("oven", "flat"):
         raise ValueError(f"--image_layout must be oven or flat, got {args.image_layout!r}")
     parse_subdirs(args.image_dirs)
@@ -135,9 +171,11 @@ def skip_log(out: str):
     path = Path(f"{out}.skipped.jsonl")
     counts: Counter = Counter()
     with atomic_path(path) as tmp, open(tmp, "w") as f:
+
         def skip(rec: dict):
             counts[rec["reason"].split(":")[0][:60]] += 1
             f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+
         yield skip, counts
     if not sum(counts.values()):
         path.unlink()
@@ -156,12 +194,17 @@ class KBEntities:
     def __contains__(self, entity) -> bool:
         if self.ids is not None:
             return str(entity) in self.ids
-        return self.store.db.execute("SELECT 1 FROM entries WHERE entity_id=? LIMIT 1", (str(entity),)).fetchone() \
+        return (
+            self.store.db.execute("SELECT 1 FROM entries WHERE entity_id=? LIMIT 1", (str(entity),)).fetchone()
             is not None
+        )
 
     def canonical_keys(self) -> dict[str, str]:
-        keys = self.ids if self.ids is not None else \
-            (r[0] for r in self.store.db.execute("SELECT DISTINCT entity_id FROM entries"))
+        keys = (
+            self.ids
+            if self.ids is not None
+            else (r[0] for r in self.store.db.execute("SELECT DISTINCT entity_id FROM entries"))
+        )
         return {canonical_url(k): k for k in keys}
 
 
@@ -172,13 +215,26 @@ def convert_questions(args: ConvertArgs, skip) -> list[dict]:
     if args.format == "infoseek":
         withkb = rows_by_id(read_upstream_jsonl(args.withkb), "entity_id", args.withkb) if args.withkb else {}
         qtype = rows_by_id(read_upstream_jsonl(args.qtype), "question_type", args.qtype) if args.qtype else {}
-        rows = infoseek_questions(read_upstream_jsonl(args.input), find, skip, withkb=withkb, layout=args.image_layout,
-                                  qtype_of={k: v["question_type"] for k, v in qtype.items()},
-                                  require_entity=args.require_entity)
+        rows = infoseek_questions(
+            read_upstream_jsonl(args.input),
+            find,
+            skip,
+            withkb=withkb,
+            layout=args.image_layout,
+            qtype_of={k: v["question_type"] for k, v in qtype.items()},
+            require_entity=args.require_entity,
+        )
     else:
         id2name = read_id2name(args.inat_id2name) if args.inat_id2name else None
-        rows = evqa_questions(read_csv_rows(args.input), find, skip, split=args.split, include_two_hop=args.include_two_hop,
-                              all_images=args.all_images, inat_id2name=id2name)
+        rows = evqa_questions(
+            read_csv_rows(args.input),
+            find,
+            skip,
+            split=args.split,
+            include_two_hop=args.include_two_hop,
+            all_images=args.all_images,
+            inat_id2name=id2name,
+        )
     records = list(tqdm(rows, desc=f"{args.format} questions", unit="q"))
     kb = KBEntities(args.kb) if args.kb else None
     if args.entity_map:
@@ -205,8 +261,10 @@ def report_absent(records: list[dict], kb: KBEntities, out: str) -> list[dict]:
     elif path.exists():
         path.unlink()
     entities = {e for a in absent for e in a["entity_id"]}
-    print(f"KB check against {kb.path}: {len(absent)} of {len(records)} questions have a gold entity the KB has no "
-          f"row for ({len(entities)} distinct entities)" + (f", listed in {path}" if absent else ""))
+    print(
+        f"KB check against {kb.path}: {len(absent)} of {len(records)} questions have a gold entity the KB has no "
+        f"row for ({len(entities)} distinct entities)" + (f", listed in {path}" if absent else "")
+    )
     return absent
 
 
@@ -231,7 +289,9 @@ def convert_kb(args: ConvertArgs, skip) -> int:
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
                 n += 1
     c = store.counts
-    print(f"article store {articles_path}: {c['articles']} articles, {c['sections']} sections, {c['entries']} index rows")
+    print(
+        f"article store {articles_path}: {c['articles']} articles, {c['sections']} sections, {c['entries']} index rows"
+    )
     return n
 
 
@@ -252,11 +312,14 @@ def convert_qid_map(args: ConvertArgs, log) -> int:
     if is_csv(args.input):
         if not args.withkb:
             raise ValueError("qid-map from an EchoSight CSV needs --withkb (the InfoSeek *_withkb.jsonl file)")
-        pairs = qid_map_from_echosight(read_csv_rows(args.input),
-                                       rows_by_id(read_upstream_jsonl(args.withkb), "entity_id", args.withkb))
-        none = (f"no data_id of {args.input} is in {args.withkb} with a wikipedia_url to map to: pass the withkb file "
-                "of the same split (infoseek_train_filtered.csv ↔ infoseek_train_withkb.jsonl, "
-                "infoseek_test_filtered.csv ↔ infoseek_val_withkb.jsonl)")
+        pairs = qid_map_from_echosight(
+            read_csv_rows(args.input), rows_by_id(read_upstream_jsonl(args.withkb), "entity_id", args.withkb)
+        )
+        none = (
+            f"no data_id of {args.input} is in {args.withkb} with a wikipedia_url to map to: pass the withkb file "
+            "of the same split (infoseek_train_filtered.csv ↔ infoseek_train_withkb.jsonl, "
+            "infoseek_test_filtered.csv ↔ infoseek_val_withkb.jsonl)"
+        )
     else:
         pairs = qid_map_from_wiki6m(read_upstream_jsonl(args.input))
         none = f"no row of {args.input} has both wikidata_id and wikipedia_title (is it Wiki6M?)"
@@ -275,8 +338,10 @@ def convert(args: ConvertArgs, log=print) -> int:
     validate(args)
     if args.format == "articles":
         counts = store_from_kb_rows(read_upstream_jsonl(args.input), args.out)
-        log(f"wrote {args.out}: {counts['articles']} articles, {counts['sections']} sections, "
-            f"{counts['entries']} index rows")
+        log(
+            f"wrote {args.out}: {counts['articles']} articles, {counts['sections']} sections, "
+            f"{counts['entries']} index rows"
+        )
         return counts["entries"]
     if args.format == "qid-map":
         return convert_qid_map(args, log)
@@ -287,8 +352,10 @@ def convert(args: ConvertArgs, log=print) -> int:
             n = write_jsonl_atomic(args.out, convert_questions(args, skip))
     skipped = sum(counts.values())
     why = "; ".join(f"{k}: {v}" for k, v in counts.most_common(5))
-    log(f"wrote {n} records to {args.out}" + (f"; {skipped} skipped ({why}), listed in {args.out}.skipped.jsonl"
-                                              if skipped else "; nothing skipped"))
+    log(
+        f"wrote {n} records to {args.out}"
+        + (f"; {skipped} skipped ({why}), listed in {args.out}.skipped.jsonl" if skipped else "; nothing skipped")
+    )
     return n
 
 
@@ -302,4 +369,3 @@ if __name__ == "__main__":
     from common.cli import run
 
     run(main)
-

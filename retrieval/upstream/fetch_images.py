@@ -2,7 +2,8 @@
 
     python -m retrieval.upstream.fetch_images --kb encyclopedic_kb_wiki.zip --out data/evqa/kb_images \
         --user_agent "Your Name (you@example.org)" [--workers 16]
-    python -m retrieval.upstream.fetch_images --kb Wiki6M_ver_1_0.jsonl.gz --kb_format wiki6m --out data/infoseek/kb_images \
+    python -m retrieval.upstream.fetch_images --kb Wiki6M_ver_1_0.jsonl.gz --kb_format wiki6m --out
+    data/infoseek/kb_images \
         --user_agent "Your Name (you@example.org)"
 
 The KB is streamed as downloaded (plain, gzipped or zipped; the E-VQA format's ``image_urls``, or Wiki6M's
@@ -44,21 +45,34 @@ _sleep = time.sleep
 
 @dataclass
 class FetchArgs:
-    kb: str = field(default=None, metadata={"help": "the upstream KB file (E-VQA JSON / JSONL, or Wiki6M JSONL; plain, "
-                                                    ".gz or .zip)"})
+    kb: str = field(
+        default=None,
+        metadata={"help": "the upstream KB file (E-VQA JSON / JSONL, or Wiki6M JSONL; plain, .gz or .zip)"},
+    )
     out: str = field(default=None, metadata={"help": "folder to write <md5(url)>.<ext> files into"})
     kb_format: str = field(default="evqa-kb", metadata={"help": "evqa-kb or wiki6m"})
     workers: int = field(default=16, metadata={"help": "parallel downloads (network-bound threads)"})
     timeout: float = field(default=30.0, metadata={"help": "seconds per request"})
     limit: int = field(default=None, metadata={"help": "stop after this many URLs (a trial run)"})
     retry_failed: bool = field(default=False, metadata={"help": "try the URLs listed in failed.jsonl again"})
-    user_agent: str = field(default=None, metadata={"help": "HTTP User-Agent naming you with a contact (an e-mail "
-                                                            "address or URL), as Wikimedia's policy asks (required)"})
-    max_retries: int = field(default=5, metadata={"help": "tries after an HTTP 429 / 503 before the URL is listed as "
-                                                          "failed"})
-    svg_width: int = field(default=960, metadata={"help": "width of the PNG fetched (or rasterised) for an SVG; "
-                                                          "Wikimedia's standard thumbnail widths include 500, 960, "
-                                                          "1280"})
+    user_agent: str = field(
+        default=None,
+        metadata={
+            "help": "HTTP User-Agent naming you with a contact (an e-mail "
+            "address or URL), as Wikimedia's policy asks (required)"
+        },
+    )
+    max_retries: int = field(
+        default=5, metadata={"help": "tries after an HTTP 429 / 503 before the URL is listed as failed"}
+    )
+    svg_width: int = field(
+        default=960,
+        metadata={
+            "help": "width of the PNG fetched (or rasterised) for an SVG; "
+            "Wikimedia's standard thumbnail widths include 500, 960, "
+            "1280"
+        },
+    )
 
 
 def kb_image_urls(path: str, kb_format: str) -> Iterator[str]:
@@ -98,8 +112,7 @@ def wikimedia_png(url: str, width: int) -> str | None:
     _, _, project, x, xy, name = segments
     if len(x) != 1 or len(xy) != 2 or not xy.startswith(x):
         return None
-    return urlunparse(parts._replace(path=f"/wikipedia/{project}/thumb/{x}/{xy}/{name}/{width}px-{name}.png",
-                                     query=""))
+    return urlunparse(parts._replace(path=f"/wikipedia/{project}/thumb/{x}/{xy}/{name}/{width}px-{name}.png", query=""))
 
 
 def svg_rasteriser() -> Callable[[bytes, int], bytes] | None:
@@ -122,7 +135,7 @@ def retry_after(value: str | None, attempt: int) -> float:
             return min(max(0.0, when.timestamp() - time.time()), MAX_WAIT)
         except (TypeError, ValueError):
             pass
-    return min(2.0 ** attempt, MAX_WAIT)
+    return min(2.0**attempt, MAX_WAIT)
 
 
 class Throttle:
@@ -160,8 +173,15 @@ def download(url: str, timeout: float, user_agent: str, throttle: Throttle, max_
     raise AssertionError("unreachable")
 
 
-def fetch_one(url: str, out: Path, timeout: float, user_agent: str, throttle: Throttle | None = None,
-              max_retries: int = 5, svg_width: int = 960) -> str | None:
+def fetch_one(
+    url: str,
+    out: Path,
+    timeout: float,
+    user_agent: str,
+    throttle: Throttle | None = None,
+    max_retries: int = 5,
+    svg_width: int = 960,
+) -> str | None:
     """Download one URL to ``out/file_name(url)``; None on success, else why not. An SVG comes as Wikimedia's PNG
     rendering, or is rasterised locally (cairosvg), or fails saying so."""
     throttle = throttle or Throttle()
@@ -175,8 +195,10 @@ def fetch_one(url: str, out: Path, timeout: float, user_agent: str, throttle: Th
     if kind == "image/svg+xml" or (not kind and is_svg(url)):
         rasterise = svg_rasteriser()
         if rasterise is None:
-            return (f"SVG image ({kind or 'by its name'}) that PIL cannot decode and that is not in Wikimedia's upload "
-                    "layout (no PNG rendering to fetch): pip install cairosvg to rasterise it, then --retry_failed")
+            return (
+                f"SVG image ({kind or 'by its name'}) that PIL cannot decode and that is not in Wikimedia's upload "
+                "layout (no PNG rendering to fetch): pip install cairosvg to rasterise it, then --retry_failed"
+            )
         try:
             data = rasterise(data, svg_width)
         except Exception as e:  # a malformed SVG
@@ -191,8 +213,10 @@ def fetch_one(url: str, out: Path, timeout: float, user_agent: str, throttle: Th
 
 def check_user_agent(value: str | None) -> None:
     if not value or not value.strip() or not ("@" in value or "://" in value):
-        raise ValueError(f"--user_agent must name you with a contact, e.g. \"Jane Doe (jane@example.org)\" or a URL, "
-                         f"as Wikimedia's User-Agent policy asks (clients without one get blocked); got {value!r}")
+        raise ValueError(
+            f'--user_agent must name you with a contact, e.g. "Jane Doe (jane@example.org)" or a URL, '
+            f"as Wikimedia's User-Agent policy asks (clients without one get blocked); got {value!r}"
+        )
 
 
 def fetch_images(args: FetchArgs, log=print) -> dict[str, int]:
@@ -209,8 +233,11 @@ def fetch_images(args: FetchArgs, log=print) -> dict[str, int]:
     out.mkdir(parents=True, exist_ok=True)
     failed_log = out / "failed.jsonl"
     # an .svg left by an older version is not done: its PNG is fetched (the .svg is kept)
-    done = {p.stem for p in out.iterdir() if not p.name.startswith(".") and p.name != failed_log.name
-            and svg_problem(p.name) is None}
+    done = {
+        p.stem
+        for p in out.iterdir()
+        if not p.name.startswith(".") and p.name != failed_log.name and svg_problem(p.name) is None
+    }
     if failed_log.exists() and not args.retry_failed:
         done |= {url_hash(r["url"]) for r in read_jsonl(failed_log)}
     counts = {"fetched": 0, "failed": 0, "already there": 0}
@@ -246,8 +273,10 @@ def fetch_images(args: FetchArgs, log=print) -> dict[str, int]:
             counts["failed"] += len(failures)
             counts["fetched"] += len(chunk) - len(failures)
             bar.update(len(chunk))
-    log(f"images in {out}: {counts['fetched']} fetched, {counts['already there']} already there, "
-        f"{counts['failed']} failed" + (f" (listed in {failed_log})" if counts["failed"] else ""))
+    log(
+        f"images in {out}: {counts['fetched']} fetched, {counts['already there']} already there, "
+        f"{counts['failed']} failed" + (f" (listed in {failed_log})" if counts["failed"] else "")
+    )
     return counts
 
 

@@ -51,24 +51,33 @@ def open_upstream(path: str | Path, text: bool = True):
         raw, name = gzip.open(path, "rb"), path.name.removesuffix(".gz")
     elif magic == ZIP_MAGIC:
         archive = zipfile.ZipFile(path)
-        members = [m for m in archive.infolist() if not m.is_dir() and not m.filename.startswith("__MACOSX/")
-                   and not Path(m.filename).name.startswith(".")]
+        members = [
+            m
+            for m in archive.infolist()
+            if not m.is_dir() and not m.filename.startswith("__MACOSX/") and not Path(m.filename).name.startswith(".")
+        ]
         data = [m for m in members if m.filename.lower().endswith(DATA_SUFFIXES)]
         if len(data) != 1:
             archive.close()
             listed = ", ".join(m.filename for m in members[:10]) or "nothing"
-            raise ValueError(f"{path}: expected a zip archive holding one .json/.jsonl/.csv file, found {listed}; "
-                             "unzip it and pass the data file")
+            raise ValueError(
+                f"{path}: expected a zip archive holding one .json/.jsonl/.csv file, found {listed}; "
+                "unzip it and pass the data file"
+            )
         raw, name = archive.open(data[0]), Path(data[0].filename).name
     else:
         raw, name = open(path, "rb"), path.name
-    stream = io.TextIOWrapper(raw, encoding="utf-8", newline="" if name.endswith((".csv", ".tsv")) else None) \
-        if text else raw
+    stream = (
+        io.TextIOWrapper(raw, encoding="utf-8", newline="" if name.endswith((".csv", ".tsv")) else None)
+        if text
+        else raw
+    )
     try:
         yield stream, name
     except (EOFError, gzip.BadGzipFile, zipfile.BadZipFile, zlib.error) as e:
-        raise ValueError(f"{path}: the download is truncated or corrupt ({type(e).__name__}: {e}); fetch it again") \
-            from None
+        raise ValueError(
+            f"{path}: the download is truncated or corrupt ({type(e).__name__}: {e}); fetch it again"
+        ) from None
     finally:
         stream.close()
         if magic == ZIP_MAGIC:
@@ -116,7 +125,7 @@ class _Prefixed(io.RawIOBase):
             buf[:n], self.head = self.head[:n], self.head[n:]
             return n
         data = self.stream.read(len(buf))
-        buf[:len(data)] = data
+        buf[: len(data)] = data
         return len(data)
 
     def read(self, size: int = -1) -> bytes:
@@ -138,8 +147,11 @@ def svg_problem(path: str | None) -> str | None:
     """Why a KB image file cannot be indexed before it is read: an SVG (flags, maps, coats of arms), which PIL cannot
     decode; None otherwise."""
     if path is not None and str(path).lower().endswith((".svg", ".svgz")):
-        return (f"SVG image {path}: PIL cannot decode it; run retrieval.upstream.fetch_images again (it fetches Wikimedia's PNG "
-                "rendering of an SVG, or rasterises it with cairosvg when that is installed)")
+        return (
+            f"SVG image {path}: PIL cannot decode it; run retrieval.upstream.fetch_images again (it fetches "
+            "Wikimedia's PNG "
+            "rendering of an SVG, or rasterises it with cairosvg when that is installed)"
+        )
     return None
 
 
@@ -160,8 +172,9 @@ def image_resolver(mapping: dict[str, str] | None = None, folder: str | Path | N
     return resolve
 
 
-def title_images(csv_paths: Iterable[str | Path], images_root: str | Path, skip: Callable[[dict], None],
-                 per_title: int = 10) -> dict[str, list[str]]:
+def title_images(
+    csv_paths: Iterable[str | Path], images_root: str | Path, skip: Callable[[dict], None], per_title: int = 10
+) -> dict[str, list[str]]:
     """WikiSeeker/OMGM image CSVs (column 0 article title, column 2 image path relative to ``images_root``, header
     row) → {title: paths}: at most ``per_title`` distinct paths a title whose files exist (as their loaders keep
     them). Each row left out otherwise (no file, an SVG, past ``per_title``, too few columns) goes to ``skip``."""
@@ -180,9 +193,16 @@ def title_images(csv_paths: Iterable[str | Path], images_root: str | Path, skip:
                 paths = out.setdefault(title, [])
                 if image in paths:
                     continue
-                why = ("no file under " + str(root)) if not (root / image).is_file() else svg_problem(image) or \
-                    (f"more than {per_title} images for this title (the first {per_title} are kept, as OMGM does)"
-                     if len(paths) >= per_title else None)
+                why = (
+                    ("no file under " + str(root))
+                    if not (root / image).is_file()
+                    else svg_problem(image)
+                    or (
+                        f"more than {per_title} images for this title (the first {per_title} are kept, as OMGM does)"
+                        if len(paths) >= per_title
+                        else None
+                    )
+                )
                 if why:
                     skip({**where, "title": title, "image": image, "reason": why})
                     continue
@@ -193,8 +213,13 @@ def title_images(csv_paths: Iterable[str | Path], images_root: str | Path, skip:
 # --------------------------------------------------------------------------- E-VQA format
 
 
-def evqa_article(url: str, art: dict, resolve_image: Callable[[str], str | None] | None,
-                 skip: Callable[[dict], None], titled: dict[str, list[str]] | None = None) -> tuple[dict, list[dict]]:
+def evqa_article(
+    url: str,
+    art: dict,
+    resolve_image: Callable[[str], str | None] | None,
+    skip: Callable[[dict], None],
+    titled: dict[str, list[str]] | None = None,
+) -> tuple[dict, list[dict]]:
     """One E-VQA KB article → (article with every section, index rows).
 
     With ``resolve_image`` each of ``image_urls`` is paired with its ``image_section_indices`` section (the first
@@ -210,11 +235,26 @@ def evqa_article(url: str, art: dict, resolve_image: Callable[[str], str | None]
     if titled is not None:
         images = titled.get(title, [])
         if not images:
-            skip({"entity_id": entity, "title": title, "reason": "no image for this title in the image CSVs (the "
-                                                                "article is in the store, with no index row)"})
+            skip(
+                {
+                    "entity_id": entity,
+                    "title": title,
+                    "reason": "no image for this title in the image CSVs (the "
+                    "article is in the store, with no index row)",
+                }
+            )
         for j, image in enumerate(images):
-            rows.append(kb_entry(f"{entity}#image{j}", entity, title, sections[0][1] if sections else "",
-                                 sections[0][2] if sections else "", image, section=0))
+            rows.append(
+                kb_entry(
+                    f"{entity}#image{j}",
+                    entity,
+                    title,
+                    sections[0][1] if sections else "",
+                    sections[0][2] if sections else "",
+                    image,
+                    section=0,
+                )
+            )
         return article, rows
     indices = art.get("image_section_indices") or []
     for j, image_url in enumerate(art.get("image_urls") or []):
@@ -244,8 +284,9 @@ def wiki6m_url(title: str) -> str:
     return "https://en.wikipedia.org/wiki/" + title.replace(" ", "_")
 
 
-def wiki6m_article(row: dict, find_image: Callable[[dict], tuple[str | None, str | None]],
-                   skip: Callable[[dict], None]) -> tuple[dict, list[dict]]:
+def wiki6m_article(
+    row: dict, find_image: Callable[[dict], tuple[str | None, str | None]], skip: Callable[[dict], None]
+) -> tuple[dict, list[dict]]:
     """One Wiki6M row → (article: the summary as section 0 — the content when the summary is empty — and the content
     as section 1 when it differs; one index row when the entity has an image, paired with section 0, whose text it
     embeds)."""
@@ -257,8 +298,13 @@ def wiki6m_article(row: dict, find_image: Callable[[dict], tuple[str | None, str
     sections = [(0, title, lead)] + ([(1, "content", content)] if content and content != lead else [])
     article = {"entity_id": qid, "title": title, "url": wiki6m_url(title) if title else None, "sections": sections}
     if not lead.strip():
-        skip({"entry_id": f"{qid}#image0", "reason": "no text: wikipedia_summary and wikipedia_content are empty "
-                                                     "(the article is in the store, with no index row)"})
+        skip(
+            {
+                "entry_id": f"{qid}#image0",
+                "reason": "no text: wikipedia_summary and wikipedia_content are empty "
+                "(the article is in the store, with no index row)",
+            }
+        )
         return article, []
     image, why = find_image(row)
     if image is None:
@@ -285,8 +331,9 @@ def wiki6m_image_finder(images_root: str | Path | None, resolve_url: Callable[[s
             for rel in tried:
                 if (root / rel).is_file():
                     return rel, None
-        return None, ("no image url and " if not url else f"{svg} and " if svg else f"no local file for {url} and ") \
-            + (f"none of {', '.join(tried)} under {root}" if root else "no --images_root to look in")
+        return None, ("no image url and " if not url else f"{svg} and " if svg else f"no local file for {url} and ") + (
+            f"none of {', '.join(tried)} under {root}" if root else "no --images_root to look in"
+        )
 
     return find
 

@@ -40,8 +40,9 @@ def evqa_image_candidates(image_id: str, dataset_name: str, inat_id2name: dict |
     if dataset_name == "landmarks":
         if len(image_id) < 3:
             return []
-        return [f"{image_id[0]}/{image_id[1]}/{image_id[2]}/{image_id}{ext}" for ext in EXTENSIONS] + \
-            [f"{image_id}{ext}" for ext in EXTENSIONS]
+        return [f"{image_id[0]}/{image_id[1]}/{image_id[2]}/{image_id}{ext}" for ext in EXTENSIONS] + [
+            f"{image_id}{ext}" for ext in EXTENSIONS
+        ]
     if dataset_name == "inaturalist" and inat_id2name is not None:
         name = inat_id2name.get(image_id)
         return [name] if name else []
@@ -108,9 +109,17 @@ def section_index(text: str) -> int | None:
     return int(value) if value.is_integer() and value >= 0 else None
 
 
-def evqa_questions(rows: Iterable[dict], find_image: Callable, skip: Callable[[dict], None], *, split: str,
-                   include_two_hop: bool = False, all_images: bool = False, inat_id2name: dict | None = None,
-                   id_prefix: str = "evqa") -> Iterator[dict]:
+def evqa_questions(
+    rows: Iterable[dict],
+    find_image: Callable,
+    skip: Callable[[dict], None],
+    *,
+    split: str,
+    include_two_hop: bool = False,
+    all_images: bool = False,
+    inat_id2name: dict | None = None,
+    id_prefix: str = "evqa",
+) -> Iterator[dict]:
     """E-VQA CSV rows (one CSV = one ``split``) → question records.
 
     Ids are ``{id_prefix}-{split}-{i}`` with i the CSV row (``…-{j}`` per image with ``all_images``), unique across
@@ -144,8 +153,11 @@ def evqa_questions(rows: Iterable[dict], find_image: Callable, skip: Callable[[d
         entity = urls if two_hop else urls[0]
         indices = [section_index(s) for s in sections]
         if any(x is None for x in indices):
-            log.warning("row %d: evidence_section_id %r is not an integer section index; kept without it", i,
-                        r.get("evidence_section_id"))
+            log.warning(
+                "row %d: evidence_section_id %r is not an integer section index; kept without it",
+                i,
+                r.get("evidence_section_id"),
+            )
         section = indices if two_hop else (indices[0] if indices else None)
         alternatives = _bars(r.get("answer"))
         parts = [[p.strip() for p in a.split("&&") if p.strip()] for a in alternatives]
@@ -168,10 +180,17 @@ def evqa_questions(rows: Iterable[dict], find_image: Callable, skip: Callable[[d
                 skip({"id": qid, "row": i, "image_id": image_id, "reason": why})
                 continue
             yield question_record(
-                qid, image, r["question"], entity, alternatives,
+                qid,
+                image,
+                r["question"],
+                entity,
+                alternatives,
                 answer_parts=parts if any(len(p) > 1 for p in parts) else None,
-                question_type=qtype or None, split=r.get("encyclopedic_vqa_split") or split,
-                evidence_section_id=section, upstream_id=upstream, dataset_name=dataset or None,
+                question_type=qtype or None,
+                split=r.get("encyclopedic_vqa_split") or split,
+                evidence_section_id=section,
+                upstream_id=upstream,
+                dataset_name=dataset or None,
             )
 
 
@@ -193,9 +212,16 @@ def read_id2name(path: str | Path) -> dict[str, str]:
 # --------------------------------------------------------------------------- InfoSeek
 
 
-def infoseek_questions(rows: Iterable[dict], find_image: Callable, skip: Callable[[dict], None], *,
-                       withkb: dict[str, dict] | None = None, qtype_of: dict[str, str] | None = None,
-                       layout: str = "oven", require_entity: bool = True) -> Iterator[dict]:
+def infoseek_questions(
+    rows: Iterable[dict],
+    find_image: Callable,
+    skip: Callable[[dict], None],
+    *,
+    withkb: dict[str, dict] | None = None,
+    qtype_of: dict[str, str] | None = None,
+    layout: str = "oven",
+    require_entity: bool = True,
+) -> Iterator[dict]:
     """InfoSeek rows (+ entity ids from ``*_withkb.jsonl``, + ``question_type`` from the qtype file) → questions.
 
     ``answer`` and ``answer_eval`` are kept as they are (a numeric ``answer_eval`` holds ``{"wikidata", "range"}``).
@@ -211,8 +237,13 @@ def infoseek_questions(rows: Iterable[dict], find_image: Callable, skip: Callabl
         known = withkb.get(data_id, {})
         entity = known.get("entity_id", r.get("entity_id"))
         if entity is None and require_entity:
-            skip({"id": data_id, "reason": "no entity_id (not in the withkb file); "
-                                           "convert with --require_entity false for inference"})
+            skip(
+                {
+                    "id": data_id,
+                    "reason": "no entity_id (not in the withkb file); "
+                    "convert with --require_entity false for inference",
+                }
+            )
             continue
         image, why = find_image(infoseek_image_candidates(str(r["image_id"]), layout), "")
         if image is None:
@@ -220,9 +251,18 @@ def infoseek_questions(rows: Iterable[dict], find_image: Callable, skip: Callabl
             continue
         answers = r.get("answer")
         answers = [] if answers is None else [answers] if isinstance(answers, str) else list(answers)
-        yield question_record(data_id, image, r["question"], entity, answers, answer_eval=r.get("answer_eval"),
-                              question_type=qtype_of.get(data_id, r.get("question_type")), split=r.get("data_split"),
-                              upstream_id=data_id, entity_text=known.get("entity_text"))
+        yield question_record(
+            data_id,
+            image,
+            r["question"],
+            entity,
+            answers,
+            answer_eval=r.get("answer_eval"),
+            question_type=qtype_of.get(data_id, r.get("question_type")),
+            split=r.get("data_split"),
+            upstream_id=data_id,
+            entity_text=known.get("entity_text"),
+        )
 
 
 def rows_by_id(rows: Iterable[dict], needed: str, source: str) -> dict[str, dict]:
