@@ -24,11 +24,11 @@ from common.placement import Processes, configure_threads
 from retrieval.index import MultimodalIndex
 from rl.arguments import parse_arguments, validate, validate_files
 from rl.data import question_dataset, warn_absent_entities
-from rl.model import exclude_vision_tower, zero_stage
+from rl.model import exclude_vision_tower
 from rl.model_card import write_run_cards
 from rl.monitor import RefinerMonitor, setup_wandb
 from rl.run_record import write_run_record
-from rl.trainer_parts import check_full_finetune_fits, load_policy, precision_of, ready_trainer, rewards
+from rl.trainer_parts import announce_rank, check_full_finetune_fits, load_policy, ready_trainer, rewards
 
 
 def main(argv=None) -> dict:
@@ -41,13 +41,7 @@ def main(argv=None) -> dict:
     say = print if state.is_main_process else (lambda *a, **k: None)  # facts every process shares: said once
     say(geometry)
     threads = configure_threads()  # torch intra-op and FAISS threads: this node's cores ÷ its processes
-    load_dtype, precision, mixed = precision_of(training_args, model_args)
-    stage = zero_stage(training_args)
-    kind = f"DeepSpeed ZeRO-{stage} over {state.backend}" if stage is not None else state.distributed_type
-    print(
-        f"rank {state.process_index}/{state.num_processes} on {state.device} ({kind}, {threads} CPU threads); "
-        f"{precision}; mixed precision: {mixed or 'no'}"
-    )
+    load_dtype, precision = announce_rank(state, training_args, model_args, threads)
     output_dir = Path(training_args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
 

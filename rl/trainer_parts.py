@@ -34,10 +34,18 @@ from rl.monitor import PhaseProgress, TimedReward, use_exact_metric_means, use_p
 from rl.vllm_prompts import fix_colocated_vllm_prompts, probe_vllm_prompt
 
 
-def precision_of(training_args, model_args) -> tuple[str, str, str | None]:
-    """(dtype the weights load in, the master weights' precision, the mixed precision or None) of this run."""
+def announce_rank(state, training_args, model_args, threads: int) -> tuple[str, str]:
+    """Print this rank's device, distributed kind, threads and precision → (dtype the weights load in, the master
+    weights' precision)."""
+    stage = zero_stage(training_args)
     mixed = "bf16" if training_args.bf16 else "fp16" if training_args.fp16 else None
-    return *master_dtype(model_args.dtype, model_args.use_peft, zero_stage(training_args), mixed), mixed
+    load_dtype, precision = master_dtype(model_args.dtype, model_args.use_peft, stage, mixed)
+    kind = f"DeepSpeed ZeRO-{stage} over {state.backend}" if stage is not None else state.distributed_type
+    print(
+        f"rank {state.process_index}/{state.num_processes} on {state.device} ({kind}, {threads} CPU threads); "
+        f"{precision}; mixed precision: {mixed or 'no'}"
+    )
+    return load_dtype, precision
 
 
 def load_policy(model_path: str, args, training_args, model_args, state, load_dtype: str, say):

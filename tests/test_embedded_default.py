@@ -87,7 +87,6 @@ def test_an_explicit_per_device_batch_that_disagrees_is_an_error_naming_both():
 
 
 def test_a_finished_warm_start_is_reused_only_with_the_same_settings(tmp_path, monkeypatch):
-    import rl.model
     from toy.refiner import run_warm_start
 
     base, out = tmp_path / "base", tmp_path / "warm"
@@ -101,7 +100,7 @@ def test_a_finished_warm_start_is_reused_only_with_the_same_settings(tmp_path, m
         "seed": 0,
     }
     (out / "warm_start.json").write_text(json.dumps({"settings": settings, "processes": 2, "train_loss": 1.0}))
-    monkeypatch.setattr(rl.model, "load_model", lambda *a, **k: pytest.fail("a finished warm start was redone"))
+    monkeypatch.setattr("toy.refiner.load_model", lambda *a, **k: pytest.fail("a finished warm start was redone"))
     said = []
     assert run_warm_start(base, tmp_path, out, 20, 16, 1e-3, 0.5, seed=0, log=said.append) == out
     assert "reusing" in said[0]

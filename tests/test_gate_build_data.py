@@ -111,7 +111,7 @@ def test_bad_input(kw, match, tmp_path):
         build(BuildDataArgs(**kw), **QUIET)
 
 
-def test_sample_and_judge_resume_after_an_interruption(questions, tiny_world, tmp_path):
+def test_sample_and_judge_resume_after_an_interruption(questions, tiny_world, tmp_path, monkeypatch):
     path, picked = questions
     calls = []
 
@@ -132,9 +132,9 @@ def test_sample_and_judge_resume_after_an_interruption(questions, tiny_world, tm
     rows = [json.loads(x) for x in open(tmp_path / "d" / "samples.jsonl")]
     assert [r["id"] for r in rows] == [p["id"] for p in picked] and rows[0]["samples"] == ["red"] * 3
 
-    import gate.pipeline.judges as judges
+    import gate.train.build_data as build_data  # where the judge stage calls judge_all
 
-    real, seen = judges.judge_all, []
+    real, seen = build_data.judge_all, []
 
     def judge_dies(batch, judge, cache):
         seen.append(len(batch))
@@ -142,15 +142,12 @@ def test_sample_and_judge_resume_after_an_interruption(questions, tiny_world, tm
             raise RuntimeError("endpoint died")
         return real(batch, judge, cache)
 
-    judges.judge_all = judge_dies
-    try:
-        with pytest.raises(RuntimeError):
-            build(BuildDataArgs(stage="judge", out=str(tmp_path / "d")), **QUIET)
-        assert not (tmp_path / "d" / "judged.jsonl").exists() or not open(tmp_path / "d" / "judged.jsonl").read()
-        assert build(BuildDataArgs(stage="judge", out=str(tmp_path / "d")), **QUIET) == 2
-        assert build(BuildDataArgs(stage="judge", out=str(tmp_path / "d")), **QUIET) == 0
-    finally:
-        judges.judge_all = real
+    monkeypatch.setattr(build_data, "judge_all", judge_dies)
+    with pytest.raises(RuntimeError):
+        build(BuildDataArgs(stage="judge", out=str(tmp_path / "d")), **QUIET)
+    assert not (tmp_path / "d" / "judged.jsonl").exists() or not open(tmp_path / "d" / "judged.jsonl").read()
+    assert build(BuildDataArgs(stage="judge", out=str(tmp_path / "d")), **QUIET) == 2
+    assert build(BuildDataArgs(stage="judge", out=str(tmp_path / "d")), **QUIET) == 0
 
 
 def test_retrieve_context_and_the_retrieval_labels(questions, tiny_world, tiny_index_dir, tiny_index, tmp_path):

@@ -86,8 +86,6 @@ def test_the_training_image_budget_reaches_export_refine_and_vllm(config, tiny_w
     the printed `vllm serve` command all carry it: an oversized image becomes at most 64 image tokens."""
     from PIL import Image
 
-    import rl.generate
-
     budget = {"min_pixels": 112 * 112, "max_pixels": 64 * 28 * 28}  # toy images still seen at 112 px, as trained
     tg.main(config(max_steps=1, save_strategy="steps", save_steps=1, **budget))
     printed = []
@@ -116,6 +114,6 @@ def test_the_training_image_budget_reaches_export_refine_and_vllm(config, tiny_w
 
     assert image_token_count(unbudgeted.processor, big)[0] > 64 >= image_token_count(refiner.processor, big)[0]
     calls = []
-    monkeypatch.setattr(rl.generate, "load_vllm", lambda path, image_budget=None, **k: calls.append(image_budget))
+    monkeypatch.setattr("rl.refine.load_vllm", lambda path, image_budget=None, **k: calls.append(image_budget))
     Refiner.load(folder, backend="vllm")
     assert calls == [budget]
