@@ -153,7 +153,16 @@ def world_module(argv: list[str]):
     if name is None and "--config" in argv[:-1]:
         config = yaml.safe_load(Path(argv[argv.index("--config") + 1]).read_text()) or {}
         name = config.get("world")
-    return importlib.import_module(name) if name else None
+    if not name:
+        return None
+    try:
+        world = importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        raise ValueError(f"--world: no module {name!r} ({e})") from None
+    missing = [f for f in ("Arguments", "prepare", "report") if not hasattr(world, f)]
+    if missing:
+        raise ValueError(f"--world {name}: the module lacks {', '.join(missing)} (see toy/embedded_default.py)")
+    return world
 
 
 def parse_arguments(argv=None):

@@ -292,3 +292,17 @@ def test_the_embedded_default_under_zero3_prints_its_learning_table(seeded_runs)
     assert "| grpo |" in out
     whole = encoder_elements(out)
     assert set(whole) == {0, 1} and whole[0] == whole[1] > 0  # the MiniLM encoder whole on both processes
+
+
+@pytest.mark.parametrize(
+    "world,message",
+    [("no_such_module_xyz", "no module 'no_such_module_xyz'"), ("common.files", "lacks Arguments, prepare, report")],
+)
+def test_a_world_that_is_not_a_hook_module_is_refused_naming_it(world, message):
+    with pytest.raises(ValueError, match=message):
+        tg.world_module(["--world", world])
+
+
+def test_the_embedded_default_names_its_world_in_its_config():
+    world = tg.world_module(["--config", str(tg.DEFAULT_CONFIG)])
+    assert world.__name__ == "toy.embedded_default" and tg.world_module(["--output_dir", "x"]) is None
