@@ -31,6 +31,7 @@ queries only, never to KB rows. ``check_*_name`` validate a name without loading
 from __future__ import annotations
 
 import os
+from functools import cache
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -51,12 +52,20 @@ def cache_dir() -> Path:
     return Path(root)
 
 
+@cache
 def registered(kind: str) -> dict:
     """Models that installed packages register by name, as entry points of the group ``refine_rl.<kind>``
     (``image_encoders``: a function returning an open_clip (model, preprocess); ``text_encoders``, ``cross_encoders``:
     a function returning a local model folder). The toy world's ``tiny`` models come this way (pyproject.toml,
-    toy.models): these factories know no model by a special name."""
+    toy.models): these factories know no model by a special name. Read once per process (a scan of every installed
+    package's metadata)."""
     return {ep.name: ep for ep in entry_points(group=f"refine_rl.{kind}")}
+
+
+def registered_builder(kind: str, name: str):
+    """The function an installed package registers as ``name`` for ``kind`` (``registered``), or None."""
+    entry = registered(kind).get(name)
+    return entry.load() if entry is not None else None
 
 
 # --------------------------------------------------------------------------- name checks
@@ -134,8 +143,8 @@ class ImageEncoder:
 
         self.device = resolve_device(device)
         self.batch_size = batch_size
-        if name in registered("image_encoders"):
-            model, preprocess = registered("image_encoders")[name].load()()
+        if builder := registered_builder("image_encoders", name):
+            model, preprocess = builder()
         elif name.startswith(("hf-hub:", "local-dir:")):
             model, _, preprocess = open_clip.create_model_and_transforms(name)
         else:
@@ -323,7 +332,7 @@ class TextEncoder:
         self.name = check_text_encoder_name(name)
         self.device = resolve_device(device)
         self.batch_size = batch_size
-        builder = registered("text_encoders")[name].load() if name in registered("text_encoders") else None
+        builder = registered_builder("text_encoders", name)
         path = builder() if builder else minilm_path() if name == "minilm" else name
         self.dtype = torch.bfloat16 if self.device.startswith("cuda") else torch.float32
         self.model = SentenceTransformer(

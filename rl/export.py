@@ -30,6 +30,7 @@ from PIL import Image
 from common.cli import check_choices, parse
 from common.files import write_json_atomic
 from common.model_card import write_card
+from common.placement import DTYPE_NAMES, resolve_dtype
 from rewards import parse_query
 from rewards.format import PARSER_VERSION
 from rl.generate import generate_completions
@@ -37,7 +38,7 @@ from rl.image_budget import apply_image_budget
 from rl.model_card import held_out, refiner_card, vllm_serve_command
 from rl.run_record import RUN_RECORD, find_run_record
 
-DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+DTYPES = {short: DTYPE_NAMES[short] for short in ("bf16", "fp16", "fp32")}  # the export's choices → torch names
 
 
 @dataclass
@@ -90,10 +91,9 @@ def step_and_metrics(ckpt: Path) -> tuple[int | None, dict]:
 
 def load_for_export(ckpt: Path, record: dict, dtype: str):
     """Model (LoRA merged) and processor of a checkpoint."""
-    import torch
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    torch_dtype = getattr(torch, DTYPES[dtype])
+    torch_dtype = resolve_dtype(dtype)
     adapter = ckpt / "adapter_config.json"
     if adapter.exists():
         from peft import PeftModel

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from common.model_card import code_block, figures_table, format_value, render_card, write_card
 from rewards.format import INVALID_REWARD, MAX_QUERY_TOKENS, PARSER_VERSION, VALID_REWARD
-from rewards.rank import DEFAULT_MISS, DEFAULT_TIERS, parse_tiers
+from rewards.rank import DEFAULT_MISS, DEFAULT_TIERS, max_depth, parse_tiers
 from rl.run_record import RUN_RECORD
 
 TAGS = ["refine-rl", "query-refinement", "multimodal-retrieval", "grpo", "trl"]
@@ -74,10 +74,10 @@ def reward_section(args: dict) -> str:
     valid = args.get("format_valid_reward", VALID_REWARD)
     invalid = args.get("format_invalid_reward", INVALID_REWARD)
     max_tokens = args.get("max_query_tokens", MAX_QUERY_TOKENS)
-    depth = args.get("depth", 200)
+    tiers = _tiers(args)
+    depth = args.get("depth", max_depth(tiers))  # RefinerArguments' default: the tiers' deepest rank
     miss = args.get("miss_reward", DEFAULT_MISS)
     unparseable = args.get("unparseable_retrieval_reward", miss)
-    tiers = _tiers(args)
     table = "| gold entity's rank | reward |\n|---|---|\n" + "".join(
         f"| {lo}–{hi} | {format_value(float(r))} |\n" for lo, hi, r in tiers
     )

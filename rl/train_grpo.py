@@ -28,7 +28,7 @@ from rl.model import exclude_vision_tower
 from rl.model_card import write_run_cards
 from rl.monitor import RefinerMonitor, setup_wandb
 from rl.run_record import write_run_record
-from rl.trainer_parts import announce_rank, check_full_finetune_fits, load_policy, ready_trainer, rewards
+from rl.trainer_parts import announce_rank, build_rewards, check_full_finetune_fits, load_policy, ready_trainer
 
 
 def main(argv=None) -> dict:
@@ -67,7 +67,7 @@ def main(argv=None) -> dict:
     # rewards: one replica of the index per process, exact ranks on this rank's device, FAISS top-k on the CPU
     index = MultimodalIndex.load(args.index, device=str(state.device), search_device="cpu")
     warn_absent_entities(index, train_data, "train_file")
-    reward_funcs, retrieval, encoders = rewards(args, index, train_data, eval_data, state, output_dir, say)
+    reward_funcs, retrieval, encoders = build_rewards(args, index, train_data, eval_data, state, output_dir, say)
 
     # trainer
     peft_config = get_peft_config(model_args)

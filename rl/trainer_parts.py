@@ -79,7 +79,7 @@ def load_policy(model_path: str, args, training_args, model_args, state, load_dt
     return model, processor, budget
 
 
-def rewards(
+def build_rewards(
     args, index, train_data, eval_data, state, output_dir: Path, say
 ) -> tuple[list[TimedReward], RetrievalReward, list]:
     """The format reward and the retrieval reward (timed, in TRL's order), the retrieval reward itself, and the

@@ -17,7 +17,7 @@ import numpy as np
 from common.placement import resolve_dtype
 from gate.scoring import first_token_scores, load_gate, verbaliser_ids
 from gate.variants import spec
-from retrieval.encoders import registered
+from retrieval.encoders import registered_builder
 from rl.model import load_model
 
 
@@ -43,7 +43,8 @@ class CrossEncoderReranker:
     def __init__(self, name: str, device: str = "cpu", dtype: str | None = None):
         from sentence_transformers import CrossEncoder
 
-        path = registered("cross_encoders")[name].load()() if name in registered("cross_encoders") else name
+        builder = registered_builder("cross_encoders", name)
+        path = builder() if builder else name
         self.name = name
         self.model = CrossEncoder(str(path), device=device, model_kwargs={"dtype": resolve_dtype(dtype, device)})
 
