@@ -7,7 +7,6 @@ no GPU, run with ``pytest -m gpu``. ``slow`` tests (a real-width bf16 step) are 
 
 import json
 import os
-import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -17,6 +16,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 import yaml  # noqa: E402
+
+from tests.upstream_site import serve_in_background  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
@@ -234,9 +235,8 @@ class Stub:
             def log_message(self, *a):
                 pass
 
-        self.server = HTTPServer(("127.0.0.1", 0), Handler)
+        self.server = serve_in_background(HTTPServer(("127.0.0.1", 0), Handler))
         self.url = f"http://127.0.0.1:{self.server.server_port}/v1"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def close(self):
         self.server.shutdown()

@@ -15,6 +15,7 @@ from common.files import read_jsonl
 from retrieval.upstream.articles import ArticleStore, store_from_kb_rows, store_path_for
 from retrieval.upstream.convert import ConvertArgs, convert
 from retrieval.upstream.kb import canonical_url, url_hash, wiki6m_url
+from tests.upstream_site import serve_in_background
 
 REAL = Path(__file__).resolve().parent / "data" / "realdata"  # real rows, their sources in SOURCES.md
 ZORVAK = "https://en.wikipedia.org/wiki/Zorvak"
@@ -412,7 +413,6 @@ def test_qid_map_from_echosight_csv_joined_with_withkb(tmp_path):
 def test_fetch_images_names_files_by_url_hash_resumes_and_lists_failures(tmp_path):
     import functools
     import http.server
-    import threading
 
     from retrieval.upstream.fetch_images import FetchArgs, fetch_images, file_name
 
@@ -427,8 +427,7 @@ def test_fetch_images_names_files_by_url_hash_resumes_and_lists_failures(tmp_pat
             pass
 
     handler = functools.partial(Quiet, directory=str(site))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = serve_in_background(http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler))
     try:
         base = f"http://127.0.0.1:{server.server_address[1]}"
         urls = [f"{base}/a.jpg", f"{base}/b.png", f"{base}/gone.jpg", f"{base}/page.html"]
@@ -509,9 +508,8 @@ WIKI_THUMB = "/wikipedia/commons/thumb/a/ab/Flag_of_Zorvak.svg/960px-Flag_of_Zor
     ids=lambda c: c["name"],
 )
 def test_svg_kb_images_become_png_or_are_listed(tmp_path, monkeypatch, case):
-    from upstream_site import SVG, Site, ok, png_bytes
-
     import retrieval.upstream.fetch_images as fi
+    from tests.upstream_site import SVG, Site, ok, png_bytes
 
     routes = {
         WIKI_THUMB: [ok(png_bytes())],
@@ -617,9 +615,8 @@ def test_kb_inputs_are_read_as_downloaded(tmp_path, fmt, packing):
 def test_fetch_images_reads_a_gzipped_wiki6m(tmp_path):
     import gzip
 
-    from upstream_site import Site, ok, png_bytes
-
     from retrieval.upstream.fetch_images import FetchArgs, fetch_images
+    from tests.upstream_site import Site, ok, png_bytes
 
     with Site({"/e.png": [ok(png_bytes())]}) as site:
         rows = [
@@ -786,10 +783,9 @@ def test_title_keyed_image_csvs_list_what_they_leave_out(tmp_path, image, file, 
     ],
 )
 def test_fetch_images_needs_a_user_agent_with_a_contact(tmp_path, user_agent, ok):
-    from upstream_site import Site, png_bytes
-    from upstream_site import ok as served
-
     from retrieval.upstream.fetch_images import FetchArgs, fetch_images
+    from tests.upstream_site import Site, png_bytes
+    from tests.upstream_site import ok as served
 
     with Site({"/a.png": [served(png_bytes())]}) as site:
         kb = kb_with_images(tmp_path, [site.url("/a.png")])
@@ -814,9 +810,8 @@ def test_fetch_images_needs_a_user_agent_with_a_contact(tmp_path, user_agent, ok
     ],
 )
 def test_fetch_images_backs_off_on_429(tmp_path, monkeypatch, responses, sleeps, fetched):
-    from upstream_site import Site, ok, png_bytes
-
     import retrieval.upstream.fetch_images as fi
+    from tests.upstream_site import Site, ok, png_bytes
 
     slept = []
     monkeypatch.setattr(fi, "_sleep", slept.append)

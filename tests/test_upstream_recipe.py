@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from upstream_site import SVG, Site, jpeg_bytes, ok, png_bytes
 
 from common.files import read_jsonl
 from retrieval.upstream.articles import ArticleStore
 from retrieval.upstream.kb import url_hash
+from tests.upstream_site import SVG, Site, jpeg_bytes, ok, png_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 COMMAND_WORDS = ("python ", "accelerate ", "cat ", "tar ", "mkdir ", "for ", "done")
