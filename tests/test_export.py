@@ -70,7 +70,10 @@ def test_lora_is_merged(config, tmp_path, tiny_refiner):
         learning_rate=1e-2,
     )
     assert (run / "checkpoint-1" / "adapter_config.json").exists()
-    out = export(ExportArgs(checkpoint=str(run / "checkpoint-1"), out=str(tmp_path / "serve"), dtype="fp32"), **QUIET)
+    out = export(  # reloaded below, in this process; the fresh-process check: test_full_fine_tune_round_trip
+        ExportArgs(checkpoint=str(run / "checkpoint-1"), out=str(tmp_path / "serve"), dtype="fp32", verify=False),
+        **QUIET,
+    )
     base = AutoModelForImageTextToText.from_pretrained(str(tiny_refiner), dtype=torch.float32)
     original = {k: v.clone() for k, v in base.state_dict().items()}
     merged = PeftModel.from_pretrained(base, str(run / "checkpoint-1")).merge_and_unload().state_dict()
@@ -89,10 +92,17 @@ def test_failed_verification_leaves_no_folder(config, tmp_path, monkeypatch):
     class Failed:
         returncode, stdout, stderr = 1, "", "Traceback …\nValueError: exported model's output does not parse"
 
-    monkeypatch.setattr(ex.subprocess, "run", lambda *a, **k: Failed())
-    with pytest.raises(ValueError, match="verification"):
-        export(ExportArgs(checkpoint=str(run), out=str(tmp_path / "serve")), **QUIET)
-    assert not (tmp_path / "serve").exists() and not list(tmp_path.glob(".serve.tmp-*"))
+    def too_long(*a, timeout=None, **k):
+        raise ex.subprocess.TimeoutExpired(a[0], timeout)
+
+    for fake, message in (
+        (lambda *a, **k: Failed(), "verification of the exported folder failed: .*does not parse"),
+        (too_long, f"did not finish within {ex.VERIFY_TIMEOUT_S} s"),
+    ):
+        monkeypatch.setattr(ex.subprocess, "run", fake)
+        with pytest.raises(ValueError, match=message):
+            export(ExportArgs(checkpoint=str(run), out=str(tmp_path / "serve")), **QUIET)
+        assert not (tmp_path / "serve").exists() and not list(tmp_path.glob(".serve.tmp-*"))
 
 
 def test_refusals(tmp_path):

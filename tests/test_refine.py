@@ -71,7 +71,9 @@ def test_vllm_backend_without_vllm_is_a_clear_error(tmp_path):
 
 def test_exported_refiner_loads_and_refines(config, tiny_world, tmp_path):
     tg.main(config(max_steps=1, save_strategy="steps", save_steps=1))
-    folder = export(ExportArgs(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "serve"), dtype="fp32"), **QUIET)
+    folder = export(
+        ExportArgs(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "serve"), dtype="fp32", verify=False), **QUIET
+    )  # loaded below, in this process (the fresh-process check: tests/test_export.py)
     refiner = Refiner.load(folder)
     assert refiner.spec["prompt"]["name"] == "toy"
     rows = [json.loads(x) for x in open(tiny_world / "test.jsonl")][:4]
@@ -90,8 +92,10 @@ def test_the_training_image_budget_reaches_export_refine_and_vllm(config, tiny_w
     tg.main(config(max_steps=1, save_strategy="steps", save_steps=1, **budget))
     printed = []
     folder = export(
-        ExportArgs(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "serve"), dtype="fp32"), log=printed.append
+        ExportArgs(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "serve"), dtype="fp32", verify=False),
+        log=printed.append,
     )
+    assert printed[-2].endswith("not verified (--verify false)")
     assert json.loads((folder / "refiner.json").read_text())["image_budget"] == budget
     assert f"--mm-processor-kwargs '{json.dumps(budget)}'" in printed[-1]
     refiner = Refiner.load(folder)
