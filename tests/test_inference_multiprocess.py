@@ -1,5 +1,9 @@
 """Long inference jobs as two CPU processes over gloo (torchrun; `accelerate launch --cpu` would start only one):
-each process takes every other batch and process 0 merges the parts — the same output as one process."""
+each process takes every other batch and process 0 merges the parts — the same output as one process.
+
+The four jobs run one after the other in one launch (tests/scripts/run_jobs.py calls each module's ``main`` with its
+config, as ``python -m`` does): one start of two processes instead of four. Each job's one-process reference runs
+here first, in this process."""
 
 import json
 import shutil
@@ -16,57 +20,38 @@ ROOT = Path(__file__).resolve().parent.parent
 QUIET = dict(log=lambda *a: None)
 
 
-def torchrun_module(module: str, config: dict, cwd: Path):
-    (cwd / "cfg.yaml").write_text(yaml.safe_dump(config))
-    return two_processes(["-m", module, "--config", str(cwd / "cfg.yaml")], cwd=cwd)
-
-
-def test_refine_on_two_processes_equals_one(tiny_refiner, tiny_world, tmp_path):
+def refine_job(folder: Path, tiny_refiner, tiny_world, **_) -> dict:
     from rl.refine import RefineArgs, refine_file
 
     rows = list(read_jsonl(tiny_world / "test.jsonl"))[:14]
-    write_jsonl_atomic(tmp_path / "q.jsonl", rows)
-    config = dict(model=str(tiny_refiner), queries=str(tmp_path / "q.jsonl"), images_root=str(tiny_world), batch_size=4)
-    refine_file(RefineArgs(**config, out=str(tmp_path / "one.jsonl")), **QUIET)
-    proc = torchrun_module("rl.refine", {**config, "out": str(tmp_path / "two.jsonl")}, tmp_path)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    log = proc.stdout + proc.stderr
-    assert "process 0/2" in log and "process 1/2" in log and "8 to go here" in log and "6 to go here" in log
-    one, two = list(read_jsonl(tmp_path / "one.jsonl")), list(read_jsonl(tmp_path / "two.jsonl"))
-    assert [r["id"] for r in two] == [r["id"] for r in rows] and two == one
-    assert not list(tmp_path.glob("two.jsonl.part*"))
+    write_jsonl_atomic(folder / "q.jsonl", rows)
+    config = dict(model=str(tiny_refiner), queries=str(folder / "q.jsonl"), images_root=str(tiny_world), batch_size=4)
+    refine_file(RefineArgs(**config, out=str(folder / "one.jsonl")), **QUIET)
+    return {**config, "out": str(folder / "two.jsonl")}
 
 
-@pytest.fixture()
-def gate_folders(tiny_gate_vlm, tmp_path):
-    from gate.scoring import GATE_FILE
-
-    out = {}
-    for variant in ("hkb", "inspector"):
-        shutil.copytree(tiny_gate_vlm, tmp_path / variant)
-        write_json_atomic(tmp_path / variant / GATE_FILE, {"variant": variant})
-        out[variant] = str(tmp_path / variant)
-    return out
-
-
-def test_pipeline_on_two_processes_equals_one(
-    gate_folders, tiny_gate_vlm, tiny_refiner, tiny_world, tiny_index_dir, tmp_path
-):
+def pipeline_job(folder: Path, tiny_refiner, tiny_world, tiny_index_dir, tiny_gate_vlm, **_) -> dict:
     from gate.pipeline.run import PipelineArgs, run
+    from gate.scoring import GATE_FILE
     from toy.gates import gate_questions
 
+    gates = {}
+    for variant in ("hkb", "inspector"):
+        shutil.copytree(tiny_gate_vlm, folder / variant)
+        write_json_atomic(folder / variant / GATE_FILE, {"variant": variant})
+        gates[variant] = str(folder / variant)
     rows = gate_questions(list(read_jsonl(tiny_world / "test.jsonl")), 4, seed=0)  # 8 questions, 4 batches
-    write_jsonl_atomic(tmp_path / "q.jsonl", rows)
+    write_jsonl_atomic(folder / "q.jsonl", rows)
     config = dict(
-        queries=str(tmp_path / "q.jsonl"),
+        queries=str(folder / "q.jsonl"),
         images_root=str(tiny_world),
-        gate=gate_folders["hkb"],
+        gate=gates["hkb"],
         answerer=str(tiny_gate_vlm),
         refiner=str(tiny_refiner),
         index=str(tiny_index_dir),
         alpha=0.5,
         k=3,
-        inspector=gate_folders["inspector"],
+        inspector=gates["inspector"],
         generator=str(tiny_gate_vlm),
         generator_image=True,
         generator_prompt="toy",
@@ -74,35 +59,18 @@ def test_pipeline_on_two_processes_equals_one(
         batch_size=2,
         device="cpu",
     )
-    one = run(PipelineArgs(**config, out=str(tmp_path / "one")), **QUIET)
-    proc = torchrun_module("gate.pipeline", {**config, "out": str(tmp_path / "two")}, tmp_path)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "pipeline, process 1/2" in proc.stdout + proc.stderr
-    a, b = (
-        list(read_jsonl(tmp_path / "one" / "predictions.jsonl")),
-        list(read_jsonl(tmp_path / "two" / "predictions.jsonl")),
-    )
-    assert [r["id"] for r in b] == [r["id"] for r in rows]
-    for x, y in zip(a, b):
-        x.pop("latency"), y.pop("latency")
-        for r in (x, y):
-            r["gate"]["score"] = round(r["gate"]["score"], 5)
-            r["rag"]["inspector"]["p_pass"] = round(r["rag"]["inspector"]["p_pass"], 5)
-        assert x == y
-    two = json.loads((tmp_path / "two" / "metrics.json").read_text())
-    assert two["n"] == one["n"] == 8 and two["accuracy"] == pytest.approx(one["accuracy"])
+    run(PipelineArgs(**config, out=str(folder / "one")), **QUIET)
+    return {**config, "out": str(folder / "two")}
 
 
-def test_gate_data_sampling_on_two_processes_equals_one(tiny_gate_vlm, tiny_world, tmp_path):
-    """gate.train.build_data --stage sample: seeded per batch, so two processes draw the very samples one process
-    draws."""
+def gate_data_job(folder: Path, tiny_world, tiny_gate_vlm, **_) -> dict:
     from gate.train.build_data import BuildDataArgs, build
 
     rows = list(read_jsonl(tiny_world / "test.jsonl"))[:6]
-    write_jsonl_atomic(tmp_path / "q.jsonl", rows)
+    write_jsonl_atomic(folder / "q.jsonl", rows)
     config = dict(
         stage="sample",
-        queries=str(tmp_path / "q.jsonl"),
+        queries=str(folder / "q.jsonl"),
         images_root=str(tiny_world),
         model=str(tiny_gate_vlm),
         samples=3,
@@ -110,21 +78,12 @@ def test_gate_data_sampling_on_two_processes_equals_one(tiny_gate_vlm, tiny_worl
         max_new_tokens=4,
         device="cpu",
     )
-    build(BuildDataArgs(**config, out=str(tmp_path / "one")), **QUIET)
-    proc = torchrun_module("gate.train.build_data", {**config, "out": str(tmp_path / "two")}, tmp_path)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "sample, process 1/2" in proc.stdout + proc.stderr
-    one = list(read_jsonl(tmp_path / "one" / "samples.jsonl"))
-    assert list(read_jsonl(tmp_path / "two" / "samples.jsonl")) == one and len(one) == 6
-    assert len({s for r in one for s in r["samples"]}) > 1  # real samples, not one repeated string
+    build(BuildDataArgs(**config, out=str(folder / "one")), **QUIET)
+    return {**config, "out": str(folder / "two")}
 
 
-def test_rl_data_on_two_processes_equals_one(tiny_world, tiny_index_dir, tmp_path):
-    """The baseline retrieval and the sampled images' embeddings split over two processes: the same RL file, skip
-    list and embedding store as one process."""
-    from retrieval.index import MultimodalIndex
+def rl_data_job(folder: Path, tiny_world, tiny_index_dir, **_) -> dict:
     from rl.data import RLDataArgs, build_rl_data
-    from rl.image_embeddings import load_store
 
     config = dict(
         queries=str(tiny_world / "train.jsonl"),
@@ -136,15 +95,92 @@ def test_rl_data_on_two_processes_equals_one(tiny_world, tiny_index_dir, tmp_pat
         images_root=str(tiny_world),
         workers=0,
     )
-    build_rl_data(RLDataArgs(**config, out=str(tmp_path / "one.jsonl")), **QUIET)
-    proc = torchrun_module("rl.data", {**config, "out": str(tmp_path / "two.jsonl")}, tmp_path)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    log = proc.stdout + proc.stderr
-    assert "process 1/2" in log and "24 to go here" in log  # 48 questions, 6 batches of 8: 3 each
-    assert (tmp_path / "two.jsonl").read_text() == (tmp_path / "one.jsonl").read_text()
-    assert (tmp_path / "two.jsonl.skipped.jsonl").read_text() == (tmp_path / "one.jsonl.skipped.jsonl").read_text()
+    build_rl_data(RLDataArgs(**config, out=str(folder / "one.jsonl")), **QUIET)
+    return {**config, "out": str(folder / "two.jsonl")}
+
+
+JOBS = {  # job → (the module `python -m` runs, what prepares its config and runs its one-process reference)
+    "refine": ("rl.refine", refine_job),
+    "pipeline": ("gate.pipeline.run", pipeline_job),  # python -m gate.pipeline runs gate.pipeline.run's main
+    "gate_data": ("gate.train.build_data", gate_data_job),
+    "rl_data": ("rl.data", rl_data_job),
+}
+
+
+@pytest.fixture(scope="module")
+def jobs(tiny_refiner, tiny_world, tiny_index_dir, tiny_gate_vlm, tmp_path_factory):
+    """Each job's folder (one-process output ``one*``, two-process output ``two*``) and the two processes' log of it."""
+    tmp = tmp_path_factory.mktemp("inference-jobs")
+    fixtures = dict(
+        tiny_refiner=tiny_refiner, tiny_world=tiny_world, tiny_index_dir=tiny_index_dir, tiny_gate_vlm=tiny_gate_vlm
+    )
+    argv, folders = [str(ROOT / "tests" / "scripts" / "run_jobs.py"), str(tmp)], {}
+    for name, (module, prepare) in JOBS.items():
+        folders[name] = tmp / name
+        folders[name].mkdir()
+        (folders[name] / "cfg.yaml").write_text(yaml.safe_dump(prepare(folders[name], **fixtures)))
+        argv += [module, str(folders[name] / "cfg.yaml")]
+    proc = two_processes(argv, cwd=tmp)
+    logs = {
+        name: "".join(p.read_text() for p in sorted(tmp.glob(f"{i}-{module}.rank*.log")))
+        for i, (name, (module, _)) in enumerate(JOBS.items())
+    }
+    assert proc.returncode == 0, proc.stderr[-3000:] + "\n".join(log[-2000:] for log in logs.values())
+    return folders, logs
+
+
+def test_refine_on_two_processes_equals_one(jobs, tiny_world):
+    folders, logs = jobs
+    folder, log = folders["refine"], logs["refine"]
+    assert "process 0/2" in log and "process 1/2" in log and "8 to go here" in log and "6 to go here" in log
+    one, two = list(read_jsonl(folder / "one.jsonl")), list(read_jsonl(folder / "two.jsonl"))
+    assert [r["id"] for r in two] == [r["id"] for r in read_jsonl(folder / "q.jsonl")] and two == one
+    assert not list(folder.glob("two.jsonl.part*"))
+
+
+def test_pipeline_on_two_processes_equals_one(jobs):
+    folders, logs = jobs
+    folder = folders["pipeline"]
+    assert "pipeline, process 1/2" in logs["pipeline"]
+    a, b = (
+        list(read_jsonl(folder / "one" / "predictions.jsonl")),
+        list(read_jsonl(folder / "two" / "predictions.jsonl")),
+    )
+    assert [r["id"] for r in b] == [r["id"] for r in read_jsonl(folder / "q.jsonl")]
+    for x, y in zip(a, b):
+        x.pop("latency"), y.pop("latency")
+        for r in (x, y):
+            r["gate"]["score"] = round(r["gate"]["score"], 5)
+            r["rag"]["inspector"]["p_pass"] = round(r["rag"]["inspector"]["p_pass"], 5)
+        assert x == y
+    one, two = (json.loads((folder / run / "metrics.json").read_text()) for run in ("one", "two"))
+    assert two["n"] == one["n"] == 8 and two["accuracy"] == pytest.approx(one["accuracy"])
+
+
+def test_gate_data_sampling_on_two_processes_equals_one(jobs):
+    """gate.train.build_data --stage sample: seeded per batch, so two processes draw the very samples one process
+    draws."""
+    folders, logs = jobs
+    folder = folders["gate_data"]
+    assert "sample, process 1/2" in logs["gate_data"]
+    one = list(read_jsonl(folder / "one" / "samples.jsonl"))
+    assert list(read_jsonl(folder / "two" / "samples.jsonl")) == one and len(one) == 6
+    assert len({s for r in one for s in r["samples"]}) > 1  # real samples, not one repeated string
+
+
+def test_rl_data_on_two_processes_equals_one(jobs, tiny_index_dir):
+    """The baseline retrieval and the sampled images' embeddings split over two processes: the same RL file, skip
+    list and embedding store as one process."""
+    from retrieval.index import MultimodalIndex
+    from rl.image_embeddings import load_store
+
+    folders, logs = jobs
+    folder = folders["rl_data"]
+    assert "process 1/2" in logs["rl_data"] and "24 to go here" in logs["rl_data"]  # 48 questions, 6 batches of 8
+    assert (folder / "two.jsonl").read_text() == (folder / "one.jsonl").read_text()
+    assert (folder / "two.jsonl.skipped.jsonl").read_text() == (folder / "one.jsonl.skipped.jsonl").read_text()
     manifest = MultimodalIndex.load(tiny_index_dir).manifest
-    one, two = load_store(tmp_path / "one.jsonl", manifest), load_store(tmp_path / "two.jsonl", manifest)
+    one, two = load_store(folder / "one.jsonl", manifest), load_store(folder / "two.jsonl", manifest)
     assert one.keys() == two.keys() and one
     for image in one:
         np.testing.assert_allclose(two[image], one[image], atol=1e-6)
