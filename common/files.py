@@ -5,7 +5,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,6 +26,38 @@ def atomic_path(path: str | Path, suffix: str = ""):
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+@contextmanager
+def atomic_folder(folder: str | Path, replace: bool = True):
+    """Yield a fresh temporary folder next to ``folder`` (``.<name>.tmp-<pid>``); when the block succeeds, rename it
+    onto ``folder``: over an existing one with ``replace``, else keeping the one another process renamed there first.
+    A crash leaves no half-written folder."""
+    folder = Path(folder)
+    tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        if replace:
+            shutil.rmtree(folder, ignore_errors=True)
+        try:
+            os.replace(tmp, folder)
+        except OSError:  # a non-empty folder is there: another process finished first
+            if replace or not folder.is_dir():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def wait_for_path(path: str | Path, timeout_s: float, what: str) -> Path:
+    """``path`` once it exists (another process writes it); past ``timeout_s``, a TimeoutError naming ``what``."""
+    path, deadline = Path(path), time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout_s:.0f} s: waiting for {what}")
+        time.sleep(0.1)
+    return path
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -29,7 +28,7 @@ from pathlib import Path
 from PIL import Image
 
 from common.cli import check_choices, parse
-from common.files import write_json_atomic
+from common.files import atomic_folder, write_json_atomic
 from common.model_card import write_card
 from common.placement import DTYPE_NAMES, resolve_dtype
 from rewards import parse_query
@@ -219,10 +218,8 @@ def export(args: ExportArgs, log=print) -> Path:
             f"cannot load the checkpoint {ckpt}: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
         ) from None
 
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
     budget = record.get("image_budget")
-    try:
+    with atomic_folder(out) as tmp:  # renamed to --out only once verified
         model.save_pretrained(tmp, max_shard_size=args.max_shard_size)
         apply_image_budget(processor, budget).save_pretrained(tmp)  # the training budget, for HF and vLLM alike
         gen = record["generation"]
@@ -277,11 +274,6 @@ def export(args: ExportArgs, log=print) -> Path:
                     f"verification of the exported folder failed: {result.stderr.strip().splitlines()[-1:]}"
                 )
             checked = f"verified in a fresh process: {result.stdout.strip().splitlines()[-1]}"
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     log(f"exported to {out}; {checked}")
     log(f"serve it with: {vllm_serve_command(out.resolve(), DTYPES[args.dtype], budget)}")
     return out

@@ -11,14 +11,13 @@ generation of a group. vLLM runs its own processor from the model folder, so the
 from __future__ import annotations
 
 import math
-import os
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from PIL import Image
 
 from common.cli import parse
+from common.files import atomic_folder
 from common.placement import local_world_size
 
 PAPER_MAX_PIXELS = 1024 * 28 * 28  # ≤ 1024 image tokens for Qwen2.5-VL (patch 14, merge 2)
@@ -178,15 +177,11 @@ def vllm_model_folder(name_or_path: str, processor, out: str | Path) -> Path:
     token ids come from the trainer's processor: both must expand an image to the same number of tokens.
     Written to a temporary sibling and renamed (a crash leaves no half folder)."""
     src, out = model_files(name_or_path), Path(out)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    processor.save_pretrained(tmp)
-    for f in src.iterdir():
-        if f.is_file() and is_model_file(f.name) and not (tmp / f.name).exists():
-            (tmp / f.name).symlink_to(f.resolve())
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
+    with atomic_folder(out) as tmp:
+        processor.save_pretrained(tmp)
+        for f in src.iterdir():
+            if f.is_file() and is_model_file(f.name) and not (tmp / f.name).exists():
+                (tmp / f.name).symlink_to(f.resolve())
     return out
 
 

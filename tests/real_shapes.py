@@ -9,10 +9,10 @@ of the real code path are exercised on a CPU without downloading any weights. We
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import tempfile
 from pathlib import Path
+
+from common.files import atomic_folder
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "configs" / "models"
 VLM_3B = MODELS_DIR / "qwen2.5-vl-3b-instruct"
@@ -50,11 +50,8 @@ def real_image_processor(**overrides):
 def _atomic_folder(out: Path, write) -> Path:
     if (out / "config.json").exists():
         return out
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    write(tmp)
-    os.replace(tmp, out)
+    with atomic_folder(out) as tmp:
+        write(tmp)
     return out
 
 

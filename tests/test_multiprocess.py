@@ -113,8 +113,14 @@ def two_process_run(tiny_world, tiny_index_dir, tiny_refiner, tmp_path_factory):
         ddp_timeout=120,
     )
     (tmp / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    # an empty model cache: both processes ask for the `tiny` text encoder at once and must share one build
+    # (transformers' save_pretrained writes nothing on rank 1 once torch.distributed is up: process 0 builds it)
+    (tmp / "cache").mkdir()
     proc = two_processes(
-        [str(ROOT / "rl" / "train_grpo.py"), "--config", str(tmp / "cfg.yaml")], cwd=tmp, accelerate_config=ZERO[2]
+        [str(ROOT / "rl" / "train_grpo.py"), "--config", str(tmp / "cfg.yaml")],
+        cwd=tmp,
+        accelerate_config=ZERO[2],
+        REFINE_RL_CACHE=str(tmp / "cache"),
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return tmp / "run", proc.stdout + proc.stderr
@@ -182,6 +188,14 @@ def test_both_processes_train_as_one_job(two_process_run):
     assert {p.name for p in run.glob("checkpoint-*")} == {"checkpoint-3", "checkpoint-6"}
     state = json.loads((run / "checkpoint-6" / "trainer_state.json").read_text())
     assert sum("eval_retrieval/hit@1" in h for h in state["log_history"]) == 2
+
+
+def test_both_processes_share_one_build_of_a_tiny_model_on_a_cold_cache(two_process_run):
+    run, _ = two_process_run
+    built = sorted(p.name for p in (run.parent / "cache").iterdir())
+    assert len(built) == 1 and built[0].startswith("tiny-text-")  # one folder, no temporary left behind
+    assert (run.parent / "cache" / built[0] / "modules.json").is_file()
+    assert (run.parent / "cache" / built[0] / "model.safetensors").is_file()
 
 
 def test_zero2_saves_the_engines_weights(two_process_run, tiny_refiner, encoders):

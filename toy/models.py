@@ -9,11 +9,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
+from common.files import atomic_folder, wait_for_path
 from retrieval.encoders import cache_dir
 
 CONFIG_DIR = Path(__file__).parent / "model_configs"
@@ -67,35 +67,47 @@ def tiny_vocab() -> list[str]:
     return specials + chars + ["##" + c for c in chars]
 
 
-def build_tiny_text_model(folder: Path) -> Path:
-    """Write a seeded random tiny sentence-transformers model to ``folder`` (atomically); return it."""
-    import torch
-    from sentence_transformers import SentenceTransformer
-    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
-    from transformers import BertConfig, BertModel, BertTokenizerFast
+BUILD_WAIT_S = 600  # how long another process waits for process 0's build of a tiny model
+
+
+def build_once(folder: Path, marker: str, write) -> Path:
+    """``folder`` (done when it holds ``marker``), written by ``write(tmp)`` into a temporary folder renamed into place.
+    Under torch.distributed only process 0 writes — transformers' ``save_pretrained`` writes nothing on the other
+    ranks — and the others wait for its folder (at most BUILD_WAIT_S; the cache must be on a file system every
+    process sees)."""
+    import torch.distributed as dist
 
     folder = Path(folder)
-    if (folder / "modules.json").exists():
+    if (folder / marker).exists():
         return folder
-    tmp = folder.with_name(folder.name + f".tmp-{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    tokenizer = BertTokenizerFast(vocab={w: i for i, w in enumerate(tiny_vocab())}, do_lower_case=True)
-    config = BertConfig(vocab_size=len(tiny_vocab()), **TINY_TEXT_CONFIG)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(TINY_SEED)
-        bert = BertModel(config)
-    hf_dir = tmp / "hf"
-    bert.save_pretrained(hf_dir)
-    tokenizer.save_pretrained(hf_dir)
-    word = Transformer(str(hf_dir), max_seq_length=128)
-    pool = Pooling(word.get_embedding_dimension(), pooling_mode="mean")
-    SentenceTransformer(modules=[word, pool], device="cpu").save(str(tmp / "st"))
-    try:
-        os.replace(tmp / "st", folder)
-    except OSError:  # another process finished first
-        pass
-    shutil.rmtree(tmp, ignore_errors=True)
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() > 0:
+        return wait_for_path(folder / marker, BUILD_WAIT_S, f"process 0 to build {folder.name}").parent
+    with atomic_folder(folder, replace=False) as tmp:
+        write(tmp)
     return folder
+
+
+def build_tiny_text_model(folder: Path) -> Path:
+    """A seeded random tiny sentence-transformers model in ``folder`` (built once, atomically); return it."""
+
+    def write(tmp: Path) -> None:
+        import torch
+        from sentence_transformers import SentenceTransformer
+        from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+        from transformers import BertConfig, BertModel, BertTokenizerFast
+
+        tokenizer = BertTokenizerFast(vocab={w: i for i, w in enumerate(tiny_vocab())}, do_lower_case=True)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(TINY_SEED)
+            bert = BertModel(BertConfig(vocab_size=len(tiny_vocab()), **TINY_TEXT_CONFIG))
+        bert.save_pretrained(tmp / "hf")
+        tokenizer.save_pretrained(tmp / "hf")
+        word = Transformer(str(tmp / "hf"), max_seq_length=128)
+        pool = Pooling(word.get_embedding_dimension(), pooling_mode="mean")
+        SentenceTransformer(modules=[word, pool], device="cpu").save(str(tmp))  # its own copy of the weights
+        shutil.rmtree(tmp / "hf")
+
+    return build_once(folder, "modules.json", write)
 
 
 def tiny_text_encoder() -> Path:
@@ -106,27 +118,21 @@ def tiny_text_encoder() -> Path:
 
 def build_tiny_cross_encoder(folder: Path) -> Path:
     """A seeded random tiny BERT cross-encoder (one relevance logit) with the tiny text encoder's vocabulary."""
-    import torch
-    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
 
-    folder = Path(folder)
-    if (folder / "config.json").exists():
-        return folder
-    tmp = folder.with_name(folder.name + f".tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tokenizer = BertTokenizerFast(vocab={w: i for i, w in enumerate(tiny_vocab())}, do_lower_case=True)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(TINY_SEED)
-        model = BertForSequenceClassification(
-            BertConfig(vocab_size=len(tiny_vocab()), num_labels=1, **TINY_TEXT_CONFIG)
-        )
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    try:
-        os.replace(tmp, folder)
-    except OSError:  # another process finished first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return folder
+    def write(tmp: Path) -> None:
+        import torch
+        from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
+
+        tokenizer = BertTokenizerFast(vocab={w: i for i, w in enumerate(tiny_vocab())}, do_lower_case=True)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(TINY_SEED)
+            model = BertForSequenceClassification(
+                BertConfig(vocab_size=len(tiny_vocab()), num_labels=1, **TINY_TEXT_CONFIG)
+            )
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+    return build_once(folder, "config.json", write)
 
 
 def tiny_cross_encoder() -> Path:

@@ -6,10 +6,9 @@ It goes through exactly the code path of a real model (AutoModelForImageTextToTe
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
+from common.files import atomic_folder
 from rl.model import vision_tower
 
 SPECIAL_TOKENS = [
@@ -145,9 +144,7 @@ def build_tiny_vlm(
         vision_tower(model).load_state_dict(vision_tower(donor).state_dict())
     model.generation_config.eos_token_id = ids["<|im_end|>"]
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
-    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    build_processor(tokenizer, image_pixels).save_pretrained(tmp)
-    os.replace(tmp, out)
+    with atomic_folder(out) as tmp:
+        model.save_pretrained(tmp)
+        build_processor(tokenizer, image_pixels).save_pretrained(tmp)
     return out

@@ -18,13 +18,12 @@ held-out accuracy of first-token scoring at the default threshold next to the ma
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.cli import check_choices, parse, require_file
-from common.files import read_jsonl, write_json_atomic
+from common.files import atomic_folder, read_jsonl, write_json_atomic
 from common.placement import Processes, outside_zero3_init
 from gate.scoring import GATE_FILE, verbaliser_ids
 from gate.train.evaluation import evaluate_gate, evaluate_generated
@@ -155,13 +154,10 @@ def rendered_prompt(train_file: str, variant: str) -> dict | None:
 
 def save_final(final: Path, model, processor, info: dict) -> None:
     """Model + processor + gate.json into a temporary sibling, then renamed: a crash leaves no half folder."""
-    tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    processor.save_pretrained(tmp)
-    write_json_atomic(tmp / GATE_FILE, info)
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
+    with atomic_folder(final) as tmp:
+        model.save_pretrained(tmp)
+        processor.save_pretrained(tmp)
+        write_json_atomic(tmp / GATE_FILE, info)
 
 
 def main(argv=None) -> dict:
