@@ -15,6 +15,7 @@ from tests.test_multiprocess import encoder_elements, two_processes
 from toy.embedded_default import Arguments as ToyArguments
 
 ROOT = Path(__file__).resolve().parent.parent
+WARM_START_STEPS = 12  # the runs below, shortened (the embedded default takes 1200): what they check needs a few
 
 
 # --------------------------------------------------------------------------- the batch over processes
@@ -179,7 +180,7 @@ def run_default(world: Path, out: Path, seed: int, *extra: str, accelerate_confi
             "--seed",
             str(seed),
             "--warm_start_steps",
-            "24",
+            str(WARM_START_STEPS),
             "--max_steps",
             "2",
             "--eval_strategy",
@@ -237,7 +238,7 @@ def test_two_processes_share_the_warm_start_and_grpo(seeded_runs, small_default_
     assert "already generated" in text  # the 48-entity world given with --toy_world is used as it is
     assert json.loads((small_default_world / "world.json").read_text())["entities"] == 48
     warm = json.loads((runs["seed0"] / "warm_start" / "warm_start.json").read_text())
-    assert warm["processes"] == 2 and warm["settings"]["batch_size"] == 16 and warm["settings"]["steps"] == 24
+    assert warm["processes"] == 2 and warm["settings"]["batch_size"] == 16 and warm["settings"]["steps"] == WARM_START_STEPS
     assert warm["settings"]["base"].endswith("tiny-base-seed0")
 
 
