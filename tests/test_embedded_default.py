@@ -238,7 +238,11 @@ def test_two_processes_share_the_warm_start_and_grpo(seeded_runs, small_default_
     assert "already generated" in text  # the 48-entity world given with --toy_world is used as it is
     assert json.loads((small_default_world / "world.json").read_text())["entities"] == 48
     warm = json.loads((runs["seed0"] / "warm_start" / "warm_start.json").read_text())
-    assert warm["processes"] == 2 and warm["settings"]["batch_size"] == 16 and warm["settings"]["steps"] == WARM_START_STEPS
+    assert (
+        warm["processes"] == 2
+        and warm["settings"]["batch_size"] == 16
+        and warm["settings"]["steps"] == WARM_START_STEPS
+    )
     assert warm["settings"]["base"].endswith("tiny-base-seed0")
 
 

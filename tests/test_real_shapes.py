@@ -257,8 +257,8 @@ def test_two_grpo_steps_at_real_width_stay_within_the_image_budget(
             dtype=dtype,
             bf16=dtype == "bfloat16",
             num_generations=2,
-            per_device_train_batch_size=4,
-            max_completion_length=16,
+            per_device_train_batch_size=2,
+            max_completion_length=8,
             max_steps=2,
             learning_rate=1e-6,
             lr_scheduler_type="constant",
@@ -271,7 +271,7 @@ def test_two_grpo_steps_at_real_width_stay_within_the_image_budget(
     cap = max_image_tokens(TEST_BUDGET, AutoProcessor.from_pretrained(str(real_vlm)).image_processor)
     rows = [n for forward in seen for n in forward]
     print(
-        f"\nGRPO at real width, 2 steps × 2 prompts × 2 generations: {len(seen)} forward passes with images, "
+        f"\nGRPO at real width, 2 steps × 1 prompt × 2 generations: {len(seen)} forward passes with images, "
         f"{sorted(set(rows))} image tokens per row (budget cap {cap}); wall {wall:.1f}s"
     )
     assert cap == 64 and len(seen) >= 4 and all(0 < n <= cap for n in rows)  # per step: generation + loss forward
