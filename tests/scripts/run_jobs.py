@@ -1,15 +1,19 @@
 """Several inference jobs, one after the other, in one launch of two processes: ``run_jobs.py LOGDIR MODULE CONFIG
-[MODULE CONFIG …]`` calls ``MODULE.main(["--config", CONFIG])`` for each pair, exactly what ``python -m MODULE
---config CONFIG`` runs, with this process's stdout and stderr for that job in ``LOGDIR/<i>-<MODULE>.rank<r>.log``.
+[MODULE CONFIG …]`` calls ``MODULE.main(["--config", CONFIG])`` through ``common.cli.run`` for each pair, exactly
+what ``python -m MODULE --config CONFIG`` runs, with this process's stdout and stderr for that job in
+``LOGDIR/<i>-<MODULE>.rank<r>.log``.
 
 One launch instead of one per job: each start of two processes costs seconds of imports (torch, transformers), which
 tests/test_inference_multiprocess.py paid four times. The jobs share what a process keeps between them (accelerate's
 process state, imported modules); each job's outputs are its own. Run under torchrun by that test."""
 
+import functools
 import importlib
 import os
 import sys
 from pathlib import Path
+
+from common.cli import run
 
 logs, pairs = Path(sys.argv[1]), sys.argv[2:]
 rank = os.environ["RANK"]
@@ -19,7 +23,7 @@ for i, (module, config) in enumerate(zip(pairs[::2], pairs[1::2])):
         saved = os.dup(1), os.dup(2)
         os.dup2(log.fileno(), 1), os.dup2(log.fileno(), 2)
         try:
-            importlib.import_module(module).main(["--config", config])
+            run(functools.partial(importlib.import_module(module).main, ["--config", config]))
         finally:
             sys.stdout.flush(), sys.stderr.flush()
             os.dup2(saved[0], 1), os.dup2(saved[1], 2)
