@@ -19,7 +19,8 @@ def parse(dataclass_types, argv=None, description: str | None = None):
 
 
 def run(main: Callable[[], object]) -> None:
-    """Call ``main``; a ValueError/FileNotFoundError (bad input) becomes ``error: …`` and exit status 2.
+    """An entry point's last call (``if __name__ == "__main__": run(main)``): call ``main``; a
+    ValueError/FileNotFoundError (bad input) becomes ``error: …`` and exit status 2.
 
     Either way, the objects alive at the end are frozen out of the garbage collector first (``gc.freeze``): with
     torch, transformers and TRL loaded, the interpreter's last collections at exit cost 1.5–2 s of CPU per process
