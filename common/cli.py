@@ -29,9 +29,9 @@ def run(main: Callable[[], object]) -> None:
         main()
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
-        gc.freeze()
         sys.exit(2)
-    gc.freeze()
+    finally:
+        gc.freeze()
 
 
 def require_file(value, flag: str) -> Path:

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
 
 from tests.test_multiprocess import (
     ZERO,
     check_saved_engine_weights,
     engine_weights,
+    grpo_config,
     is_vision,
     reloaded,
     two_processes,
@@ -39,44 +39,6 @@ def launch(stage: int, argv: list[str], cwd: Path) -> str:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-5000:]
     return out
-
-
-def grpo_config(folder: Path, world: Path, index: Path, model: Path, **overrides) -> list[str]:
-    cfg = dict(
-        index=str(index),
-        train_file=str(world / "train.jsonl"),
-        alpha=0.5,
-        prompt="toy",
-        depth=8,
-        model_name_or_path=str(model),
-        output_dir=str(folder / "run"),
-        use_cpu=True,
-        bf16=False,
-        activation_checkpointing=False,
-        seed=0,
-        num_generations=4,
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=1,
-        max_steps=4,
-        learning_rate=1e-4,
-        lr_scheduler_type="constant",
-        temperature=1.0,
-        max_completion_length=40,
-        logging_steps=1,
-        save_strategy="steps",
-        save_steps=2,
-        report_to="none",
-        log_table_steps=0,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-        min_pixels=112 * 112,
-        max_pixels=112 * 112,
-        ddp_timeout=120,
-    )
-    cfg.update(overrides)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "cfg.yaml").write_text(yaml.safe_dump(cfg))
-    return [str(ROOT / "rl" / "train_grpo.py"), "--config", str(folder / "cfg.yaml")]
 
 
 # --------------------------------------------------------------------------- GRPO under ZeRO-3 and ZeRO-2

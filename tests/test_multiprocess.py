@@ -67,6 +67,46 @@ def two_processes(
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
 
 
+def grpo_config(folder: Path, world: Path, index: Path, model: Path, **overrides) -> list[str]:
+    """``folder/cfg.yaml``: a short GRPO run of the tiny refiner on the tiny world (``overrides`` change or add
+    settings); the argv that runs it."""
+    cfg = dict(
+        index=str(index),
+        train_file=str(world / "train.jsonl"),
+        alpha=0.5,
+        prompt="toy",
+        depth=8,
+        model_name_or_path=str(model),
+        output_dir=str(folder / "run"),
+        use_cpu=True,
+        bf16=False,
+        activation_checkpointing=False,
+        seed=0,
+        num_generations=4,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=1,
+        max_steps=4,
+        learning_rate=1e-4,
+        lr_scheduler_type="constant",
+        temperature=1.0,
+        max_completion_length=40,
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=2,
+        report_to="none",
+        log_table_steps=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        min_pixels=112 * 112,
+        max_pixels=112 * 112,
+        ddp_timeout=120,
+    )
+    cfg.update(overrides)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    return [str(ROOT / "rl" / "train_grpo.py"), "--config", str(folder / "cfg.yaml")]
+
+
 @pytest.fixture(scope="module")
 def two_process_run(tiny_world, tiny_index_dir, tiny_refiner, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ddp")
@@ -75,53 +115,28 @@ def two_process_run(tiny_world, tiny_index_dir, tiny_refiner, tmp_path_factory):
     # draws one has no hit at all in that step
     train = rows[:2] + [dict(r, id=f"ghost-{i}", entity_id=f"GHOST{i}") for i, r in enumerate(rows[2:4])]
     (tmp / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train))
-    cfg = dict(
-        index=str(tiny_index_dir),
+    argv = grpo_config(
+        tmp,
+        tiny_world,
+        tiny_index_dir,
+        tiny_refiner,
         train_file=str(tmp / "train.jsonl"),
         images_root=str(tiny_world),
         eval_file=str(tiny_world / "val.jsonl"),
         eval_limit=4,
-        alpha=0.5,
-        prompt="toy",
-        depth=8,
-        model_name_or_path=str(tiny_refiner),
-        output_dir=str(tmp / "run"),
-        use_cpu=True,
-        bf16=False,
-        activation_checkpointing=False,
-        seed=0,
-        num_generations=4,
-        per_device_train_batch_size=4,
         per_device_eval_batch_size=4,
-        gradient_accumulation_steps=1,
         max_steps=6,
         learning_rate=1e-3,
-        temperature=1.0,
-        max_completion_length=40,
-        logging_steps=1,
+        lr_scheduler_type="linear",
         eval_strategy="steps",
         eval_steps=3,
-        save_strategy="steps",
         save_steps=3,
-        report_to="none",
-        log_table_steps=0,
         completions_log=True,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-        min_pixels=112 * 112,
-        max_pixels=112 * 112,
-        ddp_timeout=120,
     )
-    (tmp / "cfg.yaml").write_text(yaml.safe_dump(cfg))
     # an empty model cache: both processes ask for the `tiny` text encoder at once and must share one build
     # (transformers' save_pretrained writes nothing on rank 1 once torch.distributed is up: process 0 builds it)
     (tmp / "cache").mkdir()
-    proc = two_processes(
-        [str(ROOT / "rl" / "train_grpo.py"), "--config", str(tmp / "cfg.yaml")],
-        cwd=tmp,
-        accelerate_config=ZERO[2],
-        REFINE_RL_CACHE=str(tmp / "cache"),
-    )
+    proc = two_processes(argv, cwd=tmp, accelerate_config=ZERO[2], REFINE_RL_CACHE=str(tmp / "cache"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     return tmp / "run", proc.stdout + proc.stderr
 
