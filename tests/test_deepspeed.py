@@ -13,7 +13,6 @@ user launches them (`accelerate launch --config_file configs/accelerate/zero{2,3
 """
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,30 +24,60 @@ from tests.test_multiprocess import (
     engine_weights,
     grpo_config,
     is_vision,
+    launch_jobs,
     reloaded,
-    two_processes,
 )
 from tests.test_train_grpo import weights
 
 pytest.importorskip("deepspeed")
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def launch(stage: int, argv: list[str], cwd: Path) -> str:
-    proc = two_processes(argv, cwd=cwd, accelerate_config=ZERO[stage], timeout=600)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-5000:]
-    return out
-
-
-# --------------------------------------------------------------------------- GRPO under ZeRO-3 and ZeRO-2
 
 
 @pytest.fixture(scope="module")
-def zero3_run(tiny_world, tiny_index_dir, tiny_refiner, tmp_path_factory):
+def zero3_jobs(tiny_world, tiny_index_dir, tiny_refiner, tiny_gate_vlm, tmp_path_factory):
+    """The four ZeRO-3 jobs below, one after the other in one launch (tests/scripts/run_jobs.py: one start of two
+    processes instead of four): GRPO for 4 steps with checkpoints at 2 and 4, the same run resumed from its step-2
+    checkpoint, LoRA GRPO, gate SFT. Each job's folder and log, by name."""
+    from gate.train.render import render_rows
+    from tests.test_gate_sft import gate_records, sft_config
+
     tmp = tmp_path_factory.mktemp("zero3")
-    output = launch(3, grpo_config(tmp, tiny_world, tiny_index_dir, tiny_refiner), tmp)
-    return tmp / "run", output
+    world = (tiny_world, tiny_index_dir, tiny_refiner)
+    folders = {name: tmp / name for name in ("grpo", "resumed", "lora", "gate")}
+    folders["gate"].mkdir()
+    configs = {
+        "grpo": grpo_config(folders["grpo"], *world),
+        "resumed": grpo_config(
+            folders["resumed"], *world, resume_from_checkpoint=str(folders["grpo"] / "run" / "checkpoint-2")
+        ),
+        "lora": grpo_config(
+            folders["lora"],
+            *world,
+            max_steps=2,
+            dtype="bfloat16",
+            use_peft=True,
+            lora_r=4,
+            lora_alpha=8,
+            lora_target_modules=["q_proj", "v_proj"],
+            learning_rate=1e-2,
+        ),
+        "gate": sft_config(
+            folders["gate"],
+            tiny_gate_vlm,
+            "hkb",
+            render_rows("hkb", gate_records(tiny_world)),
+            per_device_train_batch_size=2,
+            ddp_timeout=120,
+        ),
+    }
+    modules = {"grpo": "rl.train_grpo", "resumed": "rl.train_grpo", "lora": "rl.train_grpo", "gate": "gate.train.sft"}
+    logs = launch_jobs({name: (modules[name], argv[-1]) for name, argv in configs.items()}, tmp, ZERO[3])
+    return folders, logs
+
+
+@pytest.fixture(scope="module")
+def zero3_run(zero3_jobs):
+    folders, logs = zero3_jobs
+    return folders["grpo"] / "run", logs["grpo"]
 
 
 def test_grpo_under_zero3_saves_the_engines_weights(zero3_run, tiny_refiner, encoders):
@@ -56,23 +85,17 @@ def test_grpo_under_zero3_saves_the_engines_weights(zero3_run, tiny_refiner, enc
     check_saved_engine_weights(run, 4, 3, output, tiny_refiner, encoders)  # ZeRO-2: tests/test_multiprocess.py
 
 
-def test_resuming_a_zero3_checkpoint_continues_the_run(zero3_run, tiny_world, tiny_index_dir, tiny_refiner, tmp_path):
-    run, _ = zero3_run
-    launch(
-        3,
-        grpo_config(
-            tmp_path, tiny_world, tiny_index_dir, tiny_refiner, resume_from_checkpoint=str(run / "checkpoint-2")
-        ),
-        tmp_path,
-    )
+def test_resuming_a_zero3_checkpoint_continues_the_run(zero3_jobs):
+    folders, _ = zero3_jobs
+    run, resumed = folders["grpo"] / "run", folders["resumed"] / "run"
 
     def losses(folder):
         state = json.loads((folder / "checkpoint-4" / "trainer_state.json").read_text())
         return {h["step"]: h["loss"] for h in state["log_history"] if "loss" in h}
 
-    full, resumed = losses(run), losses(tmp_path / "run")
-    assert full[3] == pytest.approx(resumed[3], abs=1e-5) and full[4] == pytest.approx(resumed[4], abs=1e-5)
-    a, b = engine_weights(run / "checkpoint-4"), engine_weights(tmp_path / "run" / "checkpoint-4")
+    full, again = losses(run), losses(resumed)
+    assert full[3] == pytest.approx(again[3], abs=1e-5) and full[4] == pytest.approx(again[4], abs=1e-5)
+    a, b = engine_weights(run / "checkpoint-4"), engine_weights(resumed / "checkpoint-4")
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-4)
@@ -105,35 +128,18 @@ def test_export_gathers_a_checkpoint_that_holds_only_zero_shards(zero3_run, tmp_
 # --------------------------------------------------------------------------- LoRA under ZeRO-3, and export
 
 
-def test_lora_under_zero3_exports_merged_from_final_and_from_a_checkpoint(
-    tiny_world, tiny_index_dir, tiny_refiner, tmp_path
-):
+def test_lora_under_zero3_exports_merged_from_final_and_from_a_checkpoint(zero3_jobs, tiny_refiner, tmp_path):
     from rl.export import ExportArgs, export
 
-    output = launch(
-        3,
-        grpo_config(
-            tmp_path,
-            tiny_world,
-            tiny_index_dir,
-            tiny_refiner,
-            max_steps=2,
-            dtype="bfloat16",
-            use_peft=True,
-            lora_r=4,
-            lora_alpha=8,
-            lora_target_modules=["q_proj", "v_proj"],
-            learning_rate=1e-2,
-        ),
-        tmp_path,
-    )
+    folders, logs = zero3_jobs
+    output = logs["lora"]
     # no mixed precision on the CPU: zero.Init made every parameter fp32 though bfloat16 was asked, and TRL left the
     # adapters in the weights' dtype (on GPUs with bf16 mixed precision, both are bf16)
     assert (
         "weights in float32, frozen (ZeRO-3's partitioned init casts every parameter to float32, not the "
         "bfloat16 asked for); LoRA adapters in float32 (TRL: autocast_adapter_dtype=False under ZeRO-3)" in output
     )
-    run = tmp_path / "run"
+    run = folders["lora"] / "run"
     adapter = load_file(str(run / "final" / "adapter_model.safetensors"))
     assert adapter and all("lora_" in k for k in adapter) and all(v.numel() > 0 for v in adapter.values())
     assert {v.dtype for v in adapter.values()} == {torch.float32}  # as the line says
@@ -160,17 +166,17 @@ def test_lora_under_zero3_exports_merged_from_final_and_from_a_checkpoint(
 # --------------------------------------------------------------------------- gate SFT under ZeRO-3
 
 
-def test_gate_sft_under_zero3(tiny_world, tiny_gate_vlm, tmp_path):
+def test_gate_sft_under_zero3(zero3_jobs, tiny_world, tiny_gate_vlm):
     from gate.train.render import render_rows
-    from tests.test_gate_sft import gate_records, sft_config
+    from tests.test_gate_sft import gate_records
 
+    folders, _ = zero3_jobs
+    out = folders["gate"] / "hkb"
     rows = render_rows("hkb", gate_records(tiny_world))
-    argv = sft_config(tmp_path, tiny_gate_vlm, "hkb", rows, per_device_train_batch_size=2, ddp_timeout=120)
-    launch(3, [str(ROOT / "gate" / "train" / "sft.py"), *argv], tmp_path)
-    base, tuned = weights(tiny_gate_vlm), weights(tmp_path / "hkb" / "final")
+    base, tuned = weights(tiny_gate_vlm), weights(out / "final")
     assert base.keys() == tuned.keys()
     changed = {k for k in base if not torch.equal(base[k], tuned[k])}
     assert changed and not any("visual" in k for k in changed)
     assert all(any(p in k for p in ("q_proj", "k_proj", "v_proj")) for k in changed)
-    assert json.loads((tmp_path / "hkb" / "gate_eval.json").read_text())["n"] == len(rows)
-    assert not (tmp_path / "hkb" / "trained").exists()
+    assert json.loads((out / "gate_eval.json").read_text())["n"] == len(rows)
+    assert not (out / "trained").exists()

@@ -14,9 +14,8 @@ import pytest
 import yaml
 
 from common.files import read_jsonl, write_json_atomic, write_jsonl_atomic
-from tests.test_multiprocess import two_processes
+from tests.test_multiprocess import launch_jobs
 
-ROOT = Path(__file__).resolve().parent.parent
 QUIET = dict(log=lambda *a: None)
 
 
@@ -114,18 +113,13 @@ def jobs(tiny_refiner, tiny_world, tiny_index_dir, tiny_gate_vlm, tmp_path_facto
     fixtures = dict(
         tiny_refiner=tiny_refiner, tiny_world=tiny_world, tiny_index_dir=tiny_index_dir, tiny_gate_vlm=tiny_gate_vlm
     )
-    argv, folders = [str(ROOT / "tests" / "scripts" / "run_jobs.py"), str(tmp)], {}
+    folders, configs = {}, {}
     for name, (module, prepare) in JOBS.items():
         folders[name] = tmp / name
         folders[name].mkdir()
         (folders[name] / "cfg.yaml").write_text(yaml.safe_dump(prepare(folders[name], **fixtures)))
-        argv += [module, str(folders[name] / "cfg.yaml")]
-    proc = two_processes(argv, cwd=tmp)
-    logs = {
-        name: "".join(p.read_text() for p in sorted(tmp.glob(f"{i}-{module}.rank*.log")))
-        for i, (name, (module, _)) in enumerate(JOBS.items())
-    }
-    assert proc.returncode == 0, proc.stderr[-3000:] + "\n".join(log[-2000:] for log in logs.values())
+        configs[name] = (module, folders[name] / "cfg.yaml")
+    logs = launch_jobs(configs, tmp)
     return folders, logs
 
 

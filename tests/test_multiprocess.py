@@ -67,6 +67,22 @@ def two_processes(
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
 
 
+def launch_jobs(jobs: dict, folder: Path, accelerate_config: Path | None = None, timeout: int = 600) -> dict:
+    """Several jobs one after the other in one launch of two processes (tests/scripts/run_jobs.py), ``jobs`` being
+    ``{name: (module, config)}``: each start of two processes costs ~10 s of imports here (torch, transformers, TRL),
+    whatever the job. Fails on a non-zero exit; returns each job's log (both processes', process 0's first) by name."""
+    argv = [str(ROOT / "tests" / "scripts" / "run_jobs.py"), str(folder)]
+    for module, config in jobs.values():
+        argv += [module, str(config)]
+    proc = two_processes(argv, cwd=folder, timeout=timeout, accelerate_config=accelerate_config)
+    logs = {
+        name: "".join(p.read_text() for p in sorted(folder.glob(f"{i}-{module}.rank*.log")))
+        for i, (name, (module, _)) in enumerate(jobs.items())
+    }
+    assert proc.returncode == 0, proc.stderr[-3000:] + "\n".join(log[-3000:] for log in logs.values())
+    return logs
+
+
 def grpo_config(folder: Path, world: Path, index: Path, model: Path, **overrides) -> list[str]:
     """``folder/cfg.yaml``: a short GRPO run of the tiny refiner on the tiny world (``overrides`` change or add
     settings); the argv that runs it."""
