@@ -284,3 +284,17 @@ def tiny_text_llm(tiny_gate_vlm, tmp_path_factory):
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="session")
+def zero3_jobs(small_default_world, tiny_world, tiny_index_dir, tiny_refiner, tiny_gate_vlm, tmp_path_factory):
+    """The suite's DeepSpeed ZeRO-3 jobs (tests/test_deepspeed.py: ``zero3_configs``), one after the other in one
+    launch of two processes as a user launches them (configs/accelerate/zero3-cpu2.yaml), the embedded default first:
+    each start of two processes costs ~11 s here, whatever the job. ``{name: (the job's folder, its log)}``."""
+    from tests.test_deepspeed import zero3_configs
+    from tests.test_multiprocess import ZERO, launch_jobs
+
+    tmp = tmp_path_factory.mktemp("zero3")
+    jobs = zero3_configs(tmp, small_default_world, tiny_world, tiny_index_dir, tiny_refiner, tiny_gate_vlm)
+    logs = launch_jobs(jobs, tmp, ZERO[3])
+    return {name: (tmp / name, logs[name]) for name in jobs}

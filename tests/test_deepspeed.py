@@ -13,18 +13,17 @@ user launches them (`accelerate launch --config_file configs/accelerate/zero{2,3
 """
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from tests.test_multiprocess import (
-    ZERO,
     check_saved_engine_weights,
     engine_weights,
     grpo_config,
     is_vision,
-    launch_jobs,
     reloaded,
 )
 from tests.test_train_grpo import weights
@@ -32,52 +31,33 @@ from tests.test_train_grpo import weights
 pytest.importorskip("deepspeed")
 
 
-@pytest.fixture(scope="module")
-def zero3_jobs(tiny_world, tiny_index_dir, tiny_refiner, tiny_gate_vlm, tmp_path_factory):
-    """The four ZeRO-3 jobs below, one after the other in one launch (tests/scripts/run_jobs.py: one start of two
-    processes instead of four): GRPO for 4 steps with checkpoints at 2 and 4, the same run resumed from its step-2
-    checkpoint, LoRA GRPO, gate SFT. Each job's folder and log, by name."""
+def zero3_configs(tmp: Path, small_default_world, tiny_world, tiny_index_dir, tiny_refiner, tiny_gate_vlm) -> dict:
+    """The suite's ZeRO-3 jobs, run one after the other in one launch by ``zero3_jobs`` (conftest.py), as
+    ``{name: (module, config)}``: the embedded default (seed 1, shortened: tests/test_embedded_default.py), GRPO for 4
+    steps with checkpoints at 2 and 4, the same run resumed from its step-2 checkpoint, LoRA GRPO, gate SFT."""
     from gate.train.render import render_rows
+    from tests.test_embedded_default import zero3_default_config
     from tests.test_gate_sft import gate_records, sft_config
 
-    tmp = tmp_path_factory.mktemp("zero3")
     world = (tiny_world, tiny_index_dir, tiny_refiner)
-    folders = {name: tmp / name for name in ("grpo", "resumed", "lora", "gate")}
-    folders["gate"].mkdir()
-    configs = {
-        "grpo": grpo_config(folders["grpo"], *world),
-        "resumed": grpo_config(
-            folders["resumed"], *world, resume_from_checkpoint=str(folders["grpo"] / "run" / "checkpoint-2")
-        ),
-        "lora": grpo_config(
-            folders["lora"],
-            *world,
-            max_steps=2,
-            dtype="bfloat16",
-            use_peft=True,
-            lora_r=4,
-            lora_alpha=8,
-            lora_target_modules=["q_proj", "v_proj"],
-            learning_rate=1e-2,
-        ),
-        "gate": sft_config(
-            folders["gate"],
-            tiny_gate_vlm,
-            "hkb",
-            render_rows("hkb", gate_records(tiny_world)),
-            per_device_train_batch_size=2,
-            ddp_timeout=120,
-        ),
+    (tmp / "gate").mkdir()
+    lora = dict(use_peft=True, lora_r=4, lora_alpha=8, lora_target_modules=["q_proj", "v_proj"], learning_rate=1e-2)
+    resume = str(tmp / "grpo" / "run" / "checkpoint-2")
+    rows = render_rows("hkb", gate_records(tiny_world))
+    gate = sft_config(tmp / "gate", tiny_gate_vlm, "hkb", rows, per_device_train_batch_size=2, ddp_timeout=120)[-1]
+    return {
+        "embedded_default": ("rl.train_grpo", zero3_default_config(tmp / "embedded_default", small_default_world)),
+        "grpo": ("rl.train_grpo", grpo_config(tmp / "grpo", *world)[-1]),
+        "resumed": ("rl.train_grpo", grpo_config(tmp / "resumed", *world, resume_from_checkpoint=resume)[-1]),
+        "lora": ("rl.train_grpo", grpo_config(tmp / "lora", *world, max_steps=2, dtype="bfloat16", **lora)[-1]),
+        "gate": ("gate.train.sft", gate),
     }
-    modules = {"grpo": "rl.train_grpo", "resumed": "rl.train_grpo", "lora": "rl.train_grpo", "gate": "gate.train.sft"}
-    logs = launch_jobs({name: (modules[name], argv[-1]) for name, argv in configs.items()}, tmp, ZERO[3])
-    return folders, logs
 
 
 @pytest.fixture(scope="module")
 def zero3_run(zero3_jobs):
-    folders, logs = zero3_jobs
-    return folders["grpo"] / "run", logs["grpo"]
+    folder, log = zero3_jobs["grpo"]
+    return folder / "run", log
 
 
 def test_grpo_under_zero3_saves_the_engines_weights(zero3_run, tiny_refiner, encoders):
@@ -86,8 +66,7 @@ def test_grpo_under_zero3_saves_the_engines_weights(zero3_run, tiny_refiner, enc
 
 
 def test_resuming_a_zero3_checkpoint_continues_the_run(zero3_jobs):
-    folders, _ = zero3_jobs
-    run, resumed = folders["grpo"] / "run", folders["resumed"] / "run"
+    run, resumed = zero3_jobs["grpo"][0] / "run", zero3_jobs["resumed"][0] / "run"
 
     def losses(folder):
         state = json.loads((folder / "checkpoint-4" / "trainer_state.json").read_text())
@@ -131,15 +110,14 @@ def test_export_gathers_a_checkpoint_that_holds_only_zero_shards(zero3_run, tmp_
 def test_lora_under_zero3_exports_merged_from_final_and_from_a_checkpoint(zero3_jobs, tiny_refiner, tmp_path):
     from rl.export import ExportArgs, export
 
-    folders, logs = zero3_jobs
-    output = logs["lora"]
+    folder, output = zero3_jobs["lora"]
     # no mixed precision on the CPU: zero.Init made every parameter fp32 though bfloat16 was asked, and TRL left the
     # adapters in the weights' dtype (on GPUs with bf16 mixed precision, both are bf16)
     assert (
         "weights in float32, frozen (ZeRO-3's partitioned init casts every parameter to float32, not the "
         "bfloat16 asked for); LoRA adapters in float32 (TRL: autocast_adapter_dtype=False under ZeRO-3)" in output
     )
-    run = folders["lora"] / "run"
+    run = folder / "run"
     adapter = load_file(str(run / "final" / "adapter_model.safetensors"))
     assert adapter and all("lora_" in k for k in adapter) and all(v.numel() > 0 for v in adapter.values())
     assert {v.dtype for v in adapter.values()} == {torch.float32}  # as the line says
@@ -170,8 +148,7 @@ def test_gate_sft_under_zero3(zero3_jobs, tiny_world, tiny_gate_vlm):
     from gate.train.render import render_rows
     from tests.test_gate_sft import gate_records
 
-    folders, _ = zero3_jobs
-    out = folders["gate"] / "hkb"
+    out = zero3_jobs["gate"][0] / "hkb"
     rows = render_rows("hkb", gate_records(tiny_world))
     base, tuned = weights(tiny_gate_vlm), weights(out / "final")
     assert base.keys() == tuned.keys()

@@ -8,6 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import yaml
 
 from common.placement import per_device_batch
 from rl import arguments as tg
@@ -161,66 +162,54 @@ def test_other_processes_draw_no_bar_and_print_nothing(capsys):
 # --------------------------------------------------------------------------- two processes, seeded
 
 
-def run_default(world: Path, out: Path, seed: int, *extra: str, accelerate_config: Path | None = None) -> str:
-    """The embedded default (shortened) as two CPU processes, the way `make demo` launches it (or under another
-    two-process accelerate config)."""
-    proc = two_processes(
-        [
-            str(ROOT / "rl" / "train_grpo.py"),
-            "--toy_world",
-            str(world),
-            "--index",
-            str(world / "index"),
-            "--train_file",
-            str(world / "train.jsonl"),
-            "--eval_file",
-            str(world / "val.jsonl"),
-            "--output_dir",
-            str(out),
-            "--seed",
-            str(seed),
-            "--warm_start_steps",
-            str(WARM_START_STEPS),
-            "--max_steps",
-            "2",
-            "--eval_strategy",
-            "no",
-            "--save_strategy",
-            "no",
-            "--report_to",
-            "none",
-            "--log_table_steps",
-            "0",
-            "--logging_steps",
-            "1",
-            "--ddp_timeout",
-            "120",
-            *extra,
-        ],
-        cwd=ROOT,
-        timeout=900,
-        accelerate_config=accelerate_config,
+def default_settings(world: Path, out: Path, seed: int, **overrides) -> dict:
+    """The embedded default's settings that the runs below change: shortened, on the small default world."""
+    settings = dict(
+        toy_world=str(world),
+        index=str(world / "index"),
+        train_file=str(world / "train.jsonl"),
+        eval_file=str(world / "val.jsonl"),
+        output_dir=str(out),
+        seed=seed,
+        warm_start_steps=WARM_START_STEPS,
+        max_steps=2,
+        eval_strategy="no",
+        save_strategy="no",
+        report_to="none",
+        log_table_steps=0,
+        logging_steps=1,
+        ddp_timeout=120,
     )
+    return settings | overrides
+
+
+def run_default(world: Path, out: Path, seed: int) -> str:
+    """The embedded default (shortened, no --config) as two CPU processes over gloo, the way `make demo` launches it."""
+    flags = [x for k, v in default_settings(world, out, seed).items() for x in (f"--{k}", str(v))]
+    proc = two_processes([str(ROOT / "rl" / "train_grpo.py"), *flags], cwd=ROOT, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc.stdout + proc.stderr
 
 
+def zero3_default_config(folder: Path, world: Path) -> Path:
+    """``folder/cfg.yaml``: the embedded default's config (configs/grpo/toy.yaml) with seed 1's shortened settings
+    (one GRPO step), run under ZeRO-3 by the suite's one ZeRO-3 launch (``zero3_jobs`` in conftest.py)."""
+    config = yaml.safe_load(tg.DEFAULT_CONFIG.read_text()) | default_settings(world, folder / "run", 1, max_steps=1)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "cfg.yaml").write_text(yaml.safe_dump(config))
+    return folder / "cfg.yaml"
+
+
 @pytest.fixture(scope="module")
-def seeded_runs(small_default_world, tmp_path_factory):
+def seeded_runs(small_default_world, zero3_jobs, tmp_path_factory):
     """Seed 0 twice (same learning table?) and seed 1 (another base and warm start). Seed 1 runs under DeepSpeed
-    ZeRO-3 (configs/accelerate/zero3-cpu2.yaml), which once hung there: what its seed test checks holds under any
-    launcher, and one run fewer keeps `make test` short."""
+    ZeRO-3 (configs/accelerate/zero3-cpu2.yaml), which once hung there, as the first job of the suite's one ZeRO-3
+    launch: what its seed test checks holds under any launcher, and one launch fewer keeps `make test` short."""
     tmp = tmp_path_factory.mktemp("seeded")
-    runs = {name: tmp / name for name in ("seed0", "seed0-again", "seed1")}
-    output = {name: run_default(small_default_world, runs[name], 0) for name in ("seed0", "seed0-again")}
-    output["seed1"] = run_default(
-        small_default_world,
-        runs["seed1"],
-        1,
-        "--max_steps",
-        "1",
-        accelerate_config=ROOT / "configs" / "accelerate" / "zero3-cpu2.yaml",
-    )
+    runs = {name: tmp / name for name in ("seed0", "seed0-again")}
+    output = {name: run_default(small_default_world, runs[name], 0) for name in runs}
+    folder, output["seed1"] = zero3_jobs["embedded_default"]
+    runs["seed1"] = folder / "run"
     return runs, output
 
 
