@@ -16,11 +16,9 @@ ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = dict(image_encoder="tiny", text_encoder="tiny", shard_size=12, batch_size=5, device="cpu")
 
 
-def torchrun(script: Path, out: Path, kb: Path, images_root: Path, die_after_shards: int | None = None):
+def build_argv(kb: Path, images_root: Path, out: Path) -> list[str]:
     argv = ["--kb", str(kb), "--images_root", str(images_root), "--out", str(out), "--workers", "1"]
-    argv += [x for k, v in SETTINGS.items() for x in (f"--{k}", str(v))]
-    env = {} if die_after_shards is None else {"DIE_AFTER": str(die_after_shards)}
-    return two_processes([str(script), *argv], cwd=out.parent, **env)
+    return argv + [x for k, v in SETTINGS.items() for x in (f"--{k}", str(v))]
 
 
 @pytest.fixture(scope="module")
@@ -48,38 +46,50 @@ def same_index(out: Path, reference: Path) -> None:
     assert open(out / "skipped.jsonl").read() == open(reference / "skipped.jsonl").read()
 
 
-def test_a_one_process_build_killed_resumes_on_two_as_the_one_process_index(
-    kb_and_reference, tiny_world, tmp_path, encoders, monkeypatch
-):
-    """Two processes finish what one process started: both take shards, process 0 assembles, and the index is the
-    one-process index (rows, order, vectors, skip list)."""
-    kb, reference = kb_and_reference
-    out = tmp_path / "idx"
-    with monkeypatch.context() as m:
+@pytest.fixture(scope="module")
+def two_process_builds(kb_and_reference, tiny_world, tmp_path_factory, encoders):
+    """One launch of two processes for both directions (tests/scripts/build_and_die.py): it finishes the build that
+    one process began and was killed in after 3 shards (``one_then_two``), then starts another build and is killed
+    after 2 shards of it (``two_then_one``). Each build's folder and the launch's log of it."""
+    kb, _ = kb_and_reference
+    tmp = tmp_path_factory.mktemp("killed-builds")
+    out = {name: tmp / name / "idx" for name in ("one_then_two", "two_then_one")}
+    with pytest.MonkeyPatch.context() as m:
         die_after(m, 3)
         with pytest.raises(KeyboardInterrupt):
             build_index(
-                BuildArgs(kb=str(kb), images_root=str(tiny_world), out=str(out), **SETTINGS),
+                BuildArgs(kb=str(kb), images_root=str(tiny_world), out=str(out["one_then_two"]), **SETTINGS),
                 encoders=encoders,
                 log=lambda *a: None,
             )
-    assert len(list((out / "build").glob("*-*.json"))) == 3
-    proc = torchrun(ROOT / "retrieval" / "build_index.py", out, kb, tiny_world)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    log = proc.stdout + proc.stderr
+    assert len(list((out["one_then_two"] / "build").glob("*-*.json"))) == 3
+    argv = [
+        *build_argv(kb, tiny_world, out["one_then_two"]),
+        "--then",
+        *build_argv(kb, tiny_world, out["two_then_one"]),
+    ]
+    proc = two_processes([str(ROOT / "tests" / "scripts" / "build_and_die.py"), *argv], cwd=tmp, DIE_AFTER="2")
+    first, second = zip(*(text.split("=== then\n", 1) for text in (proc.stdout, proc.stderr)))
+    assert proc.returncode != 0 and "killed after 2 shards" in second[1], proc.stderr[-4000:]
+    return out, {"one_then_two": "".join(first), "two_then_one": "".join(second)}
+
+
+def test_a_one_process_build_killed_resumes_on_two_as_the_one_process_index(two_process_builds, kb_and_reference):
+    """Two processes finish what one process started: both take shards, process 0 assembles, and the index is the
+    one-process index (rows, order, vectors, skip list)."""
+    out, log = two_process_builds[0]["one_then_two"], two_process_builds[1]["one_then_two"]
     assert "resuming the partial build" in log
     assert "process 0/2 on cpu" in log and "process 1/2 on cpu" in log
     assert "process 1: my shards are done; process 0 assembles the index" in log
-    same_index(out, reference)
+    same_index(out, kb_and_reference[1])
     m = json.loads((out / "manifest.json").read_text())
     assert m["skipped"] == 2 and m["texts_encoded"] < m["text_rows"] + 1
 
 
-def test_a_two_process_build_killed_resumes_on_one(kb_and_reference, tiny_world, tmp_path, encoders):
+def test_a_two_process_build_killed_resumes_on_one(two_process_builds, kb_and_reference, tiny_world, encoders):
     kb, reference = kb_and_reference
-    out = tmp_path / "idx"
-    proc = torchrun(ROOT / "tests" / "scripts" / "build_and_die.py", out, kb, tiny_world, die_after_shards=2)
-    assert proc.returncode != 0 and "killed after 2 shards" in proc.stderr
+    out, log = two_process_builds[0]["two_then_one"], two_process_builds[1]["two_then_one"]
+    assert "resuming" not in log and "process 1/2 on cpu" in log  # a new build, killed on both processes
     done = len(list((out / "build").glob("*-*.json")))
     assert 2 <= done <= 4 and not (out / "manifest.json").exists()
     resumed = []

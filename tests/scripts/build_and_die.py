@@ -1,11 +1,18 @@
-"""retrieval/build_index.py's main, killed (KeyboardInterrupt) after this process saved DIE_AFTER shards.
-Run under torchrun by tests/test_build_multiprocess.py to interrupt a multi-process build at a known point."""
+"""retrieval/build_index.py's main for each argument list in turn (``build_and_die.py ARGS [--then ARGS]``), the last
+one killed (KeyboardInterrupt) after this process saved DIE_AFTER shards; each later list's output follows a line
+``=== then`` (one start of two processes for two builds). Run under torchrun by tests/test_build_multiprocess.py to
+interrupt a multi-process build at a known point."""
 
 import os
 import sys
 
 import retrieval.build_shards as bs
 from retrieval.build_index import main
+
+*finished, last = " ".join(sys.argv[1:]).split(" --then ")
+for argv in finished:
+    main(argv.split())
+    print("=== then", flush=True), print("=== then", file=sys.stderr, flush=True)
 
 real, saved = bs.save_shard, []
 
@@ -18,4 +25,4 @@ def dying(*a, **k):
 
 
 bs.save_shard = dying
-main(sys.argv[1:])
+main(last.split())
