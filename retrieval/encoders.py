@@ -357,19 +357,22 @@ class TextEncoder:
         )
 
     def encode(self, texts: list[str], is_query: bool = False) -> np.ndarray:
-        """Encode texts; queries get ``query_prompt`` prepended when one is set (KB rows never do)."""
+        """Encode texts; queries get ``query_prompt`` prepended when one is set (KB rows never do). Each distinct
+        text is encoded once (a GRPO group's completions often repeat a query; questions repeat across images)."""
         if not texts:
             return np.zeros((0, self.dim), dtype=np.float32)
         prompt = (self.query_prompt or "") if is_query else ""  # "" never lets a model default prompt slip in
+        distinct: dict[str, int] = {}
+        positions = [distinct.setdefault(t, len(distinct)) for t in texts]
         emb = self.model.encode(
-            list(texts),
+            list(distinct),
             batch_size=self.batch_size,
             prompt=prompt,
             convert_to_numpy=True,
             normalize_embeddings=True,
             show_progress_bar=False,
         )
-        return l2_normalize(emb)
+        return l2_normalize(emb)[positions]
 
 
 def parameter_elements(encoder) -> int:

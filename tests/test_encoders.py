@@ -28,6 +28,21 @@ def test_tiny_text_encoder_is_deterministic_and_normalised(encoders):
     assert encoders[1].encode([]).shape == (0, encoders[1].dim)
 
 
+def test_each_distinct_text_is_encoded_once_and_repeats_get_its_row(encoders, monkeypatch):
+    """A GRPO group's completions often repeat one query: sentence-transformers receives each distinct text once, in
+    first-seen order, and every repeat gets that text's row — the rows a call with no repeats gives."""
+    enc = encoders[1]
+    texts = ["a red star", "zzz", "a red star", "blue circle", "zzz", "a red star"]
+    received, real = [], enc.model.encode
+    monkeypatch.setattr(enc.model, "encode", lambda sentences, **k: received.append(sentences) or real(sentences, **k))
+    out = enc.encode(texts, is_query=True)
+    assert received == [["a red star", "zzz", "blue circle"]]
+    alone = {t: enc.encode([t])[0] for t in set(texts)}
+    assert out.shape == (6, enc.dim)
+    for t, row in zip(texts, out):
+        np.testing.assert_allclose(row, alone[t], atol=1e-5)
+
+
 def test_minilm_relates_attribute_words():
     enc = text_encoder("minilm", device="cpu")
     e = enc.encode(
