@@ -287,10 +287,35 @@ def tiny_text_llm(tiny_gate_vlm, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def torchrun_jobs(small_default_world, tiny_refiner, tiny_world, tiny_index_dir, tiny_gate_vlm, tmp_path_factory):
+    """Jobs of two processes under torchrun that need no launch of their own, one after the other in one launch
+    (tests/test_multiprocess.py: ``launch_jobs``; each start of two processes costs ~11 s here, whatever the job): the
+    embedded default, seed 0 again (tests/test_embedded_default.py), then the four inference jobs
+    (tests/test_inference_multiprocess.py). ``{name: (the job's folder, its log)}``."""
+    from tests.test_embedded_default import default_config
+    from tests.test_inference_multiprocess import inference_configs
+    from tests.test_multiprocess import launch_jobs
+
+    tmp = tmp_path_factory.mktemp("torchrun")
+    jobs = {
+        "embedded_default": ("rl.train_grpo", default_config(tmp / "embedded_default", small_default_world, 0)),
+        **inference_configs(
+            tmp,
+            tiny_refiner=tiny_refiner,
+            tiny_world=tiny_world,
+            tiny_index_dir=tiny_index_dir,
+            tiny_gate_vlm=tiny_gate_vlm,
+        ),
+    }
+    logs = launch_jobs(jobs, tmp)
+    return {name: (tmp / name, logs[name]) for name in jobs}
+
+
+@pytest.fixture(scope="session")
 def zero3_jobs(small_default_world, tiny_world, tiny_index_dir, tiny_refiner, tiny_gate_vlm, tmp_path_factory):
     """The suite's DeepSpeed ZeRO-3 jobs (tests/test_deepspeed.py: ``zero3_configs``), one after the other in one
-    launch of two processes as a user launches them (configs/accelerate/zero3-cpu2.yaml), the embedded default first:
-    each start of two processes costs ~11 s here, whatever the job. ``{name: (the job's folder, its log)}``."""
+    launch of two processes as a user launches them (configs/accelerate/zero3-cpu2.yaml), the embedded default first.
+    ``{name: (the job's folder, its log)}``."""
     from tests.test_deepspeed import zero3_configs
     from tests.test_multiprocess import ZERO, launch_jobs
 

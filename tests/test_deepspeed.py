@@ -36,7 +36,7 @@ def zero3_configs(tmp: Path, small_default_world, tiny_world, tiny_index_dir, ti
     ``{name: (module, config)}``: the embedded default (seed 1, shortened: tests/test_embedded_default.py), GRPO for 4
     steps with checkpoints at 2 and 4, the same run resumed from its step-2 checkpoint, LoRA GRPO, gate SFT."""
     from gate.train.render import render_rows
-    from tests.test_embedded_default import zero3_default_config
+    from tests.test_embedded_default import default_config
     from tests.test_gate_sft import gate_records, sft_config
 
     world = (tiny_world, tiny_index_dir, tiny_refiner)
@@ -46,7 +46,10 @@ def zero3_configs(tmp: Path, small_default_world, tiny_world, tiny_index_dir, ti
     rows = render_rows("hkb", gate_records(tiny_world))
     gate = sft_config(tmp / "gate", tiny_gate_vlm, "hkb", rows, per_device_train_batch_size=2, ddp_timeout=120)[-1]
     return {
-        "embedded_default": ("rl.train_grpo", zero3_default_config(tmp / "embedded_default", small_default_world)),
+        "embedded_default": (
+            "rl.train_grpo",
+            default_config(tmp / "embedded_default", small_default_world, 1, max_steps=1),
+        ),
         "grpo": ("rl.train_grpo", grpo_config(tmp / "grpo", *world)[-1]),
         "resumed": ("rl.train_grpo", grpo_config(tmp / "resumed", *world, resume_from_checkpoint=resume)[-1]),
         "lora": ("rl.train_grpo", grpo_config(tmp / "lora", *world, max_steps=2, dtype="bfloat16", **lora)[-1]),

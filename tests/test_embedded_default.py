@@ -191,25 +191,29 @@ def run_default(world: Path, out: Path, seed: int) -> str:
     return proc.stdout + proc.stderr
 
 
-def zero3_default_config(folder: Path, world: Path) -> Path:
-    """``folder/cfg.yaml``: the embedded default's config (configs/grpo/toy.yaml) with seed 1's shortened settings
-    (one GRPO step), run under ZeRO-3 by the suite's one ZeRO-3 launch (``zero3_jobs`` in conftest.py)."""
-    config = yaml.safe_load(tg.DEFAULT_CONFIG.read_text()) | default_settings(world, folder / "run", 1, max_steps=1)
+def default_config(folder: Path, world: Path, seed: int, **overrides) -> Path:
+    """``folder/cfg.yaml``: the embedded default's config (configs/grpo/toy.yaml) with the shortened settings, for
+    the suite's shared launches (conftest.py: seed 0 again in ``torchrun_jobs``, seed 1 under ZeRO-3 in
+    ``zero3_jobs``); its output in ``folder/run``."""
+    config = yaml.safe_load(tg.DEFAULT_CONFIG.read_text()) | default_settings(world, folder / "run", seed, **overrides)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "cfg.yaml").write_text(yaml.safe_dump(config))
     return folder / "cfg.yaml"
 
 
 @pytest.fixture(scope="module")
-def seeded_runs(small_default_world, zero3_jobs, tmp_path_factory):
-    """Seed 0 twice (same learning table?) and seed 1 (another base and warm start). Seed 1 runs under DeepSpeed
-    ZeRO-3 (configs/accelerate/zero3-cpu2.yaml), which once hung there, as the first job of the suite's one ZeRO-3
-    launch: what its seed test checks holds under any launcher, and one launch fewer keeps `make test` short."""
+def seeded_runs(small_default_world, torchrun_jobs, zero3_jobs, tmp_path_factory):
+    """Seed 0 twice (same learning table?) and seed 1 (another base and warm start), each in its own processes.
+    Seed 0 first runs as `make demo` launches it (no --config), then again from its config as the first job of the
+    suite's shared torchrun launch. Seed 1 runs under DeepSpeed ZeRO-3 (configs/accelerate/zero3-cpu2.yaml), which
+    once hung there, as the first job of the suite's ZeRO-3 launch: what its seed test checks holds under any
+    launcher. Shared launches keep `make test` short: each start of two processes costs ~11 s here."""
     tmp = tmp_path_factory.mktemp("seeded")
-    runs = {name: tmp / name for name in ("seed0", "seed0-again")}
-    output = {name: run_default(small_default_world, runs[name], 0) for name in runs}
-    folder, output["seed1"] = zero3_jobs["embedded_default"]
-    runs["seed1"] = folder / "run"
+    runs, output = {"seed0": tmp / "seed0"}, {}
+    output["seed0"] = run_default(small_default_world, runs["seed0"], 0)
+    for name, jobs in (("seed0-again", torchrun_jobs), ("seed1", zero3_jobs)):
+        folder, output[name] = jobs["embedded_default"]
+        runs[name] = folder / "run"
     return runs, output
 
 

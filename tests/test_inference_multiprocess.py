@@ -14,7 +14,6 @@ import pytest
 import yaml
 
 from common.files import read_jsonl, write_json_atomic, write_jsonl_atomic
-from tests.test_multiprocess import launch_jobs
 
 QUIET = dict(log=lambda *a: None)
 
@@ -106,21 +105,22 @@ JOBS = {  # job → (the module `python -m` runs, what prepares its config and r
 }
 
 
-@pytest.fixture(scope="module")
-def jobs(tiny_refiner, tiny_world, tiny_index_dir, tiny_gate_vlm, tmp_path_factory):
-    """Each job's folder (one-process output ``one*``, two-process output ``two*``) and the two processes' log of it."""
-    tmp = tmp_path_factory.mktemp("inference-jobs")
-    fixtures = dict(
-        tiny_refiner=tiny_refiner, tiny_world=tiny_world, tiny_index_dir=tiny_index_dir, tiny_gate_vlm=tiny_gate_vlm
-    )
-    folders, configs = {}, {}
+def inference_configs(tmp: Path, **fixtures) -> dict:
+    """Each job's folder ``tmp/<job>`` with its one-process output (``one*``, run here) and the config of its
+    two-process run (output ``two*``) as ``{job: (module, config)}``, for the suite's shared torchrun launch
+    (``torchrun_jobs`` in conftest.py)."""
+    configs = {}
     for name, (module, prepare) in JOBS.items():
-        folders[name] = tmp / name
-        folders[name].mkdir()
-        (folders[name] / "cfg.yaml").write_text(yaml.safe_dump(prepare(folders[name], **fixtures)))
-        configs[name] = (module, folders[name] / "cfg.yaml")
-    logs = launch_jobs(configs, tmp)
-    return folders, logs
+        (tmp / name).mkdir()
+        (tmp / name / "cfg.yaml").write_text(yaml.safe_dump(prepare(tmp / name, **fixtures)))
+        configs[name] = (module, tmp / name / "cfg.yaml")
+    return configs
+
+
+@pytest.fixture(scope="module")
+def jobs(torchrun_jobs):
+    """Each job's folder (one-process output ``one*``, two-process output ``two*``) and the two processes' log of it."""
+    return {name: torchrun_jobs[name][0] for name in JOBS}, {name: torchrun_jobs[name][1] for name in JOBS}
 
 
 def test_refine_on_two_processes_equals_one(jobs, tiny_world):
