@@ -1,5 +1,6 @@
 """DeepSpeed ZeRO-2 and ZeRO-3, run for real: two CPU processes over gloo (DeepSpeed's CPU accelerator), launched as a
-user launches them (`accelerate launch --config_file configs/accelerate/zero{2,3}-cpu2.yaml …`).
+user launches them (`accelerate launch --config_file configs/accelerate/zero{2,3}-cpu2.yaml …`). The ZeRO-3 jobs
+below run one after the other in one launch (``zero3_jobs`` in conftest.py, the jobs' configs in ``zero3_configs``).
 
 - The embedded default under ZeRO-3: tests/test_embedded_default.py (seed 1's run).
 - GRPO from a warm-started tiny refiner under ZeRO-3 (ZeRO-2: tests/test_multiprocess.py): ``final/`` reloads to

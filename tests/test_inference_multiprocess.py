@@ -1,9 +1,9 @@
 """Long inference jobs as two CPU processes over gloo (torchrun; `accelerate launch --cpu` would start only one):
 each process takes every other batch and process 0 merges the parts — the same output as one process.
 
-The four jobs run one after the other in one launch (tests/scripts/run_jobs.py calls each module's ``main`` with its
-config, as ``python -m`` does): one start of two processes instead of four. Each job's one-process reference runs
-here first, in this process."""
+The four jobs run one after the other in the suite's shared torchrun launch (``torchrun_jobs`` in conftest.py;
+tests/scripts/run_jobs.py calls each module's ``main`` with its config, as ``python -m`` does). Each job's
+one-process reference runs first, in the test process."""
 
 import json
 import shutil

@@ -1,11 +1,13 @@
-"""Several inference jobs, one after the other, in one launch of two processes: ``run_jobs.py LOGDIR MODULE CONFIG
-[MODULE CONFIG …]`` calls ``MODULE.main(["--config", CONFIG])`` through ``common.cli.run`` for each pair, exactly
-what ``python -m MODULE --config CONFIG`` runs, with this process's stdout and stderr for that job in
+"""Several jobs, one after the other, in one launch of two processes: ``run_jobs.py LOGDIR MODULE CONFIG [MODULE
+CONFIG …]`` calls ``MODULE.main(["--config", CONFIG])`` through ``common.cli.run`` for each pair, exactly what
+``python -m MODULE --config CONFIG`` runs, with this process's stdout and stderr for that job in
 ``LOGDIR/<i>-<MODULE>.rank<r>.log``.
 
-One launch instead of one per job: each start of two processes costs seconds of imports (torch, transformers), which
-tests/test_inference_multiprocess.py paid four times. The jobs share what a process keeps between them (accelerate's
-process state, imported modules); each job's outputs are its own. Run under torchrun by that test."""
+One launch instead of one per job: each start of two processes costs ~11 s here (torch, transformers and TRL imported
+by the launcher and by each process), whatever the job. The jobs share what a process keeps between them
+(accelerate's process state, DeepSpeed's comm setup, imported modules); each job's outputs are its own. Run under
+torchrun or ``accelerate launch`` by ``launch_jobs`` (tests/test_multiprocess.py) for the suite's shared launches
+(tests/conftest.py: ``torchrun_jobs``, ``zero3_jobs``)."""
 
 import functools
 import importlib
