@@ -67,10 +67,11 @@ def two_processes(
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
 
 
-def launch_jobs(jobs: dict, folder: Path, accelerate_config: Path | None = None, timeout: int = 600) -> dict:
+def launch_jobs(jobs: dict, folder: Path, accelerate_config: Path | None = None, timeout: int = 1200) -> dict:
     """Several jobs one after the other in one launch of two processes (tests/scripts/run_jobs.py), ``jobs`` being
-    ``{name: (module, config)}``: each start of two processes costs ~10 s of imports here (torch, transformers, TRL),
-    whatever the job. Fails on a non-zero exit; returns each job's log (both processes', process 0's first) by name."""
+    ``{name: (module, config)}``: each start of two processes costs ~11 s here (the launcher's and each process's
+    imports of torch, transformers, TRL), whatever the job. Fails on a non-zero exit or past ``timeout`` seconds for
+    all the jobs together; returns each job's log (both processes', process 0's first) by name."""
     argv = [str(ROOT / "tests" / "scripts" / "run_jobs.py"), str(folder)]
     for module, config in jobs.values():
         argv += [module, str(config)]
