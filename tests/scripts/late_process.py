@@ -1,5 +1,7 @@
 """Two processes; process 1 never reaches the barrier (it waits, at most a minute, for process 0 to say it is done).
-Process 0's barrier must fail after the group's timeout with an error naming its step, instead of waiting for ever.
+Process 0's barrier must fail after the group's timeout (``sys.argv[1]`` seconds) with an error naming its step,
+instead of waiting for ever. The group is set up with a long timeout, which also bounds the two processes meeting at
+its start (on a busy machine one may start seconds after the other), and shortened once both are in.
 Run under torchrun by tests/test_multiprocess.py."""
 
 import sys
@@ -7,11 +9,13 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import torch.distributed
 from accelerate import PartialState
 
 from common.placement import Processes
 
-state = PartialState(cpu=True, timeout=timedelta(seconds=int(sys.argv[1])))
+state = PartialState(cpu=True, timeout=timedelta(seconds=120))
+torch.distributed.set_timeout(timedelta(seconds=int(sys.argv[1])))
 procs, done = Processes(state), Path(sys.argv[2])
 if procs.rank == 1:
     deadline = time.monotonic() + 60
