@@ -9,9 +9,15 @@ import sys
 import retrieval.build_shards as bs
 from retrieval.build_index import main
 
-*finished, last = " ".join(sys.argv[1:]).split(" --then ")
+runs = [[]]
+for arg in sys.argv[1:]:
+    if arg == "--then":
+        runs.append([])
+    else:
+        runs[-1].append(arg)
+*finished, last = runs
 for argv in finished:
-    main(argv.split())
+    main(argv)
     print("=== then", flush=True), print("=== then", file=sys.stderr, flush=True)
 
 real, saved = bs.save_shard, []
@@ -25,4 +31,4 @@ def dying(*a, **k):
 
 
 bs.save_shard = dying
-main(last.split())
+main(last)
