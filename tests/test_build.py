@@ -118,7 +118,7 @@ def die_after(monkeypatch, n: int, at: str = "save"):
 
     def dying(*a, **k):
         if len(saved) == n:
-            raise KeyboardInterrupt("killed")
+            raise KeyboardInterrupt(f"killed after {n} shards")
         saved.append(a[1:3])
         return real(*a, **k)
 

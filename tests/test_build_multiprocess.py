@@ -69,8 +69,9 @@ def two_process_builds(kb_and_reference, tiny_world, tmp_path_factory, encoders)
         *build_argv(kb, tiny_world, out["two_then_one"]),
     ]
     proc = two_processes([str(ROOT / "tests" / "scripts" / "build_and_die.py"), *argv], cwd=tmp, DIE_AFTER="2")
+    assert proc.returncode != 0 and "=== then\n" in proc.stdout and "=== then\n" in proc.stderr, proc.stderr[-4000:]
     first, second = zip(*(text.split("=== then\n", 1) for text in (proc.stdout, proc.stderr)))
-    assert proc.returncode != 0 and "killed after 2 shards" in second[1], proc.stderr[-4000:]
+    assert "killed after 2 shards" in second[1], proc.stderr[-4000:]
     return out, {"one_then_two": "".join(first), "two_then_one": "".join(second)}
 
 

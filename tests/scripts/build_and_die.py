@@ -6,8 +6,10 @@ interrupt a multi-process build at a known point."""
 import os
 import sys
 
-import retrieval.build_shards as bs
+import pytest
+
 from retrieval.build_index import main
+from tests.test_build import die_after
 
 runs = [[]]
 for arg in sys.argv[1:]:
@@ -19,16 +21,5 @@ for arg in sys.argv[1:]:
 for argv in finished:
     main(argv)
     print("=== then", flush=True), print("=== then", file=sys.stderr, flush=True)
-
-real, saved = bs.save_shard, []
-
-
-def dying(*a, **k):
-    if len(saved) == int(os.environ["DIE_AFTER"]):
-        raise KeyboardInterrupt(f"killed after {len(saved)} shards")
-    saved.append(a[1:3])
-    return real(*a, **k)
-
-
-bs.save_shard = dying
+die_after(pytest.MonkeyPatch(), int(os.environ["DIE_AFTER"]))  # the test's own interruption, in this process
 main(last)

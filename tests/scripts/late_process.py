@@ -5,22 +5,20 @@ its start (on a busy machine one may start seconds after the other), and shorten
 Run under torchrun by tests/test_multiprocess.py."""
 
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed
 from accelerate import PartialState
 
+from common.files import wait_for_path
 from common.placement import Processes
 
 state = PartialState(cpu=True, timeout=timedelta(seconds=120))
 torch.distributed.set_timeout(timedelta(seconds=int(sys.argv[1])))
 procs, done = Processes(state), Path(sys.argv[2])
 if procs.rank == 1:
-    deadline = time.monotonic() + 60
-    while not done.exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_for_path(done, 60, "process 0 to finish waiting at its barrier")
     sys.exit(0)
 try:
     procs.barrier("process 0 wrote the shards")
