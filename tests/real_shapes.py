@@ -12,7 +12,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from common.files import atomic_folder
+from toy.models import build_once
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "configs" / "models"
 VLM_3B = MODELS_DIR / "qwen2.5-vl-3b-instruct"
@@ -45,14 +45,6 @@ def real_image_processor(**overrides):
         )
     }
     return Qwen2VLImageProcessor(**{**kwargs, **overrides})
-
-
-def _atomic_folder(out: Path, write) -> Path:
-    if (out / "config.json").exists():
-        return out
-    with atomic_folder(out) as tmp:
-        write(tmp)
-    return out
 
 
 def build_real_width_vlm(
@@ -109,7 +101,7 @@ def build_real_width_vlm(
         model.to(getattr(torch, dtype)).save_pretrained(folder)
         processor.save_pretrained(folder)
 
-    return _atomic_folder(Path(out), write)
+    return build_once(Path(out), "config.json", write)
 
 
 def build_real_width_embedder(
@@ -165,4 +157,4 @@ def build_real_width_embedder(
         # way here (version 6 would otherwise render every text through this tokenizer's chat template).
         (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 512, "do_lower_case": False}))
 
-    return _atomic_folder(Path(out), write)
+    return build_once(Path(out), "config.json", write)
