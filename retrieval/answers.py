@@ -7,6 +7,8 @@ a / an / the removed, whitespace collapsed.
 ``answer_in_passage`` is the pseudo-recall rule: an answer counts as present when, after that normalisation, it
 occurs in the passage as whole words (so "12" is not found in "1200" nor in "12.5", which normalises to "125"); an
 answer written with ``&&`` parts (E-VQA's multi-answer questions) is present only when every part is.
+
+``who`` names a question in the scorers' error messages.
 """
 
 from __future__ import annotations
@@ -16,6 +18,11 @@ import string
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _DELETE_PUNCT = str.maketrans("", "", string.punctuation)
+
+
+def who(qid) -> str:
+    """A question as an error message names it: by its id, or as having none."""
+    return "a question without an id" if qid is None else f"question {qid!r}"
 
 
 def normalize_answer(text) -> str:

@@ -5,18 +5,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gate.pipeline.metrics import (
-    answer_in_passage,
-    evqa_correct,
-    evqa_correct_batch,
-    evqa_normalize,
-    evqa_report,
-    infoseek_correct,
-    infoseek_scores,
-    numeric_answer,
-    official_correct,
-)
+from gate.pipeline.metrics import official_correct
+from gate.pipeline.metrics_evqa import evqa_correct, evqa_correct_batch, evqa_normalize, evqa_report
+from gate.pipeline.metrics_infoseek import infoseek_correct, infoseek_scores, numeric_answer
 from gate.pipeline.vqa_accuracy import vqa_accuracy
+from retrieval.answers import answer_in_passage
 
 # ---------------------------------------------------------------- E-VQA
 
@@ -532,7 +525,7 @@ def test_infoseek_question_without_prediction_is_left_out_officially():
 @given(st.lists(st.tuples(st.booleans(), st.sampled_from([True, False, None])), min_size=1, max_size=30))
 def test_infoseek_official_and_all_question_figures(rows):
     """5, as a property: the official split score is over answered questions, ours over all; ours is never higher."""
-    from gate.pipeline.metrics import infoseek_report
+    from gate.pipeline.metrics_infoseek import infoseek_report
 
     records = [
         dict(id=str(i), question_type="String", data_split="val_unseen_question" if q else "val_unseen_entity")
@@ -596,7 +589,7 @@ def test_infoseek_other_question_types_score_as_string(prediction, answer_eval, 
     ],
 )
 def test_infoseek_empty_prediction_matches_an_empty_alias(prediction, answer_eval, qtype, ok):
-    from gate.pipeline.metrics import infoseek_match
+    from gate.pipeline.metrics_infoseek import infoseek_match
 
     assert infoseek_correct(prediction, answer_eval, qtype) is ok
     assert infoseek_match(prediction, answer_eval) is False  # the untyped rule (gate labels): "" never matches

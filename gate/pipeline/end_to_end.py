@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from gate.pipeline.metrics import EVQA_QUESTION_TYPES, evqa_report, harmonic_mean, infoseek_report, is_infoseek_type
+from gate.pipeline.metrics import harmonic_mean
+from gate.pipeline.metrics_evqa import EVQA_QUESTION_TYPES, evqa_report
+from gate.pipeline.metrics_infoseek import infoseek_report, is_infoseek_type
 
 UNSEEN_SPLITS = ("unseen_question", "unseen_entity")
 
@@ -86,10 +88,9 @@ def chosen_answered(records: list[dict], retrieve) -> np.ndarray:
 
 
 def infoseek_figures(records: list[dict], correct, answered) -> dict | None:
-    """InfoSeek's scores in % (gate.pipeline.metrics.infoseek_report) when every record has an InfoSeek question type
-    and a
-    split: the official scorer's (a question without an answer left out, as that scorer never sees it) and, under
-    ``all_questions``, ours (every question, no answer wrong); None otherwise."""
+    """InfoSeek's scores in % (gate.pipeline.metrics_infoseek.infoseek_report) when every record has an InfoSeek
+    question type and a split: the official scorer's (a question without an answer left out, as that scorer never
+    sees it) and, under ``all_questions``, ours (every question, no answer wrong); None otherwise."""
     if not records or not all(is_infoseek_type(r.get("question_type")) and r.get("split") for r in records):
         return None
     rows = [{"id": r.get("id"), "data_split": r["split"], "question_type": r["question_type"]} for r in records]

@@ -12,7 +12,9 @@ from __future__ import annotations
 import re
 
 from common.llm import ask_with_retries, chat, chat_url
-from gate.pipeline.metrics import infoseek_match, normalize_answer, token_accuracy
+from gate.pipeline.metrics import token_accuracy
+from gate.pipeline.metrics_infoseek import infoseek_match
+from retrieval.answers import normalize_answer
 
 CORRECTNESS_SYSTEM = (
     "You are an expert evaluation system for a question answering chatbot.\n"

@@ -13,7 +13,8 @@ import re
 from collections.abc import Sequence
 from decimal import ROUND_HALF_UP, Decimal
 
-from gate.pipeline.metrics import CONTRACTIONS, DIGIT_WORDS, who
+from gate.pipeline.metrics_evqa import CONTRACTIONS, DIGIT_WORDS
+from retrieval.answers import who
 
 _VQA_PUNCT = [";", "/", "[", "]", '"', "{", "}", "(", ")", "=", "+", "\\", "_", "-", ">", "<", "@", "`", ",", "?", "!"]
 _PERIOD = re.compile(r"(?!<=\d)(\.)(?!\d)")

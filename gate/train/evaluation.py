@@ -15,9 +15,9 @@ from PIL import Image
 
 from common.cli import parse, require_file, run
 from common.files import pyplot, read_jsonl, save_figure, write_json_atomic, write_jsonl_atomic, write_text_atomic
-from gate.pipeline.metrics import normalize_answer
 from gate.scoring import DEFAULT_THRESHOLDS, decisions, first_token_scores, generate_parsed, load_gate
 from gate.variants import BINARY, parse_completion
+from retrieval.answers import normalize_answer
 
 
 def sweep(scores, labels, thresholds) -> list[dict]:

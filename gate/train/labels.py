@@ -14,7 +14,7 @@ import random
 from collections import Counter
 
 from gate.pipeline.end_to_end import is_gold_section
-from gate.pipeline.metrics import normalize_answer
+from retrieval.answers import normalize_answer
 
 SCORE_MIN, SCORE_MAX = 1.0, 5.0
 
