@@ -23,7 +23,8 @@ from PIL import Image  # noqa: E402
 
 from retrieval import MultimodalIndex  # noqa: E402
 from rewards import RetrievalReward, format_completion, parse_query, rank_reward  # noqa: E402
-from toy.world import ATTRIBUTE_VALUES, ToyWorldArgs, build  # noqa: E402
+from toy.drawing import ATTRIBUTE_VALUES  # noqa: E402
+from toy.world import ToyWorldArgs, build  # noqa: E402
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--world", default="outputs/toyworld")

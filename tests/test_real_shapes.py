@@ -366,7 +366,7 @@ def test_retrieval_reward_at_1024_plus_1024_matches_a_numpy_brute_force(real_tex
     from retrieval.encoders import l2_normalize
     from retrieval.index import MultimodalIndex, build_faiss_index
     from rewards import RetrievalReward, format_completion, rank_reward
-    from toy.world import COLOURS, PATTERNS, SHAPES
+    from toy.drawing import COLOURS, PATTERNS, SHAPES
 
     rng = np.random.default_rng(0)
     enc, images_enc, alpha, n_ent, per_ent, g = real_text_encoder, PixelProjection(), 0.63, 300, 10, 4

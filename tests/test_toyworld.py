@@ -6,17 +6,9 @@ import json
 import numpy as np
 import pytest
 
-from toy.world import (
-    ATTRIBUTES,
-    ToyWorldArgs,
-    bucket_histogram,
-    build,
-    generate,
-    make_entities,
-    median_rank,
-    sections,
-    world_args,
-)
+from toy.calibration import bucket_histogram, median_rank
+from toy.drawing import ATTRIBUTES
+from toy.world import ToyWorldArgs, build, generate, make_entities, sections, world_args
 
 
 def digest(folder):

@@ -22,7 +22,8 @@ from rl.generate import generate_completions
 from rl.model import load_model
 from rl.monitor import PhaseProgress, use_phase_progress
 from rl.prompts import SYSTEM_PROMPTS, prompt_messages
-from toy.world import ATTRIBUTE_VALUES, ATTRIBUTES, COLOURS, attribute_words
+from toy.drawing import ATTRIBUTE_VALUES, ATTRIBUTES, COLOURS
+from toy.world import attribute_words
 
 COLOUR_SHIFT = dict(zip(COLOURS, list(COLOURS)[1:] + list(COLOURS)[:1]))
 _VALUE_OF = {v: k for k, vs in ATTRIBUTE_VALUES.items() for v in vs}

@@ -16,13 +16,11 @@ attributes helps — the properties a refiner needs to be able to learn from ret
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from PIL import Image, ImageDraw
 from tqdm import tqdm
 
 from common.cli import parse
@@ -31,19 +29,9 @@ from retrieval.build_index import BuildArgs, build_index
 from retrieval.encoders import check_image_encoder_name, check_text_encoder_name
 from retrieval.index import MultimodalIndex, check_alpha
 from retrieval.upstream.articles import store_from_kb_rows, store_path_for
+from toy.calibration import calibrate, format_report
+from toy.drawing import ATTRIBUTES, COLOURS, PATTERNS, SHAPES, render
 
-COLOURS = {
-    "red": (210, 40, 40),
-    "orange": (240, 140, 30),
-    "yellow": (235, 215, 40),
-    "green": (50, 160, 60),
-    "blue": (40, 80, 210),
-    "purple": (130, 50, 180),
-    "pink": (240, 120, 180),
-    "brown": (120, 75, 35),
-}
-SHAPES = ["circle", "square", "triangle", "star", "cross", "diamond"]
-PATTERNS = ["plain", "striped", "dotted", "checkered"]
 HABITATS = [
     "mossy caves",
     "salt marshes",
@@ -96,12 +84,7 @@ QUESTIONS = {
     "diet": "What does this creature eat?",
     "name": "What is this creature called?",
 }
-ATTRIBUTES = ("colour", "shape", "pattern")
-ATTRIBUTE_VALUES = {"colour": list(COLOURS), "shape": SHAPES, "pattern": PATTERNS}
-IMAGE_SIZE = 56
-WORLD_VERSION = 3  # bump when rendering or wording changes, so existing worlds are regenerated
-# The paper's Table 5 buckets (hit-rank strata of the RL data)
-BUCKETS = [("1-5", 1, 5), ("6-10", 6, 10), ("11-20", 11, 20), ("21-200", 21, 200)]
+WORLD_VERSION = 3  # bump when the drawing (toy/drawing.py) or wording changes, so existing worlds are regenerated
 
 
 @dataclass
@@ -178,87 +161,6 @@ def attribute_words(attrs: dict, keys=ATTRIBUTES) -> str:
     return " ".join(attrs[k] for k in keys)
 
 
-# --------------------------------------------------------------------------- images
-
-
-def _shape_polygon(shape: str, cx: float, cy: float, r: float):
-    if shape == "square":
-        return [(cx - r, cy - r), (cx + r, cy - r), (cx + r, cy + r), (cx - r, cy + r)]
-    if shape == "diamond":
-        return [(cx, cy - r), (cx + r, cy), (cx, cy + r), (cx - r, cy)]
-    if shape == "triangle":
-        return [(cx, cy - r), (cx + r, cy + r * 0.8), (cx - r, cy + r * 0.8)]
-    if shape == "star":
-        pts = []
-        for k in range(10):
-            rad = r if k % 2 == 0 else r * 0.45
-            a = -math.pi / 2 + k * math.pi / 5
-            pts.append((cx + rad * math.cos(a), cy + rad * math.sin(a)))
-        return pts
-    if shape == "cross":
-        w = r * 0.38
-        return [
-            (cx - w, cy - r),
-            (cx + w, cy - r),
-            (cx + w, cy - w),
-            (cx + r, cy - w),
-            (cx + r, cy + w),
-            (cx + w, cy + w),
-            (cx + w, cy + r),
-            (cx - w, cy + r),
-            (cx - w, cy + w),
-            (cx - r, cy + w),
-            (cx - r, cy - w),
-            (cx - w, cy - w),
-        ]
-    raise ValueError(f"unknown shape {shape!r}")
-
-
-def _pattern_mask(pattern: str, size: int, phase: int) -> np.ndarray:
-    yy, xx = np.mgrid[0:size, 0:size]
-    if pattern == "plain":
-        return np.zeros((size, size), bool)
-    if pattern == "striped":
-        return ((yy + phase) // 4) % 2 == 0
-    if pattern == "dotted":
-        return (((yy + phase) % 7) < 3) & (((xx + phase) % 7) < 3)
-    if pattern == "checkered":
-        return (((yy + phase) // 5) + ((xx + phase) // 5)) % 2 == 0
-    raise ValueError(f"unknown pattern {pattern!r}")
-
-
-def _erode(mask: np.ndarray) -> np.ndarray:
-    """Pixels whose four neighbours are all inside ``mask``."""
-    m = np.pad(mask, 1)
-    return m[1:-1, 1:-1] & m[:-2, 1:-1] & m[2:, 1:-1] & m[1:-1, :-2] & m[1:-1, 2:]
-
-
-def render(e: dict, rng: np.random.Generator, noise: float = 8.0):
-    """Draw one image of entity ``e`` with per-image variation; returns a PIL image."""
-    s = IMAGE_SIZE
-    bg = int(rng.integers(200, 236))
-    canvas = np.full((s, s, 3), bg, np.float32)
-    # distractor: a small grey blob somewhere
-    if rng.random() < 0.7:
-        dx, dy, dr = rng.integers(4, s - 4), rng.integers(4, s - 4), rng.integers(2, 5)
-        yy, xx = np.mgrid[0:s, 0:s]
-        canvas[(yy - dy) ** 2 + (xx - dx) ** 2 <= dr * dr] = float(rng.integers(90, 170))
-    r = float(rng.uniform(15, 21))
-    cx, cy = rng.uniform(r + 2, s - r - 2, size=2)
-    mask_img = Image.new("L", (s, s), 0)
-    if e["shape"] == "circle":
-        ImageDraw.Draw(mask_img).ellipse([cx - r, cy - r, cx + r, cy + r], fill=255)
-    else:
-        ImageDraw.Draw(mask_img).polygon(_shape_polygon(e["shape"], cx, cy, r), fill=255)
-    mask = np.asarray(mask_img) > 127
-    colour = np.clip(np.asarray(COLOURS[e["colour"]], np.float32) + rng.normal(0, 12, 3), 0, 255)
-    canvas[mask] = colour
-    canvas[mask & _pattern_mask(e["pattern"], s, int(rng.integers(0, 6)))] = 250.0
-    canvas[mask & ~_erode(_erode(mask))] = 45.0  # a dark outline keeps the silhouette when the pattern is white
-    canvas += rng.normal(0, noise, canvas.shape)
-    return Image.fromarray(np.clip(canvas, 0, 255).astype(np.uint8))
-
-
 # --------------------------------------------------------------------------- world files
 
 
@@ -333,88 +235,6 @@ def generate(args: ToyWorldArgs, log=print) -> dict:
         f"({time.perf_counter() - t0:.0f} s)"
     )
     return world
-
-
-# --------------------------------------------------------------------------- calibration
-
-
-def bucket_histogram(ranks: list[int | None]) -> dict[str, float]:
-    """Share of ranks in each Table-5 bucket (1–5, 6–10, 11–20, 21–200) and beyond (miss)."""
-    n = max(len(ranks), 1)
-    hist = {name: sum(1 for r in ranks if r is not None and lo <= r <= hi) / n for name, lo, hi in BUCKETS}
-    hist["miss"] = sum(1 for r in ranks if r is None or r > 200) / n
-    return hist
-
-
-def median_rank(ranks: list[int | None], depth: int) -> float:
-    return float(np.median([depth + 1 if r is None else r for r in ranks]))
-
-
-def calibrate(index, world_dir: Path, alpha: float, depth: int = 200, seed: int = 0) -> dict:
-    """Rank the test questions with and without attribute words; returns the calibration report."""
-    rows = [json.loads(line) for line in open(world_dir / "test.jsonl")]
-    image_emb = index.encode_images([Image.open(world_dir / r["image"]).convert("RGB") for r in rows])
-    gold = [r["entity_id"] for r in rows]
-    rng = np.random.default_rng(seed)
-
-    def ranks(texts):
-        return index.entity_ranks(image_emb, texts, gold, alpha=alpha, depth=depth)
-
-    def with_words(keys_per_row, wrong=None):
-        texts = []
-        for r, keys in zip(rows, keys_per_row):
-            words = [r["attributes"][k] for k in keys]
-            if wrong is not None:
-                k = wrong(r)
-                words.append(str(rng.choice([v for v in ATTRIBUTE_VALUES[k] if v != r["attributes"][k]])))
-            texts.append(" ".join([r["question"], *words]))
-        return texts
-
-    subsets = {n: [sorted(rng.choice(len(ATTRIBUTES), size=n, replace=False)) for _ in rows] for n in range(4)}
-    keys = {n: [[ATTRIBUTES[i] for i in s] for s in subsets[n]] for n in range(4)}
-    original = ranks([r["question"] for r in rows])
-    by_count = {n: ranks(with_words(keys[n])) for n in range(4)}
-    # two correct attribute words, plus the third one wrong
-    third = [next(a for a in ATTRIBUTES if a not in k) for k in keys[2]]
-    it = iter(third)
-    two_plus_wrong = ranks(with_words(keys[2], wrong=lambda r: next(it)))
-    medians = {n: median_rank(by_count[n], depth) for n in range(4)}
-    report = {
-        "alpha": alpha,
-        "depth": depth,
-        "questions": len(rows),
-        "entities": index.num_entities,
-        "original_buckets": bucket_histogram(original),
-        "original_median_rank": median_rank(original, depth),
-        "all_attributes_top5": float(np.mean([r is not None and r <= 5 for r in by_count[3]])),
-        "median_rank_by_correct_attributes": medians,
-        "median_rank_two_correct_one_wrong": median_rank(two_plus_wrong, depth),
-    }
-    spread = sum(1 for name, _, _ in BUCKETS if report["original_buckets"][name] >= 0.05)
-    report["checks"] = {
-        "original ranks spread over ≥ 3 reward buckets (≥ 5 % each)": spread >= 3,
-        "all three attributes rank the gold entity top-5 for most questions": report["all_attributes_top5"] >= 0.7,
-        "each additional correct attribute improves the median rank": all(
-            medians[n + 1] <= medians[n] for n in range(3)
-        )
-        and medians[3] < medians[0],
-        "a wrong attribute word worsens the median rank": report["median_rank_two_correct_one_wrong"] > medians[2],
-    }
-    return report
-
-
-def format_report(rep: dict) -> str:
-    b = rep["original_buckets"]
-    lines = [
-        f"toy-world calibration: {rep['questions']} test questions, {rep['entities']} entities, α = {rep['alpha']}",
-        "original-question rank buckets: " + "  ".join(f"{k}: {100 * v:.0f}%" for k, v in b.items()),
-        "median rank by correct attribute words: "
-        + "  ".join(f"{n}: {v:g}" for n, v in rep["median_rank_by_correct_attributes"].items())
-        + f"   (2 correct + 1 wrong: {rep['median_rank_two_correct_one_wrong']:g})",
-        f"all three attributes → top-5: {100 * rep['all_attributes_top5']:.0f}%",
-    ]
-    lines += [f"  [{'ok' if ok else 'FAIL'}] {name}" for name, ok in rep["checks"].items()]
-    return "\n".join(lines)
 
 
 def build(args: ToyWorldArgs, log=print) -> dict:
