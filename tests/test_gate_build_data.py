@@ -276,7 +276,7 @@ def test_vllm_sampling_backend_without_vllm_is_a_clear_error(questions, tiny_wor
 def test_answerable_without_retrieval_by_the_greedy_answer_or_the_sampled_majority(tmp_path):
     """MMKB-RAG's RET/SRT labels read the VLM's one greedy answer; the sampled-majority rule is the option. Here the
     greedy answer is right but most samples are wrong, so the two rules disagree."""
-    from gate.train.build_data import label_records
+    from gate.train.labelling import label_records
 
     rec = {
         "id": "q1",

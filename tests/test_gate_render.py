@@ -5,7 +5,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gate.train.build_data import BuildDataArgs, label_records
+from gate.train.build_data import BuildDataArgs
+from gate.train.labelling import label_records
 from gate.train.render import cap_classes, class_balance, render_rows
 from gate.variants import BINARY, VARIANTS, completion, messages, parse_completion, spec
 

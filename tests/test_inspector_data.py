@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from common.files import read_jsonl, write_jsonl_atomic
 from gate.train.answer_expansion import expansion_target, parse_expansion, stage_expand
-from gate.train.build_data import BuildDataArgs, stage_render
+from gate.train.build_data import BuildDataArgs
+from gate.train.labelling import stage_render
 from gate.train.render import class_targets, parse_class_targets
 
 

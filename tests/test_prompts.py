@@ -57,7 +57,8 @@ def test_a_prompt_name_that_is_neither_built_in_nor_a_file_is_named():
 
 def test_a_gate_prompt_file_renders_the_rows_and_is_recorded_beside_them(tmp_path):
     from common.files import read_jsonl, write_jsonl_atomic
-    from gate.train.build_data import BuildDataArgs, stage_render
+    from gate.train.build_data import BuildDataArgs
+    from gate.train.labelling import stage_render
 
     write_jsonl_atomic(
         tmp_path / "labels-inspector.jsonl",

@@ -1,0 +1,250 @@
+"""The label and render stages of gate.train.build_data: each question's stage records → the variant's labelled
+examples (``labels-<variant>.jsonl``, by the pure rules of gate.train.labels) → TRL conversational prompt–completion
+rows with an image (``<variant>.<split>.jsonl``, gate.train.render). ``args`` is build_data's ``BuildDataArgs``.
+"""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+
+from common.files import append_jsonl, completed_ids, read_jsonl, write_json_atomic, write_jsonl_atomic
+from gate.pipeline.context import section_text
+from gate.train.answer_expansion import EXPANDED_FILE, expanded_targets
+from gate.train.labels import (
+    certainty,
+    hkb_label,
+    inspector_label,
+    kbm_accuracy_label,
+    kbm_certainty_label,
+    mct_example,
+    ret_label,
+    skb_label,
+    srt_label,
+)
+from gate.train.render import class_balance, format_balance, parse_class_targets, render_rows
+from gate.variants import load_gate_prompt, numbered_documents, prompt_file_for, spec
+
+LABEL_SOURCES = {
+    "hkb": "judged",
+    "skb": "judged",
+    "kbm-acc": "judged",
+    "kbm-cert": "samples",
+    "ret": "judged",
+    "srt": "judged",
+    "mct": "retrieved",
+    "inspector": "retrieved",
+}  # the stage file each variant labels
+
+
+def _scores(rec: dict) -> list[float]:
+    return [s for s in rec.get("scores", []) if s is not None]
+
+
+def _has_gold(rec: dict) -> bool:
+    return bool(rec.get("answers")) or rec.get("answer_eval") is not None
+
+
+def correct_alone(rec: dict, correct_score: float, rule: str = "sampled-majority") -> bool | None:
+    """Did the VLM answer correctly without retrieval: its one greedy answer scores ≥ ``correct_score`` (``greedy``,
+    MMKB-RAG's definition), or most of its judged samples do (``sampled-majority``); None when unknown."""
+    if rule == "greedy":
+        if "greedy_score" not in rec:
+            raise ValueError(
+                f"question {rec.get('id')!r} has no judged greedy answer: --alone_rule greedy needs the "
+                "sample and judge stages of this version (or use --alone_rule sampled-majority)"
+            )
+        return None if rec["greedy_score"] is None else rec["greedy_score"] >= correct_score
+    scores = _scores(rec)
+    return None if not scores else sum(s >= correct_score for s in scores) / len(scores) >= 0.5
+
+
+def mct_from_consistency(args) -> bool:
+    """mct labelled by Algorithm 3 from consistency.jsonl (not from the gold entity)."""
+    return args.variant == "mct" and args.mct_rule == "srt"
+
+
+def label_records(variant: str, rec: dict, args, contexts: dict | None = None) -> list[dict]:
+    """The labelled examples one question yields for a variant (none when it cannot be labelled). Binary labels are
+    bools whose True is the variant's positive verbaliser (search / relevant / pass)."""
+    if variant == "kbm-cert":
+        return [{"search": kbm_certainty_label(rec["samples"], args.tau), "certainty": certainty(rec["samples"])}]
+    if variant == "mct" and args.mct_rule == "srt":
+        cons = (contexts or {}).get(str(rec["id"]))
+        example = cons and mct_example(
+            cons["rel_probs"],
+            args.mct_gamma,
+            args.mct_negative_ratio,
+            seed=args.seed + zlib.crc32(str(rec["id"]).encode()),
+        )
+        if not example:
+            return []
+        return [
+            {
+                "consistent": example["consistent"],
+                "summary": cons.get("summary"),
+                "context": numbered_documents([section_text(rec["hits"][j]) for j in example["shown"]]),
+            }
+        ]
+    if not _has_gold(rec):
+        return []
+    if variant in ("mct", "inspector"):
+        hits, gold = rec["hits"], str(rec["entity_id"])
+        if variant == "mct":
+            return [
+                {
+                    "consistent": [j + 1 for j, h in enumerate(hits) if str(h["entity_id"]) == gold],
+                    "context": numbered_documents([section_text(h) for h in hits]),
+                }
+            ]
+        text_ok = None
+        if args.inspector_check_answer:
+            ctx = (contexts or {}).get(str(rec["id"]))
+            if ctx is None or ctx["doc_scores"][0] is None:
+                return []
+            text_ok = ctx["doc_scores"][0] >= args.correct_score
+        label = inspector_label(
+            hits[0]["entity_id"],
+            gold,
+            str((rec.get("answers") or [""])[0]),
+            text_ok,
+            top_section=hits[0].get("section"),
+            gold_section=rec.get("evidence_section_id"),
+        )
+        return [{"pass": label["pass"] == "true", "inspector": label, "context": section_text(hits[0])}]
+    scores = _scores(rec)
+    if not scores:
+        return []
+    if variant == "hkb":
+        return [{"search": hkb_label(scores, args.epsilon) == "true"}]
+    if variant == "skb":
+        return [{"search_score": skb_label(scores)}]
+    if variant == "kbm-acc":
+        return [{"search": kbm_accuracy_label([s >= args.correct_score for s in scores], args.tau)}]
+    alone = correct_alone(rec, args.correct_score, args.alone_rule)
+    if alone is None:
+        return []
+    if variant == "ret":
+        return [{"search": ret_label(alone) == "Ret"}]
+    ctx = (contexts or {}).get(str(rec["id"]))  # srt: one example per document that changes the answer
+    if ctx is None:
+        return []
+    out = []
+    for j, (hit, score) in enumerate(zip(ctx["hits"], ctx["doc_scores"])):
+        label = None if score is None else srt_label(alone, score >= args.correct_score)
+        if label is not None:
+            out.append({"id": f"{rec['id']}#d{j + 1}", "relevant": label == "Rel", "context": section_text(hit)})
+    return out
+
+
+KEEP = (
+    "id",
+    "image",
+    "image_path",
+    "question",
+    "answers",
+    "answer_eval",
+    "entity_id",
+    "question_type",
+    "split",
+    "evidence_section_id",
+)
+
+
+def stage_label(args, out: Path, log=print) -> int:
+    source = out / f"{LABEL_SOURCES[args.variant]}.jsonl"
+    if not source.is_file():
+        raise ValueError(f"label: {source} does not exist (run the earlier stages first)")
+    contexts = None
+    if mct_from_consistency(args):
+        cons_path = out / "consistency.jsonl"
+        if not cons_path.is_file():
+            raise ValueError(
+                f"label mct: {cons_path} does not exist (run --stage consistency first, or set --mct_rule gold-entity)"
+            )
+        contexts = {str(r["id"]): r for r in read_jsonl(cons_path)}
+    elif args.variant == "srt" or (args.variant == "inspector" and args.inspector_check_answer):
+        ctx_path = out / "contexts.jsonl"
+        if not ctx_path.is_file():
+            raise ValueError(f"label {args.variant}: {ctx_path} does not exist (run --stage context first)")
+        hits = {str(r["id"]): r["hits"] for r in read_jsonl(out / "retrieved.jsonl")}
+        contexts = {str(r["id"]): {**r, "hits": hits.get(str(r["id"]), [])} for r in read_jsonl(ctx_path)}
+    target = out / f"labels-{args.variant}.jsonl"
+    done = completed_ids(target)
+    rows, skipped, no_gold = [], 0, 0
+    for rec in read_jsonl(source):
+        if str(rec["id"]) in done:
+            continue
+        labelled = label_records(args.variant, rec, args, contexts)
+        if not labelled:
+            no_gold += not _has_gold(rec) and not mct_from_consistency(args)
+            skipped += 1
+            continue
+        base = {k: rec[k] for k in KEEP if k in rec} | {"variant": args.variant}
+        rows += [base | lab for lab in labelled if str(lab.get("id", rec["id"])) not in done]
+    append_jsonl(target, rows)
+    log(
+        f"label ({args.variant}): {len(rows)} examples, {skipped} questions without a label"
+        + (f" ({no_gold} have no gold answer: usable by kbm-cert only)" if no_gold else "")
+    )
+    return len(rows)
+
+
+def stage_render(args, out: Path, log=print) -> int:
+    """labels-<variant>.jsonl → <variant>.<split>.jsonl: TRL conversational prompt–completion rows with an image."""
+    source = out / f"labels-{args.variant}.jsonl"
+    if not source.is_file():
+        raise ValueError(f"render: {source} does not exist (run --stage label --variant {args.variant} first)")
+
+    targets = parse_class_targets(args.class_targets) if args.class_targets else None
+    prompt = load_gate_prompt(args.gate_prompt, args.variant) if args.gate_prompt else None
+    used = spec(args.variant, args.verbalisers, prompt)
+    write_json_atomic(
+        prompt_file_for(out, args.variant),
+        {"system": used["system"], "user_template": used["user"], "source": prompt["name"] if prompt else "built-in"},
+    )
+    by_split: dict[str, list[dict]] = {}
+    for rec in read_jsonl(source):
+        by_split.setdefault(rec.get("split") or "train", []).append(rec)
+    if args.inspector_expanded:
+        by_split = {split: with_expanded_answers(recs, out) for split, recs in by_split.items()}
+    total = 0
+    for split, recs in sorted(by_split.items()):
+        report: dict = {}
+        rows = render_rows(
+            args.variant,
+            recs,
+            verbalisers=args.verbalisers,
+            max_per_class=args.max_per_class,
+            seed=args.seed if split == "train" else None,
+            balance=args.balance and split == "train",
+            skb_target=args.skb_target,
+            targets=targets if split == "train" else None,
+            report=report,
+            prompt=prompt,
+        )
+        write_jsonl_atomic(out / f"{args.variant}.{split}.jsonl", rows)
+        log(
+            f"render ({args.variant}, {split}): {len(rows)} rows → {out / f'{args.variant}.{split}.jsonl'}; "
+            f"classes {format_balance(class_balance(rows))}"
+        )
+        for cls, rep in report.items():
+            short = (
+                "" if rep["taken"] >= rep["wanted"] or rep["wanted"] <= 1 else f"   (only {rep['available']} available)"
+            )
+            log(f"  {cls}: {rep['taken']} taken of {rep['available']} available (target {rep['wanted']:g}){short}")
+        total += len(rows)
+    return total
+
+
+def with_expanded_answers(recs: list[dict], out: Path) -> list[dict]:
+    """Inspector label rows whose FAIL answer is the expanded sentence (``--stage expand``); every FAIL row must have
+    one."""
+    targets = expanded_targets(out)
+    missing = [str(r["id"]) for r in recs if not r["pass"] and str(r["id"]) not in targets]
+    if missing:
+        raise ValueError(
+            f"render --inspector_expanded: {len(missing)} FAIL example(s) have no expanded answer in "
+            f"{out / EXPANDED_FILE} (first: {', '.join(missing[:3])}); run --stage expand"
+        )
+    return [r if r["pass"] else {**r, "inspector": {**r["inspector"], "answer": targets[str(r["id"])]}} for r in recs]
