@@ -20,7 +20,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import yaml  # noqa: E402
 
 from common.files import read_jsonl  # noqa: E402
-from gate.pipeline.run import PipelineArgs, run, stage_names  # noqa: E402
+from gate.pipeline.arguments import PipelineArgs  # noqa: E402
+from gate.pipeline.run import run, stage_names  # noqa: E402
 from gate.pipeline.stages import Stages  # noqa: E402
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

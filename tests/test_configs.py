@@ -81,7 +81,7 @@ def test_a_family_config_needs_a_known_variant(tmp_path):
 @pytest.mark.parametrize("path", sorted((ROOT / "configs" / "pipeline").glob("*.yaml")), ids=lambda p: p.stem)
 def test_pipeline_configs_parse(path):
     from common.cli import parse
-    from gate.pipeline.run import PipelineArgs
+    from gate.pipeline.arguments import PipelineArgs
     from gate.pipeline.stages import GENERATOR_PROMPTS
 
     (args,) = parse((PipelineArgs,), ["--config", str(path)])

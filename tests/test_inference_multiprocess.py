@@ -29,7 +29,8 @@ def refine_job(folder: Path, tiny_refiner, tiny_world, **_) -> dict:
 
 
 def pipeline_job(folder: Path, tiny_refiner, tiny_world, tiny_index_dir, tiny_gate_vlm, **_) -> dict:
-    from gate.pipeline.run import PipelineArgs, run
+    from gate.pipeline.arguments import PipelineArgs
+    from gate.pipeline.run import run
     from gate.scoring import GATE_FILE
     from toy.gates import gate_questions
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from common.files import read_jsonl, write_json_atomic, write_jsonl_atomic
-from gate.pipeline.run import PipelineArgs, run
+from gate.pipeline.arguments import PipelineArgs
+from gate.pipeline.run import run
 
 QUIET = dict(log=lambda *a: None)
 

@@ -66,7 +66,8 @@ def test_every_pipeline_stage_loads_on_the_device_and_dtype_asked(
 
     import rl.model as rm
     from common.files import read_jsonl, write_json_atomic, write_jsonl_atomic
-    from gate.pipeline.run import PipelineArgs, run
+    from gate.pipeline.arguments import PipelineArgs
+    from gate.pipeline.run import run
     from gate.pipeline.stages import Stages
     from gate.scoring import GATE_FILE
 
