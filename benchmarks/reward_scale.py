@@ -34,7 +34,8 @@ import numpy as np
 import torch
 
 from common.placement import configure_threads, usable_cores
-from retrieval.index import MultimodalIndex, _read_faiss, build_faiss_index_from_chunks
+from retrieval.faiss_build import build_faiss_index_from_chunks, read_faiss
+from retrieval.index import MultimodalIndex
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--sizes", default="100000,500000,1000000")
@@ -78,7 +79,7 @@ def load_index(path, n, rank_method, nprobe=32):
     ents = entity_ids_for(n)
     names = [f"e{e}" for e in ents]
     manifest = {"image_dim": HALF, "text_dim": HALF, "image_encoder": "x", "text_encoder": "y"}
-    index = _read_faiss(path)
+    index = read_faiss(path)
     ivf = faiss.try_extract_index_ivf(index)
     if ivf is not None:
         ivf.nprobe = nprobe
@@ -88,7 +89,7 @@ def load_index(path, n, rank_method, nprobe=32):
 def step_queries(path, n, seed=1):
     """160 queries built from rows of random gold entities plus noise of several strengths (ranks spread out)."""
     rng = np.random.default_rng(seed)
-    index = _read_faiss(path)
+    index = read_faiss(path)
     ents = entity_ids_for(n)
     rows = rng.integers(0, n, Q)
     x = np.stack([index.reconstruct(int(r)) for r in rows])

@@ -2,7 +2,7 @@
 
 Measures, on synthetic L2-normalised float32 vectors (d = 896, the tiny/real encoders' concat size is similar):
 FAISS Flat (IndexFlatIP, exact), HNSW ("HNSW32,Flat", efSearch 256) and IVF ("IVF{nlist},Flat", nlist ≈ 4·√N,
-nprobe 32), all built with ``retrieval.index.build_faiss_index``, against a numpy baseline
+nprobe 32), all built with ``retrieval.faiss_build.build_faiss_index``, against a numpy baseline
 (``Q @ X.T`` → ``np.argpartition`` top-k → sort). One batch of 160 queries at depth k = 200, best of 5 after a
 warm-up. Recall@k is measured against Flat's result ids. For the exhaustive methods (Flat, numpy) the achieved
 GFLOP/s (2·N·d·queries / time) is compared with the machine's sgemm peak (a large numpy float32 matmul).
@@ -25,7 +25,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import faiss
 import numpy as np
 
-from retrieval.index import build_faiss_index
+from retrieval.faiss_build import build_faiss_index
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--sizes", default="10000,100000,1000000", help="comma-separated database sizes N")

@@ -44,15 +44,8 @@ from retrieval.encoders import (
     resolve_query_prompt,
     text_encoder,
 )
-from retrieval.index import (
-    INDEX_FILE,
-    MANIFEST_FILE,
-    ROWS_FILE,
-    SKIPPED_FILE,
-    build_faiss_index_from_chunks,
-    check_factory,
-    check_k,
-)
+from retrieval.faiss_build import build_faiss_index_from_chunks, check_factory
+from retrieval.index import INDEX_FILE, MANIFEST_FILE, ROWS_FILE, SKIPPED_FILE, check_k
 from retrieval.kb_scan import KBScan, scan_kb
 
 

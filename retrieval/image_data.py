@@ -3,7 +3,8 @@
 Two datasets: ``KBImageRows`` (index build: each worker reads its KB rows by byte offset, decodes the image and applies
 the encoder's preprocessing) and ``ImageFiles`` (evaluation: a list of image paths). An item that cannot be decoded
 comes back as a failure with the reason (``retrieval.kb.load_image``'s wording); it never stops the loader.
-``timed`` iterates a loader and measures how long the consumer waited for each batch.
+``timed`` iterates a loader and measures how long the consumer waited for each batch; ``encode_image_files`` runs an
+image encoder over a list of files that way.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
+from tqdm import tqdm
 
 from retrieval.kb import load_image
 
@@ -129,3 +131,28 @@ def timed(batches, waits: Waits) -> Iterator[dict]:
             return
         waits.waited += time.perf_counter() - t0
         yield batch
+
+
+def encode_image_files(enc, paths: Sequence, workers: int, device: str, log=None) -> tuple[np.ndarray, dict[int, str]]:
+    """Embeddings of image files, decoded and preprocessed by ``workers`` DataLoader processes in batches (never
+    every image in memory at once) and encoded by ``enc`` (an image encoder on ``device``). Returns (embeddings of the
+    decodable ones in order, {position: why not})."""
+    data = loader(
+        ImageFiles(paths, enc.preprocess),
+        batches_of(range(len(paths)), enc.batch_size),
+        workers,
+        pin_memory=str(device).startswith("cuda"),
+    )
+    out, failed, waits = [], {}, Waits()
+    with tqdm(total=len(paths), desc="encoding query images", unit="img", disable=len(paths) < 256) as bar:
+        for batch in timed(data, waits):
+            if batch["pixels"] is not None:
+                out.append(enc.encode_pixels(batch["pixels"]))
+            failed.update((it["i"], it["problem"]) for it in batch["failed"])
+            bar.update(len(batch["i"]) + len(batch["failed"]))
+    if log is not None:
+        log(
+            f"query images: {len(paths) - len(failed)} encoded, {workers} decoding workers, the encoder waited "
+            f"for data {100 * waits.share:.0f}% of {waits.total:.1f}s"
+        )
+    return (np.concatenate(out) if out else np.zeros((0, enc.dim), np.float32)), failed

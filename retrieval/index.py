@@ -19,12 +19,12 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
-from tqdm import tqdm
 
 from common.placement import configure_threads, index_to_device, log, outside_zero3_init, resolve_device
 from retrieval.encoders import ImageEncoder, TextEncoder, image_encoder, l2_normalize, resolve_query_prompt
 from retrieval.exact import ExactRanker, StoredRows, flat_storage
-from retrieval.image_data import ImageFiles, Waits, batches_of, loader, timed
+from retrieval.faiss_build import read_faiss
+from retrieval.image_data import encode_image_files
 
 INDEX_FILE = "index.faiss"
 ROWS_FILE = "rows.parquet"
@@ -52,20 +52,6 @@ def check_k(k: int, name: str = "k") -> int:
     return int(k)
 
 
-def check_factory(factory: str, dim: int = 1024) -> str:
-    """Refuse a FAISS factory string that FAISS cannot build (checked on a small probe dimension)."""
-    import faiss
-
-    try:
-        faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
-    except Exception as e:  # faiss raises RuntimeError with a C++ message
-        raise ValueError(
-            f"unknown or invalid FAISS factory string {factory!r} for dimension {dim}: "
-            f"{str(e).strip().splitlines()[-1]}"
-        ) from None
-    return factory
-
-
 def query_vectors(image_emb: np.ndarray, text_emb: np.ndarray, alpha: float) -> tuple[np.ndarray, np.ndarray]:
     """normalize(concat[α·v̂, (1−α)·t̂]) and the factor that turns an inner product back into α·cos_i + (1−α)·cos_t."""
     alpha = check_alpha(alpha)
@@ -74,51 +60,6 @@ def query_vectors(image_emb: np.ndarray, text_emb: np.ndarray, alpha: float) -> 
     q = np.concatenate([v, t], axis=1).astype(np.float32)
     norms = np.linalg.norm(q, axis=1, keepdims=True)
     return q / np.maximum(norms, 1e-12), norms[:, 0]
-
-
-def build_faiss_index(rows: np.ndarray, factory: str):
-    """Build an inner-product FAISS index over ``rows`` (trained on them when the factory needs training)."""
-    return build_faiss_index_from_chunks(lambda: iter([rows]), factory, rows.shape[1])
-
-
-def build_faiss_index_from_chunks(chunks, factory: str, dim: int, max_train_rows: int = 262_144):
-    """Build an inner-product FAISS index chunk by chunk, so only the index itself is held in memory.
-
-    ``chunks()`` returns a fresh iterator of float32 arrays; a factory that needs training is trained on the first
-    ``max_train_rows`` rows (a second pass over the chunks)."""
-    import faiss
-
-    index = faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
-    if not index.is_trained:
-        sample, n = [], 0
-        for chunk in chunks():
-            sample.append(chunk[: max_train_rows - n])
-            n += len(sample[-1])
-            if n >= max_train_rows:
-                break
-        train = np.ascontiguousarray(np.concatenate(sample), dtype=np.float32)
-        try:
-            index.train(train)
-        except RuntimeError as e:
-            raise ValueError(
-                f"FAISS factory {factory!r} could not be trained on {len(train)} rows: "
-                f"{str(e).strip().splitlines()[-1]}"
-            ) from None
-        del train, sample
-    for chunk in chunks():
-        if len(chunk):
-            index.add(np.ascontiguousarray(chunk, dtype=np.float32))
-    return index
-
-
-def _read_faiss(path: Path):
-    import faiss
-
-    flag = getattr(faiss, "IO_FLAG_MMAP_IFC", getattr(faiss, "IO_FLAG_MMAP", 0))
-    try:
-        return faiss.read_index(str(path), flag)
-    except RuntimeError:  # index types that cannot be memory-mapped
-        return faiss.read_index(str(path))
 
 
 @dataclass
@@ -226,7 +167,7 @@ class MultimodalIndex:
                     raise ValueError(
                         f"index {path} encodes queries with {what} {ours!r}, but the text encoder given has {theirs!r}"
                     )
-        index = _read_faiss(path / INDEX_FILE)
+        index = read_faiss(path / INDEX_FILE)
         ivf = faiss.try_extract_index_ivf(index) if hasattr(faiss, "try_extract_index_ivf") else None
         if ivf is not None:
             ivf.nprobe = min(nprobe, ivf.nlist)
@@ -361,28 +302,9 @@ class MultimodalIndex:
         return self.text_encoder.encode(list(texts), is_query=False)
 
     def encode_image_files(self, paths: Sequence, workers: int = 0, log=None) -> tuple[np.ndarray, dict[int, str]]:
-        """Embeddings of image files, decoded and preprocessed by ``workers`` DataLoader processes in batches (never
-        every image in memory at once). Returns (embeddings of the decodable ones in order, {position: why not})."""
-        enc = self.image_encoder
-        data = loader(
-            ImageFiles(paths, enc.preprocess),
-            batches_of(range(len(paths)), enc.batch_size),
-            workers,
-            pin_memory=self.device.startswith("cuda"),
-        )
-        out, failed, waits = [], {}, Waits()
-        with tqdm(total=len(paths), desc="encoding query images", unit="img", disable=len(paths) < 256) as bar:
-            for batch in timed(data, waits):
-                if batch["pixels"] is not None:
-                    out.append(enc.encode_pixels(batch["pixels"]))
-                failed.update((it["i"], it["problem"]) for it in batch["failed"])
-                bar.update(len(batch["i"]) + len(batch["failed"]))
-        if log is not None:
-            log(
-                f"query images: {len(paths) - len(failed)} encoded, {workers} decoding workers, the encoder waited "
-                f"for data {100 * waits.share:.0f}% of {waits.total:.1f}s"
-            )
-        return (np.concatenate(out) if out else np.zeros((0, enc.dim), np.float32)), failed
+        """Embeddings of image files with this index's image encoder (retrieval.image_data.encode_image_files):
+        (embeddings of the decodable ones in order, {position: why not})."""
+        return encode_image_files(self.image_encoder, paths, workers, self.device, log)
 
     def _as_image_emb(self, images) -> np.ndarray:
         if isinstance(images, np.ndarray):

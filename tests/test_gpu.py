@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_exact_ranks_on_the_gpu_replica_equal_the_cpu_ranks():
     from retrieval.exact import ExactRanker
-    from retrieval.index import build_faiss_index
+    from retrieval.faiss_build import build_faiss_index
     from tests.test_exact_ranks import brute_force_bounds, make, queries
 
     index, rows, ents = make([2, 3, 1] * 2000, di=32, dt=48, seed=21)  # 12,000 rows, 6,000 entities

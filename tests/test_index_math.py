@@ -6,7 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from retrieval.encoders import l2_normalize
-from retrieval.index import MultimodalIndex, build_faiss_index, check_alpha, query_vectors
+from retrieval.faiss_build import build_faiss_index
+from retrieval.index import MultimodalIndex, check_alpha, query_vectors
 
 
 def make_index(n_entities, rows_per_entity, di=8, dt=12, seed=0):

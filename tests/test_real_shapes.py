@@ -364,7 +364,8 @@ def test_retrieval_reward_at_1024_plus_1024_matches_a_numpy_brute_force(real_tex
     """3,000 KB rows of 300 entities (KB text encoded without the instruction); the reward, called as TRL calls
     it, ranks each refined query (encoded with the instruction) exactly as a numpy brute force does."""
     from retrieval.encoders import l2_normalize
-    from retrieval.index import MultimodalIndex, build_faiss_index
+    from retrieval.faiss_build import build_faiss_index
+    from retrieval.index import MultimodalIndex
     from rewards import RetrievalReward, format_completion, rank_reward
     from toy.drawing import COLOURS, PATTERNS, SHAPES
 

@@ -1,0 +1,70 @@
+"""The FAISS index itself: checked factory strings, an inner-product index built chunk by chunk (trained on a sample
+when the factory needs training), and read back memory-mapped. retrieval/index.py wraps one with its rows, manifest
+and encoders; retrieval/build_index.py writes it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+
+def check_factory(factory: str, dim: int = 1024) -> str:
+    """Refuse a FAISS factory string that FAISS cannot build (checked on a small probe dimension)."""
+    import faiss
+
+    try:
+        faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
+    except Exception as e:  # faiss raises RuntimeError with a C++ message
+        raise ValueError(
+            f"unknown or invalid FAISS factory string {factory!r} for dimension {dim}: "
+            f"{str(e).strip().splitlines()[-1]}"
+        ) from None
+    return factory
+
+
+def build_faiss_index(rows: np.ndarray, factory: str):
+    """Build an inner-product FAISS index over ``rows`` (trained on them when the factory needs training)."""
+    return build_faiss_index_from_chunks(lambda: iter([rows]), factory, rows.shape[1])
+
+
+def build_faiss_index_from_chunks(chunks, factory: str, dim: int, max_train_rows: int = 262_144):
+    """Build an inner-product FAISS index chunk by chunk, so only the index itself is held in memory.
+
+    ``chunks()`` returns a fresh iterator of float32 arrays; a factory that needs training is trained on the first
+    ``max_train_rows`` rows (a second pass over the chunks)."""
+    import faiss
+
+    index = faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
+    if not index.is_trained:
+        sample, n = [], 0
+        for chunk in chunks():
+            sample.append(chunk[: max_train_rows - n])
+            n += len(sample[-1])
+            if n >= max_train_rows:
+                break
+        train = np.ascontiguousarray(np.concatenate(sample), dtype=np.float32)
+        try:
+            index.train(train)
+        except RuntimeError as e:
+            raise ValueError(
+                f"FAISS factory {factory!r} could not be trained on {len(train)} rows: "
+                f"{str(e).strip().splitlines()[-1]}"
+            ) from None
+        del train, sample
+    for chunk in chunks():
+        if len(chunk):
+            index.add(np.ascontiguousarray(chunk, dtype=np.float32))
+    return index
+
+
+def read_faiss(path: Path):
+    """A FAISS index file, memory-mapped when its type allows (the rows stay on disk until searched)."""
+    import faiss
+
+    flag = getattr(faiss, "IO_FLAG_MMAP_IFC", getattr(faiss, "IO_FLAG_MMAP", 0))
+    try:
+        return faiss.read_index(str(path), flag)
+    except RuntimeError:  # index types that cannot be memory-mapped
+        return faiss.read_index(str(path))
