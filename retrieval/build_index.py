@@ -11,8 +11,9 @@ What every process does (each prints one line saying so):
    instruction) and image shards (``shard_size`` KB rows: images decoded and preprocessed by ``workers`` DataLoader
    processes, embedded by the image tower); both encoders sit on this process's device (``cuda:LOCAL_RANK`` or
    ``cpu``, fp16 image tower / bf16 text model on a GPU); every finished shard is written atomically to OUT/build/;
-3. waits for the others (one barrier); process 0 then assembles: rows in KB order, each ``concat[image embedding,
-   its text's embedding]``, added to FAISS shard by shard (rows.parquet streamed alongside), the manifest last.
+3. waits for the others (one barrier); process 0 then assembles (retrieval.assemble_index): rows in KB order, each
+   ``concat[image embedding, its text's embedding]``, added to FAISS shard by shard (rows.parquet streamed alongside),
+   the manifest last.
 
 Killed at any point and started again with any number of processes, the build skips finished shards and produces the
 same index — same rows in the same order, the same vectors — as a one-process build. Rows with a missing or corrupt
@@ -27,15 +28,14 @@ import json
 import shutil
 import time
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 
-import numpy as np
 from tqdm import tqdm
 
 from common.cli import parse, require_file
-from common.files import atomic_path, file_fingerprint, write_json_atomic, write_jsonl_atomic
+from common.files import file_fingerprint, write_json_atomic
 from common.placement import Processes, configure_threads, decode_workers, process_state, resolve_device
+from retrieval.assemble_index import assemble
 from retrieval.build_shards import encode_image_shards, encode_text_shard, shard_paths, work_items
 from retrieval.encoders import (
     check_image_encoder_name,
@@ -44,9 +44,9 @@ from retrieval.encoders import (
     resolve_query_prompt,
     text_encoder,
 )
-from retrieval.faiss_build import build_faiss_index_from_chunks, check_factory
-from retrieval.index import INDEX_FILE, MANIFEST_FILE, ROWS_FILE, SKIPPED_FILE, check_k
-from retrieval.kb_scan import KBScan, scan_kb
+from retrieval.faiss_build import check_factory
+from retrieval.index import MANIFEST_FILE, check_k
+from retrieval.kb_scan import scan_kb
 
 
 @dataclass
@@ -304,7 +304,7 @@ def build_index(args: BuildArgs, log=print, encoders=None, state=None) -> dict |
             f"{len(missing)} shard(s) are missing after every process finished ({', '.join(missing[:5])}"
             f"…); start the build again to encode them"
         )
-    manifest = _assemble(out, build_dir, scan, items, settings, args, log)
+    manifest = assemble(out, build_dir, scan, items, settings, args, log)
     shutil.rmtree(build_dir, ignore_errors=True)
     log(
         f"built {out}: {manifest['rows']} rows, {manifest['entities']} entities, {manifest['skipped']} skipped, "
@@ -328,124 +328,6 @@ def _change_query_instruction(manifest_path: Path, manifest: dict, args: BuildAr
     manifest = {**manifest, "query_instruction": resolved, "query_instruction_setting": args.query_instruction}
     write_json_atomic(manifest_path, manifest)
     return manifest
-
-
-def _assemble(out: Path, build_dir: Path, scan: KBScan, items, settings: dict, args: BuildArgs, log) -> dict:
-    """Process 0: the FAISS index from the shards (rows in KB order), rows.parquet, skipped.jsonl, the manifest."""
-    import faiss
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    text_metas = [json.loads(shard_paths(build_dir, k, i)[1].read_text()) for k, i in items if k == "text"]
-    image_shards = [i for k, i in items if k == "image"]
-    S = args.shard_size
-
-    @lru_cache(maxsize=8)  # rows of one image shard draw their texts from one or two text shards
-    def text_shard(j: int) -> np.ndarray:
-        return np.load(shard_paths(build_dir, "text", j)[0], allow_pickle=False)
-
-    def vectors(i: int) -> np.ndarray:
-        img = np.load(shard_paths(build_dir, "image", i)[0], allow_pickle=False)
-        tid = scan.text_id[shard_rows[i]]
-        txt = np.empty((len(tid), text_dim), np.float32)
-        for j in np.unique(tid // S):
-            sel = tid // S == j
-            txt[sel] = text_shard(int(j))[tid[sel] % S]
-        return np.concatenate([img, txt], axis=1)
-
-    text_dim = int(np.load(shard_paths(build_dir, "text", 0)[0], mmap_mode="r").shape[1]) if text_metas else 0
-    image_dim = int(np.load(shard_paths(build_dir, "image", 0)[0], mmap_mode="r").shape[1])
-    entities, skipped, used_texts, n_rows, image_devices = set(), [], set(), 0, set()
-    shard_rows: dict[int, np.ndarray] = {}  # KB rows kept per image shard (8 bytes a row), read from its meta once
-    schema = pa.schema([("entry_id", pa.string()), ("entity_id", pa.string()), ("title", pa.string())])
-    with atomic_path(out / ROWS_FILE) as tmp, pq.ParquetWriter(tmp, schema) as writer:
-        for i in image_shards:
-            meta = json.loads(shard_paths(build_dir, "image", i)[1].read_text())
-            writer.write_table(
-                pa.table(
-                    {"entry_id": meta["entry_ids"], "entity_id": meta["entity_ids"], "title": meta["titles"]},
-                    schema=schema,
-                )
-            )
-            entities.update(meta["entity_ids"])
-            skipped += meta["skipped"]
-            shard_rows[i] = np.asarray(meta["rows"], dtype=np.int64)
-            used_texts.update(scan.text_id[shard_rows[i]].tolist())
-            n_rows += len(shard_rows[i])
-            image_devices.add(meta["encoded_on"])
-        if n_rows == 0:
-            write_jsonl_atomic(out / SKIPPED_FILE, skipped)
-            raise ValueError(f"every row of {args.kb} was skipped; see the reasons in {out / SKIPPED_FILE}")
-        index = build_faiss_index_from_chunks(
-            lambda: (vectors(i) for i in image_shards), args.factory, image_dim + text_dim
-        )
-    with atomic_path(out / INDEX_FILE) as tmp:
-        faiss.write_index(index, str(tmp))
-    write_jsonl_atomic(out / SKIPPED_FILE, skipped)
-    first_text = text_metas[0]
-    for m in text_metas[1:]:
-        if (m["max_seq_length"], m["query_instruction"]) != (
-            first_text["max_seq_length"],
-            first_text["query_instruction"],
-        ):
-            raise ValueError(
-                "text shards were encoded with different max_seq_length or query instruction; "
-                "start again with --overwrite"
-            )
-    manifest = {
-        **settings,
-        "build": settings,
-        "text_max_seq_length": first_text["max_seq_length"],
-        "query_instruction": first_text["query_instruction"],
-        "query_instruction_setting": args.query_instruction,
-        "image_processor": (args.image_processor or args.image_encoder[len("hf:") :])
-        if args.image_encoder.startswith("hf:")
-        else None,
-        "image_dim": image_dim,
-        "text_dim": text_dim,
-        "dim": image_dim + text_dim,
-        "rows": int(index.ntotal),
-        "entities": len(entities),
-        "skipped": len(skipped),
-        "text_rows": n_rows,
-        "texts_encoded": sum(m["texts"] for m in text_metas),
-        "texts_used": len(used_texts),
-        "texts_truncated": sum(m["truncated"] for m in text_metas),
-        "text_summaries": {
-            "file": str(Path(args.summaries).resolve()),
-            "texts_summarized": sum(m.get("summarized", 0) for m in text_metas),
-        }
-        if args.summaries
-        else None,
-        "encoded_on": {"image": sorted(image_devices), "text": sorted({m["encoded_on"] for m in text_metas})},
-        "kb_path": str(Path(args.kb).resolve()),
-        "images_root": str(Path(args.images_root or Path(args.kb).parent).resolve()),
-        "versions": _versions(),
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
-    write_json_atomic(out / MANIFEST_FILE, manifest)  # written last: its presence means the index is complete
-    log(
-        f"assembled {manifest['rows']:,} rows × {manifest['dim']} dims ({args.factory}); text encoder max "
-        f"{manifest['text_max_seq_length']} tokens ({manifest['texts_truncated']:,} texts truncated), query "
-        f"instruction {manifest['query_instruction']!r}"
-    )
-    return manifest
-
-
-def _versions() -> dict:
-    import faiss
-    import open_clip
-    import sentence_transformers
-    import torch
-    import transformers
-
-    return {
-        "faiss": faiss.__version__,
-        "open_clip": open_clip.__version__,
-        "torch": torch.__version__,
-        "sentence_transformers": sentence_transformers.__version__,
-        "transformers": transformers.__version__,
-    }
 
 
 def main(argv=None) -> None:

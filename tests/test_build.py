@@ -124,7 +124,7 @@ def die_after(monkeypatch, n: int, at: str = "save"):
 
     monkeypatch.setattr(bs, "save_shard", dying)
     if at == "assemble":
-        monkeypatch.setattr(bi, "_assemble", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt("killed")))
+        monkeypatch.setattr(bi, "assemble", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt("killed")))
     return saved
 
 
