@@ -37,13 +37,8 @@ from common.files import file_fingerprint, write_json_atomic
 from common.placement import Processes, configure_threads, decode_workers, process_state, resolve_device
 from retrieval.assemble_index import assemble
 from retrieval.build_shards import encode_image_shards, encode_text_shard, shard_paths, work_items
-from retrieval.encoders import (
-    check_image_encoder_name,
-    check_text_encoder_name,
-    image_encoder,
-    resolve_query_prompt,
-    text_encoder,
-)
+from retrieval.encoder_names import check_image_encoder_name, check_text_encoder_name
+from retrieval.encoders import image_encoder, resolve_query_prompt, text_encoder
 from retrieval.faiss_build import check_factory
 from retrieval.index import MANIFEST_FILE, check_k
 from retrieval.kb_scan import scan_kb

@@ -17,7 +17,7 @@ import yaml
 
 from common.cli import parse, require_file
 from common.placement import per_device_batch
-from retrieval.encoders import check_image_encoder_name, check_text_encoder_name
+from retrieval.encoder_names import check_image_encoder_name, check_text_encoder_name
 from retrieval.index import check_alpha, check_k, require_index
 from rewards.format import INVALID_REWARD, MAX_QUERY_TOKENS, VALID_REWARD
 from rewards.rank import DEFAULT_MISS, DEFAULT_TIERS, max_depth, parse_tiers, validate_tiers

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from retrieval.encoders import check_image_encoder_name, check_text_encoder_name, image_encoder, text_encoder
+from retrieval.encoder_names import check_image_encoder_name, check_text_encoder_name
+from retrieval.encoders import image_encoder, text_encoder
 
 
 def test_tiny_image_encoder_is_deterministic_and_normalised(encoders):

@@ -2,7 +2,7 @@
 toy/model_configs), the ``tiny`` text encoder (a character-level BERT as a sentence-transformers model) and the
 ``tiny`` cross-encoder. pyproject.toml registers them under that name as entry points (``refine_rl.image_encoders``,
 ``refine_rl.text_encoders``, ``refine_rl.cross_encoders``), which the production factories look up
-(retrieval.encoders.registered)."""
+(retrieval.encoder_names.registered)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from common.files import atomic_folder, wait_for_path
-from retrieval.encoders import cache_dir
+from retrieval.encoder_names import cache_dir
 
 CONFIG_DIR = Path(__file__).parent / "model_configs"
 TINY_CLIP = "refine-rl-tiny-clip"

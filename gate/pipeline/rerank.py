@@ -17,7 +17,7 @@ import numpy as np
 from common.placement import resolve_dtype
 from gate.scoring import first_token_scores, load_gate, verbaliser_ids
 from gate.variants import spec
-from retrieval.encoders import registered_builder
+from retrieval.encoder_names import registered_builder
 from rl.model import load_model
 
 
