@@ -10,12 +10,13 @@ from dataclasses import fields
 from pathlib import Path
 
 
-def parse(dataclass_types, argv=None, description: str | None = None):
-    """Parse ``--config X.yaml`` plus flags into the given dataclasses with TRL's parser."""
+def parse(dataclass_types, argv=None, description: str | None = None, known_only: bool = False):
+    """Parse ``--config X.yaml`` plus flags into the given dataclasses with TRL's parser. ``known_only``: settings
+    the dataclasses do not hold are left alone (returned last, as strings) instead of refused."""
     from trl import TrlParser
 
     parser = TrlParser(dataclass_types, description=description)
-    return parser.parse_args_and_config(argv)
+    return parser.parse_args_and_config(argv, return_remaining_strings=known_only)
 
 
 def run(main: Callable[[], object]) -> None:

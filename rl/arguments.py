@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import importlib
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, make_dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import yaml
@@ -90,13 +91,31 @@ class RefinerArguments:
     )
 
 
-def with_completions_per_step(argv: list[str], args: RefinerArguments, training_args, processes: int) -> list[str]:
+def early_settings(argv: list[str]):
+    """What must be known before the full parse: the process group's settings (``use_cpu``, ``ddp_timeout``) and the
+    batch recipe (``completions_per_step``, ``gradient_accumulation_steps``), read from ``--config`` and the flags
+    with their defaults from RefinerArguments and GRPOConfig; every other flag is left for the full parse. The full
+    parse builds a GRPOConfig, which checks its generation batch against ``num_generations`` at once, so the
+    per-device batch that ``completions_per_step`` implies must be among the flags by then."""
+    from trl import GRPOConfig
+
+    wanted = {"use_cpu": bool, "ddp_timeout": int, "gradient_accumulation_steps": int, "completions_per_step": int}
+    defaults = {f.name: f.default for cls in (RefinerArguments, GRPOConfig) for f in fields(cls) if f.name in wanted}
+    Early = make_dataclass(
+        "EarlySettings", [(name, kind, field(default=defaults[name])) for name, kind in wanted.items()]
+    )
+    early, _ = parse((Early,), argv, known_only=True)
+    return early
+
+
+def with_completions_per_step(argv: list[str], early, processes: int) -> list[str]:
     """``argv`` with the per-device batch ``completions_per_step`` implies for this many processes (unchanged when
-    it is 0); an explicit ``--per_device_train_batch_size`` that disagrees is an error naming both."""
-    if not args.completions_per_step:
+    it is 0); an explicit ``--per_device_train_batch_size`` that disagrees is an error naming both. ``early``:
+    ``early_settings(argv)``."""
+    if not early.completions_per_step:
         return argv
     n = per_device_batch(
-        args.completions_per_step, processes, training_args.gradient_accumulation_steps, "completions_per_step"
+        early.completions_per_step, processes, early.gradient_accumulation_steps, "completions_per_step"
     )
     flag = "--per_device_train_batch_size"
     given = [
@@ -106,7 +125,7 @@ def with_completions_per_step(argv: list[str], args: RefinerArguments, training_
     ]
     if given and int(given[-1]) != n:
         raise ValueError(
-            f"completions_per_step {args.completions_per_step} over {processes} processes means "
+            f"completions_per_step {early.completions_per_step} over {processes} processes means "
             f"{flag} {n}, but {flag} {given[-1]} was given: set one of them (--completions_per_step 0 "
             f"to use {flag} as given)"
         )
@@ -178,11 +197,11 @@ def parse_arguments(argv=None):
         argv = ["--config", str(DEFAULT_CONFIG), *argv]
     world = world_module(argv)
     types = (RefinerArguments, GRPOConfig, ModelConfig, *((world.Arguments,) if world else ()))
+    early = early_settings(argv)
+    # before GRPOConfig is built: its device setup would start the process group without ddp_timeout on CPUs
+    state = PartialState(cpu=early.use_cpu, timeout=timedelta(seconds=early.ddp_timeout))
+    argv = with_completions_per_step(argv, early, state.num_processes)
     args, training_args, model_args, *world_args = parse(types, argv)
-    state = PartialState(cpu=training_args.use_cpu, timeout=training_args.ddp_timeout_delta)
-    if args.completions_per_step:  # GRPOConfig derives its generation batch from the per-device batch when built
-        argv = with_completions_per_step(argv, args, training_args, state.num_processes)
-        args, training_args, model_args, *world_args = parse(types, argv)
     if embedded_default and state.is_main_process:
         print(
             f"no --config given: running the embedded default ({DEFAULT_CONFIG.relative_to(DEFAULT_CONFIG.parents[2])})"

@@ -4,6 +4,7 @@ another warm start. Plus the pieces: the batch split over processes, the warm st
 per training phase."""
 
 import json
+from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -58,31 +59,92 @@ def test_the_embedded_default_takes_32_completions_a_step_however_many_processes
 
     from common.cli import parse
 
-    argv, (args, training, _, _) = parse_toy()
-    assert args.completions_per_step == 32
-    argv = tg.with_completions_per_step(argv, args, training, processes)
-    _, training, _, _ = parse((tg.RefinerArguments, GRPOConfig, ModelConfig, ToyArguments), argv)
+    argv = ["--config", str(tg.DEFAULT_CONFIG)]
+    early = tg.early_settings(argv)
+    assert early.completions_per_step == 32
+    argv = tg.with_completions_per_step(argv, early, processes)
+    args, training, _, _ = parse((tg.RefinerArguments, GRPOConfig, ModelConfig, ToyArguments), argv)
     assert training.per_device_train_batch_size * processes * training.gradient_accumulation_steps == 32
     assert "4 prompts × 8 generations = 32 completions" in tg.validate(
         args, training, SimpleNamespace(model_name_or_path="tiny"), processes
     )
 
 
+@pytest.mark.parametrize("generations,per_step", [(5, 20), (3, 12), (7, 28)])
+def test_a_group_size_that_does_not_divide_trls_default_batch_still_parses(generations, per_step):
+    """GRPOConfig checks its generation batch against num_generations as soon as it is built: the per-device batch
+    completions_per_step implies is among the flags before that (TRL's default batch of 8 holds no group of 5)."""
+    from trl import GRPOConfig
+
+    flags = ["--num_generations", str(generations), "--completions_per_step", str(per_step)]
+    flags += ["--per_device_eval_batch_size", str(per_step)]
+    with pytest.raises(ValueError, match="must be divisible by num_generations"):  # what a parse of the flags alone did
+        parse_toy(flags)
+    argv = ["--config", str(tg.DEFAULT_CONFIG), *flags]
+    argv = tg.with_completions_per_step(argv, tg.early_settings(argv), 1)
+    _, (_, training, _, _) = parse_toy(argv[2:])
+    assert isinstance(training, GRPOConfig)
+    assert training.per_device_train_batch_size == per_step and training.num_generations == generations
+
+
+def test_early_settings_read_the_config_and_let_flags_override_it():
+    flags = ["--ddp_timeout", "77", "--lora_r", "4", "--use_peft", "--gradient_accumulation_steps", "2"]
+    early = tg.early_settings(["--config", str(tg.DEFAULT_CONFIG), *flags])  # other flags are left alone
+    toy = yaml.safe_load(tg.DEFAULT_CONFIG.read_text())
+    assert toy["use_cpu"] is True and toy["completions_per_step"] == 32  # neither is the default
+    assert (early.use_cpu, early.completions_per_step) == (True, 32)
+    assert (early.ddp_timeout, early.gradient_accumulation_steps) == (77, 2)
+
+
+def test_the_process_group_starts_with_ddp_timeout_on_cpus(monkeypatch):
+    """Under torchrun on CPUs, the first init_process_group (accelerate's, for the run's first PartialState) gets
+    --ddp_timeout: GRPOConfig's own device setup would start the group first, with no timeout on that path. Run as
+    rank 0 of 2 up to that call, which a recording stand-in replaces."""
+    import torch.distributed
+    from accelerate.state import AcceleratorState
+
+    class Started(Exception):
+        pass
+
+    calls = []
+
+    def init_process_group(**kwargs):
+        calls.append(kwargs)
+        raise Started
+
+    env = dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
+    for name, value in (env | {"MASTER_PORT": "29999", "OMP_NUM_THREADS": "1"}).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.distributed, "init_process_group", init_process_group)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        with pytest.raises(Started):
+            tg.parse_arguments(["--ddp_timeout", "77"])
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert len(calls) == 1 and calls[0]["backend"] == "gloo" and calls[0]["world_size"] == 2
+    assert calls[0].get("timeout") == timedelta(seconds=77)
+
+
 def test_an_explicit_per_device_batch_that_disagrees_is_an_error_naming_both():
-    argv, (args, training, _, _) = parse_toy(["--per_device_train_batch_size", "8"])
+    def early(extra):
+        argv = ["--config", str(tg.DEFAULT_CONFIG), *extra]
+        return argv, tg.early_settings(argv)
+
+    argv, settings = early(["--per_device_train_batch_size", "8"])
     with pytest.raises(
         ValueError,
         match="completions_per_step 32 over 2 processes means "
         "--per_device_train_batch_size 16, but --per_device_train_batch_size 8",
     ):
-        tg.with_completions_per_step(argv, args, training, 2)
-    argv, (args, training, _, _) = parse_toy(["--per_device_train_batch_size=8"])  # the `=` form too
+        tg.with_completions_per_step(argv, settings, 2)
+    argv, settings = early(["--per_device_train_batch_size=8"])  # the `=` form too
     with pytest.raises(ValueError, match="but --per_device_train_batch_size 8 was given"):
-        tg.with_completions_per_step(argv, args, training, 2)
-    argv, (args, training, _, _) = parse_toy(["--per_device_train_batch_size", "16"])
-    assert tg.with_completions_per_step(argv, args, training, 2)[-2:] == ["--per_device_train_batch_size", "16"]
-    argv, (args, training, _, _) = parse_toy(["--completions_per_step", "0", "--per_device_train_batch_size", "8"])
-    assert tg.with_completions_per_step(argv, args, training, 2) == argv
+        tg.with_completions_per_step(argv, settings, 2)
+    argv, settings = early(["--per_device_train_batch_size", "16"])
+    assert tg.with_completions_per_step(argv, settings, 2)[-2:] == ["--per_device_train_batch_size", "16"]
+    argv, settings = early(["--completions_per_step", "0", "--per_device_train_batch_size", "8"])
+    assert tg.with_completions_per_step(argv, settings, 2) == argv
 
 
 # --------------------------------------------------------------------------- the warm start's reuse check
