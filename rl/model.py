@@ -149,6 +149,25 @@ def load_trained(folder, dtype: str | None = None, device: str = "cpu", base: st
     return model, processor
 
 
+def lora_config(model, model_args, freeze_vision_tower: bool = True, say=print):
+    """TRL's LoRA config from ``model_args`` (None without ``use_peft``) for a VLM. With no ``lora_target_modules``
+    and no PEFT default for the model's type (Qwen2.5-VL has none in PEFT 0.21, which then refuses the config inside
+    the trainer, after every model has loaded), the adapters go on every linear layer (PEFT's ``all-linear``: the
+    output layer excluded). The frozen vision tower is never a target."""
+    from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+    from trl import get_peft_config
+
+    config = get_peft_config(model_args)
+    if config is None:
+        return None
+    model_type = getattr(model.config, "model_type", None)
+    unnamed = config.target_modules is None and not getattr(config, "target_parameters", None)
+    if unnamed and model_type not in TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING:
+        config.target_modules = "all-linear"
+        say(f"LoRA targets: none given and PEFT has no default for {model_type}: every linear layer (all-linear)")
+    return exclude_vision_tower(model, config) if freeze_vision_tower else config
+
+
 def exclude_vision_tower(model, peft_config):
     """LoRA never targets the (frozen) vision tower, even when its layers share names with the language model's
     (Qwen2.5-VL's vision MLPs have gate_proj / up_proj / down_proj too)."""

@@ -17,14 +17,14 @@ import warnings
 from pathlib import Path
 
 from transformers.utils import logging as hf_logging
-from trl import GRPOTrainer, get_peft_config
+from trl import GRPOTrainer
 
 from common.cli import run
 from common.placement import Processes, configure_threads
 from retrieval.index import MultimodalIndex
 from rl.arguments import parse_arguments, validate, validate_files
 from rl.data import question_dataset, warn_absent_entities
-from rl.model import exclude_vision_tower
+from rl.model import lora_config
 from rl.model_card import write_run_cards
 from rl.monitor import RefinerMonitor, setup_wandb
 from rl.run_record import write_run_record
@@ -70,9 +70,7 @@ def main(argv=None) -> dict:
     reward_funcs, retrieval, encoders = build_rewards(args, index, train_data, eval_data, state, output_dir, say)
 
     # trainer
-    peft_config = get_peft_config(model_args)
-    if args.freeze_vision_tower:
-        peft_config = exclude_vision_tower(model, peft_config)
+    peft_config = lora_config(model, model_args, args.freeze_vision_tower, say)
     monitor = RefinerMonitor(retrieval, reward_funcs[0], reward_funcs, args.log_table_steps, training_args.output_dir)
     setup_wandb(training_args.output_dir, training_args.report_to)
     trainer = GRPOTrainer(

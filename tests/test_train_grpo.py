@@ -376,3 +376,27 @@ def test_full_fine_tuning_of_3b_without_deepspeed_is_refused_on_an_80_gb_gpu():
         check_fits(parts, gpu, "full fine-tuning without DeepSpeed")
     small = ddp_full_finetune_bytes(3.75e9, 20e6, 0.25 * gpu, 2e6 * 2304 * 2, 0.6e9 * 2)
     assert check_fits(small, gpu, "x") == pytest.approx(sum(small.values())) and sum(small.values()) < 60e9
+
+
+def test_lora_without_target_modules_goes_on_the_language_models_linear_layers(tiny_refiner):
+    """`--use_peft` alone: PEFT knows no default targets for Qwen2.5-VL and refuses such a config (inside the trainer,
+    after every model has loaded); ``lora_config`` names every linear layer outside the vision tower instead."""
+    from peft import get_peft_model
+    from trl import ModelConfig, get_peft_config
+
+    from rl.model import exclude_vision_tower, load_model, lora_config
+
+    model, _ = load_model(str(tiny_refiner), "float32", device="cpu")
+    model_args = ModelConfig(use_peft=True, lora_r=4)
+    with pytest.raises(ValueError, match="target_modules"):  # TRL's config as it comes, vision tower excluded
+        get_peft_model(model, exclude_vision_tower(model, get_peft_config(model_args)))
+    said = []
+    peft_model = get_peft_model(model, lora_config(model, model_args, say=said.append))
+    adapted = {n.rsplit(".lora_A", 1)[0] for n, _ in peft_model.named_parameters() if ".lora_A" in n}
+    assert said and "all-linear" in said[0]
+    assert adapted and not any(".visual." in n for n in adapted)
+    kinds = {n.rsplit(".", 1)[-1] for n in adapted}
+    assert {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"} <= kinds
+    assert not any("lm_head" in n for n in adapted)
+    named = ModelConfig(use_peft=True, lora_r=4, lora_target_modules=["q_proj"])
+    assert lora_config(model, named, say=said.append).target_modules in ("q_proj", {"q_proj"}) and len(said) == 1

@@ -31,10 +31,10 @@ from gate.train.model_card import write_gate_cards
 from gate.train.render import class_balance, format_balance
 from gate.variants import BINARY, VARIANTS, completion, prompt_file_for, spec
 from rl.model import (
-    exclude_vision_tower,
     freeze_vision_tower,
     load_model,
     load_trained,
+    lora_config,
     trainable_parameters,
     vision_tower,
 )
@@ -165,7 +165,7 @@ def main(argv=None) -> dict:
     from datasets import Dataset, Image
     from transformers import AutoProcessor
     from transformers.integrations import is_deepspeed_zero3_enabled
-    from trl import SFTTrainer, get_peft_config
+    from trl import SFTTrainer
 
     args, training_args, model_args = parse_args(argv)
     rows, eval_rows = validate(args, training_args, model_args)
@@ -191,9 +191,7 @@ def main(argv=None) -> dict:
     data = Dataset.from_list(
         [{"prompt": r["prompt"], "completion": r["completion"], "image": r["image"]} for r in rows]
     ).cast_column("image", Image())
-    peft_config = get_peft_config(model_args)
-    if args.freeze_vision_tower:
-        peft_config = exclude_vision_tower(model, peft_config)
+    peft_config = lora_config(model, model_args, args.freeze_vision_tower)
     trainer = SFTTrainer(
         model=model, args=training_args, train_dataset=data, processing_class=processor, peft_config=peft_config
     )
