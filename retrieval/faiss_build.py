@@ -68,3 +68,15 @@ def read_faiss(path: Path):
         return faiss.read_index(str(path), flag)
     except RuntimeError:  # index types that cannot be memory-mapped
         return faiss.read_index(str(path))
+
+
+def set_parameter(index, name: str, value) -> bool:
+    """Set a search parameter (``nprobe``, ``efSearch``, …) wherever FAISS finds it inside ``index`` (through
+    pre-transforms, refinement and ID maps: FAISS's ParameterSpace); False when no index inside has it."""
+    import faiss
+
+    try:
+        faiss.ParameterSpace().set_index_parameter(index, name, value)
+    except RuntimeError:
+        return False
+    return True

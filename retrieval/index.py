@@ -23,7 +23,7 @@ import numpy as np
 from common.placement import configure_threads, index_to_device, log, outside_zero3_init, resolve_device
 from retrieval.encoders import ImageEncoder, TextEncoder, image_encoder, l2_normalize, resolve_query_prompt
 from retrieval.exact import ExactRanker, StoredRows, flat_storage
-from retrieval.faiss_build import read_faiss
+from retrieval.faiss_build import read_faiss, set_parameter
 from retrieval.image_data import encode_image_files
 
 INDEX_FILE = "index.faiss"
@@ -104,6 +104,7 @@ class MultimodalIndex:
         self._image_encoder = image_encoder
         self._text_encoder = text_encoder
         self.max_rows_per_entity = int(np.bincount(self.row_entity).max()) if len(self.row_entity) else 1
+        self.ef_search = None  # HNSW's search depth, when the index has one (load)
 
     # ---------------------------------------------------------------- loading
 
@@ -116,6 +117,7 @@ class MultimodalIndex:
         device: str | None = None,
         query_instruction: str | None = None,
         nprobe: int = 32,
+        ef_search: int = 256,
         rank_method: str = "auto",
         search_device: str | None = None,
         threads: int | None = None,
@@ -125,9 +127,10 @@ class MultimodalIndex:
         ``device``: where this process's replica and encoders live ("cpu", "cuda:N"; None → ``cuda:LOCAL_RANK``
         when CUDA is available, else cpu). ``search_device``: where the FAISS index for top-k search lives (default:
         ``device``; the trainer keeps it on the CPU, memory-mapped, since its reward ranks on the exact replica).
-        ``rank_method``: "exact" (Flat indexes: matmul + segment max over all rows), "search" (FAISS top-k with a
-        growing depth), "auto" (exact on a GPU, search on a CPU where FAISS Flat is faster for the same ranks within
-        depth — benchmarks/reward_scale.py).
+        ``nprobe`` (IVF) and ``ef_search`` (HNSW, raised to the rows each search asks for) set how far an
+        approximate index searches. ``rank_method``: "exact" (Flat indexes: matmul + segment max over all rows),
+        "search" (FAISS top-k with a growing depth), "auto" (exact on a GPU, search on a CPU where FAISS Flat is
+        faster for the same ranks within depth — benchmarks/reward_scale.py).
         Encoders default to the manifest's and are built on first use, with the manifest's text length, image
         processor and query instruction (so the reward, evaluation and the pipeline encode a query alike); a name
         different from the manifest's is an error that states both. ``query_instruction`` overrides the manifest's
@@ -196,6 +199,7 @@ class MultimodalIndex:
         )
         self.query_instruction = instruction
         self._faiss_cpu = cpu_index
+        self.ef_search = ef_search if set_parameter(index, "efSearch", ef_search) else None  # HNSW
         log.info(
             "index %s: %d rows × %d dims, %d entities; FAISS %s on %s (%s), exact ranks: %s on %s; "
             "%d FAISS/torch threads",
@@ -323,18 +327,33 @@ class MultimodalIndex:
     # ---------------------------------------------------------------- ranking
 
     def rank(self, image_emb: np.ndarray, text_emb: np.ndarray, alpha: float, depth: int) -> list[Ranked]:
-        """Top ``depth`` unique entities per query, searching more rows until each query has enough."""
+        """Top ``depth`` unique entities per query, searching more rows until each query has enough. FAISS on a GPU
+        stops at k = 2048 rows: a query that needs more is searched again on the CPU copy, which has no cap."""
         depth = check_k(depth, "depth")
         if len(image_emb) != len(text_emb):
             raise ValueError(f"got {len(image_emb)} images but {len(text_emb)} texts")
         q, norms = query_vectors(image_emb, text_emb, alpha)
-        n_total, want = self.faiss.ntotal, min(depth, self.num_entities)
-        out: list[Ranked | None] = [None] * len(q)
-        pending = np.arange(len(q))
+        n_total = self.faiss.ntotal
         k_max = n_total if self.search_device == "cpu" else min(n_total, FAISS_GPU_MAX_K)
+        out, short = self._deepening_search(self.faiss, q, norms, depth, k_max)
+        if short:
+            again, _ = self._deepening_search(self._cpu_faiss(), q[short], norms[short], depth, n_total)
+            for qi, ranked in zip(short, again):
+                out[qi] = ranked
+        return out
+
+    def _deepening_search(self, index, q, norms, depth: int, k_max: int) -> tuple[list[Ranked], list[int]]:
+        """FAISS top-k with k growing ×4 until each query has ``depth`` entities (or all there are), the index gives
+        no more rows than it did (an approximate one: all it reaches), or k reaches ``k_max`` → (ranked, the queries
+        that stopped at ``k_max`` < every row, short of entities)."""
+        want = min(depth, self.num_entities)
+        out: list[Ranked | None] = [None] * len(q)
+        pending, short = np.arange(len(q)), []
         k_rows = min(k_max, depth * min(self.max_rows_per_entity, 4))
         while len(pending):
-            scores, rows = self.faiss.search(q[pending], k_rows)
+            if self.ef_search:  # HNSW returns at most about efSearch rows
+                set_parameter(index, "efSearch", max(self.ef_search, k_rows))
+            scores, rows = index.search(q[pending], k_rows)
             still = []
             for j, qi in enumerate(pending):
                 valid = rows[j] >= 0
@@ -342,13 +361,17 @@ class MultimodalIndex:
                 ents = self.row_entity[r]
                 _, first = np.unique(ents, return_index=True)
                 first = np.sort(first)[:depth]
-                if len(first) < want and k_rows < k_max:
-                    still.append(qi)
-                    continue
+                exhausted = len(r) < k_rows  # an approximate index gave all it reaches (IVF: within nprobe lists)
+                if len(first) < want and not exhausted:
+                    if k_rows < k_max:
+                        still.append(qi)
+                        continue
+                    if k_max < index.ntotal:
+                        short.append(int(qi))
                 out[qi] = Ranked(ents[first], r[first], s[first] * norms[qi])
             pending = np.asarray(still, dtype=int)
             k_rows = min(k_max, k_rows * 4)
-        return out
+        return out, short
 
     def search(self, images, texts, alpha: float, k: int) -> list[list[Hit]]:
         """Top-k entities per query (their best row), by α·cos_image + (1−α)·cos_text, descending.
@@ -420,10 +443,12 @@ class MultimodalIndex:
 
 
 def ranks_of(ranked: list[Ranked], gold: Sequence[int]) -> list[int | None]:
+    """Each gold entity's rank: 1 + the entities ranked with a strictly higher score (tied entities share a rank, as
+    the exact ranker counts them; FAISS orders ties arbitrarily); None when it is not among ``ranked``."""
     out = []
     for rk, g in zip(ranked, gold):
         pos = np.flatnonzero(rk.entities == g)
-        out.append(int(pos[0]) + 1 if len(pos) else None)
+        out.append(int(np.count_nonzero(rk.scores[: pos[0]] > rk.scores[pos[0]])) + 1 if len(pos) else None)
     return out
 
 

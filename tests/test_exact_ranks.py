@@ -1,6 +1,7 @@
 """Exact gold-entity ranks (matmul + segment max) against a numpy brute force, the FAISS k cap on a GPU, and the
 per-process placement policy (one device, never all GPUs; HNSW stays on the CPU; encoders outside ZeRO-3 init)."""
 
+import json
 import logging
 
 import numpy as np
@@ -160,14 +161,43 @@ class FakeFaissIndex:
         return self.inner.search(q, k)
 
 
+def on_a_gpu(index):
+    """``index`` as load() leaves it on a GPU: FAISS's copy there (here a CPU index that refuses k > 2048, recording
+    every k) and the memory-mapped CPU copy beside it."""
+    index._faiss_cpu = index.faiss
+    index.faiss, index.search_device = FakeFaissIndex(index.faiss), "cuda:0"
+    return index
+
+
 def test_search_on_a_gpu_index_never_asks_for_more_than_2048_rows():
     counts = [3000] + [1] * 300
     index, rows, ents = make(counts, seed=2, rank_method="search")
-    index.faiss, index.search_device = FakeFaissIndex(index.faiss), "cuda:0"  # what index_to_device returns on GPU
+    on_a_gpu(index)
     rng = np.random.default_rng(0)
     v, t = rng.normal(size=(5, 6)).astype(np.float32), rng.normal(size=(5, 10)).astype(np.float32)
     ranks = index.entity_ranks(v, t, ["ent00001"] * 5, alpha=0.5, depth=200)
     assert max(index.faiss.ks) == FAISS_GPU_MAX_K and len(ranks) == 5
+
+
+def test_ranks_past_the_gpu_k_cap_come_from_the_cpu_copy():
+    """20 rows per entity: 200 entities need ~4,000 rows, past FAISS-GPU's 2048. The queries that hit the cap are
+    searched again on the CPU copy, so every rank within depth is the exact one (at the cap, about half of them came
+    back as misses)."""
+    rng = np.random.default_rng(4)
+    ents = [f"ent{e:05d}" for e in range(300) for _ in range(20)]
+    centre = rng.normal(size=(300, 16))  # an entity's 20 rows lie close together: the top rows bunch by entity
+    rows = np.concatenate([l2_normalize(centre[:, :6]), l2_normalize(centre[:, 6:])], 1).repeat(20, axis=0)
+    rows = (rows + 0.05 * rng.normal(size=rows.shape)).astype(np.float32)
+    manifest = {"image_dim": 6, "text_dim": 10, "image_encoder": "x", "text_encoder": "y"}
+    ids = [f"row{i}" for i in range(len(rows))]
+    index = MultimodalIndex(build_faiss_index(rows, "Flat"), ids, ents, manifest, device="cpu", rank_method="search")
+    on_a_gpu(index)
+    q = queries(40, seed=9)
+    gold = [ents[int(i)] for i in np.random.default_rng(3).integers(0, len(ents), 40)]
+    got = index.entity_ranks(q[:, :6], q[:, 6:], gold, alpha=0.4, depth=200)
+    exact = [r if r <= 200 else None for r in index.reference_ranks(q[:, :6], q[:, 6:], gold, alpha=0.4)]
+    assert got == exact and max(index.faiss.ks) == FAISS_GPU_MAX_K
+    assert sum(r is not None and r > 100 for r in exact) >= 5  # ranks deep enough to need more than 2048 rows
 
 
 def test_placement_puts_one_replica_on_this_ranks_gpu(monkeypatch, caplog):
@@ -250,3 +280,61 @@ def test_encoders_load_outside_zero3_partitioned_init():
         unset_hf_deepspeed_config()
     assert all(p.numel() > 0 for p in enc.model.parameters())
     assert enc.encode(["a query"]).shape == (1, enc.dim)
+
+
+def test_entities_that_share_an_image_share_a_rank_whichever_path_ranks_them():
+    """Three entities with the same image and α = 1 (only the image counts): each one's rank is 1 + the entities
+    strictly better, on FAISS's search path as on the exact ranker, though FAISS orders the tie arbitrarily."""
+    rng = np.random.default_rng(0)
+    v = l2_normalize(rng.normal(size=(6, 6)))
+    v[1] = v[2] = v[0]  # entities 0, 1, 2 share one image
+    t = l2_normalize(rng.normal(size=(6, 10)))
+    manifest = {"image_dim": 6, "text_dim": 10, "image_encoder": "x", "text_encoder": "y"}
+    ents = [f"e{i}" for i in range(6)]
+    rows = build_faiss_index(np.concatenate([v, t], 1).astype(np.float32), "Flat")
+    by = {
+        method: MultimodalIndex(rows, [f"r{i}" for i in range(6)], ents, manifest, device="cpu", rank_method=method)
+        for method in ("search", "exact")
+    }
+    query = v[:1] + 0.01 * l2_normalize(rng.normal(size=(1, 6)))  # nearest to the shared image
+    for method, index in by.items():
+        ranks = [index.entity_ranks(query, t[:1], [e], alpha=1.0, depth=6)[0] for e in ents[:3]]
+        assert ranks == [1, 1, 1], method
+
+
+def test_a_search_that_an_approximate_index_cannot_deepen_stops():
+    """IVF with nprobe 1 returns far fewer rows than asked: the growing depth stops there (it used to quadruple k up
+    to every row of the index, with the same rows back each time) and ranks what it got."""
+    index, rows, ents = make([1] * 3000, factory="IVF64,Flat", rank_method="search")
+    index.faiss.nprobe = 1
+    asked, search = [], index.faiss.search
+
+    def recording(q, k):
+        asked.append(k)
+        return search(q, k)
+
+    index.faiss.search = recording
+    q = queries(5, seed=7)
+    ranked = index.rank(q[:, :6], q[:, 6:], alpha=0.4, depth=200)
+    assert asked == [200]  # one entity per row: 200 rows asked, < 200 came back, nothing more to ask
+    assert all(0 < len(rk.entities) < 200 for rk in ranked)
+
+
+def test_hnsw_searches_as_deep_as_the_rows_it_is_asked_for(tmp_path):
+    """FAISS's HNSW explores about efSearch candidates (16 unless set); a loaded index raises it to the rows each
+    search asks for, so its depth-200 ranks of a 20-rows-per-entity index agree with the exact ones (at FAISS's 16,
+    11 of these 40 did)."""
+    import faiss
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    index, rows, ents = make([20] * 300, factory="HNSW16,Flat", rank_method="search")
+    faiss.write_index(index.faiss, str(tmp_path / "index.faiss"))
+    pq.write_table(pa.table({"entry_id": index.entry_ids, "entity_id": ents}), tmp_path / "rows.parquet")
+    (tmp_path / "manifest.json").write_text(json.dumps(index.manifest))
+    loaded = MultimodalIndex.load(tmp_path, device="cpu", rank_method="search")
+    q = queries(40, seed=9)
+    gold = [ents[int(i)] for i in np.random.default_rng(3).integers(0, len(ents), 40)]
+    got = loaded.entity_ranks(q[:, :6], q[:, 6:], gold, alpha=0.4, depth=200)
+    exact = [r if r <= 200 else None for r in loaded.reference_ranks(q[:, :6], q[:, 6:], gold, alpha=0.4)]
+    assert sum(a == b for a, b in zip(got, exact)) >= 38
