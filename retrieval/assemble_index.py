@@ -15,6 +15,7 @@ import numpy as np
 
 from common.files import atomic_path, write_json_atomic, write_jsonl_atomic
 from retrieval.build_shards import shard_paths
+from retrieval.encoders import query_instruction_of
 from retrieval.faiss_build import build_faiss_index_from_chunks
 from retrieval.index import INDEX_FILE, MANIFEST_FILE, ROWS_FILE, SKIPPED_FILE
 from retrieval.kb_scan import KBScan
@@ -67,27 +68,30 @@ def assemble(out: Path, build_dir: Path, scan: KBScan, items, settings: dict, ar
         if n_rows == 0:
             write_jsonl_atomic(out / SKIPPED_FILE, skipped)
             raise ValueError(f"every row of {args.kb} was skipped; see the reasons in {out / SKIPPED_FILE}")
-        index = build_faiss_index_from_chunks(
-            lambda: (vectors(i) for i in image_shards), args.factory, image_dim + text_dim
-        )
+        try:
+            index = build_faiss_index_from_chunks(
+                lambda: (vectors(i) for i in image_shards), args.factory, image_dim + text_dim
+            )
+        except ValueError as e:
+            raise ValueError(
+                f"{e}; the encoded shards are kept in {build_dir}: run again with another --factory"
+            ) from None
     with atomic_path(out / INDEX_FILE) as tmp:
         faiss.write_index(index, str(tmp))
     write_jsonl_atomic(out / SKIPPED_FILE, skipped)
     first_text = text_metas[0]
-    for m in text_metas[1:]:
-        if (m["max_seq_length"], m["query_instruction"]) != (
-            first_text["max_seq_length"],
-            first_text["query_instruction"],
-        ):
-            raise ValueError(
-                "text shards were encoded with different max_seq_length or query instruction; "
-                "start again with --overwrite"
-            )
+    if any(m["max_seq_length"] != first_text["max_seq_length"] for m in text_metas):
+        raise ValueError("text shards were encoded with different max_seq_length; start again with --overwrite")
+    # KB rows never carry the query instruction: a resumed build takes this run's setting, whatever its shards had
+    if all(m.get("query_instruction_setting") == args.query_instruction for m in text_metas):
+        instruction = first_text["query_instruction"]
+    else:
+        instruction = query_instruction_of(args.text_encoder, args.query_instruction, args.trust_remote_code)
     manifest = {
         **settings,
         "build": settings,
         "text_max_seq_length": first_text["max_seq_length"],
-        "query_instruction": first_text["query_instruction"],
+        "query_instruction": instruction,
         "query_instruction_setting": args.query_instruction,
         "image_processor": (args.image_processor or args.image_encoder[len("hf:") :])
         if args.image_encoder.startswith("hf:")

@@ -16,7 +16,9 @@ What every process does (each prints one line saying so):
    the manifest last.
 
 Killed at any point and started again with any number of processes, the build skips finished shards and produces the
-same index — same rows in the same order, the same vectors — as a one-process build. Rows with a missing or corrupt
+same index — same rows in the same order, the same vectors — as a one-process build. A partial build resumes only
+under the settings its shards were made with (KB, encoders, text settings, images root), except the FAISS factory
+and the query instruction, which no shard depends on: the assembly uses this run's. Rows with a missing or corrupt
 image, empty text or no entity id are skipped and listed in ``skipped.jsonl``. The manifest records what query time
 must repeat: the text encoder's maximum sequence length (longer texts are truncated by its tokenizer, special tokens
 kept) and its query instruction (``auto``: the model's own query prompt), the image processor.
@@ -38,7 +40,7 @@ from common.placement import Processes, configure_threads, decode_workers, proce
 from retrieval.assemble_index import assemble
 from retrieval.build_shards import encode_image_shards, encode_text_shard, shard_paths, work_items
 from retrieval.encoder_names import check_image_encoder_name, check_text_encoder_name
-from retrieval.encoders import image_encoder, resolve_query_prompt, text_encoder
+from retrieval.encoders import image_encoder, query_instruction_of, resolve_query_prompt, text_encoder
 from retrieval.faiss_build import check_factory
 from retrieval.index import MANIFEST_FILE, check_k
 from retrieval.kb_scan import scan_kb
@@ -147,10 +149,13 @@ def _settings(args: BuildArgs, fingerprint: str) -> dict:
         text_template=args.text_template,
         trust_remote_code=args.trust_remote_code,
         summaries=file_fingerprint(args.summaries) if args.summaries else None,
+        images_root=str(Path(args.images_root or Path(args.kb).parent).resolve()),
     )
 
 
-IDENTITY_IGNORES = ("shard_size", "batch_size", "text_batch_size")  # a finished index is reused whatever these were
+# a finished index is reused whatever these were (its images may have moved)
+IDENTITY_IGNORES = ("shard_size", "batch_size", "text_batch_size", "images_root")
+ASSEMBLY_ONLY = ("factory",)  # no shard depends on it: a partial build resumes under another (assembly uses the new)
 
 
 def _text_batch(args: BuildArgs) -> int:
@@ -219,8 +224,9 @@ def build_index(args: BuildArgs, log=print, encoders=None, state=None) -> dict |
         )
     if state_path.exists():
         previous = json.loads(state_path.read_text())
-        if previous != settings:
-            diff = sorted(k for k in settings if previous.get(k) != settings[k])
+        # a setting the partial build did not record (an older version) is not held against it
+        diff = sorted(k for k in settings if k in previous and previous[k] != settings[k] and k not in ASSEMBLY_ONLY)
+        if diff:
             raise ValueError(
                 f"{build_dir} holds a partial build with different {', '.join(diff) or 'settings'}; "
                 "pass --overwrite to start again"
@@ -310,12 +316,7 @@ def build_index(args: BuildArgs, log=print, encoders=None, state=None) -> dict |
 
 def _change_query_instruction(manifest_path: Path, manifest: dict, args: BuildArgs, log) -> dict:
     """A query-time setting: KB rows never carry the instruction, so changing it rewrites the manifest only."""
-    if args.query_instruction == "auto":  # the model's own prompt: read from the model (on the CPU, once)
-        resolved = text_encoder(
-            args.text_encoder, device="cpu", query_prompt="auto", trust_remote_code=args.trust_remote_code
-        ).query_prompt
-    else:
-        resolved = resolve_query_prompt(args.query_instruction, {})
+    resolved = query_instruction_of(args.text_encoder, args.query_instruction, args.trust_remote_code)
     log(
         f"query instruction: {manifest.get('query_instruction')!r} → {resolved!r} (no vector changes: KB rows "
         "never carry it)"

@@ -61,6 +61,7 @@ def encode_text_shard(j: int, scan: KBScan, txt_enc, args, build_dir: Path) -> N
             "summarized": sum(a is not b for a, b in zip(shown, recs)),
             "max_seq_length": txt_enc.max_seq_length,
             "query_instruction": txt_enc.query_prompt,
+            "query_instruction_setting": args.query_instruction,
             "encoded_on": f"{txt_enc.device} {str(txt_enc.dtype).replace('torch.', '')}",
         },
     )

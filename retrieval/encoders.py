@@ -289,6 +289,14 @@ def resolve_query_prompt(setting: str | None, model_prompts: dict | None) -> str
     return str(setting)
 
 
+def query_instruction_of(name: str, setting: str | None, trust_remote_code: bool = False) -> str | None:
+    """The query instruction ``setting`` means for text encoder ``name``: ``auto`` reads the model's own prompt
+    (loading it on the CPU), anything else needs no model (``resolve_query_prompt``)."""
+    if setting != "auto":
+        return resolve_query_prompt(setting, {})
+    return text_encoder(name, device="cpu", query_prompt="auto", trust_remote_code=trust_remote_code).query_prompt
+
+
 def image_encoder(
     name: str,
     device: str | None = None,

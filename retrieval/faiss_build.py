@@ -11,7 +11,8 @@ import numpy as np
 
 
 def check_factory(factory: str, dim: int = 1024) -> str:
-    """Refuse a FAISS factory string that FAISS cannot build (checked on a small probe dimension)."""
+    """Refuse a FAISS factory string that FAISS cannot build at ``dim`` (an index build's settings are checked at a
+    1,024-dim probe before the encoders give the rows' width; the build checks again at that width)."""
     import faiss
 
     try:
@@ -36,7 +37,7 @@ def build_faiss_index_from_chunks(chunks, factory: str, dim: int, max_train_rows
     ``max_train_rows`` rows (a second pass over the chunks)."""
     import faiss
 
-    index = faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
+    index = faiss.index_factory(dim, check_factory(factory, dim), faiss.METRIC_INNER_PRODUCT)
     if not index.is_trained:
         sample, n = [], 0
         for chunk in chunks():

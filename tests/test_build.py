@@ -154,11 +154,50 @@ def test_resume_after_kill_gives_the_same_index(
 
 def test_partial_build_with_other_settings_is_refused(tiny_world, tmp_path, encoders, monkeypatch):
     out = tmp_path / "idx"
-    die_after(monkeypatch, 0)
-    with pytest.raises(KeyboardInterrupt):
-        build_index(args_for(tiny_world, out, shard_size=32), encoders=encoders, **QUIET)
+    with monkeypatch.context() as m:  # a build that resumed by mistake must fail this test, not stop the session
+        die_after(m, 0)
+        with pytest.raises(KeyboardInterrupt):
+            build_index(args_for(tiny_world, out, shard_size=32), encoders=encoders, **QUIET)
     with pytest.raises(ValueError, match="shard_size"):
         build_index(args_for(tiny_world, out, shard_size=16), encoders=encoders, **QUIET)
+
+
+def test_a_partial_build_resumes_under_another_factory(tiny_world, tmp_path, encoders, monkeypatch):
+    """No shard depends on the FAISS factory: a factory that only fails at the rows' real width (PQ256: 1,024 probe
+    dims divide by 256, the tiny rows' 128 do not) stops the build at assembly with every shard kept, and a run with
+    another factory assembles from them without encoding anything again."""
+    out = tmp_path / "idx"
+    with pytest.raises(ValueError, match="PQ256.*dimension 128.*shards are kept.*another --factory"):
+        build_index(args_for(tiny_world, out, factory="PQ256"), encoders=encoders, **QUIET)
+    assert not (out / "manifest.json").exists() and any((out / "build").glob("image-*.json"))
+    encoded = die_after(monkeypatch, 10**6)
+    m = build_index(args_for(tiny_world, out, factory="HNSW16,Flat"), encoders=encoders, **QUIET)
+    assert encoded == [] and m["factory"] == "HNSW16,Flat" and m["rows"] > 0
+
+
+def test_a_partial_build_from_other_images_is_refused(tiny_world, tmp_path, encoders, monkeypatch):
+    out, copy = tmp_path / "idx", tmp_path / "copy"
+    shutil.copytree(tiny_world / "images", copy / "images")
+    with monkeypatch.context() as m:
+        die_after(m, 2)
+        with pytest.raises(KeyboardInterrupt):
+            build_index(args_for(tiny_world, out), encoders=encoders, **QUIET)
+    with pytest.raises(ValueError, match="partial build with different images_root"):
+        build_index(args_for(tiny_world, out, images_root=str(copy)), encoders=encoders, **QUIET)
+
+
+def test_a_resumed_build_takes_this_runs_query_instruction(tiny_world, tmp_path, monkeypatch):
+    """KB rows never carry the query instruction: text shards encoded under one setting and assembled under another
+    give the manifest the new one (it used to keep the first run's, which every later load applied to queries)."""
+    out = tmp_path / "idx"
+    with monkeypatch.context() as m:
+        die_after(m, 3)
+        with pytest.raises(KeyboardInterrupt):
+            build_index(args_for(tiny_world, out, query_instruction="Find the creature: "), **QUIET)
+    first = [json.loads(p.read_text()) for p in (out / "build").glob("text-*.json")]
+    assert first and all(t["query_instruction"] == "Find the creature: " for t in first)
+    manifest = build_index(args_for(tiny_world, out, query_instruction="none"), **QUIET)
+    assert manifest["query_instruction"] is None and manifest["query_instruction_setting"] == "none"
 
 
 def test_finished_index_is_reused(tiny_world, tiny_index_dir, encoders, monkeypatch):
