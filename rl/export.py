@@ -22,7 +22,7 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from PIL import Image
@@ -56,6 +56,17 @@ class ExportArgs:
     )
 
 
+def sampling(recorded: dict) -> dict:
+    """The generation settings a run sampled with: what its record holds, and TRL's GRPOConfig defaults for what an
+    older record lacks (top_k, min_p, repetition_penalty). Every one is written, so none is inherited from the base
+    model's generation_config.json (Qwen2.5-VL's sets a repetition penalty and a top-k that training never used)."""
+    from trl import GRPOConfig
+
+    defaults = {f.name: f.default for f in fields(GRPOConfig)}
+    names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+    return {**{n: recorded.get(n, defaults[n]) for n in names}, "max_new_tokens": recorded["max_new_tokens"]}
+
+
 def resolve_checkpoint(path: Path) -> Path:
     """A folder with weights or an adapter; a run dir resolves to its best (else latest) checkpoint, else final."""
     if (path / "config.json").exists() or (path / "adapter_config.json").exists():
@@ -67,9 +78,12 @@ def resolve_checkpoint(path: Path) -> Path:
             if (checkpoints[-1] / "trainer_state.json").exists()
             else {}
         )
-        best = state.get("best_model_checkpoint")
-        if best and Path(best).exists():
-            return Path(best)
+        best = state.get("best_model_checkpoint")  # output_dir/checkpoint-N, output_dir as the run was given it
+        for candidate in (Path(best), path / Path(best).name) if best else ():
+            if candidate.is_dir():
+                return candidate
+        if best:
+            print(f"the best checkpoint {best} is not in {path}: exporting the latest, {checkpoints[-1].name}")
         return checkpoints[-1]
     if (path / "final").is_dir():
         return path / "final"
@@ -222,10 +236,8 @@ def export(args: ExportArgs, log=print) -> Path:
     with atomic_folder(out) as tmp:  # renamed to --out only once verified
         model.save_pretrained(tmp, max_shard_size=args.max_shard_size)
         apply_image_budget(processor, budget).save_pretrained(tmp)  # the training budget, for HF and vLLM alike
-        gen = record["generation"]
-        model.generation_config.update(
-            do_sample=True, temperature=gen["temperature"], top_p=gen["top_p"], max_new_tokens=gen["max_new_tokens"]
-        )
+        gen = sampling(record["generation"])
+        model.generation_config.update(do_sample=True, **gen)
         model.generation_config.save_pretrained(tmp)
         write_json_atomic(
             tmp / "refiner.json",

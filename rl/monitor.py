@@ -179,6 +179,7 @@ class RefinerMonitor(TrainerCallback):
         self.output_dir = Path(output_dir)
         self.step_seconds = 0.0
         self._t0 = None
+        self.reward_weights = (1.0, 1.0)  # format, retrieval: TRL's reward_weights, read from the trainer's args
 
     # -------------------------------------------------------------- timing
 
@@ -189,6 +190,7 @@ class RefinerMonitor(TrainerCallback):
         if self._t0 is not None:
             self.step_seconds += time.perf_counter() - self._t0
         if self.table_steps and state.global_step % self.table_steps == 0 and state.is_world_process_zero:
+            self.reward_weights = tuple(args.reward_weights or (1.0, 1.0))
             self.log_table(state.global_step)
 
     def reward_seconds(self) -> float:
@@ -216,7 +218,7 @@ class RefinerMonitor(TrainerCallback):
             else []
         )
         top_of = dict(zip(ranked, tops))
-        rows = []
+        rows, (wf, wr) = [], self.reward_weights  # the total TRL trains on: rewards weighted as it weighs them
         for i, rec in enumerate(last):
             top = [index.entity_titles.get(e) or e for e in top_of.get(i, [])]
             f = fmt[i] if i < len(fmt) else None
@@ -227,7 +229,7 @@ class RefinerMonitor(TrainerCallback):
                     "top3": top,
                     "format_reward": f,
                     "retrieval_reward": rec["reward"],
-                    "total_reward": None if f is None else f + rec["reward"],
+                    "total_reward": None if f is None else wf * f + wr * rec["reward"],
                 }
             )
         return rows

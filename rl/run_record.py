@@ -35,9 +35,12 @@ def write_run_record(
                 "image_encoder": manifest["image_encoder"],
                 "text_encoder": manifest["text_encoder"],
             },
-            "generation": {
+            "generation": {  # every sampling setting TRL passes to generation, so an export samples the same way
                 "temperature": training_args.temperature,
                 "top_p": training_args.top_p,
+                "top_k": training_args.top_k,
+                "min_p": training_args.min_p,
+                "repetition_penalty": training_args.repetition_penalty,
                 "max_new_tokens": training_args.max_completion_length,
             },
             "image_budget": image_budget,

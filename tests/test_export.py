@@ -1,6 +1,7 @@
 """Export of a trained refiner: full fine-tune and LoRA round trips, atomic writes, refusals."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -130,3 +131,35 @@ def test_corrupt_weights_are_named(config, tmp_path):
     with pytest.raises(ValueError, match="cannot load the checkpoint .*checkpoint-1"):
         export(ExportArgs(checkpoint=str(run / "checkpoint-1"), out=str(tmp_path / "serve")), **QUIET)
     assert not (tmp_path / "serve").exists()
+
+
+def test_the_best_checkpoint_is_found_from_any_working_directory(tmp_path, monkeypatch):
+    """The trainer records best_model_checkpoint as output_dir/checkpoint-N with output_dir as the run was given it
+    (configs give relative paths): exported from elsewhere, the run folder's own checkpoint-N is the best one."""
+    run = tmp_path / "elsewhere" / "grpo-evqa"
+    for step in (1, 2):
+        (run / f"checkpoint-{step}").mkdir(parents=True)
+        state = {"best_model_checkpoint": "outputs/grpo-evqa/checkpoint-1", "global_step": step}
+        (run / f"checkpoint-{step}" / "trainer_state.json").write_text(json.dumps(state))
+    monkeypatch.chdir(tmp_path)
+    assert ex.resolve_checkpoint(run) == run / "checkpoint-1"
+    state["best_model_checkpoint"] = "outputs/other/checkpoint-7"  # gone: the latest, said
+    (run / "checkpoint-2" / "trainer_state.json").write_text(json.dumps(state))
+    assert ex.resolve_checkpoint(run) == run / "checkpoint-2"
+
+
+def test_the_export_samples_as_the_run_did_not_as_the_base_model_says(config, tmp_path, tiny_refiner):
+    """Qwen2.5-VL's generation_config.json sets a repetition penalty and a top-k; TRL samples with its own settings
+    (repetition_penalty 1.0, top_k 0 by default). The export writes every one the run used, none inherited."""
+    base = tmp_path / "base"
+    shutil.copytree(tiny_refiner, base)
+    gen = json.loads((base / "generation_config.json").read_text()) | {"repetition_penalty": 1.05, "top_k": 1}
+    (base / "generation_config.json").write_text(json.dumps(gen))
+    run = train(config, tmp_path, "run", model_name_or_path=str(base), top_p=0.9)
+    out = export(ExportArgs(checkpoint=str(run), out=str(tmp_path / "serve"), dtype="fp32", verify=False), **QUIET)
+    written = json.loads((out / "generation_config.json").read_text())
+    assert written["do_sample"] is True and written["top_p"] == 0.9
+    assert written.get("repetition_penalty", 1.0) == 1.0 and written.get("top_k", 0) == 0
+    assert ex.sampling({"temperature": 0.7, "top_p": 1.0, "max_new_tokens": 64}) == dict(  # an older run record
+        temperature=0.7, top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0, max_new_tokens=64
+    )

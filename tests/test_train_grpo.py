@@ -400,3 +400,13 @@ def test_lora_without_target_modules_goes_on_the_language_models_linear_layers(t
     assert not any("lm_head" in n for n in adapted)
     named = ModelConfig(use_peft=True, lora_r=4, lora_target_modules=["q_proj"])
     assert lora_config(model, named, say=said.append).target_modules in ("q_proj", {"q_proj"}) and len(said) == 1
+
+
+def test_the_completions_table_totals_rewards_as_trl_weighs_them(config, tmp_path):
+    """With reward_weights, TRL trains on w_format·format + w_retrieval·retrieval; the table's total is that sum."""
+    tg.main(config(max_steps=1, reward_weights=[2.0, 0.5]))
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "samples.jsonl")]
+    assert rows and all(
+        r["total_reward"] == pytest.approx(2.0 * r["format_reward"] + 0.5 * r["retrieval_reward"]) for r in rows
+    )
+    assert any(r["retrieval_reward"] != 0 for r in rows)
