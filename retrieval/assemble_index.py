@@ -70,7 +70,7 @@ def assemble(out: Path, build_dir: Path, scan: KBScan, items, settings: dict, ar
             raise ValueError(f"every row of {args.kb} was skipped; see the reasons in {out / SKIPPED_FILE}")
         try:
             index = build_faiss_index_from_chunks(
-                lambda: (vectors(i) for i in image_shards), args.factory, image_dim + text_dim
+                lambda: (vectors(i) for i in image_shards), args.factory, image_dim + text_dim, total_rows=n_rows
             )
         except ValueError as e:
             raise ValueError(

@@ -30,21 +30,25 @@ def build_faiss_index(rows: np.ndarray, factory: str):
     return build_faiss_index_from_chunks(lambda: iter([rows]), factory, rows.shape[1])
 
 
-def build_faiss_index_from_chunks(chunks, factory: str, dim: int, max_train_rows: int = 262_144):
+def build_faiss_index_from_chunks(
+    chunks, factory: str, dim: int, max_train_rows: int = 262_144, total_rows: int | None = None
+):
     """Build an inner-product FAISS index chunk by chunk, so only the index itself is held in memory.
 
-    ``chunks()`` returns a fresh iterator of float32 arrays; a factory that needs training is trained on the first
-    ``max_train_rows`` rows (a second pass over the chunks)."""
+    ``chunks()`` returns a fresh iterator of float32 arrays. A factory that needs training is trained on at most
+    ``max_train_rows`` rows spread evenly over all of them (every ``ceil(total / max_train_rows)``-th row, a second
+    pass over the chunks; ``total_rows`` saves counting them): a KB comes grouped by article, and centroids trained
+    on its first rows alone would cover only the articles that come first."""
     import faiss
 
     index = faiss.index_factory(dim, check_factory(factory, dim), faiss.METRIC_INNER_PRODUCT)
     if not index.is_trained:
-        sample, n = [], 0
+        total = total_rows if total_rows is not None else sum(len(chunk) for chunk in chunks())
+        step = max(1, -(-total // max_train_rows))
+        sample, start = [], 0
         for chunk in chunks():
-            sample.append(chunk[: max_train_rows - n])
-            n += len(sample[-1])
-            if n >= max_train_rows:
-                break
+            sample.append(np.asarray(chunk[(-start) % step :: step]))
+            start += len(chunk)
         train = np.ascontiguousarray(np.concatenate(sample), dtype=np.float32)
         try:
             index.train(train)

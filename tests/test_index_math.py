@@ -116,3 +116,19 @@ def test_bad_k_and_shapes_are_refused():
         idx.search(qv, qt, alpha=0.5, k=0)
     with pytest.raises(ValueError, match=r"shape \(n, 8\)"):
         idx.search(np.ones((1, 5), np.float32), qt, alpha=0.5, k=3)
+
+
+def test_a_trained_factory_learns_from_rows_across_the_whole_kb():
+    """Four clusters of rows, one after another as a KB groups its articles; IVF4 trained on at most 400 of the 4,000
+    rows has a centroid near every cluster (trained on the first 400, all four sat in the first cluster)."""
+    from retrieval.faiss_build import build_faiss_index_from_chunks
+
+    rng = np.random.default_rng(0)
+    centres = l2_normalize(rng.normal(size=(4, 16)))
+    rows = np.concatenate([l2_normalize(c + 0.1 * rng.normal(size=(1000, 16))) for c in centres]).astype(np.float32)
+    chunks = lambda: (rows[s : s + 300] for s in range(0, len(rows), 300))  # noqa: E731
+    for total in (None, len(rows)):
+        index = build_faiss_index_from_chunks(chunks, "IVF4,Flat", 16, max_train_rows=400, total_rows=total)
+        learned = index.quantizer.reconstruct_n(0, 4)
+        assert (centres @ l2_normalize(learned).T).max(axis=1).min() > 0.9  # each cluster has its centroid
+        assert index.ntotal == len(rows)
