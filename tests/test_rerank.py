@@ -64,3 +64,26 @@ def test_a_vlm_scores_relevance_zero_shot_by_its_first_token(tiny_gate_vlm, tiny
         load_reranker(f"vlm:{tiny_gate_vlm}", device="cpu", verbalisers=("Absolutely certainly", "No way at all"))
     with pytest.raises(ValueError, match="text_reranker"):
         load_text_reranker(f"vlm:{tiny_gate_vlm}")
+
+
+def test_a_cross_encoder_score_is_the_sigmoid_of_its_logit_once():
+    """sentence-transformers' predict applies a one-label model's sigmoid itself: the reranker's score is
+    sigmoid(logit), not sigmoid(sigmoid(logit)), which would keep every score within about (0.5, 0.73)."""
+    import torch
+
+    from gate.pipeline.rerank import CrossEncoderReranker
+
+    reranker = CrossEncoderReranker("tiny")
+    queries, sections = ["where does it live?", "what does it eat?"], [["red star", "a cave"], ["seaweed"]]
+    model = reranker.model
+    features = model.tokenizer(
+        ["where does it live?", "where does it live?", "what does it eat?"],
+        ["red star", "a cave", "seaweed"],
+        padding=True,
+        truncation=True,
+        return_tensors="pt",
+    )
+    with torch.no_grad():
+        logits = model.model(**features).logits.float().squeeze(-1).numpy()
+    scores = np.concatenate(reranker.score(None, queries, sections))
+    np.testing.assert_allclose(scores, 1 / (1 + np.exp(-logits)), atol=1e-5)

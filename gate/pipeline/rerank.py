@@ -8,7 +8,8 @@
    CrossEncoder: BAAI/bge-reranker-v2-m3 in the real configs; ``tiny``: the toy world's seeded random tiny BERT
    cross-encoder, registered by toy.models): (1−β2)·first-stage score + β2·text-reranker score (``within_article``).
 
-CrossEncoder logits are squashed with a sigmoid to [0, 1]; every reranker loads on an explicit device and dtype."""
+A CrossEncoder's logit goes through one sigmoid to [0, 1] (``CrossEncoderReranker.score``); every reranker loads on
+an explicit device and dtype."""
 
 from __future__ import annotations
 
@@ -49,9 +50,14 @@ class CrossEncoderReranker:
         self.model = CrossEncoder(str(path), device=device, model_kwargs={"dtype": resolve_dtype(dtype, device)})
 
     def score(self, images, queries: list[str], sections: list[list[str]]) -> list[np.ndarray]:
+        """sigmoid(logit) per (question, section) pair. ``predict`` gets the identity activation: it applies the
+        model's own otherwise (a sigmoid for one-label models), and a second sigmoid would squeeze every score into
+        about (0.5, 0.73), weakening the reranker against the retrieval score it is mixed with."""
+        import torch
+
         pairs = [(q, s) for q, secs in zip(queries, sections) for s in secs]
-        flat = np.asarray(self.model.predict(pairs, show_progress_bar=False), dtype=float) if pairs else np.zeros(0)
-        return unflatten(1.0 / (1.0 + np.exp(-flat)), sections)
+        logits = self.model.predict(pairs, activation_fn=torch.nn.Identity(), show_progress_bar=False) if pairs else []
+        return unflatten(1.0 / (1.0 + np.exp(-np.asarray(logits, dtype=float))), sections)
 
 
 class FirstTokenReranker:
