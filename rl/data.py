@@ -3,12 +3,13 @@
     [accelerate launch --num_processes N -m] python -m rl.data --queries train.jsonl --index DIR --alpha A \
         --strata "1-5:500,6-10:1000,11-20:1000,21-200:2500,miss:2000" --out rl_train.jsonl [--seed 0]
 
-Runs baseline retrieval with the original question (split over the processes, images decoded by DataLoader
-workers, resumable from ``<out>.baseline.jsonl``), buckets questions by the gold entity's rank, samples each
-bucket (seeded), writes the sample with ``baseline_rank``, prints and plots the bucket histogram, and stores the
-sampled questions' image embeddings beside ``<out>`` for the trainer (rl.image_embeddings). A bucket with
-too few questions is filled as far as possible and reported. A question whose gold entity is not in the index (it
-would otherwise be rewarded as a permanent miss) or whose image is missing or unreadable is left out and listed in
+Runs baseline retrieval with the original question (split over the processes, images decoded by DataLoader workers,
+resumable from ``<out>.baseline.jsonl``), buckets questions by the gold entity's rank, samples each bucket (seeded),
+writes the sample with ``baseline_rank``, prints and plots the bucket histogram, and stores the sampled questions'
+image embeddings beside ``<out>`` for the trainer (rl.image_embeddings). ``--eval_out`` also writes (and embeds)
+``--eval_questions`` questions that the sample does not hold, for checkpoint selection. A bucket with too few
+questions is filled as far as possible and reported. A question whose gold entity is not in the index (it would
+otherwise be rewarded as a permanent miss) or whose image is missing or unreadable is left out and listed in
 ``<out>.skipped.jsonl``. A question file with duplicate ids is refused.
 """
 
@@ -131,6 +132,23 @@ class RLDataArgs:
         },
     )
     device: str = field(default=None, metadata={"help": "cuda / cuda:N / cpu (default: this process's own)"})
+    eval_out: str = field(
+        default=None,
+        metadata={
+            "help": "also write --eval_questions questions that --out does not hold, for the trainer's checkpoint "
+            "selection (eval_file): where a benchmark reports on its val split (InfoSeek), checkpoints must not be "
+            "chosen on it"
+        },
+    )
+    eval_questions: int = field(default=512, metadata={"help": "questions in --eval_out (seeded)"})
+
+
+def held_out_sample(n: int, chosen: list[int], count: int, seed: int) -> list[int]:
+    """``count`` of the indices ``range(n)`` that are not ``chosen`` (seeded, in file order; all of them if fewer)."""
+    rest = sorted(set(range(n)) - set(chosen))
+    take = min(count, len(rest))
+    picked = np.random.default_rng([seed, 1]).choice(len(rest), size=take, replace=False) if take else []
+    return sorted(rest[j] for j in picked)
 
 
 def parse_strata(text: str) -> list[tuple[str, int | None, int | None, int]]:
@@ -264,6 +282,8 @@ def build_rl_data(args: RLDataArgs, log=print, state=None) -> dict:
     check_alpha(args.alpha)
     if not args.out:
         raise ValueError("--out is required")
+    if args.eval_out and (args.eval_questions <= 0 or Path(args.eval_out).resolve() == Path(args.out).resolve()):
+        raise ValueError("--eval_out needs --eval_questions > 0 and a file other than --out")
     strata = parse_strata(args.strata)
     root = Path(args.images_root or Path(args.queries).parent)
     rows = list(read_jsonl(args.queries))
@@ -292,6 +312,7 @@ def build_rl_data(args: RLDataArgs, log=print, state=None) -> dict:
     if not kept:
         raise ValueError(f"{args.queries}: no question is usable (all {len(rows)} listed in {skipped_path})")
     chosen, report = stratified_sample(ranks, strata, args.seed)
+    held_out = held_out_sample(len(kept), chosen, args.eval_questions, args.seed) if args.eval_out else []
     summary = {
         "alpha": args.alpha,
         "depth": args.depth,
@@ -300,6 +321,7 @@ def build_rl_data(args: RLDataArgs, log=print, state=None) -> dict:
         "questions": len(rows),
         "skipped": len(skipped),
         "sampled": len(chosen),
+        "held_out": len(held_out),
     }
     if main:
         write_jsonl_atomic(args.out, ({**kept[i], "baseline_rank": ranks[i]} for i in chosen))
@@ -307,19 +329,15 @@ def build_rl_data(args: RLDataArgs, log=print, state=None) -> dict:
             note = "" if rep["taken"] == rep["wanted"] else f"   (only {rep['available']} available)"
             log(f"{name:>8}: {rep['taken']:6d} of {rep['wanted']:6d}{note}")
         log(f"wrote {len(chosen)} questions to {args.out}")
+        if args.eval_out:
+            write_jsonl_atomic(args.eval_out, ({**kept[i], "baseline_rank": ranks[i]} for i in held_out))
+            log(f"wrote {len(held_out)} held-out questions, none of them in {args.out}, to {args.eval_out}")
         write_json_atomic(f"{args.out}.buckets.json", summary)
         _plot(report, f"{args.out}.buckets.png")
     if args.embed_images:
-        embed_images(
-            args.out,
-            [kept[i]["image"] for i in chosen],
-            root,
-            index,
-            state,
-            args.batch_size,
-            decode_workers(args.workers),
-            log,
-        )
+        for out, picked in ((args.out, chosen), (args.eval_out, held_out)) if args.eval_out else ((args.out, chosen),):
+            images = [kept[i]["image"] for i in picked]
+            embed_images(out, images, root, index, state, args.batch_size, decode_workers(args.workers), log)
     if main:  # the resumable record of the retrieval, no longer needed
         Path(f"{args.out}.baseline.jsonl").unlink(missing_ok=True)
         Path(f"{args.out}.baseline.settings.json").unlink(missing_ok=True)

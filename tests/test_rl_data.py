@@ -11,6 +11,7 @@ from rl.data import (
     RLDataArgs,
     bucket_of,
     build_rl_data,
+    held_out_sample,
     parse_strata,
     question_dataset,
     stratified_sample,
@@ -286,3 +287,27 @@ def test_paper_configs_parse_and_match_the_paper(name, alpha):
     assert model.model_name_or_path == "Qwen/Qwen2.5-VL-3B-Instruct"
     validate(args, training, model, num_processes=8)  # 20 × 1 × 8 = 160 = 32 prompts × 5
     assert training.per_device_train_batch_size * 8 // training.num_generations == 32
+
+
+def test_held_out_questions_are_never_in_the_rl_sample(tiny_world, tiny_index_dir, tmp_path, shared_encoders):
+    """--eval_out: questions for checkpoint selection that the RL sample does not hold, with their ranks and stored
+    image embeddings (InfoSeek reports on its val split, so checkpoints are chosen on these instead)."""
+    from rl.image_embeddings import load_store
+
+    out, held = tmp_path / "rl.jsonl", tmp_path / "rl_eval.jsonl"
+    args = dict(queries=str(tiny_world / "train.jsonl"), index=str(tiny_index_dir), alpha=0.5, seed=1)
+    summary = build_rl_data(
+        RLDataArgs(**args, strata="1-5:5,6-24:5,miss:5", out=str(out), eval_out=str(held), eval_questions=12),
+        log=lambda *a: None,
+    )
+    train = {r["id"] for r in map(json.loads, open(out))}
+    rows = [json.loads(x) for x in open(held)]
+    assert summary["questions"] - summary["skipped"] - summary["sampled"] > 12  # more left than asked for
+    assert len(rows) == summary["held_out"] == 12 and not train & {r["id"] for r in rows}
+    assert all("baseline_rank" in r for r in rows)
+    manifest = json.loads((tiny_index_dir / "manifest.json").read_text())
+    assert {r["image"] for r in rows} <= set(load_store(held, manifest))
+    assert held_out_sample(10, [1, 2, 3], 20, 0) == [0, 4, 5, 6, 7, 8, 9]  # all the rest when fewer than asked
+    assert held_out_sample(100, [], 5, 0) == held_out_sample(100, [], 5, 0) != held_out_sample(100, [], 5, 1)
+    with pytest.raises(ValueError, match="--eval_out needs"):
+        build_rl_data(RLDataArgs(**args, out=str(out), eval_out=str(out)), log=lambda *a: None)
