@@ -22,7 +22,7 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from PIL import Image
@@ -33,7 +33,7 @@ from common.model_card import write_card
 from common.placement import DTYPE_NAMES, resolve_dtype
 from rewards import parse_query
 from rewards.format import PARSER_VERSION
-from rl.generate import generate_completions
+from rl.generate import generate_completions, sampling_settings
 from rl.image_budget import apply_image_budget
 from rl.model_card import held_out, refiner_card, vllm_serve_command
 from rl.run_record import RUN_RECORD, find_run_record
@@ -57,14 +57,10 @@ class ExportArgs:
 
 
 def sampling(recorded: dict) -> dict:
-    """The generation settings a run sampled with: what its record holds, and TRL's GRPOConfig defaults for what an
-    older record lacks (top_k, min_p, repetition_penalty). Every one is written, so none is inherited from the base
+    """The generation settings a run sampled with (rl.generate.sampling_settings: what its record holds, neutral
+    values for what an older record lacks) and its length. Every one is written, so none is inherited from the base
     model's generation_config.json (Qwen2.5-VL's sets a repetition penalty and a top-k that training never used)."""
-    from trl import GRPOConfig
-
-    defaults = {f.name: f.default for f in fields(GRPOConfig)}
-    names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-    return {**{n: recorded.get(n, defaults[n]) for n in names}, "max_new_tokens": recorded["max_new_tokens"]}
+    return {**sampling_settings(recorded), "max_new_tokens": recorded["max_new_tokens"]}
 
 
 def resolve_checkpoint(path: Path) -> Path:
@@ -202,7 +198,7 @@ def verify(folder: Path, image_path: str | None = None, question: str = "What is
         processor,
         [image],
         [question],
-        prompt=spec["prompt"]["name"],
+        prompt=spec["prompt"],  # the exact wording it was trained with, not a prompt file read again by name
         max_new_tokens=spec["generation"]["max_new_tokens"],
     )[0]
     if parse_query(text) is None:

@@ -9,6 +9,27 @@ from tqdm import tqdm
 from rl.model import load_model
 from rl.prompts import prompt_messages
 
+# sampling that changes nothing (TRL's GRPOConfig defaults, tests/test_export.py checks): every decoding setting is
+# passed explicitly, so none comes from a model's generation_config.json (Qwen2.5-VL's sets a repetition penalty and a
+# top-k) and the HF and vLLM backends decode alike
+NEUTRAL = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0)
+
+
+def sampling_settings(recorded: dict | None = None) -> dict:
+    """A run's sampling settings (temperature, top_p, top_k, min_p, repetition_penalty): what ``recorded`` holds,
+    NEUTRAL for the rest."""
+    return {k: (recorded or {}).get(k, v) for k, v in NEUTRAL.items()}
+
+
+def hf_decoding(do_sample: bool, sampling: dict | None = None) -> dict:
+    """``generate`` keyword arguments: greedy keeps only the repetition penalty; sampling takes every setting."""
+    s = sampling_settings(sampling)
+    if not do_sample:
+        return dict(
+            do_sample=False, temperature=None, top_p=None, top_k=None, repetition_penalty=s["repetition_penalty"]
+        )
+    return dict(do_sample=True, **s)
+
 
 def generate_completions(
     model,
@@ -19,12 +40,11 @@ def generate_completions(
     batch_size: int = 32,
     max_new_tokens: int = 64,
     do_sample: bool = False,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
+    sampling: dict | None = None,
     progress: bool = False,
 ) -> list[str]:
     """One completion per (image, question), in input order; ``images=None``: the same model without images (the
-    prompt has no image block)."""
+    prompt has no image block). ``sampling``: ``sampling_settings``' keys (the rest neutral)."""
     out: list[str] = []
     starts = range(0, len(questions), batch_size)
     model.eval()
@@ -38,10 +58,12 @@ def generate_completions(
             for q in qs
         ]
         batch = processor(text=texts, images=ims, return_tensors="pt", padding=True).to(model.device)
-        sampling = dict(do_sample=True, temperature=temperature, top_p=top_p) if do_sample else dict(do_sample=False)
         with torch.no_grad():
             ids = model.generate(
-                **batch, max_new_tokens=max_new_tokens, **sampling, pad_token_id=processor.tokenizer.pad_token_id
+                **batch,
+                max_new_tokens=max_new_tokens,
+                **hf_decoding(do_sample, sampling),
+                pad_token_id=processor.tokenizer.pad_token_id,
             )
         out += processor.batch_decode(ids[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
     return out
@@ -68,14 +90,19 @@ def generate_vllm(
     prompt: str | dict,
     max_new_tokens: int,
     do_sample: bool = False,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
+    sampling: dict | None = None,
 ) -> list[str]:
-    """The same prompts as generate_completions, through a vLLM engine (one completion per input)."""
+    """The same prompts and decoding as generate_completions, through a vLLM engine (one completion per input)."""
     from vllm import SamplingParams
 
+    s = sampling_settings(sampling) if do_sample else {**NEUTRAL, "temperature": 0.0}
     params = SamplingParams(
-        max_tokens=max_new_tokens, temperature=temperature if do_sample else 0.0, top_p=top_p if do_sample else 1.0
+        max_tokens=max_new_tokens,
+        temperature=s["temperature"],
+        top_p=s["top_p"],
+        top_k=s["top_k"],
+        min_p=s["min_p"] or 0.0,
+        repetition_penalty=sampling_settings(sampling)["repetition_penalty"],
     )
     prompts = [
         {
@@ -107,7 +134,14 @@ def vlm_generator(
 
         llm, processor = load_vllm(model_path), AutoProcessor.from_pretrained(model_path)
         return lambda images, texts, sample=False: generate_vllm(
-            llm, processor, images, texts, prompt, max_new_tokens, do_sample=sample, temperature=temperature
+            llm,
+            processor,
+            images,
+            texts,
+            prompt,
+            max_new_tokens,
+            do_sample=sample,
+            sampling={"temperature": temperature},
         )
     if backend != "hf":
         raise ValueError(f"--backend must be hf or vllm, got {backend!r}")
@@ -123,7 +157,7 @@ def vlm_generator(
             batch_size=batch_size or max(len(texts), 1),
             max_new_tokens=max_new_tokens,
             do_sample=sample,
-            temperature=temperature,
+            sampling={"temperature": temperature},
         )
 
     return generate

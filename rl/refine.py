@@ -9,7 +9,8 @@
 ids already in ``--out`` are skipped, and every batch is appended and flushed, so an interrupted run loses nothing
 it wrote. ``accelerate launch -m rl.refine …`` splits the questions over processes (each on its own device, every
 N-th batch) and merges their parts into ``--out`` in input order (common.job_parts). Greedy by default; ``--sample``
-uses the sampling settings of ``generation_config.json``.
+samples with the run's settings (``refiner.json``, the same as its ``generation_config.json``), on either backend,
+every setting passed explicitly (rl.generate.sampling_settings).
 
 Python API: ``Refiner.load(path)`` and ``refiner.refine(images, questions) -> list[str]``.
 """
@@ -98,8 +99,7 @@ class Refiner:
             batch_size=batch_size,
             max_new_tokens=gen["max_new_tokens"],
             do_sample=sample,
-            temperature=gen["temperature"],
-            top_p=gen["top_p"],
+            sampling=gen,
             progress=progress,
         )
 
@@ -113,8 +113,7 @@ class Refiner:
             self.spec["prompt"],
             gen["max_new_tokens"],
             do_sample=sample,
-            temperature=gen["temperature"],
-            top_p=gen["top_p"],
+            sampling=gen,
         )
 
     def refine_with_outputs(self, images, questions, **kw) -> list[dict]:
@@ -140,9 +139,7 @@ class RefineArgs:
     images_root: str = field(default=None, metadata={"help": "default: the queries file's folder"})
     batch_size: int = field(default=16, metadata={"help": "questions per generation batch"})
     backend: str = field(default="hf", metadata={"help": "hf | vllm"})
-    sample: bool = field(
-        default=False, metadata={"help": "sample with generation_config.json settings (default: greedy)"}
-    )
+    sample: bool = field(default=False, metadata={"help": "sample with the run's sampling settings (default: greedy)"})
 
 
 def refine_file(args: RefineArgs, log=print, refiner: Refiner | None = None, state=None) -> int:

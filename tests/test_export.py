@@ -163,3 +163,14 @@ def test_the_export_samples_as_the_run_did_not_as_the_base_model_says(config, tm
     assert ex.sampling({"temperature": 0.7, "top_p": 1.0, "max_new_tokens": 64}) == dict(  # an older run record
         temperature=0.7, top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0, max_new_tokens=64
     )
+
+
+def test_neutral_sampling_is_trls_default():
+    """The settings every generation passes when a run recorded none are TRL's GRPOConfig defaults."""
+    from dataclasses import fields
+
+    from trl import GRPOConfig
+
+    from rl.generate import NEUTRAL
+
+    assert NEUTRAL == {f.name: f.default for f in fields(GRPOConfig) if f.name in NEUTRAL}

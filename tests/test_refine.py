@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 import rl.train_grpo as tg
 from rl.export import ExportArgs, export
@@ -121,3 +122,40 @@ def test_the_training_image_budget_reaches_export_refine_and_vllm(config, tiny_w
     monkeypatch.setattr("rl.refine.load_vllm", lambda path, image_budget=None, **k: calls.append(image_budget))
     Refiner.load(folder, backend="vllm")
     assert calls == [budget]
+
+
+def test_decoding_never_comes_from_the_models_generation_config(tiny_refiner, tiny_world, tmp_path):
+    """A model folder whose generation_config.json sets top_k 1 and a repetition penalty (as Qwen2.5-VL's does):
+    greedy output equals the same weights' with a neutral config, and sampling is not turned into greedy by top_k 1."""
+    import shutil
+
+    from PIL import Image
+
+    from rl.generate import NEUTRAL, generate_completions, hf_decoding
+
+    qwen_like = tmp_path / "qwen-like"
+    shutil.copytree(tiny_refiner, qwen_like)
+    gen = json.loads((qwen_like / "generation_config.json").read_text())
+    (qwen_like / "generation_config.json").write_text(json.dumps(gen | {"top_k": 1, "repetition_penalty": 1.5}))
+    rows = [json.loads(x) for x in open(tiny_world / "test.jsonl")][:4]
+    images = [Image.open(tiny_world / r["image"]).convert("RGB") for r in rows]
+    questions = [r["question"] for r in rows]
+    outputs = {}
+    for name, folder in (("neutral", tiny_refiner), ("qwen_like", qwen_like)):
+        model, processor = load_model(str(folder), "float32", device="cpu")
+        outputs[name] = generate_completions(model, processor, images, questions, prompt="toy", max_new_tokens=24)
+        if name == "qwen_like":
+            torch.manual_seed(0)
+            samples = generate_completions(
+                model,
+                processor,
+                images[:1] * 6,
+                questions[:1] * 6,
+                prompt="toy",
+                max_new_tokens=24,
+                do_sample=True,
+                sampling={"temperature": 1.5},
+            )
+    assert outputs["qwen_like"] == outputs["neutral"]
+    assert len(set(samples)) > 1  # top_k 1 from the folder would make every sample the greedy one
+    assert hf_decoding(True, {"temperature": 0.7}) == dict(do_sample=True, **(NEUTRAL | {"temperature": 0.7}))
