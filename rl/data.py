@@ -285,6 +285,9 @@ def build_rl_data(args: RLDataArgs, log=print, state=None) -> dict:
     if args.eval_out and (args.eval_questions <= 0 or Path(args.eval_out).resolve() == Path(args.out).resolve()):
         raise ValueError("--eval_out needs --eval_questions > 0 and a file other than --out")
     strata = parse_strata(args.strata)
+    deepest = max((hi for _, _, hi, _ in strata if hi is not None), default=0)
+    if deepest > args.depth:  # ranks past depth come back as misses: that bucket would be filled from misses' place
+        raise ValueError(f"--strata: a bucket reaches rank {deepest}, deeper than --depth {args.depth}")
     root = Path(args.images_root or Path(args.queries).parent)
     rows = list(read_jsonl(args.queries))
     check_unique_ids(rows, args.queries)

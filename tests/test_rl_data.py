@@ -311,3 +311,14 @@ def test_held_out_questions_are_never_in_the_rl_sample(tiny_world, tiny_index_di
     assert held_out_sample(100, [], 5, 0) == held_out_sample(100, [], 5, 0) != held_out_sample(100, [], 5, 1)
     with pytest.raises(ValueError, match="--eval_out needs"):
         build_rl_data(RLDataArgs(**args, out=str(out), eval_out=str(out)), log=lambda *a: None)
+
+
+def test_strata_deeper_than_the_depth_are_refused_before_any_retrieval(tmp_path, tiny_world, tiny_index_dir):
+    """Ranks past --depth come back as misses, so a 21-200 bucket at depth 100 would silently miss its ranks 101-200."""
+    args = RLDataArgs(
+        queries=str(tiny_world / "train.jsonl"), index=str(tiny_index_dir), alpha=0.5, out=str(tmp_path / "rl.jsonl")
+    )
+    args.strata, args.depth = "1-5:1,21-200:1", 100
+    with pytest.raises(ValueError, match="reaches rank 200, deeper than --depth 100"):
+        build_rl_data(args, log=lambda *a: None)
+    assert not (tmp_path / "rl.jsonl.baseline.jsonl").exists()
