@@ -27,7 +27,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from PIL import Image
 from tqdm import tqdm
 
 from common.cli import parse, require_file
@@ -37,6 +36,7 @@ from common.placement import process_state, resolve_device
 from common.prompts import json_objects, load_prompt
 from retrieval.kb import check_images
 from rl.generate import vlm_generator
+from rl.model import open_vlm_image
 from rl.refine import BACKENDS
 
 BASELINE_PROMPT = {
@@ -110,9 +110,7 @@ def run_baselines(args: BaselineArgs, log=print, state=None, generate=None) -> i
         generate = generate or generator(args, prompt, None if state is None else str(state.device))
         with tqdm(total=parts.mine, desc="query baselines", unit="q") as bar:
             for batch in batches:
-                raw = generate(
-                    [Image.open(root / r["image"]).convert("RGB") for r in batch], [r["question"] for r in batch]
-                )
+                raw = generate([open_vlm_image(root / r["image"]) for r in batch], [r["question"] for r in batch])
                 done = []
                 for rec, text in zip(batch, raw):
                     parsed = parse_baseline(text)

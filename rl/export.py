@@ -35,6 +35,7 @@ from rewards import parse_query
 from rewards.format import PARSER_VERSION
 from rl.generate import generate_completions, sampling_settings
 from rl.image_budget import apply_image_budget
+from rl.model import open_vlm_image
 from rl.model_card import held_out, refiner_card, vllm_serve_command
 from rl.run_record import RUN_RECORD, find_run_record
 
@@ -192,7 +193,7 @@ def verify(folder: Path, image_path: str | None = None, question: str = "What is
     spec = json.loads((folder / "refiner.json").read_text())
     model = AutoModelForImageTextToText.from_pretrained(str(folder), dtype=torch.float32)
     processor = AutoProcessor.from_pretrained(str(folder))
-    image = Image.open(image_path).convert("RGB") if image_path else Image.new("RGB", (224, 224), (128, 128, 128))
+    image = open_vlm_image(image_path) if image_path else Image.new("RGB", (224, 224), (128, 128, 128))
     text = generate_completions(
         model,
         processor,

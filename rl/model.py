@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import torch
+from PIL import Image
 
 from common.placement import outside_zero3_init, resolve_dtype
 
@@ -147,6 +148,17 @@ def load_trained(folder, dtype: str | None = None, device: str = "cpu", base: st
         processor = AutoProcessor.from_pretrained(str(folder))
         processor.tokenizer.padding_side = "left"
     return model, processor
+
+
+def open_vlm_image(path):
+    """An image file as a transformers image processor sees it in training, where TRL hands it the file's own PIL image:
+    transparency composited onto white (transformers' ``convert_to_rgb``). PIL's ``convert("RGB")`` drops the alpha
+    and keeps whatever colour lies under it, so a transparent PNG would look otherwise at inference."""
+    from transformers.image_transforms import convert_to_rgb
+
+    with Image.open(path) as im:
+        im.load()
+        return convert_to_rgb(im)
 
 
 def lora_config(model, model_args, freeze_vision_tower: bool = True, say=print):

@@ -21,7 +21,6 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from PIL import Image
 from tqdm import tqdm
 
 from common.cli import parse, require_file
@@ -32,7 +31,7 @@ from retrieval.kb import check_images
 from rewards.format import parse_query
 from rl.generate import generate_completions, generate_vllm, load_vllm
 from rl.image_budget import apply_image_budget
-from rl.model import load_model
+from rl.model import load_model, open_vlm_image
 from rl.prompts import prompt_spec
 from rl.run_record import find_run_record
 
@@ -166,7 +165,7 @@ def refine_file(args: RefineArgs, log=print, refiner: Refiner | None = None, sta
         )
         with tqdm(total=parts.mine, desc="refining", unit="q") as bar:
             for batch in batches:
-                images = [Image.open(root / r["image"]).convert("RGB") for r in batch]
+                images = [open_vlm_image(root / r["image"]) for r in batch]
                 results = refiner.refine_with_outputs(
                     images, [r["question"] for r in batch], batch_size=args.batch_size, sample=args.sample
                 )

@@ -105,6 +105,7 @@ def test_two_sft_steps_change_lora_weights_not_the_vision_tower(variant, targets
         ("hkb", {"train_file": "/none.jsonl"}, "hkb", "--train_file"),
         ("hkb", {}, "one-class", "has no example"),
         ("hkb", {"verbalisers": ["Y", "N"]}, "hkb", "not verbalisers of hkb"),
+        ("hkb", {"max_length": 1024}, "hkb", "max_length 1024: TRL cuts each example's end"),  # TRL's default
     ],
 )
 def test_bad_configs_fail_before_a_model_loads(variant, overrides, rows_of, match, tiny_world, tmp_path):

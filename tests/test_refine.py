@@ -159,3 +159,22 @@ def test_decoding_never_comes_from_the_models_generation_config(tiny_refiner, ti
     assert outputs["qwen_like"] == outputs["neutral"]
     assert len(set(samples)) > 1  # top_k 1 from the folder would make every sample the greedy one
     assert hf_decoding(True, {"temperature": 0.7}) == dict(do_sample=True, **(NEUTRAL | {"temperature": 0.7}))
+
+
+def test_a_transparent_image_reaches_the_vlm_at_inference_as_in_training(tiny_refiner, tmp_path):
+    """TRL hands the processor a dataset image as the file holds it, and transformers composites transparency onto
+    white; open_vlm_image gives inference the same pixels (PIL's convert("RGB") kept the colour under the alpha)."""
+    import numpy as np
+    from PIL import Image
+
+    from rl.model import load_model, open_vlm_image
+
+    rgba = np.zeros((64, 64, 4), np.uint8)
+    rgba[..., 0] = 200  # red under a transparent half
+    rgba[:, :32, 3] = 255
+    Image.fromarray(rgba, "RGBA").save(tmp_path / "logo.png")
+    _, processor = load_model(str(tiny_refiner), "float32", device="cpu")
+    pixels = lambda im: processor.image_processor(images=im, return_tensors="pt")["pixel_values"]  # noqa: E731
+    training = pixels(Image.open(tmp_path / "logo.png"))
+    assert torch.allclose(pixels(open_vlm_image(tmp_path / "logo.png")), training)
+    assert not torch.allclose(pixels(Image.open(tmp_path / "logo.png").convert("RGB")), training)

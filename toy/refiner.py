@@ -12,14 +12,13 @@ import json
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
 
 from common.files import read_jsonl, write_json_atomic
 from common.placement import Processes
 from retrieval.evaluate import recall_at
 from rewards.format import format_completion, parse_query
 from rl.generate import generate_completions
-from rl.model import load_model
+from rl.model import load_model, open_vlm_image
 from rl.monitor import PhaseProgress, use_phase_progress
 from rl.prompts import SYSTEM_PROMPTS, prompt_messages
 from toy.drawing import ATTRIBUTE_VALUES, ATTRIBUTES, COLOURS
@@ -197,7 +196,7 @@ def evaluate_refiner(
     """Greedy refined queries for a split → (learning-table row, per-question records). Without a model the
     original question is the query. An unparseable completion falls back to the original question."""
     rows = list(read_jsonl(world / f"{split}.jsonl"))
-    images = [Image.open(world / r["image"]).convert("RGB") for r in rows]
+    images = [open_vlm_image(world / r["image"]) for r in rows]
     questions = [r["question"] for r in rows]
     if model is None:
         raw, queries = None, None

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from PIL import Image
 from tqdm import tqdm
 
 from common.files import read_jsonl
@@ -28,6 +27,7 @@ from gate.pipeline.context import section_text, vlm_answerer
 from gate.pipeline.rerank import FirstTokenReranker
 from gate.scoring import gate_of, generate_parsed
 from gate.variants import numbered_documents
+from rl.model import open_vlm_image
 
 STRATEGIES = ("filter", "merge", "rerank")
 SUMMARY_SYSTEM = (
@@ -101,7 +101,7 @@ def stage_consistency(args, out: Path, log=print, relevance=None, summarise=None
             )
     qualified = 0
     for batch in tqdm(batches, desc="consistency", disable=not batches):
-        images = [Image.open(r["image_path"]).convert("RGB") for r in batch]
+        images = [open_vlm_image(r["image_path"]) for r in batch]
         probs = relevance(images, batch)
         relevant = [
             [section_text(h) for h, x in zip(r["hits"], p) if x >= args.mct_gamma] for r, p in zip(batch, probs)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from PIL import Image
 from tqdm import tqdm
 
 from common.cli import require_file
@@ -25,6 +24,7 @@ from retrieval.index import require_index
 from retrieval.kb import check_images
 from retrieval.upstream.articles import open_store
 from rl.generate import vlm_generator
+from rl.model import open_vlm_image
 from rl.refine import Refiner
 
 
@@ -67,7 +67,7 @@ def stage_retrieve(args, out: Path, log=print, index=None, refiner=None) -> int:
     store = open_store(kb_path, getattr(args, "articles", None), log)
     for start in tqdm(range(0, len(todo), args.batch_size), desc="retrieving"):
         batch = todo[start : start + args.batch_size]
-        images = [Image.open(r["image_path"]).convert("RGB") for r in batch]
+        images = [open_vlm_image(r["image_path"]) for r in batch]
         questions = [r["question"] for r in batch]
         texts = refiner.refine(images, questions, batch_size=len(batch)) if refiner is not None else questions
         hits, ranks = index.search_and_rank(images, texts, [r["entity_id"] for r in batch], alpha, args.k)
@@ -133,7 +133,7 @@ def stage_context(args, out: Path, log=print, generate=None, state=None) -> int:
     answer = spec("answer")
     for batch in tqdm(batches, desc="answering with context", disable=not batches):
         pairs = [(r, h) for r in batch for h in r["hits"]]
-        images = [Image.open(r["image_path"]).convert("RGB") for r, _ in pairs]
+        images = [open_vlm_image(r["image_path"]) for r, _ in pairs]
         texts = generate(images, [user_text(answer, r["question"], section_text(h)) for r, h in pairs], False)
         records, i = [], 0
         for r in batch:

@@ -26,7 +26,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from PIL import Image
 from tqdm import tqdm
 
 from common.cli import parse, require_file
@@ -38,6 +37,7 @@ from gate.pipeline.context import load_questions, section_text, vlm_answerer
 from gate.pipeline.metrics import official_correct
 from gate.pipeline.stages import generator_prompt
 from retrieval.answers import answer_in_passage
+from rl.model import open_vlm_image
 
 KINDS = ("vlm", "vlm-text", "llm", "endpoint")
 DEFAULT_LEVELS = "0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,oracle"
@@ -243,7 +243,7 @@ def run_study(args: NoiseArgs, log=print, generators: dict | None = None) -> dic
                 )
                 for lv, q in batch
             ]
-            images = [Image.open(q["image_path"]).convert("RGB") for _, q in batch]
+            images = [open_vlm_image(q["image_path"]) for _, q in batch]
             answers = generate(images, [q["question"] for _, q in batch], contexts)
             append_jsonl(
                 answers_path,

@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
 from tqdm import tqdm
 
 from common.cli import parse
@@ -35,6 +34,7 @@ from gate.pipeline.arguments import PipelineArgs, check_same_config, validate
 from gate.pipeline.context import section_text
 from gate.pipeline.end_to_end import format_table, is_gold_section, summarize, threshold_curve
 from gate.pipeline.stages import Stages
+from rl.model import open_vlm_image
 
 # ---------------------------------------------------------------- one batch, in the order of WikiSeeker's Figure 2
 
@@ -250,7 +250,7 @@ def run(args: PipelineArgs, log=print, stages: Stages | None = None, state=None)
                 for r in batch
                 if r not in present
             ]
-            images = [Image.open(root / r["image"]).convert("RGB") for r in present]
+            images = [open_vlm_image(root / r["image"]) for r in present]
             parts.append(skipped + (run_batch(stages, present, images, bars) if present else []))
         for bar in bars.values():
             bar.close()

@@ -30,7 +30,6 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from PIL import Image
 from tqdm import tqdm
 
 from common.cli import check_choices, parse
@@ -42,6 +41,7 @@ from gate.pipeline.context import load_questions, stage_context, stage_retrieve,
 from gate.pipeline.judges import judge_all, judge_from_args
 from gate.train.answer_expansion import stage_expand
 from gate.train.labelling import LABEL_SOURCES, stage_label, stage_render
+from rl.model import open_vlm_image
 
 STAGES = ("sample", "judge", "retrieve", "context", "consistency", "label", "expand", "render")
 PARALLEL = ("sample", "context", "consistency")  # the long ones: split over processes when launched on many
@@ -186,7 +186,7 @@ def stage_sample(args: BuildDataArgs, out: Path, log=print, generate=None, state
             dtype=args.dtype,
         )
     for batch in tqdm(batches, desc="sampling", disable=not batches):
-        images = [Image.open(r["image_path"]).convert("RGB") for r in batch for _ in range(args.samples)]
+        images = [open_vlm_image(r["image_path"]) for r in batch for _ in range(args.samples)]
         torch.manual_seed(args.seed + zlib.crc32(str(batch[0]["id"]).encode()))  # same samples on a rerun
         texts = generate(images, [r["question"] for r in batch for _ in range(args.samples)], True)
         greedy = generate(images[:: args.samples], [r["question"] for r in batch], False)  # MMKB-RAG's one answer

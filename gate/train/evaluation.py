@@ -11,13 +11,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
 
 from common.cli import parse, require_file, run
 from common.files import pyplot, read_jsonl, save_figure, write_json_atomic, write_jsonl_atomic, write_text_atomic
 from gate.scoring import DEFAULT_THRESHOLDS, decisions, first_token_scores, generate_parsed, load_gate
 from gate.variants import BINARY, parse_completion
 from retrieval.answers import normalize_answer
+from rl.model import open_vlm_image
 
 
 def sweep(scores, labels, thresholds) -> list[dict]:
@@ -55,7 +55,7 @@ def evaluate_gate(
     at the threshold, the positive ratio predicted and true, the majority-class accuracy to beat, and (skb) the mean
     absolute error of the expected score."""
     threshold = DEFAULT_THRESHOLDS.get(s["name"], 0.5) if threshold is None else threshold
-    images = [Image.open(r["image"]).convert("RGB") for r in rows]
+    images = [open_vlm_image(r["image"]) for r in rows]
     questions = [r["question"] for r in rows]
     contexts = [r.get("context") for r in rows]
     truth, values = true_labels(s, rows, threshold)
@@ -81,7 +81,7 @@ def evaluate_gate(
 def evaluate_generated(model, processor, s: dict, rows: list[dict], batch_size: int = 16) -> dict:
     """Held-out accuracy of generate-and-parse: the parsed output equals the parsed target (answers compared after
     InfoSeek normalisation), and the share of outputs that parse."""
-    images = [Image.open(r["image"]).convert("RGB") for r in rows]
+    images = [open_vlm_image(r["image"]) for r in rows]
     got = generate_parsed(
         model, processor, s, images, [r["question"] for r in rows], [r.get("context") for r in rows], batch_size
     )

@@ -137,8 +137,11 @@ def validate(args: GateArguments, training_args, model_args) -> tuple[list[dict]
         require_file(args.eval_file, "eval_file")
     if not model_args.model_name_or_path:
         raise ValueError("--model_name_or_path is required")
-    if getattr(training_args, "max_length", None) is not None:
-        print(f"note: max_length = {training_args.max_length} truncates image tokens; gate configs leave it unset")
+    if getattr(training_args, "max_length", None) is not None:  # TRL's SFTConfig sets 1024 when nothing does
+        raise ValueError(
+            f"max_length {training_args.max_length}: TRL cuts each example's end, the completion first (the label "
+            "then carries no loss), and can cut image tokens; set max_length: null (TRL's default is 1024)"
+        )
     rows = read_rows(args.train_file)
     check_balance(args, rows)
     return rows, read_rows(args.eval_file) if args.eval_file else None
