@@ -125,3 +125,31 @@ def test_verbalisers_the_tokenizer_splits_are_refused(tiny_world, tiny_refiner, 
     argv = sft_config(tmp_path, tiny_refiner, "hkb", render_rows("hkb", gate_records(tiny_world)))
     with pytest.raises(ValueError, match="single tokens"):
         main(argv)
+
+
+def test_a_full_fine_tune_asked_in_bf16_keeps_fp32_master_weights(tiny_world, tiny_gate_vlm, tmp_path, capsys):
+    """As for GRPO (rl.model.master_dtype): full fine-tuning with dtype bfloat16 and no DeepSpeed loads fp32 weights,
+    so one step at lr 1e-6 moves most of them (bf16 weights would round such updates away)."""
+    from safetensors.torch import load_file
+
+    from gate.train.sft import main
+
+    argv = sft_config(
+        tmp_path,
+        tiny_gate_vlm,
+        "hkb",
+        render_rows("hkb", gate_records(tiny_world)),
+        use_peft=False,
+        dtype="bfloat16",
+        learning_rate=1e-6,
+        max_steps=1,
+        lr_scheduler_type="constant",
+    )
+    main(argv)
+    load = lambda folder: {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(str(f)).items()}  # noqa: E731
+    before, after = load(tiny_gate_vlm), load(tmp_path / "hkb" / "final")
+    assert all(v.dtype == torch.float32 for v in after.values())
+    text = [k for k in before if "visual" not in k and k in after]
+    moved = sum(int((before[k].float() != after[k].float()).sum()) for k in text) / sum(before[k].numel() for k in text)
+    assert moved > 0.5, moved
+    assert "fp32 master weights" in capsys.readouterr().out

@@ -35,8 +35,10 @@ from rl.model import (
     load_model,
     load_trained,
     lora_config,
+    master_dtype,
     trainable_parameters,
     vision_tower,
+    zero_stage,
 )
 
 PLACEHOLDER = "{variant}"
@@ -182,9 +184,13 @@ def main(argv=None) -> dict:
     # CPU processes under torchrun form one gloo group only when the first state knows use_cpu; every collective
     # waits at most ddp_timeout seconds
     state = PartialState(cpu=training_args.use_cpu, timeout=training_args.ddp_timeout_delta)
+    mixed = "bf16" if training_args.bf16 else "fp16" if training_args.fp16 else None
+    load_dtype, precision = master_dtype(model_args.dtype, model_args.use_peft, zero_stage(training_args), mixed)
+    if state.is_main_process:
+        print(precision)
     model, processor = load_model(
         model_args.model_name_or_path,
-        model_args.dtype,
+        load_dtype,
         device=str(state.device),
         trust_remote_code=training_args.trust_remote_code,
         attn_implementation=model_args.attn_implementation,
