@@ -98,9 +98,18 @@ def first_token_scores(model, processor, s: dict, images, questions, contexts=No
 
 
 def generate_parsed(
-    model, processor, s: dict, images, questions, contexts=None, batch_size: int = 16, max_new_tokens: int | None = None
+    model,
+    processor,
+    s: dict,
+    images,
+    questions,
+    contexts=None,
+    batch_size: int = 16,
+    max_new_tokens: int | None = None,
+    reply_prefix: str = "",
 ) -> list:
-    """Greedy generation, parsed by the variant (the Inspector's {"pass", "answer"}, mct's documents and summary)."""
+    """Greedy generation, parsed by the variant (the Inspector's {"pass", "answer"}, mct's documents and summary);
+    ``reply_prefix``: the start of every reply, written for the model and parsed with what it generates."""
     max_new_tokens = max_new_tokens or (128 if s["name"] == "mct" else 48)  # mct writes a summary too
     users = [
         m[1]["content"]
@@ -116,8 +125,9 @@ def generate_parsed(
         prompt={"system": s["system"], "user_template": "{question}"},
         batch_size=batch_size,
         max_new_tokens=max_new_tokens,
+        reply_prefix=reply_prefix,
     )
-    return [parse_completion(s, t) for t in texts]
+    return [parse_completion(s, reply_prefix + t) for t in texts]
 
 
 def decisions(scores, threshold: float) -> np.ndarray:

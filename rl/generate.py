@@ -42,9 +42,11 @@ def generate_completions(
     do_sample: bool = False,
     sampling: dict | None = None,
     progress: bool = False,
+    reply_prefix: str = "",
 ) -> list[str]:
     """One completion per (image, question), in input order; ``images=None``: the same model without images (the
-    prompt has no image block). ``sampling``: ``sampling_settings``' keys (the rest neutral)."""
+    prompt has no image block). ``sampling``: ``sampling_settings``' keys (the rest neutral). ``reply_prefix``: the
+    start of every reply, written for the model (the completions returned go on from it)."""
     out: list[str] = []
     starts = range(0, len(questions), batch_size)
     model.eval()
@@ -55,6 +57,7 @@ def generate_completions(
             processor.apply_chat_template(
                 prompt_messages(q, prompt, with_image_block=ims is not None), add_generation_prompt=True, tokenize=False
             )
+            + reply_prefix
             for q in qs
         ]
         batch = processor(text=texts, images=ims, return_tensors="pt", padding=True).to(model.device)

@@ -90,3 +90,28 @@ def test_sweep_from_one_set_of_scores():
     rows = sweep([0.1, 0.6, 0.9], [False, True, True], [0.0, 0.5, 1.0])
     assert [r["positive_ratio"] for r in rows] == pytest.approx([1.0, 2 / 3, 0.0])
     assert [r["accuracy"] for r in rows] == pytest.approx([2 / 3, 1.0, 1 / 3])
+
+
+def test_a_failed_section_gets_the_inspectors_answer_after_a_written_fail(tiny_gate_vlm, images, tmp_path):
+    """At a threshold above P(pass), the Inspector fails every section; its answer is generated after the FAIL verdict
+    written for it (free generation at P(pass) > 0.5 would write PASS and no answer)."""
+    import shutil
+
+    from common.files import write_json_atomic
+    from gate.pipeline.stages import Inspector
+    from gate.scoring import GATE_FILE
+
+    shutil.copytree(tiny_gate_vlm, tmp_path / "inspector")
+    write_json_atomic(tmp_path / "inspector" / GATE_FILE, {"variant": "inspector"})
+    inspector = Inspector(str(tmp_path / "inspector"), threshold=1.01, device="cpu", dtype=None)
+    seen, generate = [], inspector.model.generate
+
+    def recording(**kw):
+        seen.append(kw["input_ids"])
+        return generate(**kw)
+
+    inspector.model.generate = recording
+    out = inspector(images[:2], ["Where?", "What?"], ["Holhol: lives in caves", "Ka: eats snails"])
+    assert [r["pass"] for r in out] == [False, False] and all(r["p_pass"] < 1.01 for r in out)
+    prompts = [inspector.processor.tokenizer.decode(ids, skip_special_tokens=False) for ids in seen[0]]
+    assert all(p.endswith('<|im_start|>assistant\n{"pass": "false", "answer": "') for p in prompts)

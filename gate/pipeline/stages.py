@@ -16,6 +16,7 @@ from gate.pipeline.context import resolve_alpha, section_text, vlm_answerer
 from gate.pipeline.metrics import official_correct, token_accuracy
 from gate.pipeline.rerank import combine, load_reranker, load_text_reranker, within_article
 from gate.scoring import DEFAULT_THRESHOLDS, first_token_scores, gate_of, generate_parsed
+from gate.variants import completion
 from retrieval import MultimodalIndex
 from retrieval.upstream.articles import open_store
 from rl.refine import Refiner
@@ -149,7 +150,9 @@ class SectionRanker:
 
 
 class Inspector:
-    """WikiSeeker's Inspector: PASS when P(pass) ≥ its threshold; on FAIL, its own answer (generated and parsed)."""
+    """WikiSeeker's Inspector: PASS when P(pass) ≥ its threshold; on FAIL, its own answer, generated after the FAIL
+    verdict written for it: at a threshold other than 0.5 a section can fail with P(pass) above 0.5, where free
+    generation would write PASS and no answer."""
 
     def __init__(self, path: str, threshold: float, device: str, dtype: str | None):
         self.model, self.processor, self.spec = gate_of(path, device, dtype, "inspector")
@@ -168,6 +171,7 @@ class Inspector:
                 [questions[i] for i in fail],
                 [contexts[i] for i in fail],
                 batch_size=max(1, len(fail)),
+                reply_prefix=completion(self.spec, {"pass": "false", "answer": ""})[: -len('"}')],
             )
             if fail
             else []
