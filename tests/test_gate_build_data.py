@@ -60,7 +60,9 @@ def test_sample_judge_label_pipeline(questions, tiny_world, tmp_path):
     assert labels["skb"][known["id"]]["search_score"] == 1.0 and labels["skb"][unknown["id"]]["search_score"] == 5.0
     assert labels["kbm-acc"][known["id"]]["search"] is False and labels["kbm-acc"][unknown["id"]]["search"] is True
     assert labels["kbm-cert"][known["id"]]["certainty"] == 1.0 and labels["kbm-cert"][known["id"]]["search"] is False
-    assert labels["kbm-cert"][unknown["id"]]["certainty"] == 0.0 and labels["kbm-cert"][unknown["id"]]["search"] is True
+    # two answers twice each among four samples: C = 1 − log 2 / log 4
+    assert labels["kbm-cert"][unknown["id"]]["certainty"] == pytest.approx(0.5)
+    assert labels["kbm-cert"][unknown["id"]]["search"] is True
 
 
 def test_sample_with_a_real_tiny_vlm(questions, tiny_world, tiny_refiner, tmp_path):

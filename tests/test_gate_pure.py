@@ -139,7 +139,9 @@ def test_kbm_accuracy_label(correct, tau, search):
         (["Paris", "paris.", "The Paris"], 1.0),
         (["a", "b"], 0.0),
         (["x", "y", "z"], 0.0),
-        (["x"] * 3 + ["y"], 1 - (-(0.75 * math.log(0.75) + 0.25 * math.log(0.25))) / math.log(2)),
+        (["x"] * 3 + ["y"], 1 - (-(0.75 * math.log(0.75) + 0.25 * math.log(0.25))) / math.log(4)),
+        (["x"] * 2 + ["y"] * 2, 0.5),  # two clusters of two among four answers: H = log 2, Hmax = log 4
+        (["x"] * 29 + ["y"], 1 - (-(29 / 30 * math.log(29 / 30) + 1 / 30 * math.log(1 / 30))) / math.log(30)),
     ],
 )
 def test_certainty(answers, expected):
@@ -149,6 +151,7 @@ def test_certainty(answers, expected):
 def test_kbm_certainty_label_polarity():
     assert kbm_certainty_label(["Paris"] * 30) is False  # all agree: certain, no search
     assert kbm_certainty_label(["Paris"] * 15 + ["Lyon"] * 15) is True
+    assert kbm_certainty_label(["Paris"] * 29 + ["Lyon"]) is False  # 29 of 30 agree: certain (0.96 ≥ τ = 0.9)
     with pytest.raises(ValueError):
         certainty([])
 
