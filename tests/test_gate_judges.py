@@ -13,6 +13,14 @@ from gate.pipeline.judges import LLMJudge, judge_all, make_judge, parse_score
         ("5\nperfect", 5.0),
         ("I think it's fine", None),
         ("Score: 9", None),
+        ("Score: 4/5", 4.0),
+        ("**Score:** 4\nright", 4.0),
+        ("The score is 4.5.", 4.5),
+        ("Score: 4.", 4.0),
+        ("4.5", 4.5),
+        ("Score: 10/10", None),  # out of range, not 1
+        ("Score: 45", None),  # not 4
+        ("1. The answer names the wrong city", None),  # a list marker, not a score
         ("", None),
         (None, None),
     ],

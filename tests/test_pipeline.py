@@ -182,6 +182,7 @@ def test_missing_image_is_skipped_and_the_run_goes_on(make_args, queries):
         (dict(gate="/no/gate"), "--gate: /no/gate is not a model folder"),
         (dict(answerer=None), "--answerer"),
         (dict(inspector="/no/inspector"), "--inspector: /no/inspector"),
+        (dict(generator_retries=0), "--generator_retries must be at least 1"),
         (dict(generator="endpoint"), "generator_url"),
         (dict(generator_prompt="poem"), "--generator_prompt"),
         (dict(consistency_strategy="vote"), "--consistency_strategy: 'vote' is not one of filter, merge, rerank"),
@@ -317,3 +318,22 @@ def test_mct_strategies_decide_what_the_generator_reads(make_args, gates, stub, 
         else:  # the article of the first listed section (the 3rd retrieved), its best section
             assert re.split(r"[#-]", r["rag"]["section"])[0] == r["rag"]["retrieved"][2]
             assert context != "SUMMARY" and "\n\n" not in context
+
+
+@pytest.mark.parametrize(
+    "answer,failed,expected",
+    [
+        ("Paris", None, {"answer": "Paris"}),
+        ("", None, {"answer": None, "failed": "empty answer"}),
+        (
+            "  ",
+            "the Inspector gave no parseable answer",
+            {"answer": None, "failed": "the Inspector gave no parseable answer"},
+        ),
+        (None, None, {"answer": None, "failed": "no answer"}),
+    ],
+)
+def test_an_empty_answer_is_recorded_as_none_whichever_stage_gave_it(answer, failed, expected):
+    from gate.pipeline.run import answered
+
+    assert answered(answer, failed) == expected

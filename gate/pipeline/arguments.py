@@ -150,6 +150,8 @@ def validate(args: PipelineArgs) -> None:
             continue
         if not (Path(value) / "config.json").is_file():
             raise ValueError(f"--{stage}: {value} is not a model folder (no config.json)")
+    if args.generator_retries < 1:
+        raise ValueError(f"--generator_retries must be at least 1 (attempts per answer), got {args.generator_retries}")
     if args.generator == "endpoint" and not (args.generator_url and args.generator_model):
         raise ValueError("--generator endpoint needs --generator_url and --generator_model")
 

@@ -27,14 +27,18 @@ CORRECTNESS_SYSTEM = (
     "If the generated answer is relevant and fully correct, give a score between 4 and 5."
 )
 CORRECTNESS_USER = "## User Query\n{question}\n\n## Reference Answer\n{reference}\n\n## Generated Answer\n{answer}"
-_SCORE = re.compile(r"score\s*[:=]?\s*([1-5](?:\.\d+)?)", re.I)
+# "Score: 4", "**Score:** 4", "The score is 4.5", "score=2", "Score: 4/5": the whole number is read ("45", "10/10"
+# are out of range, not 4 and 1); a reply whose first line is only the number counts too, a list marker does not
+_SCORE = re.compile(r"score[*_\s]*(?:is\s*)?[:=]?[*_\s]*(\d+(?:\.\d+)?)(?!\d)", re.I)
+_ALONE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(?:/\s*5)?\s*(?:\n|$)")
 
 
 def parse_score(reply: str) -> float | None:
-    """The 1–5 score in a judge reply ('Score: 4' or a reply that starts with the number), else None."""
+    """The 1–5 score in a judge reply ('Score: 4' in any of its usual spellings, or a first line that is only the
+    number), else None: an unreadable or out-of-range reply is never turned into a score."""
     if not isinstance(reply, str):
         return None
-    m = _SCORE.search(reply) or re.match(r"\s*([1-5](?:\.\d+)?)\b", reply)
+    m = _SCORE.search(reply) or _ALONE.match(reply)
     if not m:
         return None
     value = float(m.group(1))

@@ -61,8 +61,11 @@ class Clock:
 
 
 def answered(answer: str | None, failed: str | None = None) -> dict:
-    """An answer, or why there is none (a failed answer is judged wrong)."""
-    return {"answer": answer} if answer is not None else {"answer": None, "failed": failed or "no answer"}
+    """An answer, or why there is none: a missing or empty one is recorded as None with the reason (judged wrong, and
+    left out of the official InfoSeek figure), whichever stage gave it."""
+    if answer is not None and str(answer).strip():
+        return {"answer": answer}
+    return {"answer": None, "failed": failed or ("empty answer" if answer is not None else "no answer")}
 
 
 def stage_names(consistency: bool) -> list[str]:
