@@ -8,6 +8,7 @@ no GPU, run with ``pytest -m gpu``. ``slow`` tests (a real-width bf16 step) are 
 import gc
 import json
 import os
+import sys
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -42,6 +43,29 @@ def pytest_sessionfinish(session, exitstatus):
 def _cache(tmp_path_factory):
     if "REFINE_RL_CACHE" not in os.environ:
         os.environ["REFINE_RL_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+
+
+DISTRIBUTED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def _one_process_after_each_test():
+    """Every test leaves the test process as it found it: TRL's colocated-vLLM setup writes RANK, WORLD_SIZE and
+    MASTER_* into os.environ for good, and the next trainer's PartialState then starts a real one-process group in
+    this process (a later test that records the group's start would see none). Restored after each test."""
+    before = {name: os.environ.get(name) for name in DISTRIBUTED_ENV}
+    yield
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
 
 
 @pytest.fixture(scope="session")
