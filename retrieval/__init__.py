@@ -1,5 +1,6 @@
 """Multimodal retrieval: encoders, KB records, the FAISS index, evaluation and the toy world."""
 
-from retrieval.index import Hit, MultimodalIndex
+from retrieval.index import MultimodalIndex
+from retrieval.ranking import Hit
 
 __all__ = ["Hit", "MultimodalIndex"]

@@ -42,8 +42,9 @@ from retrieval.build_shards import encode_image_shards, encode_text_shard, shard
 from retrieval.encoder_names import check_image_encoder_name, check_text_encoder_name
 from retrieval.encoders import image_encoder, query_instruction_of, resolve_query_prompt, text_encoder
 from retrieval.faiss_build import check_factory
-from retrieval.index import MANIFEST_FILE, check_k
+from retrieval.index import MANIFEST_FILE
 from retrieval.kb_scan import scan_kb
+from retrieval.ranking import check_k
 
 
 @dataclass

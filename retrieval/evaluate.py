@@ -29,7 +29,8 @@ from common.cli import parse, require_file
 from common.files import atomic_path, pyplot, read_jsonl, save_figure, write_json_atomic, write_text_atomic
 from common.placement import decode_workers
 from retrieval.answers import answer_in_passage
-from retrieval.index import MultimodalIndex, check_alpha, check_k, ranks_of, require_index
+from retrieval.index import MultimodalIndex, require_index
+from retrieval.ranking import check_alpha, check_k, ranks_of
 
 
 @dataclass

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 
@@ -25,6 +23,7 @@ from retrieval.encoders import ImageEncoder, TextEncoder, image_encoder, l2_norm
 from retrieval.exact import ExactRanker, StoredRows, flat_storage
 from retrieval.faiss_build import read_faiss, set_parameter
 from retrieval.image_data import encode_image_files
+from retrieval.ranking import Hit, Ranked, check_alpha, check_k, deepening_search, query_vectors, ranks_of
 
 INDEX_FILE = "index.faiss"
 ROWS_FILE = "rows.parquet"
@@ -32,43 +31,6 @@ MANIFEST_FILE = "manifest.json"
 SKIPPED_FILE = "skipped.jsonl"
 FAISS_GPU_MAX_K = 2048  # FAISS on a GPU refuses k above this
 RANK_METHODS = ("auto", "exact", "search")
-
-
-class Hit(NamedTuple):
-    entity_id: str
-    entry_id: str
-    score: float  # α·cos_image + (1−α)·cos_text of the entity's best row
-
-
-def check_alpha(alpha: float) -> float:
-    if not isinstance(alpha, (int, float)) or not (0.0 <= float(alpha) <= 1.0):
-        raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
-    return float(alpha)
-
-
-def check_k(k: int, name: str = "k") -> int:
-    if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {k!r}")
-    return int(k)
-
-
-def query_vectors(image_emb: np.ndarray, text_emb: np.ndarray, alpha: float) -> tuple[np.ndarray, np.ndarray]:
-    """normalize(concat[α·v̂, (1−α)·t̂]) and the factor that turns an inner product back into α·cos_i + (1−α)·cos_t."""
-    alpha = check_alpha(alpha)
-    v = l2_normalize(image_emb) * alpha
-    t = l2_normalize(text_emb) * (1.0 - alpha)
-    q = np.concatenate([v, t], axis=1).astype(np.float32)
-    norms = np.linalg.norm(q, axis=1, keepdims=True)
-    return q / np.maximum(norms, 1e-12), norms[:, 0]
-
-
-@dataclass
-class Ranked:
-    """Per query: unique entity indices in rank order, their best row and its score."""
-
-    entities: np.ndarray
-    rows: np.ndarray
-    scores: np.ndarray
 
 
 class MultimodalIndex:
@@ -335,43 +297,13 @@ class MultimodalIndex:
         q, norms = query_vectors(image_emb, text_emb, alpha)
         n_total = self.faiss.ntotal
         k_max = n_total if self.search_device == "cpu" else min(n_total, FAISS_GPU_MAX_K)
-        out, short = self._deepening_search(self.faiss, q, norms, depth, k_max)
+        entities = (self.row_entity, self.num_entities, self.max_rows_per_entity, self.ef_search)
+        out, short = deepening_search(self.faiss, q, norms, depth, k_max, *entities)
         if short:
-            again, _ = self._deepening_search(self._cpu_faiss(), q[short], norms[short], depth, n_total)
+            again, _ = deepening_search(self._cpu_faiss(), q[short], norms[short], depth, n_total, *entities)
             for qi, ranked in zip(short, again):
                 out[qi] = ranked
         return out
-
-    def _deepening_search(self, index, q, norms, depth: int, k_max: int) -> tuple[list[Ranked], list[int]]:
-        """FAISS top-k with k growing ×4 until each query has ``depth`` entities (or all there are), the index gives
-        no more rows than it did (an approximate one: all it reaches), or k reaches ``k_max`` → (ranked, the queries
-        that stopped at ``k_max`` < every row, short of entities)."""
-        want = min(depth, self.num_entities)
-        out: list[Ranked | None] = [None] * len(q)
-        pending, short = np.arange(len(q)), []
-        k_rows = min(k_max, depth * min(self.max_rows_per_entity, 4))
-        while len(pending):
-            if self.ef_search:  # HNSW returns at most about efSearch rows
-                set_parameter(index, "efSearch", max(self.ef_search, k_rows))
-            scores, rows = index.search(q[pending], k_rows)
-            still = []
-            for j, qi in enumerate(pending):
-                valid = rows[j] >= 0
-                r, s = rows[j][valid], scores[j][valid]
-                ents = self.row_entity[r]
-                _, first = np.unique(ents, return_index=True)
-                first = np.sort(first)[:depth]
-                exhausted = len(r) < k_rows  # an approximate index gave all it reaches (IVF: within nprobe lists)
-                if len(first) < want and not exhausted:
-                    if k_rows < k_max:
-                        still.append(qi)
-                        continue
-                    if k_max < index.ntotal:
-                        short.append(int(qi))
-                out[qi] = Ranked(ents[first], r[first], s[first] * norms[qi])
-            pending = np.asarray(still, dtype=int)
-            k_rows = min(k_max, k_rows * 4)
-        return out, short
 
     def search(self, images, texts, alpha: float, k: int) -> list[list[Hit]]:
         """Top-k entities per query (their best row), by α·cos_image + (1−α)·cos_text, descending.
@@ -440,16 +372,6 @@ class MultimodalIndex:
             q, _ = query_vectors(image_emb, text_emb, alpha)
             return [r if r is not None and r <= depth else None for r in self.exact.ranks(q, gold)]
         return ranks_of(self.rank(image_emb, text_emb, alpha, depth), gold)
-
-
-def ranks_of(ranked: list[Ranked], gold: Sequence[int]) -> list[int | None]:
-    """Each gold entity's rank: 1 + the entities ranked with a strictly higher score (tied entities share a rank, as
-    the exact ranker counts them; FAISS orders ties arbitrarily); None when it is not among ``ranked``."""
-    out = []
-    for rk, g in zip(ranked, gold):
-        pos = np.flatnonzero(rk.entities == g)
-        out.append(int(np.count_nonzero(rk.scores[: pos[0]] > rk.scores[pos[0]])) + 1 if len(pos) else None)
-    return out
 
 
 def require_index(value, flag: str = "index") -> dict:

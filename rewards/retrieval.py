@@ -19,7 +19,8 @@ import math
 import numpy as np
 
 from common.files import append_jsonl
-from retrieval.index import MultimodalIndex, check_alpha, check_k
+from retrieval.index import MultimodalIndex
+from retrieval.ranking import check_alpha, check_k
 from rewards.format import MAX_QUERY_TOKENS, completion_text, parse_query, query_tokens
 from rewards.rank import DEFAULT_MISS, DEFAULT_TIERS, rank_reward, validate_tiers
 

@@ -19,7 +19,8 @@ import yaml
 from common.cli import parse, require_file
 from common.placement import per_device_batch
 from retrieval.encoder_names import check_image_encoder_name, check_text_encoder_name
-from retrieval.index import check_alpha, check_k, require_index
+from retrieval.index import require_index
+from retrieval.ranking import check_alpha, check_k
 from rewards.format import INVALID_REWARD, MAX_QUERY_TOKENS, VALID_REWARD
 from rewards.rank import DEFAULT_MISS, DEFAULT_TIERS, max_depth, parse_tiers, validate_tiers
 from rl.image_budget import PAPER_MAX_PIXELS, PAPER_MIN_PIXELS, check_budget

@@ -26,8 +26,9 @@ from common.cli import parse, require_file
 from common.files import check_unique_ids, pyplot, read_jsonl, save_figure, write_json_atomic, write_jsonl_atomic
 from common.job_parts import JobParts
 from common.placement import Processes, decode_workers, process_state
-from retrieval.index import MultimodalIndex, check_alpha, require_index
+from retrieval.index import MultimodalIndex, require_index
 from retrieval.kb import image_problem
+from retrieval.ranking import check_alpha
 from rl.image_embeddings import embed_images, image_path_of
 from rl.prompts import prompt_messages, prompt_spec
 

@@ -189,7 +189,7 @@ def test_an_approximate_index_is_reported_against_flat(
 
     img = approx.encode_images([Image.open(tiny_world / r["image"]) for r in rows])
     txt = approx.encode_texts([r["question"] for r in rows])
-    from retrieval.index import query_vectors
+    from retrieval.ranking import query_vectors
 
     q, _ = query_vectors(img, txt, 0.5)
     gold = [r["entity_id"] for r in rows]

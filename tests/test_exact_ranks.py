@@ -14,7 +14,8 @@ from common import placement
 from retrieval.encoders import l2_normalize
 from retrieval.exact import ExactRanker, flat_storage, rows_view
 from retrieval.faiss_build import build_faiss_index
-from retrieval.index import FAISS_GPU_MAX_K, MultimodalIndex, query_vectors
+from retrieval.index import FAISS_GPU_MAX_K, MultimodalIndex
+from retrieval.ranking import query_vectors
 
 
 def make(counts, di=6, dt=10, seed=0, factory="Flat", rank_method="exact"):

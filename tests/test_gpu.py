@@ -64,7 +64,7 @@ def test_faiss_puts_one_fp16_replica_on_this_gpu_and_caps_k():
     v, t = rng.normal(size=(8, 6)).astype(np.float32), rng.normal(size=(8, 10)).astype(np.float32)
     gold = ["ent00001", "ent00007", "ent00150", "ent00299"] * 2
     ranks = index.entity_ranks(v, t, gold, alpha=0.5, depth=200)
-    from retrieval.index import query_vectors
+    from retrieval.ranking import query_vectors
 
     q, _ = query_vectors(v, t, 0.5)
     assert max(index.faiss.ks) == 2048  # the one big entity fills the first searches: the depth loop hit the cap

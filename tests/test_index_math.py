@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 
 from retrieval.encoders import l2_normalize
 from retrieval.faiss_build import build_faiss_index
-from retrieval.index import MultimodalIndex, check_alpha, query_vectors
+from retrieval.index import MultimodalIndex
+from retrieval.ranking import check_alpha, query_vectors
 
 
 def make_index(n_entities, rows_per_entity, di=8, dt=12, seed=0):

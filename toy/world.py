@@ -27,7 +27,8 @@ from common.cli import parse
 from common.files import file_fingerprint, write_json_atomic, write_jsonl_atomic
 from retrieval.build_index import BuildArgs, build_index
 from retrieval.encoder_names import check_image_encoder_name, check_text_encoder_name
-from retrieval.index import MultimodalIndex, check_alpha
+from retrieval.index import MultimodalIndex
+from retrieval.ranking import check_alpha
 from retrieval.upstream.articles import store_from_kb_rows, store_path_for
 from toy.calibration import calibrate, format_report
 from toy.drawing import ATTRIBUTES, COLOURS, PATTERNS, SHAPES, render
