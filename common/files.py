@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -13,15 +14,26 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
+@functools.cache
+def _umask() -> int:
+    """The process's umask, read once (reading it means setting it, which is not thread-safe)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 @contextmanager
 def atomic_path(path: str | Path, suffix: str = ""):
-    """Yield a temporary path next to ``path``; rename it onto ``path`` only if the block succeeds."""
+    """Yield a temporary path next to ``path``; rename it onto ``path`` only if the block succeeds. The file gets
+    the permissions an ordinary ``open`` would give it (mkstemp's are owner-only: a teammate, or a server running as
+    another user, could not read an index or predictions written on a shared file system)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix or ".tmp", dir=path.parent)
     os.close(fd)
     try:
         yield Path(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -107,7 +119,8 @@ def append_jsonl(path: str | Path, records: list[dict]) -> None:
 
 
 def completed_ids(out: Path) -> set[str]:
-    """Ids already written to ``out``; a last line cut short by a crash is dropped (atomically) first."""
+    """Ids already written to ``out``; a last line cut short by a crash is dropped (atomically) first, and a whole
+    last record without its newline gets one, so the next append starts a line of its own."""
     if not out.exists():
         return set()
     lines = out.read_text().splitlines(keepends=True)
@@ -121,6 +134,9 @@ def completed_ids(out: Path) -> set[str]:
                     f"{out}: line {i + 1} is not a JSON record with an id; fix or remove the file"
                 ) from None
             write_text_atomic(out, "".join(lines[:-1]))
+            return ids
+    if lines and not lines[-1].endswith("\n"):
+        write_text_atomic(out, "".join(lines) + "\n")
     return ids
 
 

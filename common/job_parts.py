@@ -6,7 +6,10 @@ The input's records still to do are cut into batches exactly as one process woul
 b mod N, which appends its results to its own part file ``<out>.part<rank>``. Process 0 merges the parts into
 ``<out>`` in input order — at the start (what an earlier, interrupted run left behind, with any process count) and at
 the end, after one barrier — so the output equals a one-process run's, and the job resumes from whatever was done.
-With one process (or none: ``state`` None) nothing changes but the file names in between.
+With one process (or none: ``state`` None) nothing changes but the file names in between. Every process must see the
+same output folder (a shared file system across nodes): process 0 checks at the end that every input record has its
+output record. ``same_settings`` records the settings that make a job's results (``<out stem>.settings.json``) and
+refuses to resume results made with others.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from common.files import append_jsonl, atomic_path, completed_ids
+from common.files import append_jsonl, atomic_path, completed_ids, write_json_atomic
 from common.placement import Processes
 
 
@@ -34,6 +37,26 @@ class JobParts(Processes):
     def started(self) -> bool:
         """Whether an earlier run of this job left results behind (its output or part files)."""
         return self.out.exists() or bool(self._parts())
+
+    @property
+    def settings_file(self) -> Path:
+        return self.out.with_suffix(".settings.json")
+
+    def same_settings(self, settings: dict) -> None:
+        """Refuse to go on from results an earlier run made with other ``settings`` (a ValueError naming each one
+        that changed); else record these (process 0). Call before ``start``."""
+        recorded = self.settings_file
+        if self.started() and recorded.exists():
+            before = json.loads(recorded.read_text())
+            changed = sorted(k for k in set(before) | set(settings) if before.get(k) != settings.get(k))
+            if changed:
+                said = "; ".join(f"{k}: {before.get(k)!r} then, {settings.get(k)!r} now" for k in changed)
+                raise ValueError(
+                    f"{self.out} holds results made with other settings ({said}): run with those to go on, use "
+                    "another output, or delete it"
+                )
+        if self.rank == 0:
+            write_json_atomic(recorded, settings)
 
     def merge(self, order: Sequence[str]) -> None:
         """Process 0: ``out`` ∪ every part file → ``out`` in the order of ``order`` (ids not in it last, each id once);
@@ -78,9 +101,20 @@ class JobParts(Processes):
         append_jsonl(self.part, records)
 
     def finish(self, rows: Sequence[dict]) -> bool:
-        """Barrier, then process 0 merges every part into ``out``; True on the process holding the whole output."""
+        """Barrier, then process 0 merges every part into ``out`` and checks that every row has its record; True on
+        the process holding the whole output."""
         self.barrier()
-        self.merge([str(r["id"]) for r in rows])
+        order = [str(r["id"]) for r in rows]
+        self.merge(order)
+        if self.rank == 0:
+            done = _ids(self.out)
+            missing = [i for i in order if i not in done]
+            if missing:
+                raise RuntimeError(
+                    f"{self.out}: {len(missing)} of {len(order)} records are missing after the merge (first: "
+                    f"{', '.join(missing[:3])}): every process must write to one folder they all see (a shared "
+                    "file system across nodes); run the job again to do the missing ones"
+                )
         return self.rank == 0
 
 

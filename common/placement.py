@@ -18,9 +18,23 @@ from __future__ import annotations
 import logging
 import os
 from contextlib import contextmanager
+from dataclasses import field
 from datetime import timedelta
 
 log = logging.getLogger("refine_rl.placement")
+
+# How long a process that finished its share of a job waits for the others at a barrier. torch's own defaults (NCCL
+# 10 minutes, gloo 30) end a job whose processes finish their shares more than that apart, as a process with no
+# batch left to do (a resumed run's remainder) does while the others load their models.
+DIST_TIMEOUT_MINUTES = 1440
+
+
+def dist_timeout_field():
+    """The ``dist_timeout_minutes`` setting every multi-process CLI job has."""
+    return field(
+        default=DIST_TIMEOUT_MINUTES,
+        metadata={"help": "how long a process that finished its share waits for the others at a barrier (minutes)"},
+    )
 
 
 def local_rank() -> int:
@@ -56,17 +70,34 @@ def resolve_device(device: str | None) -> str:
     if device.startswith("cpu"):  # accelerate's MULTI_CPU state reports "cpu:0"
         return "cpu"
     if device == "cuda":
-        return f"cuda:{local_rank()}"
+        import torch
+
+        return f"cuda:{local_rank() % max(1, torch.cuda.device_count())}"  # a task may see only its own GPU
     if device != "cpu" and not device.startswith("cuda:"):
         raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N' or 'auto', got {device!r}")
     return device
 
 
-def process_state(device: str | None = None, timeout_minutes: int | None = None):
+def job_device(requested: str | None, state=None) -> str:
+    """The device of a CLI job's process: ``--device`` as given (one process), else the accelerate ``state``'s own
+    (``cuda:LOCAL_RANK`` under a launcher); a ``cuda:N`` with several processes is refused, since it would put every
+    process on one GPU."""
+    processes = state.num_processes if state is not None else 1
+    if requested not in (None, "auto"):
+        if str(requested).startswith("cuda:") and processes > 1:
+            raise ValueError(
+                f"--device {requested} with {processes} processes would put every process on one GPU: leave "
+                "--device unset (or 'cuda') so each process takes its own, or run one process"
+            )
+        return resolve_device(requested)
+    return resolve_device(str(state.device) if state is not None else None)
+
+
+def process_state(device: str | None = None, timeout_minutes: int | None = DIST_TIMEOUT_MINUTES):
     """The accelerate ``PartialState`` of a CLI job (one process, or each of the processes ``accelerate launch`` /
     ``torchrun`` started): on the CPU when ``device`` says so or no GPU exists — created first with ``cpu=True``, so
     CPU processes under torchrun form one gloo group instead of each believing it is alone. ``timeout_minutes``
-    bounds how long a process waits for the others at a barrier."""
+    bounds how long a process waits for the others at a barrier (None: torch's default)."""
     import torch
     from accelerate import PartialState
 

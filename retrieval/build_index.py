@@ -36,7 +36,14 @@ from tqdm import tqdm
 
 from common.cli import parse, require_file
 from common.files import file_fingerprint, write_json_atomic
-from common.placement import Processes, configure_threads, decode_workers, process_state, resolve_device
+from common.placement import (
+    Processes,
+    configure_threads,
+    decode_workers,
+    dist_timeout_field,
+    job_device,
+    process_state,
+)
 from retrieval.assemble_index import assemble
 from retrieval.build_shards import encode_image_shards, encode_text_shard, shard_paths, work_items
 from retrieval.encoder_names import check_image_encoder_name, check_text_encoder_name
@@ -129,10 +136,7 @@ class BuildArgs:
         },
     )
     overwrite: bool = field(default=False, metadata={"help": "discard an existing or partial index in --out"})
-    dist_timeout_minutes: int = field(
-        default=1440,
-        metadata={"help": "how long a process that finished its shards waits for the others at the barrier"},
-    )
+    dist_timeout_minutes: int = dist_timeout_field()
 
 
 def _settings(args: BuildArgs, fingerprint: str) -> dict:
@@ -244,7 +248,7 @@ def build_index(args: BuildArgs, log=print, encoders=None, state=None) -> dict |
         log(f"resuming the partial build in {build_dir}: {len(items) - len(pending)} of {len(items)} shards done")
     mine = pending[procs.rank :: procs.count]
 
-    device = resolve_device(args.device if args.device or state is None else str(state.device))
+    device = job_device(args.device, state)
     threads = configure_threads()
     workers = decode_workers(args.workers)
     my_text = [i for kind, i in mine if kind == "text"]

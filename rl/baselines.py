@@ -32,7 +32,7 @@ from tqdm import tqdm
 from common.cli import parse, require_file
 from common.files import check_unique_ids, read_jsonl
 from common.job_parts import JobParts
-from common.placement import process_state, resolve_device
+from common.placement import dist_timeout_field, job_device, process_state, resolve_device
 from common.prompts import json_objects, load_prompt
 from retrieval.kb import check_images
 from rl.generate import vlm_generator
@@ -81,6 +81,7 @@ class BaselineArgs:
     max_new_tokens: int = field(default=256, metadata={"help": "longest answer"})
     backend: str = field(default="hf", metadata={"help": "hf | vllm"})
     device: str = field(default=None, metadata={"help": "cuda / cuda:N / cpu (default: this process's own)"})
+    dist_timeout_minutes: int = dist_timeout_field()
 
 
 def generator(args: BaselineArgs, prompt: dict, device: str | None):
@@ -103,11 +104,12 @@ def run_baselines(args: BaselineArgs, log=print, state=None, generate=None) -> i
     check_images(rows, root, args.queries)
     check_unique_ids(rows, args.queries)
     parts = JobParts(Path(args.out), state)
+    parts.same_settings({"model": str(args.model), "prompt": prompt["name"], "max_new_tokens": args.max_new_tokens})
     batches = parts.start(rows, args.batch_size)
     log(f"query baselines ({prompt['name']}), {parts.status}")
     fell_back = 0
     if batches:
-        generate = generate or generator(args, prompt, None if state is None else str(state.device))
+        generate = generate or generator(args, prompt, job_device(args.device, state))
         with tqdm(total=parts.mine, desc="query baselines", unit="q") as bar:
             for batch in batches:
                 raw = generate([open_vlm_image(root / r["image"]) for r in batch], [r["question"] for r in batch])
@@ -138,7 +140,7 @@ def run_baselines(args: BaselineArgs, log=print, state=None, generate=None) -> i
 
 def main(argv=None) -> None:
     (args,) = parse((BaselineArgs,), argv, description=__doc__)
-    run_baselines(args, state=process_state(args.device))
+    run_baselines(args, state=process_state(args.device, args.dist_timeout_minutes))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ otherwise be rewarded as a permanent miss) or whose image is missing or unreadab
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from tqdm import tqdm
 from common.cli import parse, require_file
 from common.files import check_unique_ids, pyplot, read_jsonl, save_figure, write_json_atomic, write_jsonl_atomic
 from common.job_parts import JobParts
-from common.placement import Processes, decode_workers, process_state
+from common.placement import Processes, decode_workers, dist_timeout_field, job_device, process_state
 from retrieval.index import MultimodalIndex, require_index
 from retrieval.kb import image_problem
 from retrieval.ranking import check_alpha
@@ -142,6 +141,7 @@ class RLDataArgs:
         },
     )
     eval_questions: int = field(default=512, metadata={"help": "questions in --eval_out (seeded)"})
+    dist_timeout_minutes: int = dist_timeout_field()
 
 
 def held_out_sample(n: int, chosen: list[int], count: int, seed: int) -> list[int]:
@@ -222,14 +222,7 @@ def baseline_ranks(
         "alpha": args.alpha,
         "depth": args.depth,
     }
-    recorded = Path(f"{args.out}.baseline.settings.json")
-    if parts.started() and recorded.exists() and json.loads(recorded.read_text()) != settings:
-        raise ValueError(
-            f"{parts.out} holds the baseline ranks of an interrupted run with other settings "
-            f"({recorded.read_text().strip()}): run with those to resume it, or delete it"
-        )
-    if parts.rank == 0:
-        write_json_atomic(recorded, settings)
+    parts.same_settings(settings)  # <out>.baseline.settings.json
     batches = parts.start(rows, args.batch_size)
     log(f"baseline retrieval, {parts.status}")
     workers = decode_workers(args.workers)
@@ -292,7 +285,7 @@ def build_rl_data(args: RLDataArgs, log=print, state=None) -> dict:
     root = Path(args.images_root or Path(args.queries).parent)
     rows = list(read_jsonl(args.queries))
     check_unique_ids(rows, args.queries)
-    index = MultimodalIndex.load(args.index, device=None if state is None else str(state.device))
+    index = MultimodalIndex.load(args.index, device=job_device(args.device, state))
     known, skipped = [], []
     for rec in rows:
         if isinstance(rec.get("entity_id"), list):
@@ -364,7 +357,7 @@ def _plot(report: dict, path: str) -> None:
 
 def main(argv=None) -> None:
     (args,) = parse((RLDataArgs,), argv, description=__doc__)
-    state = process_state(args.device)
+    state = process_state(args.device, args.dist_timeout_minutes)
     build_rl_data(args, state=state)  # process 0 writes and reports; each process says what it takes
 
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 from tqdm import tqdm
 
@@ -74,7 +76,15 @@ def generate_completions(
 
 def load_vllm(path: str, flag: str = "--backend", image_budget: dict | None = None):
     """A vLLM engine for an image-text model (its processor given the same pixel budget as training), or a clear error
-    when vLLM is not installed."""
+    when vLLM is not installed. One engine per job: under a launcher of N processes each engine would start on the
+    first GPU it sees (vLLM's one-process executor ignores LOCAL_RANK), so N > 1 is refused."""
+    processes = int(os.environ.get("WORLD_SIZE", "1"))
+    if processes > 1:
+        raise ValueError(
+            f"{flag} vllm runs one engine per job, but this is one of {processes} launched processes (each engine "
+            f"would start on the same GPU): run the job as one process ({flag} vllm uses the GPUs it is given; "
+            f"CUDA_VISIBLE_DEVICES picks them), or use {flag} hf under accelerate launch"
+        )
     try:
         from vllm import LLM
     except ImportError:

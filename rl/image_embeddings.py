@@ -31,7 +31,7 @@ from tqdm import tqdm
 from common.cli import parse, require_file
 from common.files import read_jsonl, write_json_atomic, write_text_atomic
 from common.job_parts import JobParts
-from common.placement import decode_workers, process_state
+from common.placement import decode_workers, dist_timeout_field, job_device, process_state
 from retrieval.index import MultimodalIndex, require_index
 from rewards.retrieval import image_keys
 
@@ -202,14 +202,15 @@ class EmbedArgs:
         metadata={"help": "DataLoader processes decoding images (default: usable cores ÷ processes on this node)"},
     )
     device: str = field(default=None, metadata={"help": "cuda / cuda:N / cpu (default: this process's own)"})
+    dist_timeout_minutes: int = dist_timeout_field()
 
 
 def main(argv=None) -> None:
     (args,) = parse((EmbedArgs,), argv, description=__doc__)
     require_file(args.queries, "queries")
     require_index(args.index)
-    state = process_state(args.device)
-    index = MultimodalIndex.load(args.index, device=str(state.device))
+    state = process_state(args.device, args.dist_timeout_minutes)
+    index = MultimodalIndex.load(args.index, device=job_device(args.device, state))
     rows = list(read_jsonl(args.queries))
     embed_images(
         args.queries,

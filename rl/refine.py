@@ -26,7 +26,7 @@ from tqdm import tqdm
 from common.cli import parse, require_file
 from common.files import check_unique_ids, read_jsonl
 from common.job_parts import JobParts
-from common.placement import process_state, resolve_device
+from common.placement import dist_timeout_field, process_state, resolve_device
 from retrieval.kb import check_images
 from rewards.format import parse_query
 from rl.generate import generate_completions, generate_vllm, load_vllm
@@ -139,6 +139,7 @@ class RefineArgs:
     batch_size: int = field(default=16, metadata={"help": "questions per generation batch"})
     backend: str = field(default="hf", metadata={"help": "hf | vllm"})
     sample: bool = field(default=False, metadata={"help": "sample with the run's sampling settings (default: greedy)"})
+    dist_timeout_minutes: int = dist_timeout_field()
 
 
 def refine_file(args: RefineArgs, log=print, refiner: Refiner | None = None, state=None) -> int:
@@ -157,6 +158,7 @@ def refine_file(args: RefineArgs, log=print, refiner: Refiner | None = None, sta
     check_unique_ids(rows, args.queries)
     out = Path(args.out)
     parts = JobParts(out, state)
+    parts.same_settings({"model": str(args.model), "sample": args.sample})  # what makes each refined query
     batches = parts.start(rows, args.batch_size)
     log(f"refine, {parts.status}")
     if batches:
@@ -177,7 +179,7 @@ def refine_file(args: RefineArgs, log=print, refiner: Refiner | None = None, sta
 
 def main(argv=None) -> None:
     (args,) = parse((RefineArgs,), argv, description=__doc__)
-    refine_file(args, state=process_state())
+    refine_file(args, state=process_state(None, args.dist_timeout_minutes))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ per-process placement policy (one device, never all GPUs; HNSW stays on the CPU;
 
 import json
 import logging
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -225,18 +226,46 @@ def test_placement_puts_one_replica_on_this_ranks_gpu(monkeypatch, caplog):
 
 
 @pytest.mark.parametrize(
-    "env,cuda,expected", [({"LOCAL_RANK": "5"}, 8, "cuda:5"), ({}, 8, "cuda:0"), ({"LOCAL_RANK": "3"}, 0, "cpu")]
+    "env,cuda,expected,bare_cuda",
+    [
+        ({"LOCAL_RANK": "5"}, 8, "cuda:5", "cuda:5"),
+        ({}, 8, "cuda:0", "cuda:0"),
+        ({"LOCAL_RANK": "3"}, 0, "cpu", "cuda:0"),
+        ({"LOCAL_RANK": "3"}, 1, "cuda:0", "cuda:0"),  # a task that sees only its own GPU (SLURM --gpus-per-task=1)
+    ],
 )
-def test_process_device_is_this_ranks_gpu(monkeypatch, env, cuda, expected):
+def test_process_device_is_this_ranks_gpu(monkeypatch, env, cuda, expected, bare_cuda):
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: cuda)
     assert placement.process_device() == expected
-    assert placement.resolve_device("cuda") == f"cuda:{env.get('LOCAL_RANK', 0)}"
+    assert placement.resolve_device("cuda") == bare_cuda
     with pytest.raises(ValueError, match="device must be"):
         placement.resolve_device("gpu")
+
+
+@pytest.mark.parametrize(
+    "requested,processes,device,expected",
+    [
+        (None, 1, "cuda", "cuda:0"),  # accelerate's one-process device is a bare "cuda"
+        (None, 8, "cuda:5", "cuda:5"),
+        ("cuda:1", 1, "cuda", "cuda:1"),  # --device as given, not the state's
+        ("cpu", 8, "cuda:5", "cpu"),
+        ("auto", 2, "cpu", "cpu"),
+    ],
+)
+def test_a_jobs_device_is_the_flag_else_its_processs_own(monkeypatch, requested, processes, device, expected):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    state = SimpleNamespace(num_processes=processes, device=device)
+    assert placement.job_device(requested, state) == expected
+
+
+def test_one_gpu_named_for_several_processes_is_refused():
+    with pytest.raises(ValueError, match="--device cuda:1 with 2 processes would put every process on one GPU"):
+        placement.job_device("cuda:1", SimpleNamespace(num_processes=2, device="cuda:0"))
 
 
 @pytest.mark.parametrize("cores,procs,threads", [(2, 1, 2), (2, 2, 1), (192, 8, 24), (4, 8, 1)])

@@ -1,9 +1,12 @@
-"""common.files' folder helpers: a folder written under a temporary name and renamed (over an old one, or keeping the
-one another process renamed first), and a bounded wait for a path another process writes."""
+"""common.files' helpers: a folder written under a temporary name and renamed (over an old one, or keeping the one
+another process renamed first), a bounded wait for a path another process writes, atomic files' permissions, and the
+resume of a JSONL file an interrupted job appended to."""
+
+import stat
 
 import pytest
 
-from common.files import atomic_folder, wait_for_path
+from common.files import append_jsonl, atomic_folder, completed_ids, wait_for_path, write_text_atomic
 
 
 @pytest.mark.parametrize("replace", [True, False])
@@ -46,3 +49,30 @@ def test_waiting_for_a_path_returns_it_once_there_and_names_what_it_waited_for_i
     assert wait_for_path(tmp_path / "done", 0, "x") == tmp_path / "done"
     with pytest.raises(TimeoutError, match=r"missing did not appear within 0 s: waiting for process 0 to build it"):
         wait_for_path(tmp_path / "missing", 0, "process 0 to build it")
+
+
+def test_an_atomic_file_gets_an_ordinary_files_permissions(tmp_path):
+    """mkstemp makes owner-only files; a file written atomically is readable as one written with open()."""
+    plain = tmp_path / "plain.txt"
+    plain.write_text("x")
+    write_text_atomic(tmp_path / "atomic.txt", "x")
+    assert stat.S_IMODE((tmp_path / "atomic.txt").stat().st_mode) == stat.S_IMODE(plain.stat().st_mode)
+    assert stat.S_IMODE(plain.stat().st_mode) & stat.S_IROTH  # the default umask lets others read
+
+
+@pytest.mark.parametrize(
+    "text,ids,after",
+    [
+        ('{"id": "a"}\n{"id": "b"}', {"a", "b"}, '{"id": "a"}\n{"id": "b"}\n'),  # whole, no newline: one added
+        ('{"id": "a"}\n{"id": "b', {"a"}, '{"id": "a"}\n'),  # cut short: dropped
+        ('{"id": "a"}\n', {"a"}, '{"id": "a"}\n'),
+        ("", set(), ""),
+    ],
+)
+def test_the_next_append_after_a_resume_starts_its_own_line(tmp_path, text, ids, after):
+    out = tmp_path / "out.jsonl"
+    out.write_text(text)
+    assert completed_ids(out) == ids
+    assert out.read_text() == after
+    append_jsonl(out, [{"id": "c"}])
+    assert completed_ids(out) == ids | {"c"}

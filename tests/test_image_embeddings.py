@@ -101,7 +101,7 @@ def test_rl_data_resumes_its_baseline_retrieval_and_stores_the_sampled_images(
     with pytest.raises(Interrupted):
         build_rl_data(RLDataArgs(**args, out=str(out)), **QUIET)
     assert len(list(read_jsonl(f"{out}.baseline.jsonl.part0"))) == 20 and not out.exists()  # its part file
-    with pytest.raises(ValueError, match="interrupted run with other settings"):
+    with pytest.raises(ValueError, match=r"other settings \(alpha: 0.5 then, 0.7 now\)"):
         build_rl_data(RLDataArgs(**{**args, "alpha": 0.7}, out=str(out)), **QUIET)
     seen = interrupt_after(index, monkeypatch, 99)
     build_rl_data(RLDataArgs(**args, out=str(out)), **QUIET)

@@ -218,6 +218,18 @@ def test_a_folder_resumes_only_its_own_settings(make_args):
     assert run(make_args(gate="never", batch_size=2), **QUIET)["n"] == 6  # batch size may change on resume
 
 
+def test_an_interrupted_folder_resumes_only_its_own_settings(make_args):
+    """An interrupted run leaves only its part files (merged when a run finishes): other settings are refused there
+    too, not merged with them."""
+    args = make_args(gate="never")
+    run(args, **QUIET)
+    out = Path(args.out)
+    (out / "predictions.jsonl").rename(out / "predictions.jsonl.part1")  # as a process of an interrupted run left it
+    with pytest.raises(ValueError, match=r"other settings \(gate\)"):
+        run(make_args(gate="always"), **QUIET)
+    assert run(make_args(gate="never"), **QUIET)["n"] == 6
+
+
 def test_the_e_vqa_metric_asks_bem_once_per_batch_about_undecided_answers(make_args, queries, tiny_bem, monkeypatch):
     """metric: evqa — exact match decides first; BEM (loaded once; a tiny BERT whose verdict the test sets) judges
     the rest, in one call per batch for both paths; the report adds single-hop / two-hop / overall accuracy."""

@@ -53,6 +53,20 @@ def test_refine_file_resumes_without_losing_or_repeating(toy_refiner, tiny_world
     assert refine_file(args, refiner=toy_refiner, **QUIET) == 0 and not part.exists()
 
 
+def test_a_resume_with_another_model_is_refused_naming_it(toy_refiner, tiny_world, tmp_path):
+    """Refined queries from two refiners are never mixed in one output: the settings that make each one are recorded
+    next to it, and a resume with others is refused."""
+    out = tmp_path / "refined.jsonl"
+    args = RefineArgs(model="run-a", queries=str(tiny_world / "test.jsonl"), out=str(out), batch_size=8)
+    refine_file(args, refiner=toy_refiner, **QUIET)
+    lines = out.read_text().splitlines(keepends=True)
+    out.write_text("".join(lines[:16]))  # an interrupted run's first two batches
+    with pytest.raises(ValueError, match=r"other settings \(model: 'run-a' then, 'run-b' now\)"):
+        refine_file(RefineArgs(**{**vars(args), "model": "run-b"}), refiner=toy_refiner, **QUIET)
+    assert out.read_text() == "".join(lines[:16])  # nothing lost
+    assert refine_file(args, refiner=toy_refiner, **QUIET) == 48 - 16
+
+
 def test_missing_image_is_named(toy_refiner, tmp_path):
     (tmp_path / "q.jsonl").write_text(json.dumps({"id": "a", "image": "gone.png", "question": "?"}) + "\n")
     with pytest.raises(ValueError, match="gone.png"):

@@ -10,6 +10,8 @@ from pathlib import Path
 
 from common.cli import check_choices, require_file
 from common.files import write_json_atomic
+from common.job_parts import JobParts
+from common.placement import dist_timeout_field
 from gate.pipeline.consistency import STRATEGIES
 from gate.pipeline.metrics import METRICS
 from gate.pipeline.stages import generator_prompt
@@ -118,6 +120,7 @@ class PipelineArgs:
     )
     baselines: bool = field(default=True, metadata={"help": "run both paths for every question (baselines)"})
     limit: int = field(default=None, metadata={"help": "only the first N questions"})
+    dist_timeout_minutes: int = dist_timeout_field()
 
 
 def validate(args: PipelineArgs) -> None:
@@ -160,7 +163,7 @@ def _looks_local(value: str) -> bool:
     return value.startswith((".", "/", "~")) or Path(value).exists() or value.count("/") != 1
 
 
-RESUME_FREE = ("out", "batch_size", "limit", "generator_retries", "generator_backoff")
+RESUME_FREE = ("out", "batch_size", "limit", "generator_retries", "generator_backoff", "dist_timeout_minutes")
 
 
 def check_same_config(out: Path, args: PipelineArgs) -> None:
@@ -170,7 +173,7 @@ def check_same_config(out: Path, args: PipelineArgs) -> None:
     if path.is_file():
         before = json.loads(path.read_text())
         changed = sorted(k for k in set(before) | set(current) if before.get(k) != current.get(k))
-        if changed and (out / "predictions.jsonl").is_file():
+        if changed and JobParts(out / "predictions.jsonl").started():  # merged, or parts an interruption left
             raise ValueError(
                 f"--out {out} holds predictions made with other settings ({', '.join(changed)}); "
                 "use another --out, or delete it to start over"

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from common.files import read_jsonl
 from common.job_parts import JobParts
-from common.placement import resolve_device
+from common.placement import job_device
 from gate.pipeline.context import section_text, vlm_answerer
 from gate.pipeline.rerank import FirstTokenReranker
 from gate.scoring import gate_of, generate_parsed
@@ -88,7 +88,7 @@ def stage_consistency(args, out: Path, log=print, relevance=None, summarise=None
     origin = f"srt gate {args.srt_gate}" if args.srt_gate else "judged answers"
     log(f"consistency, {parts.status}; relevance from {origin}, γ = {args.mct_gamma}")
     if batches:
-        device = resolve_device(args.device)
+        device = job_device(args.device, state)
         if relevance is None:
             relevance = (
                 srt_relevance(args.srt_gate, device, args.dtype)

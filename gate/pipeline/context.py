@@ -16,7 +16,7 @@ from tqdm import tqdm
 from common.cli import require_file
 from common.files import append_jsonl, completed_ids, read_jsonl
 from common.job_parts import JobParts
-from common.placement import resolve_device
+from common.placement import job_device
 from gate.pipeline.judges import judge_from_args
 from gate.variants import spec, user_text
 from retrieval import MultimodalIndex
@@ -127,7 +127,7 @@ def stage_context(args, out: Path, log=print, generate=None, state=None) -> int:
             args.model,
             args.max_new_tokens,
             backend=args.backend,
-            device=resolve_device(getattr(args, "device", None)),
+            device=job_device(getattr(args, "device", None), state),
             dtype=getattr(args, "dtype", None),
         )
     answer = spec("answer")

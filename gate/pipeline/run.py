@@ -29,7 +29,7 @@ from tqdm import tqdm
 from common.cli import parse
 from common.files import check_unique_ids, pyplot, read_jsonl, save_figure, write_json_atomic, write_text_atomic
 from common.job_parts import JobParts
-from common.placement import process_state
+from common.placement import job_device, process_state
 from gate.pipeline.arguments import PipelineArgs, check_same_config, validate
 from gate.pipeline.context import section_text
 from gate.pipeline.end_to_end import format_table, is_gold_section, summarize, threshold_curve
@@ -242,7 +242,7 @@ def run(args: PipelineArgs, log=print, stages: Stages | None = None, state=None)
     batches = parts.start(rows, args.batch_size)
     log(f"pipeline, {parts.status}")
     if batches:
-        stages = stages or Stages(args)  # every model loads (or fails, named) before the first question
+        stages = stages or Stages(args, job_device(args.device, state))  # every model loads (or fails) first
         log("placement: " + "; ".join(f"{k}: {v}" for k, v in stages.placement.items()))
         names = stage_names(stages.consistency is not None)
         bars = {s: tqdm(total=parts.mine, desc=f"{s:>12}", position=i, unit="q") for i, s in enumerate(names)}
@@ -322,7 +322,7 @@ def _summarize_chosen(records: list[dict]) -> dict:
 
 def main(argv=None) -> None:
     (args,) = parse((PipelineArgs,), argv, description=__doc__)
-    run(args, state=process_state(args.device))
+    run(args, state=process_state(args.device, args.dist_timeout_minutes))
 
 
 if __name__ == "__main__":

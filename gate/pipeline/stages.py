@@ -232,9 +232,9 @@ class Stages:
     """Every stage the configuration names, loaded before the first question on this process's device and dtype;
     ``placement`` says where each runs (printed, and in metrics.json)."""
 
-    def __init__(self, args):
+    def __init__(self, args, device: str | None = None):
         self.args = args
-        device, dtype = resolve_device(args.device), args.dtype
+        device, dtype = device or resolve_device(args.device), args.dtype
         self.device, self.dtype = device, dtype
         load = _load
         self.gate = (

@@ -26,6 +26,7 @@ appends per batch and skips ids already written. A question without a gold answe
 
 from __future__ import annotations
 
+import os
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +36,7 @@ from tqdm import tqdm
 from common.cli import check_choices, parse
 from common.files import append_jsonl, completed_ids, read_jsonl
 from common.job_parts import JobParts
-from common.placement import process_state, resolve_device
+from common.placement import dist_timeout_field, job_device, process_state
 from gate.pipeline.consistency import stage_consistency
 from gate.pipeline.context import load_questions, stage_context, stage_retrieve, vlm_answerer
 from gate.pipeline.judges import judge_all, judge_from_args
@@ -165,6 +166,7 @@ class BuildDataArgs:
     inspector_expanded: bool = field(
         default=False, metadata={"help": "render inspector: FAIL completions use the expanded answers (--stage expand)"}
     )
+    dist_timeout_minutes: int = dist_timeout_field()
 
 
 def stage_sample(args: BuildDataArgs, out: Path, log=print, generate=None, state=None) -> int:
@@ -182,7 +184,7 @@ def stage_sample(args: BuildDataArgs, out: Path, log=print, generate=None, state
             args.max_new_tokens,
             args.temperature,
             backend=args.backend,
-            device=resolve_device(args.device),
+            device=job_device(args.device, state),
             dtype=args.dtype,
         )
     for batch in tqdm(batches, desc="sampling", disable=not batches):
@@ -268,7 +270,12 @@ def build(args: BuildDataArgs, log=print, state=None) -> int:
 
 def main(argv=None) -> None:
     (args,) = parse((BuildDataArgs,), argv, description=__doc__)
-    build(args, state=process_state(args.device) if args.stage in PARALLEL else None)
+    if args.stage not in PARALLEL and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError(
+            f"--stage {args.stage} runs in one process (only {', '.join(PARALLEL)} split over processes): every "
+            "launched process would do all of it and append to the same file; run it without accelerate launch"
+        )
+    build(args, state=process_state(args.device, args.dist_timeout_minutes) if args.stage in PARALLEL else None)
 
 
 if __name__ == "__main__":

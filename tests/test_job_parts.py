@@ -1,0 +1,79 @@
+"""common.job_parts: a resumable JSONL job split over processes, with the processes played in turn in this one
+(a stand-in for accelerate's state whose barrier returns at once; the real two-process runs are in
+tests/test_inference_multiprocess.py). The merged output equals one process's; a part no process 0 can see is an
+error naming the missing records; results made with other settings are never resumed."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from common.files import read_jsonl
+from common.job_parts import JobParts
+
+ROWS = [{"id": f"q{i}"} for i in range(7)]
+
+
+def processes(out, n):
+    return [
+        JobParts(out, SimpleNamespace(process_index=r, num_processes=n, wait_for_everyone=lambda: None))
+        for r in range(n)
+    ]
+
+
+def run(parts, rows=ROWS, batch_size=2, stop_after=None):
+    """Each process's batches, answered as ``{id, by}``; ``stop_after``: processes that stop (crash) after that many
+    batches, before the final merge."""
+    batches = [p.start(rows, batch_size) for p in parts]
+    for p, mine in zip(parts, batches):
+        for b, batch in enumerate(mine):
+            if stop_after is not None and b >= stop_after:
+                break
+            p.append([{"id": r["id"], "by": p.rank} for r in batch])
+    if stop_after is None:
+        return [p.finish(rows) for p in reversed(parts)][::-1]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_the_merged_output_is_in_input_order_whatever_the_process_count(tmp_path, n):
+    out = tmp_path / "out.jsonl"
+    assert run(processes(out, n)) == [True] + [False] * (n - 1)
+    merged = list(read_jsonl(out))
+    assert [r["id"] for r in merged] == [r["id"] for r in ROWS]
+    assert [r["by"] for r in merged] == [(i // 2) % n for i in range(len(ROWS))]  # batch b went to process b mod n
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl"]  # no part left
+
+
+def test_an_interrupted_run_resumes_with_another_process_count(tmp_path):
+    out = tmp_path / "out.jsonl"
+    run(processes(out, 3), stop_after=1)  # each of 3 did one batch of 2: q0–q5 done, q6 not
+    parts = processes(out, 2)
+    assert [len(b) for b in (p.start(ROWS, 2) for p in parts)] == [1, 0]
+    assert [p.status for p in parts][0].startswith("process 0/2: 6 of 7 done")
+
+
+def test_a_part_process_0_cannot_see_is_an_error_naming_the_missing_records(tmp_path):
+    """Process 1 writes to a folder of its own (node-local disk on another node): the merge is short, and says so."""
+    (tmp_path / "node1").mkdir()
+    first, second = processes(tmp_path / "out.jsonl", 2)
+    elsewhere = JobParts(tmp_path / "node1" / "out.jsonl", second.state)
+    for p in (first, elsewhere):
+        for batch in p.start(ROWS, 2):
+            p.append([{"id": r["id"]} for r in batch])
+    elsewhere.finish(ROWS)
+    with pytest.raises(RuntimeError, match=r"3 of 7 records are missing after the merge \(first: q2, q3, q6\)"):
+        first.finish(ROWS)
+
+
+def test_results_made_with_other_settings_are_not_resumed(tmp_path):
+    out = tmp_path / "out.jsonl"
+    (job,) = processes(out, 1)
+    job.same_settings({"model": "a", "sample": False})
+    run([job], stop_after=1)
+    (again,) = processes(out, 1)
+    with pytest.raises(ValueError, match=r"other settings \(model: 'a' then, 'b' now\)"):
+        again.same_settings({"model": "b", "sample": False})
+    again.same_settings({"model": "a", "sample": False})  # the same settings go on
+    assert again.start(ROWS, 2) and (tmp_path / "out.settings.json").is_file()
+    out.unlink()  # (start merged the part into out) nothing left: any settings
+    (fresh,) = processes(out, 1)
+    fresh.same_settings({"model": "b"})
