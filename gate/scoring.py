@@ -2,11 +2,13 @@
 
 One function for every binary gate (``first_token_scores``): the logits of the next token after the prompt (and the
 variant's completion prefix, e.g. the Inspector's ``{"pass": "``), softmax over the verbaliser tokens — the same as
-renormalising their probabilities — and the positive one's share, compared with the scoring threshold γ (a probability;
-KBM's τ only builds labels); for
-``skb`` the expected value over the digit tokens 1–5, compared with ε. Verbalisers must be single tokens in the
-model's tokenizer (``verbaliser_ids`` says which is not). The Inspector's FAIL answer and ``mct`` come from
-generate-and-parse (``generate_parsed``). Held-out evaluation and the threshold sweep: gate.train.evaluation.
+renormalising their probabilities — and the positive one's share, compared with the scoring threshold γ (a
+probability; KBM's τ only builds labels); for ``skb`` the expected value over the digit tokens 1–5, compared with ε. A
+verbaliser is scored by its first token, so the verbalisers of a variant must start with different tokens of the
+model's tokenizer (``verbaliser_ids`` names those that do not); a verbaliser may be longer (Qwen2.5's tokenizer splits
+MMKB-RAG's ``NoRet`` into ``No`` + ``Ret``): the SFT completion is the whole word, whose first token decides. The
+Inspector's FAIL answer and ``mct`` come from generate-and-parse (``generate_parsed``). Held-out evaluation and the
+threshold sweep: gate.train.evaluation.
 """
 
 from __future__ import annotations
@@ -25,22 +27,29 @@ DEFAULT_THRESHOLDS = {"skb": 3.0}  # γ = 0.5 for the binary gates (KBM's τ = 0
 
 
 def verbaliser_ids(tokenizer, s: dict) -> list[int]:
-    """Token id of each verbaliser (after the variant's prefix); a ValueError naming any that is not one token."""
+    """The token each verbaliser starts with, after the variant's prefix: first-token scoring compares these. A
+    ValueError names verbalisers that start with one token (they cannot be told apart) or that the tokenizer merges
+    with the prefix."""
     prefix = tokenizer.encode(s["prefix"], add_special_tokens=False) if s["prefix"] else []
-    ids, bad = [], []
+    ids, merged = [], []
     for v in s["verbalisers"]:
         toks = tokenizer.encode(s["prefix"] + v, add_special_tokens=False)
-        if len(toks) != len(prefix) + 1 or toks[: len(prefix)] != prefix:
-            bad.append(f"{v!r} → {tokenizer.convert_ids_to_tokens(toks[len(prefix) :])}")
+        if len(toks) <= len(prefix) or toks[: len(prefix)] != prefix:
+            merged.append(repr(v))
         else:
-            ids.append(toks[-1])
-    if bad:
+            ids.append(toks[len(prefix)])
+    if merged:
         raise ValueError(
-            f"variant {s['name']}: verbalisers must be single tokens in this model's tokenizer; "
-            f"{'; '.join(bad)}. Choose others with --verbalisers (e.g. single characters or digits)"
+            f"variant {s['name']}: this model's tokenizer merges verbaliser(s) {', '.join(merged)} with the "
+            f"completion prefix {s['prefix']!r}; choose others with --verbalisers"
         )
+    first = [tokenizer.convert_ids_to_tokens(i) for i in ids]
     if len(set(ids)) != len(ids):
-        raise ValueError(f"variant {s['name']}: verbalisers {s['verbalisers']} map to the same token")
+        shown = "; ".join(f"{v!r} → {t!r}" for v, t in zip(s["verbalisers"], first))
+        raise ValueError(
+            f"variant {s['name']}: first-token scoring needs verbalisers that start with different tokens of this "
+            f"model's tokenizer, but {shown}; choose others with --verbalisers (e.g. single characters or digits)"
+        )
     return ids
 
 

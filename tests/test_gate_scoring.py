@@ -77,13 +77,28 @@ def test_inspector_is_scored_after_its_json_prefix(processor, images):
     assert text.endswith('<|im_start|>assistant\n{"pass": "') and "Context: Holhol: lives in caves" in text
 
 
-def test_verbalisers_that_are_not_single_tokens_are_named(tiny_refiner):
+@pytest.mark.parametrize(
+    "variant,verbalisers,first",
+    [
+        ("hkb", None, ["t", "f"]),  # true → t r u e, false → f al s e: told apart by their first tokens
+        ("hkb", ["1", "0"], ["1", "0"]),
+        ("ret", ["Ret", "NoRet"], ["R", "N"]),  # MMKB-RAG's words, as Qwen2.5's tokenizer splits NoRet: No + Ret
+        ("inspector", None, ["t", "f"]),  # after the JSON prefix {"pass": "
+    ],
+)
+def test_a_verbaliser_is_scored_by_its_first_token(tiny_refiner, variant, verbalisers, first):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(tiny_refiner))  # its tokenizer splits "true" and "false"
-    with pytest.raises(ValueError, match=r"single tokens.*'true'"):
-        verbaliser_ids(tok, spec("hkb"))
-    assert len(verbaliser_ids(tok, spec("hkb", ["1", "0"]))) == 2
+    tok = AutoTokenizer.from_pretrained(str(tiny_refiner))  # the toy world's byte-level BPE: splits most words
+    assert tok.convert_ids_to_tokens(verbaliser_ids(tok, spec(variant, verbalisers))) == first
+
+
+def test_verbalisers_that_start_with_one_token_are_named(tiny_refiner):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_refiner))
+    with pytest.raises(ValueError, match=r"start with different tokens.*'Ret' → 'R'; 'Rel' → 'R'"):
+        verbaliser_ids(tok, spec("ret", ["Ret", "Rel"]))
 
 
 def test_sweep_from_one_set_of_scores():

@@ -119,11 +119,12 @@ def test_bad_configs_fail_before_a_model_loads(variant, overrides, rows_of, matc
         main(argv)
 
 
-def test_verbalisers_the_tokenizer_splits_are_refused(tiny_world, tiny_refiner, tmp_path):
+def test_verbalisers_that_start_with_one_token_are_refused(tiny_world, tiny_refiner, tmp_path):
     from gate.train.sft import main
 
-    argv = sft_config(tmp_path, tiny_refiner, "hkb", render_rows("hkb", gate_records(tiny_world)))
-    with pytest.raises(ValueError, match="single tokens"):
+    rows = render_rows("hkb", gate_records(tiny_world), verbalisers=["true", "trust"])  # t r u e, t r u st
+    argv = sft_config(tmp_path, tiny_refiner, "hkb", rows, verbalisers=["true", "trust"])
+    with pytest.raises(ValueError, match="start with different tokens"):
         main(argv)
 
 

@@ -85,7 +85,7 @@ class FirstTokenReranker:
     ) -> FirstTokenReranker:
         model, processor = load_model(path, dtype=dtype, device=device)
         s = dict(spec("srt", verbalisers), system=cls.VLM_SYSTEM.replace("Yes or No", " or ".join(verbalisers)))
-        verbaliser_ids(processor.tokenizer, s)  # each verbaliser must be one token of this model
+        verbaliser_ids(processor.tokenizer, s)  # the verbalisers must start with different tokens of this model
         return cls(model.eval(), processor, s, f"vlm:{path}")
 
     def score(self, images, queries: list[str], sections: list[list[str]]) -> list[np.ndarray]:

@@ -8,7 +8,7 @@ replaced by ``--variant`` (an error without it). The loop is
 TRL's SFTTrainer on a conversational prompt–completion dataset with one image per row (``gate.train.build_data --stage
 render``), loss on the completion only, vision tower frozen. Everything checkable is checked before a model loads:
 the variant, the files, the class balance (printed; an empty class is an error unless ``allow_single_class``), and
-that the verbalisers are single tokens of the model's tokenizer.
+that the verbalisers start with different tokens of the model's tokenizer (first-token scoring reads those).
 
 Writes ``output_dir/final``: the merged model (LoRA folded in), its processor and ``gate.json`` (variant,
 verbalisers), loadable by ``gate.scoring.load_gate``; and, with ``eval_file``, ``output_dir/gate_eval.json``: the
