@@ -326,3 +326,35 @@ def test_sample_and_judge_record_the_greedy_answer(questions, tiny_world, tmp_pa
     build(BuildDataArgs(stage="judge", out=str(out)), **QUIET)
     judged = {r["id"]: r for r in map(json.loads, open(out / "judged.jsonl"))}
     assert judged[picked[0]["id"]]["greedy_score"] == 5.0 and judged[picked[1]["id"]]["greedy_score"] == 1.0
+
+
+def test_questions_without_gold_answers_are_not_judged(questions, tiny_world, tmp_path):
+    """Nothing to judge against (a question with neither answers nor answer_eval): no judge call, scores None, so
+    only kbm-cert labels it."""
+    path, picked = questions
+    rows = [{**picked[0], "answers": [], "answer_eval": None}, picked[1]]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "d"
+    stage_sample(
+        BuildDataArgs(stage="sample", queries=str(path), images_root=str(tiny_world), out=str(out), samples=3),
+        out,
+        generate=lambda images, texts, sample: ["red"] * len(texts),
+        **QUIET,
+    )
+    asked = []
+
+    class Judge:
+        def score(self, question, answer, golds, answer_eval=None):
+            asked.append(question)
+            return 1.0
+
+    from gate.train.build_data import stage_judge
+
+    args = BuildDataArgs(stage="judge", out=str(out))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("gate.train.build_data.judge_from_args", lambda a: Judge())
+        stage_judge(args, out, **QUIET)
+    judged = {r["id"]: r for r in map(json.loads, open(out / "judged.jsonl"))}
+    assert asked == [picked[1]["question"]]  # its samples and greedy answer are all "red": judged once
+    assert judged[picked[0]["id"]]["scores"] == [None] * 3 and judged[picked[0]["id"]]["greedy_score"] is None
+    assert judged[picked[1]["id"]]["scores"] == [1.0] * 3

@@ -41,7 +41,7 @@ from gate.pipeline.consistency import stage_consistency
 from gate.pipeline.context import load_questions, stage_context, stage_retrieve, vlm_answerer
 from gate.pipeline.judges import judge_all, judge_from_args
 from gate.train.answer_expansion import stage_expand
-from gate.train.labelling import LABEL_SOURCES, stage_label, stage_render
+from gate.train.labelling import LABEL_SOURCES, has_gold, stage_label, stage_render
 from rl.model import open_vlm_image
 
 STAGES = ("sample", "judge", "retrieve", "context", "consistency", "label", "expand", "render")
@@ -217,6 +217,8 @@ def stage_judge(args: BuildDataArgs, out: Path, log=print) -> int:
     cache: dict = {}
     for start in range(0, len(todo), 64):
         batch = todo[start : start + 64]
+        unjudged = [r for r in batch if not has_gold(r)]  # nothing to judge against: kbm-cert labels them unjudged
+        batch = [r for r in batch if has_gold(r)]
         greedy = [{**r, "samples": [r["greedy"]]} for r in batch if "greedy" in r]
         greedy_scores = iter(judge_all(greedy, judge, cache))  # the same cache: an answer is judged once
         append_jsonl(
@@ -229,10 +231,18 @@ def stage_judge(args: BuildDataArgs, out: Path, log=print) -> int:
                     **({"greedy_score": next(greedy_scores)[0]} if "greedy" in r else {}),
                 }
                 for r, s in zip(batch, judge_all(batch, judge, cache))
+            ]
+            + [
+                {**r, "judge": None, "scores": [None] * len(r["samples"])}
+                | ({"greedy_score": None} if "greedy" in r else {})
+                for r in unjudged
             ],
         )
-    failures = getattr(judge, "failures", 0)
-    log(f"judge ({args.judge}): {len(todo)} questions, {len(cache)} distinct answers judged, {failures} failures")
+    failures, no_gold = getattr(judge, "failures", 0), sum(not has_gold(r) for r in todo)
+    log(
+        f"judge ({args.judge}): {len(todo)} questions, {len(cache)} distinct answers judged, {failures} failures"
+        + (f"; {no_gold} without gold answers, not judged" if no_gold else "")
+    )
     return len(todo)
 
 

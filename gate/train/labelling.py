@@ -41,7 +41,8 @@ def _scores(rec: dict) -> list[float]:
     return [s for s in rec.get("scores", []) if s is not None]
 
 
-def _has_gold(rec: dict) -> bool:
+def has_gold(rec: dict) -> bool:
+    """Whether a question has anything to judge its answers against (gold answers, or InfoSeek's answer_eval)."""
     return bool(rec.get("answers")) or rec.get("answer_eval") is not None
 
 
@@ -86,7 +87,7 @@ def label_records(variant: str, rec: dict, args, contexts: dict | None = None) -
                 "context": numbered_documents([section_text(rec["hits"][j]) for j in example["shown"]]),
             }
         ]
-    if not _has_gold(rec):
+    if not has_gold(rec):
         return []
     if variant in ("mct", "inspector"):
         hits, gold = rec["hits"], str(rec["entity_id"])
@@ -177,7 +178,7 @@ def stage_label(args, out: Path, log=print) -> int:
             continue
         labelled = label_records(args.variant, rec, args, contexts)
         if not labelled:
-            no_gold += not _has_gold(rec) and not mct_from_consistency(args)
+            no_gold += not has_gold(rec) and not mct_from_consistency(args)
             skipped += 1
             continue
         base = {k: rec[k] for k in KEEP if k in rec} | {"variant": args.variant}
