@@ -43,8 +43,8 @@ def test_real_configs_carry_the_paper_betas():
 
 
 def test_a_vlm_scores_relevance_zero_shot_by_its_first_token(tiny_gate_vlm, tiny_world):
-    """vlm:NAME — any VLM, P(positive verbaliser) to a relevance question, the gates' scoring code; a verbaliser
-    that is not one token of the model is refused by name."""
+    """vlm:NAME — any VLM, P(positive verbaliser) to a relevance question, the gates' scoring code; verbalisers that
+    start with one token of the model (they cannot be told apart by it) are refused by name."""
     from PIL import Image
 
     from common.files import read_jsonl
@@ -60,8 +60,8 @@ def test_a_vlm_scores_relevance_zero_shot_by_its_first_token(tiny_gate_vlm, tiny
         rr.model, rr.processor, rr.spec, [image] * 3, [row["question"]] * 3, ["a section", "another section", "a third"]
     )
     assert len(scores) == 1 and np.allclose(scores[0], direct) and ((0 < scores[0]) & (scores[0] < 1)).all()
-    with pytest.raises(ValueError, match="verbaliser"):
-        load_reranker(f"vlm:{tiny_gate_vlm}", device="cpu", verbalisers=("Absolutely certainly", "No way at all"))
+    with pytest.raises(ValueError, match=r"start with different tokens.*'Relevant'.*'Relevance'"):
+        load_reranker(f"vlm:{tiny_gate_vlm}", device="cpu", verbalisers=("Relevant", "Relevance"))
     with pytest.raises(ValueError, match="text_reranker"):
         load_text_reranker(f"vlm:{tiny_gate_vlm}")
 
