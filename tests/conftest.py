@@ -5,7 +5,6 @@ no GPU, run with ``pytest -m gpu``. ``slow`` tests (a real-width bf16 step) are 
 ``pytest -m slow``, so ``make test`` stays fast on the slowest machine of this kind.
 """
 
-import gc
 import json
 import os
 import sys
@@ -36,7 +35,9 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    gc.freeze()  # as common.cli.run does: no last collections over millions of objects at exit (seconds here)
+    from common.cli import freeze_for_exit
+
+    freeze_for_exit()  # as common.cli.run does: no last collections over millions of objects at exit (seconds here)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,0 +1,44 @@
+"""common.cli.run's exit: the objects alive at the end are frozen out of the garbage collector (the interpreter's last
+collections cost over a second a process), except when a nanobind extension is loaded, whose exit check reports what
+the freeze keeps as leaks (triton 3.9, which torch._dynamo imports: dozens of lines after every job)."""
+
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_a_process_without_nanobind_freezes_its_objects_at_exit():
+    proc = python(
+        "import gc\nfrom common.cli import freeze_for_exit\nprint(freeze_for_exit(), gc.get_freeze_count() > 0)"
+    )
+    assert proc.returncode == 0 and proc.stdout.split() == ["True", "True"], proc.stderr
+
+
+def test_a_loaded_nanobind_class_is_found_and_nothing_is_frozen(monkeypatch):
+    import gc
+
+    from common import cli
+
+    meta = type("nb_meta", (type,), {"__module__": "nanobind"})  # what nanobind's classes are instances of
+    module = types.ModuleType("fake_nanobind_extension")
+    module.Context = meta("Context", (), {})
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    frozen = gc.get_freeze_count()
+    assert cli.nanobind_extension_loaded() and cli.freeze_for_exit() is False
+    assert gc.get_freeze_count() == frozen
+
+
+def test_an_entry_point_with_triton_loaded_exits_without_leak_reports():
+    pytest.importorskip("triton")
+    proc = python("import triton\nfrom common.cli import run\nrun(lambda: print('done'))")
+    assert proc.returncode == 0 and proc.stdout.strip() == "done"
+    assert "leaked" not in proc.stderr, proc.stderr[-2000:]
