@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import re
@@ -156,8 +157,6 @@ def open_vlm_image(path):
     and keeps whatever colour lies under it, so a transparent PNG would look otherwise at inference. transformers
     5.24 deprecates a PIL image out of ``convert_to_rgb`` (a warning in every job): the array is asked for where the
     installed version takes ``return_numpy``, and made an image again."""
-    import inspect
-
     from transformers.image_transforms import convert_to_rgb
 
     with Image.open(path) as im:
