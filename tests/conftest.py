@@ -34,6 +34,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(not_asked)
 
 
+def pytest_terminal_summary(terminalreporter):
+    from tests.machine import this_machine
+
+    terminalreporter.write_line(f"machine: {this_machine()}")  # the suite's wall time depends on it: docs/testing.md
+
+
 def pytest_sessionfinish(session, exitstatus):
     from common.cli import freeze_for_exit
 
