@@ -34,6 +34,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(not_asked)
 
 
+@pytest.hookimpl(trylast=True)  # after the durations and the short summary: next to pytest's last line
 def pytest_terminal_summary(terminalreporter):
     from tests.machine import this_machine
 
