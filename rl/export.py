@@ -35,7 +35,7 @@ from rewards import parse_query
 from rewards.format import PARSER_VERSION
 from rl.generate import generate_completions, sampling_settings
 from rl.image_budget import apply_image_budget
-from rl.model import open_vlm_image
+from rl.model import open_vlm_image, quiet_checkpointing_deprecation
 from rl.model_card import held_out, refiner_card, vllm_serve_command
 from rl.run_record import RUN_RECORD, find_run_record
 
@@ -208,6 +208,7 @@ def verify(folder: Path, image_path: str | None = None, question: str = "What is
 
 
 def export(args: ExportArgs, log=print) -> Path:
+    quiet_checkpointing_deprecation()
     check_choices(args)
     if not args.checkpoint or not Path(args.checkpoint).is_dir():
         raise ValueError(f"--checkpoint: folder {args.checkpoint!r} does not exist")

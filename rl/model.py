@@ -6,12 +6,20 @@ import inspect
 import json
 import logging
 import re
+import warnings
 from pathlib import Path
 
 import torch
 from PIL import Image
 
 from common.placement import outside_zero3_init, resolve_dtype
+
+
+def quiet_checkpointing_deprecation() -> None:
+    """PEFT 0.21 (wrapping or loading a LoRA model) and TRL 1.16 (at every generation) read
+    ``model.is_gradient_checkpointing``, deprecated in transformers 5.23: a FutureWarning about the libraries' own
+    code, not the run. The jobs that train or load LoRA (rl.train_grpo, gate.train.sft, rl.export) silence it."""
+    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
 
 
 def vision_tower(model):

@@ -13,7 +13,6 @@ GRPO, and prints a table of test-set retrieval for the original question, the wa
 from __future__ import annotations
 
 import time
-import warnings
 from pathlib import Path
 
 from transformers.utils import logging as hf_logging
@@ -24,7 +23,7 @@ from common.placement import Processes, configure_threads
 from retrieval.index import MultimodalIndex
 from rl.arguments import parse_arguments, validate, validate_files
 from rl.data import question_dataset, warn_absent_entities
-from rl.model import lora_config
+from rl.model import lora_config, quiet_checkpointing_deprecation
 from rl.model_card import write_run_cards
 from rl.monitor import RefinerMonitor, setup_wandb
 from rl.run_record import write_run_record
@@ -33,8 +32,7 @@ from rl.trainer_parts import announce_rank, build_rewards, check_full_finetune_f
 
 def main(argv=None) -> dict:
     t_start = time.time()
-    # TRL 1.16 reads model.is_gradient_checkpointing (deprecated in transformers 5.23) at every generation
-    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+    quiet_checkpointing_deprecation()
     hf_logging.disable_progress_bar()  # weight loading / shard writing bars inside phases that have their own
     args, training_args, model_args, world, world_args, state = parse_arguments(argv)
     geometry = validate(args, training_args, model_args, state.num_processes)

@@ -378,6 +378,7 @@ def test_full_fine_tuning_of_3b_without_deepspeed_is_refused_on_an_80_gb_gpu():
     assert check_fits(small, gpu, "x") == pytest.approx(sum(small.values())) and sum(small.values()) < 60e9
 
 
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # PEFT reads it
 def test_lora_without_target_modules_goes_on_the_language_models_linear_layers(tiny_refiner):
     """`--use_peft` alone: PEFT knows no default targets for Qwen2.5-VL and refuses such a config (inside the trainer,
     after every model has loaded); ``lora_config`` names every linear layer outside the vision tower instead."""

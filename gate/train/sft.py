@@ -36,6 +36,7 @@ from rl.model import (
     load_trained,
     lora_config,
     master_dtype,
+    quiet_checkpointing_deprecation,
     trainable_parameters,
     vision_tower,
     zero_stage,
@@ -172,6 +173,7 @@ def main(argv=None) -> dict:
     from transformers.integrations import is_deepspeed_zero3_enabled
     from trl import SFTTrainer
 
+    quiet_checkpointing_deprecation()
     args, training_args, model_args = parse_args(argv)
     rows, eval_rows = validate(args, training_args, model_args)
     prompt = rendered_prompt(args.train_file, args.variant)
