@@ -378,15 +378,15 @@ def test_full_fine_tuning_of_3b_without_deepspeed_is_refused_on_an_80_gb_gpu():
     assert check_fits(small, gpu, "x") == pytest.approx(sum(small.values())) and sum(small.values()) < 60e9
 
 
-@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # PEFT reads it
 def test_lora_without_target_modules_goes_on_the_language_models_linear_layers(tiny_refiner):
     """`--use_peft` alone: PEFT knows no default targets for Qwen2.5-VL and refuses such a config (inside the trainer,
     after every model has loaded); ``lora_config`` names every linear layer outside the vision tower instead."""
     from peft import get_peft_model
     from trl import ModelConfig, get_peft_config
 
-    from rl.model import exclude_vision_tower, load_model, lora_config
+    from rl.model import exclude_vision_tower, load_model, lora_config, quiet_checkpointing_deprecation
 
+    quiet_checkpointing_deprecation()  # as the jobs do: PEFT reads the deprecated flag (pytest restores the filters)
     model, _ = load_model(str(tiny_refiner), "float32", device="cpu")
     model_args = ModelConfig(use_peft=True, lora_r=4)
     with pytest.raises(ValueError, match="target_modules"):  # TRL's config as it comes, vision tower excluded
