@@ -29,10 +29,10 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import faiss
 import numpy as np
 import torch
 
+from common.faiss_lib import faiss
 from common.placement import configure_threads, usable_cores
 from retrieval.faiss_build import build_faiss_index_from_chunks, read_faiss
 from retrieval.index import MultimodalIndex

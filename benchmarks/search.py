@@ -19,12 +19,14 @@ import gc
 import math
 import os
 import time
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import faiss
 import numpy as np
+from threadpoolctl import threadpool_info
 
+from common.faiss_lib import faiss
 from retrieval.faiss_build import build_faiss_index
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -84,6 +86,8 @@ print(
     f"os.cpu_count() = {os.cpu_count()}"
 )
 print(f"numpy sgemm peak (4096×4096 @ 4096×4096 float32, best of 3): {sgemm:.1f} GFLOP/s")
+blas = [(Path(i["filepath"]).name, i.get("architecture")) for i in threadpool_info() if i["internal_api"] == "openblas"]
+print("OpenBLAS kernels: " + ", ".join(f"{arch} in {name}" for name, arch in blas) + " (FAISS's: common.faiss_lib)")
 print("load average at start: %.2f %.2f %.2f (other work on the machine skews the timings)" % os.getloadavg())
 print(f"d = {d}, {nq} queries per batch, k = {k}, best of {args.repeats} after a warm-up")
 if any(n > args.max_ann for n in sizes):

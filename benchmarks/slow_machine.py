@@ -2,8 +2,10 @@
 instructions, and slower (`make demo`'s training took 742 s there, 260 s on the Intel Xeon: 2.85×).
 
 Two handicaps, each optional:
-- the instruction set: torch's kernels, oneDNN and MKL held to ``--isa`` (``ATEN_CPU_CAPABILITY``,
-  ``ONEDNN_MAX_CPU_ISA``, ``MKL_ENABLE_INSTRUCTIONS``; every process the suite launches inherits them);
+- the instruction set: torch's kernels, oneDNN, MKL, FAISS's own kernels and the OpenBLAS that FAISS and numpy
+  bundle held to ``--isa`` (``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``, ``MKL_ENABLE_INSTRUCTIONS``,
+  ``FAISS_SIMD_LEVEL``, ``OPENBLAS_CORETYPE``; every process the suite launches inherits them). Held to AVX2, a bf16
+  matrix product takes torch's fallback, as on a CPU without bf16 instructions;
 - the speed: the suite and everything it launches in a cgroup whose CFS quota is this machine's cores ÷
   ``--slowdown`` CPUs, refilled every ``--period-ms`` (short, so each pause is short). Needs a writable cgroup
   (cgroup v1's ``cpu`` hierarchy or v2 with the cpu controller: root on this kind of machine).
@@ -29,7 +31,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ISA_VARIABLES = {  # each library's own switch, as each spells the level
-    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    "avx2": {
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+        "FAISS_SIMD_LEVEL": "AVX2",
+        "OPENBLAS_CORETYPE": "Haswell",
+    },
     "native": {},
 }
 

@@ -8,7 +8,8 @@ Per process (one training rank, or one evaluation / pipeline process):
   GPUs. An index type FAISS cannot put on a GPU (HNSW) stays on the CPU, with a log line.
 - Exact ranks (retrieval.exact) keep one replica of a Flat index's rows on the same device: a zero-copy view of the
   memory-mapped file on the CPU, an fp16 copy on the GPU.
-- Threads: FAISS / OpenMP and torch intra-op threads = usable cores ÷ processes on this node (``configure_threads``).
+- Threads: FAISS / OpenMP and torch intra-op threads = usable cores ÷ processes on this node (``configure_threads``);
+  FAISS's own OpenBLAS runs kernels chosen from the CPU's flags (``common.faiss_lib``).
 - Encoders load outside DeepSpeed ZeRO-3's partitioned init (``outside_zero3_init``): they are frozen, used for
   inference only, and must be whole on every rank.
 """
@@ -146,8 +147,9 @@ def threads_per_process(cores: int | None = None, processes: int | None = None) 
 
 def configure_threads(threads: int | None = None) -> int:
     """Set FAISS's OpenMP threads (and torch's intra-op threads) to cores ÷ local processes; returns the count."""
-    import faiss
     import torch
+
+    from common.faiss_lib import faiss
 
     n = threads or threads_per_process()
     faiss.omp_set_num_threads(n)
@@ -158,7 +160,7 @@ def configure_threads(threads: int | None = None) -> int:
 def index_to_device(index, device: str):
     """A FAISS index for ``device``: unchanged on ``cpu``; one replica with fp16 storage on ``cuda:N``; a type that
     cannot live on a GPU stays on the CPU (logged). Returns (index, where it is: "cpu" or "cuda:N")."""
-    import faiss
+    from common.faiss_lib import faiss
 
     ordinal = gpu_ordinal(device)
     if ordinal is None:

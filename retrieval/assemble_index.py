@@ -24,9 +24,10 @@ from retrieval.kb_scan import KBScan
 def assemble(out: Path, build_dir: Path, scan: KBScan, items, settings: dict, args, log) -> dict:
     """Process 0: the FAISS index from the shards (rows in KB order), rows.parquet, skipped.jsonl, the manifest.
     ``args``: the build's ``BuildArgs``; ``settings``: what the manifest records as the build's identity."""
-    import faiss
     import pyarrow as pa
     import pyarrow.parquet as pq
+
+    from common.faiss_lib import faiss
 
     text_metas = [json.loads(shard_paths(build_dir, k, i)[1].read_text()) for k, i in items if k == "text"]
     image_shards = [i for k, i in items if k == "image"]
@@ -128,11 +129,12 @@ def assemble(out: Path, build_dir: Path, scan: KBScan, items, settings: dict, ar
 
 
 def versions() -> dict:
-    import faiss
     import open_clip
     import sentence_transformers
     import torch
     import transformers
+
+    from common.faiss_lib import faiss
 
     return {
         "faiss": faiss.__version__,

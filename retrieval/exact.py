@@ -21,7 +21,7 @@ STORAGE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 def flat_storage(index) -> str | None:
     """``fp32`` / ``fp16`` / ``bf16`` when ``index`` stores its rows uncompressed (Flat, SQfp16, SQbf16), else None."""
-    import faiss
+    from common.faiss_lib import faiss
 
     index = faiss.downcast_index(index)
     if isinstance(index, faiss.IndexFlat):
@@ -37,7 +37,7 @@ def flat_storage(index) -> str | None:
 def rows_view(index) -> torch.Tensor:
     """The rows of a Flat / SQfp16 / SQbf16 FAISS index as an (n, d) CPU tensor sharing the index's memory (so a
     memory-mapped index stays shared through the page cache). Keep ``index`` alive while the view is used."""
-    import faiss
+    from common.faiss_lib import faiss
 
     storage = flat_storage(index)
     if storage is None:
@@ -61,7 +61,7 @@ class StoredRows:
     over the same vectors (retrieval.evaluate)."""
 
     def __init__(self, index):
-        import faiss
+        from common.faiss_lib import faiss
 
         ivf = faiss.try_extract_index_ivf(index) if hasattr(faiss, "try_extract_index_ivf") else None
         if ivf is not None:

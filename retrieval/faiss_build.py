@@ -13,7 +13,7 @@ import numpy as np
 def check_factory(factory: str, dim: int = 1024) -> str:
     """Refuse a FAISS factory string that FAISS cannot build at ``dim`` (an index build's settings are checked at a
     1,024-dim probe before the encoders give the rows' width; the build checks again at that width)."""
-    import faiss
+    from common.faiss_lib import faiss
 
     try:
         faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
@@ -39,7 +39,7 @@ def build_faiss_index_from_chunks(
     ``max_train_rows`` rows spread evenly over all of them (every ``ceil(total / max_train_rows)``-th row, a second
     pass over the chunks; ``total_rows`` saves counting them): a KB comes grouped by article, and centroids trained
     on its first rows alone would cover only the articles that come first."""
-    import faiss
+    from common.faiss_lib import faiss
 
     index = faiss.index_factory(dim, check_factory(factory, dim), faiss.METRIC_INNER_PRODUCT)
     if not index.is_trained:
@@ -66,7 +66,7 @@ def build_faiss_index_from_chunks(
 
 def read_faiss(path: Path):
     """A FAISS index file, memory-mapped when its type allows (the rows stay on disk until searched)."""
-    import faiss
+    from common.faiss_lib import faiss
 
     flag = getattr(faiss, "IO_FLAG_MMAP_IFC", getattr(faiss, "IO_FLAG_MMAP", 0))
     try:
@@ -78,7 +78,7 @@ def read_faiss(path: Path):
 def set_parameter(index, name: str, value) -> bool:
     """Set a search parameter (``nprobe``, ``efSearch``, …) wherever FAISS finds it inside ``index`` (through
     pre-transforms, refinement and ID maps: FAISS's ParameterSpace); False when no index inside has it."""
-    import faiss
+    from common.faiss_lib import faiss
 
     try:
         faiss.ParameterSpace().set_index_parameter(index, name, value)

@@ -98,8 +98,9 @@ class MultimodalIndex:
         different from the manifest's is an error that states both. ``query_instruction`` overrides the manifest's
         (``none``: no instruction; ``auto``: the manifest's, i.e. the model's own prompt as the build resolved it).
         """
-        import faiss
         import pyarrow.parquet as pq
+
+        from common.faiss_lib import faiss
 
         path = Path(path)
         manifest_path = path / MANIFEST_FILE
@@ -236,7 +237,7 @@ class MultimodalIndex:
             return cpu
         if self.search_device == "cpu":
             return self.faiss
-        import faiss
+        from common.faiss_lib import faiss
 
         return faiss.index_gpu_to_cpu(self.faiss)
 

@@ -19,7 +19,7 @@ def args_for(world, out, **kw):
 
 
 def vectors(index_dir):
-    import faiss
+    from common.faiss_lib import faiss
 
     index = faiss.read_index(str(index_dir / "index.faiss"))
     return index.reconstruct_n(0, index.ntotal)

@@ -19,7 +19,7 @@ TEMPLATE = "{title}. {section_title}. {text}"
 
 
 def vectors(index_dir):
-    import faiss
+    from common.faiss_lib import faiss
 
     index = faiss.read_index(str(index_dir / "index.faiss"))
     return index.reconstruct_n(0, index.ntotal)

@@ -124,7 +124,7 @@ def test_ties_go_to_the_gold_entity():
     "factory,storage", [("Flat", "fp32"), ("SQfp16", "fp16"), ("SQbf16", "bf16"), ("HNSW8,Flat", None)]
 )
 def test_rows_view_shares_the_index_memory(factory, storage, tmp_path):
-    import faiss
+    from common.faiss_lib import faiss
 
     rows = l2_normalize(np.random.default_rng(0).normal(size=(300, 16)))
     index = build_faiss_index(rows, factory)
@@ -203,7 +203,7 @@ def test_ranks_past_the_gpu_k_cap_come_from_the_cpu_copy():
 
 
 def test_placement_puts_one_replica_on_this_ranks_gpu(monkeypatch, caplog):
-    import faiss
+    from common.faiss_lib import faiss
 
     calls = []
     monkeypatch.setattr(faiss, "get_num_gpus", lambda: 8, raising=False)
@@ -354,9 +354,10 @@ def test_hnsw_searches_as_deep_as_the_rows_it_is_asked_for(tmp_path):
     """FAISS's HNSW explores about efSearch candidates (16 unless set); a loaded index raises it to the rows each
     search asks for, so its depth-200 ranks of a 20-rows-per-entity index agree with the exact ones (at FAISS's 16,
     11 of these 40 did)."""
-    import faiss
     import pyarrow as pa
     import pyarrow.parquet as pq
+
+    from common.faiss_lib import faiss
 
     index, rows, ents = make([20] * 300, factory="HNSW16,Flat", rank_method="search")
     faiss.write_index(index.faiss, str(tmp_path / "index.faiss"))

@@ -50,7 +50,7 @@ def test_exact_ranks_on_the_gpu_replica_equal_the_cpu_ranks():
 
 
 def test_faiss_puts_one_fp16_replica_on_this_gpu_and_caps_k():
-    faiss = pytest.importorskip("faiss")
+    faiss = pytest.importorskip("common.faiss_lib").faiss
     if not hasattr(faiss, "StandardGpuResources") or faiss.get_num_gpus() == 0:
         pytest.skip("this FAISS has no GPU support: pip install faiss-gpu (the gpu extra)")
     from common import placement
