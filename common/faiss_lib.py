@@ -10,7 +10,9 @@ or more), k-means and IVF assignment with that library's sgemm: on the Intel mac
 (``benchmarks/search.py``), and the reward's ranking step over 100,000 rows of 2,048 dims 1,083 ms against 293 ms
 (``benchmarks/reward_scale.py``).
 
-OpenBLAS reads ``OPENBLAS_CORETYPE`` in place of its own detection when the library is loaded. This module sets it
+OpenBLAS 0.3.19 added a fallback by the CPU's features for models it does not know (OpenBLAS pull request 3485);
+the copy FAISS bundles predates it. OpenBLAS reads ``OPENBLAS_CORETYPE`` in place of its own detection when the
+library is loaded. This module sets it
 from the CPU's instruction-set flags (``openblas_coretype``) for the moment ``import faiss`` loads that library, and
 removes it again, so that numpy's OpenBLAS (loaded before) and anything loaded after keep their own detection. A
 value the user set is left alone and wins. Import FAISS through this module everywhere, or the first plain
