@@ -210,15 +210,17 @@ def last_step(log_history: list[dict]) -> int | None:
     return max(steps) if steps else None
 
 
-def write_run_cards(output_dir, log_history: list[dict]) -> str:
-    """Our card over TRL's in a run's ``final/`` folder and its output dir (main process, after the final save)."""
+def write_run_cards(output_dir, log_history: list[dict], best_step: int | None = None) -> str:
+    """Our card over TRL's in a run's ``final/`` folder and its output dir (main process, after the final save).
+    ``best_step``: the step whose weights ``final/`` holds when the trainer loaded the best checkpoint at the end
+    (``load_best_model_at_end``): the card names it and that step's evaluation, not the last ones."""
     output_dir = Path(output_dir)
     record = json.loads((output_dir / RUN_RECORD).read_text())
     text = refiner_card(
         record,
-        held_out(log_history),
+        held_out(log_history, best_step),
         name=output_dir.resolve().name,
-        step=last_step(log_history),
+        step=best_step if best_step is not None else last_step(log_history),
         folder=(output_dir / "final").resolve(),
     )
     for folder in (output_dir / "final", output_dir):

@@ -87,7 +87,8 @@ def main(argv=None) -> dict:
     trainer.save_model(str(output_dir / "final"))  # gathers ZeRO-3 shards (zero3_save_16bit_model) on rank 0
     if state.is_main_process:
         processor.save_pretrained(str(output_dir / "final"))
-        write_run_cards(output_dir, trainer.state.log_history)  # over TRL's placeholder cards
+        best = trainer.state.best_global_step if training_args.load_best_model_at_end else None
+        write_run_cards(output_dir, trainer.state.log_history, best)  # over TRL's placeholder cards
     result = {"reward_time": getattr(monitor, "summary", {}), "log_history": trainer.state.log_history}
     if world and state.is_main_process:
         result["world_report"] = world.report(args, world_args, index, model_path, processor, output_dir, t_start)

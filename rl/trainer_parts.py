@@ -10,6 +10,7 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 
 from retrieval.encoders import parameter_elements
 from rewards import FormatReward, RetrievalReward, parse_tiers
+from rl.checkpoints import use_converting_loads
 from rl.image_budget import (
     apply_image_budget,
     check_budget,
@@ -160,6 +161,8 @@ def ready_trainer(
                 f"{', '.join(leaked[:5])}"
             )
     say(f"trainable parameters: {trainable_parameters(trainer.model):,}")
+    if use_converting_loads(trainer) and (training_args.resume_from_checkpoint or training_args.load_best_model_at_end):
+        say("checkpoint weights load through from_pretrained's key conversion (rl/checkpoints.py)")
 
 
 def check_full_finetune_fits(model, index, encoders, training_args, model_args, device, say) -> None:

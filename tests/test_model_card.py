@@ -320,6 +320,20 @@ def test_write_run_cards_over_trl_and_peft_cards(tmp_path):
     assert f"--checkpoint {(run / 'final').resolve()}" in text
 
 
+def test_a_run_that_loaded_its_best_checkpoint_names_that_step_and_its_evaluation(tmp_path):
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    (run / RUN_RECORD).write_text(json.dumps(run_record()))
+    best = {"step": 1, "eval_retrieval/hit@1": 0.5}
+    last = {"step": 3, "eval_retrieval/hit@1": 0.125}
+    history = [{"step": 1, "reward": 1.0}, best, {"step": 2, "reward": 0.5}, {"step": 3, "reward": 0.2}, last]
+    assert "Training step: 3" in write_run_cards(run, history) and "| retrieval/hit@1 | 0.125 |" in write_run_cards(
+        run, history
+    )
+    text = write_run_cards(run, history, best_step=1)
+    assert "Training step: 1" in text and "| retrieval/hit@1 | 0.5 |" in text
+
+
 def test_write_gate_cards(tmp_path):
     (tmp_path / "hkb" / "final").mkdir(parents=True)
     (tmp_path / "hkb" / "final" / "gate.json").write_text(json.dumps(gate_info("hkb")))

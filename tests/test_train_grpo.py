@@ -2,6 +2,7 @@
 metrics, resumes from a checkpoint, and refuses bad settings before loading any model."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -65,8 +66,10 @@ def test_lora_trains_adapters_only(config, tiny_refiner, tmp_path):
     assert "No held-out figures" in our_card(tmp_path / "run" / "final", tiny_refiner)  # over PEFT's adapter card
 
 
-def test_resume_continues_from_the_saved_step(config, tmp_path):
-    """Resuming from checkpoint-2 runs only step 3, on the same prompts as the uninterrupted run's step 3."""
+def test_resume_continues_from_the_saved_step(config, tiny_refiner, tmp_path):
+    """Resuming from checkpoint-2 runs only step 3, on the same prompts as the uninterrupted run's step 3, from
+    checkpoint-2's weights (transformers 5.24's own load matched no key of a Qwen2.5-VL checkpoint: rl/checkpoints.py),
+    and ends on the uninterrupted run's weights."""
     full = tg.main(config(max_steps=3, save_strategy="steps", save_steps=1, output_dir=str(tmp_path / "a")))
     resumed = tg.main(
         config(
@@ -89,6 +92,10 @@ def test_resume_continues_from_the_saved_step(config, tmp_path):
     a, b = prompts_at(tmp_path / "a"), prompts_at(tmp_path / "b")
     assert set(b) == {3} and b[3] == a[3]  # only step 3 ran again, with the same data order
     assert a[1] != a[3] or a[2] != a[3]
+    base, checkpoint = weights(tiny_refiner), weights(tmp_path / "a" / "checkpoint-2")
+    uninterrupted, resumed_final = weights(tmp_path / "a" / "final"), weights(tmp_path / "b" / "final")
+    moved = [k for k in checkpoint if not torch.equal(checkpoint[k], base[k])]
+    assert moved and all(torch.allclose(resumed_final[k], uninterrupted[k], atol=1e-6) for k in uninterrupted)
 
 
 @pytest.mark.parametrize(
@@ -142,6 +149,12 @@ def test_held_out_eval_selects_the_best_checkpoint(config, tiny_world, tiny_refi
     state = json.loads((tmp_path / "run" / "checkpoint-2" / "trainer_state.json").read_text())
     assert state["best_metric"] == pytest.approx(max(h["eval_retrieval/hit@1"] for h in evals))
     assert state["best_model_checkpoint"].endswith(("checkpoint-1", "checkpoint-2"))
+    # final/ holds the best checkpoint's weights (loaded through rl/checkpoints.py), and its card says so
+    best = tmp_path / "run" / Path(state["best_model_checkpoint"]).name
+    final = weights(tmp_path / "run" / "final")
+    assert all(torch.equal(final[k], v) for k, v in weights(best).items())
+    card = (tmp_path / "run" / "final" / "README.md").read_text()
+    assert f"Training step: {state['best_global_step']}" in card
     # our card, over the one TRL wrote into the output dir at each checkpoint, with the last held-out figures
     card = our_card(tmp_path / "run", tiny_refiner)
     assert card == our_card(tmp_path / "run" / "final", tiny_refiner)

@@ -30,6 +30,7 @@ from gate.train.evaluation import evaluate_gate, evaluate_generated
 from gate.train.model_card import write_gate_cards
 from gate.train.render import class_balance, format_balance
 from gate.variants import BINARY, VARIANTS, completion, prompt_file_for, spec
+from rl.checkpoints import use_converting_loads
 from rl.model import (
     freeze_vision_tower,
     load_model,
@@ -209,6 +210,7 @@ def main(argv=None) -> dict:
     if args.freeze_vision_tower and trainable_parameters(vision_tower(trainer.model)):
         raise RuntimeError("vision-tower parameters are trainable despite freeze_vision_tower")
     print(f"trainable parameters: {trainable_parameters(trainer.model):,}")
+    use_converting_loads(trainer)  # a full fine-tune's checkpoint loads through from_pretrained (rl/checkpoints.py)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
 
     result = {"log_history": trainer.state.log_history}

@@ -1,0 +1,57 @@
+"""Loading a checkpoint's weights back into a full fine-tune outside DeepSpeed and PEFT (resume, best model at end).
+
+transformers 5.24's Trainer saves a checkpoint with ``save_pretrained``, which writes the checkpoint format's key
+names (``save_original_format=True``: Qwen2.5-VL's ``visual.*`` and ``model.layers.*``), and reads it back with a raw
+``model.load_state_dict(state_dict, False)`` (``Trainer._load_from_checkpoint`` and ``_load_best_model``;
+``load_sharded_checkpoint`` for shards), where the model's own names are ``model.visual.*`` and
+``model.language_model.*``. No key matches, a warning lists them, and every weight stays as it was
+(huggingface/transformers issues 43701 and 40187, open): a resumed run went on from the weights it started from with
+the checkpoint's optimizer state, and ``load_best_model_at_end`` kept the last step's weights. DeepSpeed (its own
+checkpoint files) and PEFT (``load_adapter``) read their checkpoints correctly and keep the Trainer's loads.
+
+``use_converting_loads`` replaces the two loads of such a trainer with ``load_weights``: the folder read by
+``from_pretrained``, which applies the model's key conversion, and copied into the model with every key required.
+The read holds a second copy of the weights in CPU memory for the moment of the copy (a 3B model in fp32: ~15 GB).
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("refine_rl.checkpoints")
+
+
+def load_weights(model, folder: str) -> None:
+    """The weights saved in ``folder`` (a checkpoint or any save_pretrained folder), read as from_pretrained reads
+    them, copied into ``model`` in place; a key missing on either side is an error naming it."""
+    dtype = next(model.parameters()).dtype
+    saved = type(model).from_pretrained(folder, dtype=dtype, device_map="cpu")
+    try:
+        result = model.load_state_dict(saved.state_dict(), strict=False)
+    finally:
+        del saved
+    if result.missing_keys or result.unexpected_keys:
+        raise RuntimeError(
+            f"{folder}: its weights do not match the model being trained: missing {result.missing_keys[:5]}, "
+            f"unexpected {result.unexpected_keys[:5]}"
+        )
+    log.info("loaded the weights of %s", folder)
+
+
+def use_converting_loads(trainer) -> bool:
+    """Resume and best-model loads through ``load_weights`` where the Trainer's own would load nothing: a full
+    fine-tune outside DeepSpeed, FSDP and PEFT. Returns whether the trainer's loads were replaced."""
+    from peft import PeftModel
+
+    if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled or isinstance(trainer.model, PeftModel):
+        return False
+
+    def load_from_checkpoint(resume_from_checkpoint: str, model=None) -> None:
+        load_weights(model if model is not None else trainer.model, resume_from_checkpoint)
+
+    def load_best_model() -> None:
+        load_weights(trainer.model, trainer.state.best_model_checkpoint)
+
+    trainer._load_from_checkpoint = load_from_checkpoint
+    trainer._load_best_model = load_best_model
+    return True
