@@ -16,7 +16,7 @@ import math
 import threading
 from pathlib import Path
 
-from PIL import Image
+from PIL import ExifTags, Image, ImageOps
 
 KB_FIELDS = ("entry_id", "entity_id", "title", "section_title", "text", "image")
 QUESTION_FIELDS = ("id", "image", "question", "entity_id", "answers")
@@ -68,15 +68,25 @@ LARGE_IMAGE_PIXELS = 1 << 29
 _PIXEL_LIMIT = threading.Lock()
 
 
+def upright(im):
+    """The image turned as its EXIF Orientation tag says, as the datasets library decodes an ``Image`` column (and so
+    as TRL hands a question's image to the policy in training); unchanged without the tag. Every path that opens an
+    image file goes through it, so the index, the reward, evaluation and inference see one picture."""
+    if im.getexif().get(ExifTags.Base.Orientation) is None:
+        return im
+    return ImageOps.exif_transpose(im)
+
+
 def load_image(path: str | Path):
-    """(RGB PIL image, None) when the file decodes, else (None, why not: missing, unreadable or corrupt). An image
-    past PIL's pixel limit comes back downscaled to within ``Image.MAX_IMAGE_PIXELS`` (aspect kept)."""
+    """(RGB PIL image, None) when the file decodes, else (None, why not: missing, unreadable or corrupt). Upright
+    (``upright``). An image past PIL's pixel limit comes back downscaled to within ``Image.MAX_IMAGE_PIXELS``
+    (aspect kept)."""
     path = Path(path)
     if not path.is_file():
         return None, f"image file missing: {path}"
     try:
         with Image.open(path) as im:
-            return im.convert("RGB"), None
+            return upright(im).convert("RGB"), None
     except Image.DecompressionBombError:
         return _load_large(path)
     except Exception as e:  # PIL raises OSError, SyntaxError, ValueError, …
@@ -105,6 +115,7 @@ def _load_large(path: Path):
             factor = math.sqrt(w * h / target)
             im.draft("RGB", (math.ceil(w / factor), math.ceil(h / factor)))  # JPEG: decoded at a smaller scale
             im.load()
+            im = upright(im)
             if im.mode not in ("RGB", "L", "RGBA"):
                 im = im.convert("RGB")
             if im.width * im.height > target:

@@ -57,3 +57,33 @@ def test_kb_images_over_the_pixel_limit_decode_downscaled(tmp_path, monkeypatch,
     else:
         assert w * h <= 5_000 * 2 and abs(w / h - size[0] / size[1]) < 0.1  # downscaled, aspect kept
     assert Image.MAX_IMAGE_PIXELS == 5_000  # PIL's own limit restored
+
+
+@pytest.mark.parametrize("orientation,size", [(None, (40, 24)), (1, (40, 24)), (3, (40, 24)), (6, (24, 40))])
+def test_every_path_opens_an_image_upright_as_the_policy_sees_it_in_training(tmp_path, monkeypatch, orientation, size):
+    """The datasets library turns an image by its EXIF Orientation when it decodes the training column that TRL hands
+    the policy; the index, the reward's fallback, evaluation (``load_image``) and inference (``open_vlm_image``) see
+    the same picture. Also past PIL's pixel limit (the downscaling path)."""
+    import numpy as np
+    from datasets import Dataset
+    from datasets import Image as ImageFeature
+    from PIL import Image
+
+    import retrieval.kb as kb
+    from rl.model import open_vlm_image
+
+    path = tmp_path / "photo.jpg"
+    pixels = np.zeros((24, 40, 3), np.uint8)
+    pixels[:, :10] = (250, 20, 20)  # a red band on the stored left edge: where it ends up shows the turn
+    exif = Image.Exif()
+    if orientation is not None:
+        exif[0x0112] = orientation
+    Image.fromarray(pixels).save(path, quality=95, exif=exif)
+    trained = Dataset.from_list([{"image": str(path)}]).cast_column("image", ImageFeature())[0]["image"]
+    assert trained.size == size
+    expected = np.asarray(trained.convert("RGB"), dtype=np.int16)
+    for opened in (kb.load_image(path)[0], open_vlm_image(path)):
+        assert opened.size == size and np.abs(np.asarray(opened, dtype=np.int16) - expected).max() == 0
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 200)  # past PIL's limit (twice this): the downscaling path
+    small = kb.load_image(path)[0]
+    assert (small.width < small.height) == (size[0] < size[1])
