@@ -125,18 +125,25 @@ def use_exact_metric_means(trainer, reward) -> None:
 
 
 class TimedReward:
-    """Wraps a TRL reward function, adding up the seconds spent in it; keeps the name TRL logs it under."""
+    """Wraps a TRL reward function, adding up the seconds spent in it inside training steps (``seconds``) and outside
+    them (``seconds_outside_steps``: evaluation, which the Trainer runs after ``on_step_end``); keeps the name TRL
+    logs it under. ``RefinerMonitor`` says when a step runs (``in_step``)."""
 
     def __init__(self, func):
         self.func = func
         self.__name__ = getattr(func, "__name__", type(func).__name__)
         self.seconds = 0.0
+        self.seconds_outside_steps = 0.0
+        self.in_step = False
         self.last: list[float] = []
 
     def __call__(self, *args, **kwargs):
         t0 = time.perf_counter()
         self.last = self.func(*args, **kwargs)
-        self.seconds += time.perf_counter() - t0
+        if self.in_step:
+            self.seconds += time.perf_counter() - t0
+        else:
+            self.seconds_outside_steps += time.perf_counter() - t0
         return self.last
 
 
@@ -185,8 +192,12 @@ class RefinerMonitor(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kw):
         self._t0 = time.perf_counter()
+        for timed in self.timed:
+            timed.in_step = True
 
     def on_step_end(self, args, state, control, **kw):
+        for timed in self.timed:
+            timed.in_step = False
         if self._t0 is not None:
             self.step_seconds += time.perf_counter() - self._t0
         if self.table_steps and state.global_step % self.table_steps == 0 and state.is_world_process_zero:
@@ -194,6 +205,7 @@ class RefinerMonitor(TrainerCallback):
             self.log_table(state.global_step)
 
     def reward_seconds(self) -> float:
+        """Seconds in the rewards inside training steps (what the share of step time compares)."""
         return sum(t.seconds for t in self.timed)
 
     # -------------------------------------------------------------- completions table
@@ -293,6 +305,7 @@ class RefinerMonitor(TrainerCallback):
             "reward_seconds": self.reward_seconds(),
             "step_seconds": self.step_seconds,
             "reward_time_share": share,
+            "eval_reward_seconds": sum(t.seconds_outside_steps for t in self.timed),
             "global_step": state.global_step,
         }
         print(

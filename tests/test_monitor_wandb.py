@@ -210,3 +210,20 @@ def test_wandb_is_online_for_a_user_who_logged_in(tmp_path, monkeypatch, netrc_e
     monkeypatch.setenv("WANDB_MODE", "disabled")
     setup_wandb(str(tmp_path / "run"), ["wandb"])
     assert os.environ["WANDB_MODE"] == "disabled"
+
+
+def test_the_reward_time_share_counts_training_steps_only(tmp_path):
+    """The Trainer evaluates after ``on_step_end``, with the same reward objects: evaluation's reward time goes to
+    ``seconds_outside_steps``, not into the share of training-step time."""
+    timed = TimedReward(lambda **k: [float(sum(range(20_000)))])
+    monitor = RefinerMonitor(SimpleNamespace(), timed, [timed], table_steps=0, output_dir=str(tmp_path))
+    state = SimpleNamespace(global_step=1, is_world_process_zero=True)
+    timed()  # an evaluation before the first step
+    assert timed.seconds == 0 and timed.seconds_outside_steps > 0
+    monitor.on_step_begin(None, state, None)
+    timed()
+    monitor.on_step_end(None, state, None)
+    inside, outside = timed.seconds, timed.seconds_outside_steps
+    assert inside > 0 and monitor.reward_seconds() == inside
+    timed()  # the evaluation after the step
+    assert timed.seconds == inside and timed.seconds_outside_steps > outside

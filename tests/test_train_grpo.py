@@ -155,6 +155,8 @@ def test_held_out_eval_selects_the_best_checkpoint(config, tiny_world, tiny_refi
     assert all(torch.equal(final[k], v) for k, v in weights(best).items())
     card = (tmp_path / "run" / "final" / "README.md").read_text()
     assert f"Training step: {state['best_global_step']}" in card
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["eval_reward_seconds"] > 0 and 0 < metrics["reward_time_share"] < 1  # evaluation counted apart
     # our card, over the one TRL wrote into the output dir at each checkpoint, with the last held-out figures
     card = our_card(tmp_path / "run", tiny_refiner)
     assert card == our_card(tmp_path / "run" / "final", tiny_refiner)
