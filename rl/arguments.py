@@ -157,6 +157,17 @@ def validate(args: RefinerArguments, training_args, model_args, num_processes: i
     )
 
 
+def whole_eval_rounds(questions: int, per_device_eval_batch_size: int, processes: int, generations: int) -> int:
+    """How many eval questions fill whole evaluation rounds. TRL's eval sampler repeats each question ``generations``
+    times with no batch size, and over several processes accelerate (``even_batches``) fills a short last round with
+    the first questions again, so held-out means would count those twice; the questions past the last whole round are
+    left out. One process takes a short last batch as it is: every question is kept."""
+    if processes == 1:
+        return questions
+    per_round = per_device_eval_batch_size * processes // generations
+    return questions // per_round * per_round
+
+
 def validate_files(args: RefinerArguments) -> None:
     manifest = require_index(args.index)
     check_image_encoder_name(manifest["image_encoder"])

@@ -27,7 +27,14 @@ from rl.model import lora_config, quiet_checkpointing_deprecation
 from rl.model_card import write_run_cards
 from rl.monitor import RefinerMonitor, setup_wandb
 from rl.run_record import write_run_record
-from rl.trainer_parts import announce_rank, build_rewards, check_full_finetune_fits, load_policy, ready_trainer
+from rl.trainer_parts import (
+    announce_rank,
+    build_rewards,
+    check_full_finetune_fits,
+    load_policy,
+    ready_trainer,
+    whole_round_eval,
+)
 
 
 def main(argv=None) -> dict:
@@ -61,6 +68,7 @@ def main(argv=None) -> dict:
         if args.eval_file
         else None
     )
+    eval_data = whole_round_eval(eval_data, training_args, state.num_processes, say)
 
     # rewards: one replica of the index per process, exact ranks on this rank's device, FAISS top-k on the CPU
     index = MultimodalIndex.load(args.index, device=str(state.device), search_device="cpu")

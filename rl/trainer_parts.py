@@ -10,6 +10,7 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 
 from retrieval.encoders import parameter_elements
 from rewards import FormatReward, RetrievalReward, parse_tiers
+from rl.arguments import whole_eval_rounds
 from rl.checkpoints import use_converting_loads
 from rl.image_budget import (
     apply_image_budget,
@@ -163,6 +164,29 @@ def ready_trainer(
     say(f"trainable parameters: {trainable_parameters(trainer.model):,}")
     if use_converting_loads(trainer) and (training_args.resume_from_checkpoint or training_args.load_best_model_at_end):
         say("checkpoint weights load through from_pretrained's key conversion (rl/checkpoints.py)")
+
+
+def whole_round_eval(eval_data, training_args, processes: int, say):
+    """The eval questions that fill whole evaluation rounds (``rl.arguments.whole_eval_rounds``), said when some are
+    left out; an error naming the settings when not one round is filled."""
+    if eval_data is None:
+        return None
+    generations = training_args.num_generations_eval or training_args.num_generations
+    per_device = training_args.per_device_eval_batch_size
+    kept = whole_eval_rounds(len(eval_data), per_device, processes, generations)
+    if kept == 0:
+        raise ValueError(
+            f"eval_file: {len(eval_data)} usable questions, fewer than one evaluation round "
+            f"(per_device_eval_batch_size {per_device} × {processes} processes ÷ {generations} "
+            "generations): give more questions or a smaller per_device_eval_batch_size"
+        )
+    if kept < len(eval_data):
+        say(
+            f"eval: the first {kept} of {len(eval_data)} questions, whole rounds of {per_device} × "
+            f"{processes} completions (a short last round would score the first questions twice)"
+        )
+        eval_data = eval_data.select(range(kept))
+    return eval_data
 
 
 def check_full_finetune_fits(model, index, encoders, training_args, model_args, device, say) -> None:

@@ -426,3 +426,36 @@ def test_the_completions_table_totals_rewards_as_trl_weighs_them(config, tmp_pat
         r["total_reward"] == pytest.approx(2.0 * r["format_reward"] + 0.5 * r["retrieval_reward"]) for r in rows
     )
     assert any(r["retrieval_reward"] != 0 for r in rows)
+
+
+@pytest.mark.parametrize(
+    "questions,per_device,processes,generations",
+    [(6, 20, 2, 5), (7, 8, 2, 4), (12, 8, 2, 4), (5, 8, 1, 4), (9, 6, 3, 3), (3, 40, 2, 5)],
+)
+def test_kept_eval_questions_are_each_scored_exactly_once_per_generation(questions, per_device, processes, generations):
+    """TRL 1.16's eval sampler and accelerate's sharding, as Trainer.get_eval_dataloader builds them, over the eval
+    questions ``whole_round_eval`` keeps: every kept question's completions are scored exactly ``generations`` times
+    over all processes (a short last round would score the first questions again)."""
+    from collections import Counter
+
+    from accelerate.data_loader import prepare_data_loader
+    from torch.utils.data import DataLoader
+    from trl.trainer.utils import RepeatSampler
+
+    from rl.arguments import whole_eval_rounds
+
+    kept = whole_eval_rounds(questions, per_device, processes, generations)
+    assert 0 <= kept <= questions and (processes == 1) <= (kept == questions)
+    if kept == 0:
+        return
+    data, scored = list(range(kept)), Counter()
+    for rank in range(processes):
+        loader = DataLoader(
+            data,
+            batch_size=per_device,
+            sampler=RepeatSampler(data, mini_repeat_count=generations, seed=0),
+            collate_fn=lambda batch: batch,
+        )
+        for batch in prepare_data_loader(loader, num_processes=processes, process_index=rank, put_on_device=False):
+            scored.update(batch)
+    assert scored == Counter({q: generations for q in data})
