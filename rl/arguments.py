@@ -142,6 +142,13 @@ def validate(args: RefinerArguments, training_args, model_args, num_processes: i
     validate_tiers(parse_tiers(args.reward_tiers), args.miss_reward)
     if not model_args.model_name_or_path:
         raise ValueError("--model_name_or_path is required")
+    if getattr(training_args, "generation_kwargs", None):
+        raise ValueError(
+            f"generation_kwargs {training_args.generation_kwargs}: TRL applies them to training samples on top of the "
+            "sampling settings, but the run record, the export and rl.refine carry only temperature, top_p, top_k, "
+            "min_p, repetition_penalty and max_completion_length: set those instead, so the exported refiner "
+            "samples as it was trained"
+        )
     per_step = training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps * num_processes
     if per_step % training_args.num_generations:
         raise ValueError(

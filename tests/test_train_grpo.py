@@ -108,6 +108,7 @@ def test_resume_continues_from_the_saved_step(config, tiny_refiner, tmp_path):
         (dict(reward_tiers="1-5:1,6-10:3"), "must not increase"),
         (dict(index="/does/not/exist"), "--index"),
         (dict(train_file="/does/not/exist.jsonl"), "--train_file"),
+        (dict(generation_kwargs={"top_k": 5}), "generation_kwargs .* the export"),  # not carried to the export
     ],
 )
 def test_bad_settings_fail_before_any_model_loads(config, monkeypatch, overrides, match):
