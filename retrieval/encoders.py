@@ -241,6 +241,7 @@ class TextEncoder:
                 raise ValueError(f"text encoder max_seq_length must be positive, got {max_seq_length}")
             self.model.max_seq_length = int(max_seq_length)
         self.max_seq_length = self.model.max_seq_length
+        check_no_document_prompt(name, self.model.prompts)
         self.query_prompt = resolve_query_prompt(query_prompt, self.model.prompts)
         self.dim = int(self.model.get_embedding_dimension())
         log.info(
@@ -277,6 +278,22 @@ def parameter_elements(encoder) -> int:
     DeepSpeed ZeRO-3 partitioned (its local tensor is an empty placeholder)."""
     model = getattr(encoder, "model", None)
     return sum(p.numel() for p in model.parameters()) if model is not None else 0
+
+
+# the prompt names sentence-transformers' encode_document looks for, in its order
+DOCUMENT_PROMPTS = ("document", "passage", "corpus")
+
+
+def check_no_document_prompt(name: str, model_prompts: dict | None) -> None:
+    """KB rows are encoded as they are, so a model that expects a prompt before documents (an e5-style
+    ``passage: ``) would rank queries encoded as it intends against rows encoded otherwise: refused, naming it."""
+    found = {k: v for k, v in (model_prompts or {}).items() if k in DOCUMENT_PROMPTS and v}
+    if found:
+        raise ValueError(
+            f"text encoder {name}: its sentence-transformers config puts a prompt before documents ({found}); KB "
+            "rows are encoded without one, so its queries and rows would not match as it was trained: choose a "
+            "model without a document prompt (Qwen3-Embedding's and MiniLM's are empty)"
+        )
 
 
 def resolve_query_prompt(setting: str | None, model_prompts: dict | None) -> str | None:

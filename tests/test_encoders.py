@@ -91,3 +91,36 @@ def test_text_encoder_names(name, ok):
     else:
         with pytest.raises(ValueError, match="text encoder"):
             check_text_encoder_name(name)
+
+
+@pytest.mark.parametrize(
+    "prompts,refused",
+    [
+        ({"query": "query: ", "document": "passage: "}, True),
+        ({"query": "query: ", "passage": "passage: "}, True),
+        ({"query": "Instruct: find\nQuery:", "document": ""}, False),  # Qwen3-Embedding's own prompts
+        ({}, False),
+    ],
+)
+def test_a_model_that_prompts_its_documents_is_refused(prompts, refused):
+    """sentence-transformers' encode_document puts the first of the document / passage / corpus prompts before every
+    document; KB rows never get one here, so such a model is refused when it loads."""
+    from retrieval.encoders import check_no_document_prompt
+
+    if refused:
+        with pytest.raises(ValueError, match="text encoder e5: .*prompt before documents"):
+            check_no_document_prompt("e5", prompts)
+    else:
+        check_no_document_prompt("e5", prompts)
+
+
+def test_a_saved_model_with_a_document_prompt_fails_to_load(tmp_path):
+    from sentence_transformers import SentenceTransformer
+
+    from retrieval.encoders import minilm_path
+
+    SentenceTransformer(str(minilm_path()), prompts={"query": "query: ", "document": "passage: "}).save(
+        str(tmp_path / "e5-like")
+    )
+    with pytest.raises(ValueError, match="prompt before documents"):
+        text_encoder(str(tmp_path / "e5-like"), device="cpu")
