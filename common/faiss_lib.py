@@ -12,11 +12,10 @@ or more), k-means and IVF assignment with that library's sgemm: on the Intel mac
 
 OpenBLAS 0.3.19 added a fallback by the CPU's features for models it does not know (OpenBLAS pull request 3485);
 the copy FAISS bundles predates it. OpenBLAS reads ``OPENBLAS_CORETYPE`` in place of its own detection when the
-library is loaded. This module sets it
-from the CPU's instruction-set flags (``openblas_coretype``) for the moment ``import faiss`` loads that library, and
-removes it again, so that numpy's OpenBLAS (loaded before) and anything loaded after keep their own detection. A
-value the user set is left alone and wins. Import FAISS through this module everywhere, or the first plain
-``import faiss`` of a process decides.
+library is loaded. This module sets it from the CPU's instruction-set flags (``openblas_coretype``) for the moment
+``import faiss`` loads that library, and removes it again, so that numpy's OpenBLAS (loaded before) and anything
+loaded after keep their own detection. A value the user set is left alone and wins. Import FAISS through this
+module everywhere, or the first plain ``import faiss`` of a process decides.
 """
 
 from __future__ import annotations
@@ -26,17 +25,10 @@ from pathlib import Path
 
 import numpy  # noqa: F401  (its own OpenBLAS is loaded first and detects the CPU itself)
 
+from common.cpu import cpu_flags
+
 # OpenBLAS's SkylakeX kernels need AVX-512 F, CD, BW, DQ and VL (Xeon Phi has F and CD only); Haswell's AVX2 and FMA.
 KERNELS = (("SkylakeX", {"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"}), ("Haswell", {"avx2", "fma"}))
-
-
-def cpu_flags(cpuinfo: str) -> set[str]:
-    """The instruction-set flags of the first processor in a /proc/cpuinfo text (empty when it has none)."""
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "flags":
-            return set(value.split())
-    return set()
 
 
 def openblas_coretype(flags: set[str]) -> str | None:

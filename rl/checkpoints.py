@@ -24,12 +24,9 @@ log = logging.getLogger("refine_rl.checkpoints")
 def load_weights(model, folder: str) -> None:
     """The weights saved in ``folder`` (a checkpoint or any save_pretrained folder), read as from_pretrained reads
     them, copied into ``model`` in place; a key missing on either side is an error naming it."""
-    dtype = next(model.parameters()).dtype
-    saved = type(model).from_pretrained(folder, dtype=dtype, device_map="cpu")
-    try:
-        result = model.load_state_dict(saved.state_dict(), strict=False)
-    finally:
-        del saved
+    saved = type(model).from_pretrained(folder, dtype=next(model.parameters()).dtype, device_map="cpu")
+    result = model.load_state_dict(saved.state_dict(), strict=False)
+    del saved  # the second copy goes before anything else runs
     if result.missing_keys or result.unexpected_keys:
         raise RuntimeError(
             f"{folder}: its weights do not match the model being trained: missing {result.missing_keys[:5]}, "

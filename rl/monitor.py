@@ -140,10 +140,11 @@ class TimedReward:
     def __call__(self, *args, **kwargs):
         t0 = time.perf_counter()
         self.last = self.func(*args, **kwargs)
+        elapsed = time.perf_counter() - t0
         if self.in_step:
-            self.seconds += time.perf_counter() - t0
+            self.seconds += elapsed
         else:
-            self.seconds_outside_steps += time.perf_counter() - t0
+            self.seconds_outside_steps += elapsed
         return self.last
 
 

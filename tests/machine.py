@@ -9,16 +9,17 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from common.cpu import cpu_flags
+
 
 def describe(cpuinfo: str, cores: int | None, capability: str | None) -> str:
     """``Intel(R) Xeon(R) Processor, 2 cores: AVX-512 with bf16; torch kernels AVX512``."""
-    model, flags = "unknown CPU", set()
+    model, flags = "unknown CPU", cpu_flags(cpuinfo)
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
-        if key.strip() == "model name" and model == "unknown CPU":
+        if key.strip() == "model name":
             model = value.strip()
-        elif key.strip() == "flags" and not flags:
-            flags = set(value.split())
+            break
     if "avx512f" in flags:
         isa = "AVX-512"
     elif "avx2" in flags:

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from common.faiss_lib import cpu_flags, openblas_coretype
+from common.cpu import cpu_flags
+from common.faiss_lib import openblas_coretype
 
 AVX512 = "avx512f avx512cd avx512bw avx512dq avx512vl"
 
