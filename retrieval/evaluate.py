@@ -11,8 +11,10 @@ Recall@K: the gold entity is among the top K unique entities. Pseudo-recall@K: a
 after normalisation (``&&`` parts all present; retrieval.answers), in the text of the best section of one of the top
 K entities. ``--compare FIELD`` evaluates a
 second text field on the same images side by side; ``--alpha_sweep lo:hi:step`` evaluates many α from one set of
-embeddings and writes a CSV and a plot of R@K against α. Question rows whose image is missing, whose entity is not
-in the index or whose text field is empty are reported and excluded, with the counts shown.
+embeddings and writes a CSV and a plot of R@K against α. Question rows whose image is missing or unreadable, whose
+text field is empty, or that are 2-hop are reported and excluded, with the counts shown. A question whose gold entity
+has no row in the index (its article had no usable image, …) stays in and counts as a miss, as in the reference
+evaluation; the count is logged and written as ``gold_not_in_index``.
 """
 
 from __future__ import annotations
@@ -125,8 +127,11 @@ def pseudo_recall_at(hit_texts: list[list[str]], answers: list[list[str]], ks: l
 
 
 def load_questions(path: Path, fields: list[str], images_root: Path, index: MultimodalIndex | None):
-    """Keep the rows we can evaluate; return (rows, excluded) where excluded = {reason: count} plus examples."""
-    rows, excluded = [], {}
+    """Keep the rows we can evaluate; return (rows, excluded, absent): excluded = {reason: count}, absent = how many
+    kept rows have a gold entity with no row in ``index``. Those stay in: such an entity is never retrieved, so they
+    count as misses in every R@K, as in the reference evaluation (EchoSight's ``eval_recall`` over every question),
+    rather than being left out of the denominator."""
+    rows, excluded, absent = [], {}, 0
 
     def drop(reason):
         excluded[reason] = excluded.get(reason, 0) + 1
@@ -134,13 +139,14 @@ def load_questions(path: Path, fields: list[str], images_root: Path, index: Mult
     for rec in read_jsonl(path):
         if not rec.get("image") or not (images_root / rec["image"]).is_file():
             drop("image missing")
-        elif index is not None and not index.has_entity(str(rec.get("entity_id"))):
-            drop("entity not in index")
+        elif isinstance(rec.get("entity_id"), list):
+            drop("2-hop question (one gold entity per hop; Recall@K ranks one)")
         elif any(not isinstance(rec.get(f), str) or not rec[f].strip() for f in fields):
             drop(f"empty or missing text field ({', '.join(fields)})")
         else:
             rows.append(rec)
-    return rows, excluded
+            absent += index is not None and not index.has_entity(str(rec.get("entity_id")))
+    return rows, excluded, absent
 
 
 def load_entry_texts(kb_path: Path, entry_ids: set[str]) -> dict[str, str]:
@@ -159,7 +165,7 @@ def evaluate_ranked(
     entry_texts: dict[str, str] | None,
 ) -> dict:
     """Metrics of one ranking (``index.rank`` output) of ``rows``."""
-    ranks = ranks_of(ranked, [index.entity_index[str(r["entity_id"])] for r in rows])
+    ranks = ranks_of(ranked, [index.entity_index.get(str(r["entity_id"]), -1) for r in rows])
     ranks = [r if r is not None and r <= depth else None for r in ranks]
     metrics = recall_at(ranks, ks)
     if entry_texts is not None:
@@ -202,9 +208,11 @@ def run(args: EvalArgs, log=print) -> dict:
     out = Path(args.out or Path("outputs/eval") / queries.stem)
 
     index = MultimodalIndex.load(args.index, device=args.device)
-    rows, excluded = load_questions(queries, fields, images_root, index)
+    rows, excluded, absent = load_questions(queries, fields, images_root, index)
     for reason, count in excluded.items():
         log(f"excluded {count} question(s): {reason}")
+    if absent:
+        log(f"{absent} of {len(rows)} question(s) have a gold entity with no row in the index: counted as misses")
     if not rows:
         raise ValueError(f"no question in {queries} can be evaluated ({excluded})")
     kb_path = Path(args.kb or index.manifest.get("kb_path", ""))
@@ -252,6 +260,7 @@ def run(args: EvalArgs, log=print) -> dict:
         "index": str(args.index),
         "queries": str(queries),
         "excluded": excluded,
+        "gold_not_in_index": absent,
         "ks": ks,
         "results": {str(a): {f: r["metrics"] for f, r in per.items()} for a, per in results.items()},
     }

@@ -17,8 +17,12 @@ call site with vLLM's ``LLM`` replaced by a recording stand-in (tests/test_vllm_
 ``probe_vllm_prompt`` checks the result at start-up, whatever TRL or vLLM version is installed: one probe image
 through TRL's own ``vllm_generation.generate`` (colocate or server), and the prompt vLLM reports having sampled from
 must have the trainer's length and image-token runs, or training is refused. Server mode needs no wrapper in TRL
-1.16: the server processes the images on their own and places their features at the trainer's own runs of image
-tokens (``VLLMGeneration._place_features``); the probe checks it on the real server.
+1.16: the server processes the images on their own and TRL places their features at the trainer's own runs of image
+tokens (``VLLMGeneration._place_features``, which checks the number of runs, never their lengths). There the prompt
+TRL reports is its own, echoed back (``VLLMClient._generate_from_features``), so the probe also asks the server how
+many tokens its processor made of the probe image (``VLLMClient.image_features``, the server's own render): a server
+started on another folder (the raw model, another pixel budget) would bind its image features to runs of another
+length, and training is refused.
 """
 
 from __future__ import annotations
@@ -100,4 +104,25 @@ def probe_vllm_prompt(trainer, processor, budget: dict | None) -> dict | None:
             f"runs {theirs}, the trainer's {len(ids)} with {ours} (TRL issue #6294: check the TRL and "
             f"vLLM versions against the pins in pyproject.toml)"
         )
+    if generation.mode == "server":
+        served = server_image_tokens(generation, image)
+        if served != ours:
+            raise RuntimeError(
+                f"the vLLM server makes {served} image tokens of a {image.size} probe image, the trainer {ours}: "
+                "its features would be bound to the trainer's image tokens (TRL places them by position, not by "
+                "length); start the server on the folder this run wrote (the log's `trl vllm-serve --model …` line)"
+            )
     return {"probe_size": list(image.size), "prompt_tokens": len(ids), "image_tokens": ours}
+
+
+def server_image_tokens(generation, image) -> list[int]:
+    """Every process: how many tokens the vLLM server's own processor makes of ``image`` (its placeholder lengths from
+    TRL's ``VLLMClient.image_features``), asked by the main process, which alone holds the client, and broadcast."""
+    from accelerate.utils import broadcast_object_list
+
+    answer = [None]
+    if generation.accelerator.is_main_process:
+        (features,) = generation.vllm_client.image_features([[image]])
+        answer = [[int(p["length"]) for p in features["mm_placeholders"]["image"]]]
+    broadcast_object_list(answer, from_process=0)
+    return answer[0]

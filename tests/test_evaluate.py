@@ -67,19 +67,28 @@ def test_sweep_equals_single_alpha_runs(tiny_index_dir, tiny_world, tmp_path, mo
 def test_excluded_rows_are_counted(tiny_index_dir, tiny_world, tmp_path, monkeypatch, encoders):
     real_load = ev.MultimodalIndex.load
     monkeypatch.setattr(ev.MultimodalIndex, "load", lambda p, **k: real_load(p, *encoders))
-    rows = [json.loads(x) for x in open(tiny_world / "test.jsonl")][:6]
+    rows = [json.loads(x) for x in open(tiny_world / "test.jsonl")][:7]
     rows[0]["image"] = "images/none.png"
     rows[1]["entity_id"] = "E9999"
     rows[2]["question"] = ""
+    rows[3]["entity_id"] = [rows[3]["entity_id"], rows[4]["entity_id"]]
     q = tmp_path / "q.jsonl"
     q.write_text("".join(json.dumps(r) + "\n" for r in rows))
     res = run(tiny_index_dir, q, tmp_path, alpha=0.5, images_root=str(tiny_world))
     assert res["excluded"] == {
         "image missing": 1,
-        "entity not in index": 1,
         "empty or missing text field (question)": 1,
+        "2-hop question (one gold entity per hop; Recall@K ranks one)": 1,
     }
-    assert res["results"]["0.5"]["question"]["n"] == 3
+    # a gold entity with no index row stays in the denominator as a miss (the reference evaluation's protocol)
+    assert res["gold_not_in_index"] == 1
+    assert res["results"]["0.5"]["question"]["n"] == 4
+    ranks = {r["id"]: r["rank_question"] for r in map(json.loads, open(tmp_path / "ev" / "ranks.jsonl"))}
+    assert ranks[rows[1]["id"]] is None and len(ranks) == 4
+    q.write_text("".join(json.dumps(r) + "\n" for r in rows[4:]))
+    known = run(tiny_index_dir, q, tmp_path / "known", alpha=0.5, images_root=str(tiny_world))["results"]["0.5"]
+    for k in (1, 5, 20):
+        assert res["results"]["0.5"]["question"][f"R@{k}"] == pytest.approx(known["question"][f"R@{k}"] * 3 / 4)
 
 
 def test_compare_prints_two_fields(tiny_index_dir, tiny_world, tmp_path, monkeypatch, encoders):

@@ -194,3 +194,105 @@ def test_a_lora_adapter_trained_with_vllm_names_the_real_base_model(config, reco
     assert RecordingLLM.instances[0].kwargs["model"].endswith("vllm-model")  # vLLM itself got the budget folder
     adapter = json.loads((tmp_path / "run" / "final" / "adapter_config.json").read_text())
     assert adapter["base_model_name_or_path"] == str(tiny_refiner)
+
+
+class StandInServer:
+    """TRL's ``VLLMClient`` with only its network boundary replaced (built as a subclass in ``served_by``): the
+    server's render endpoint (``image_features``) processes images with the processor of the folder the server was
+    started on, its generate endpoint (``_post``) records each request and answers ``n`` fixed completions with their
+    logprobs; weight sync is recorded. TRL's own ``VLLMGeneration.generate``, ``_place_features``,
+    ``VLLMClient.generate`` and ``_generate_from_features`` all run."""
+
+    folder: str = ""  # the folder `trl vllm-serve --model` was given
+    instances: list = []
+
+    def __init__(self, base_url=None, *args, **kwargs):
+        self.base_url, self.model, self.requests, self.synced = base_url, "stand-in", [], []
+        type(self).instances.append(self)
+
+    def init_communicator(self, device=0):
+        pass
+
+    def get_server_info(self):
+        return {"model_config": {"model": self.folder, "logprobs_mode": "processed_logprobs"}}
+
+    def update_named_params(self, metadata, params):
+        self.synced += [name for name, _ in params]
+
+    def reset_prefix_cache(self):
+        pass
+
+    def image_features(self, images, **kwargs):
+        from transformers import AutoProcessor
+
+        from rl.image_budget import image_token_count
+
+        proc = AutoProcessor.from_pretrained(self.folder)
+        return [
+            None
+            if not ims
+            else {"mm_placeholders": {"image": [{"offset": 0, "length": image_token_count(proc, im)[0]} for im in ims]}}
+            for ims in images
+        ]
+
+    def _post(self, url, json):
+        self.requests.append((url, json))
+        tokens = [f"token_id:{t}" for t in self.answer]
+        content = [{"token": t, "logprob": -0.5, "top_logprobs": []} for t in tokens]
+        return {
+            "choices": [{"token_ids": list(self.answer), "logprobs": {"content": content}}]
+            * json["sampling_params"]["n"]
+        }
+
+
+@pytest.fixture()
+def served_by(recording_vllm, monkeypatch):
+    """Returns a function that puts the stand-in server, started on ``folder``, in TRL's generation module."""
+    import trl.generation.vllm_generation as vg
+    from trl.generation.vllm_client import VLLMClient
+
+    def serve(folder):
+        server = type("Server", (StandInServer, VLLMClient), {"folder": folder, "instances": []})
+        server.answer = RecordingLLM.answer
+        monkeypatch.setattr(vg, "VLLMClient", server)
+        return server
+
+    return serve
+
+
+def test_server_mode_trains_on_the_folder_the_run_wrote(config, recording_vllm, served_by, tmp_path):
+    """The server started on the run's own vllm-model folder: the probe passes, its generate requests carry the
+    trainer's prompt with the image features placed at its 16-pad run, and the steps train."""
+    import rl.train_grpo as tg
+
+    server = served_by(str(tmp_path / "run" / "vllm-model"))
+    result = tg.main(config(use_vllm=True, vllm_mode="server", max_steps=1))
+    (client,) = server.instances
+    probe, *steps = [json for url, json in client.requests]
+    pad = recording_vllm.convert_tokens_to_ids("<|image_pad|>")
+    assert (
+        image_runs(probe["token_ids"], pad) == [12] and probe["features"]["mm_placeholders"]["image"][0]["length"] == 12
+    )
+    assert steps and all(image_runs(r["token_ids"], pad) == [16] for r in steps)
+    assert client.synced  # the policy's weights went to the server
+    assert [h["step"] for h in result["log_history"] if "loss" in h] == [1]
+
+
+def test_server_mode_refuses_a_server_with_another_image_budget(config, served_by, tiny_refiner, tmp_path):
+    """The server started on a folder with another pixel budget (a real run's raw model: Qwen2.5-VL's own budget is
+    far larger than the training one): TRL would bind its image features, made for more tokens, to the trainer's
+    12-pad run; the probe asks the server's render and stops the run before any training step."""
+    from transformers import AutoProcessor
+
+    import rl.train_grpo as tg
+    from rl.image_budget import apply_image_budget, check_budget
+
+    other = tmp_path / "other-budget"
+    apply_image_budget(AutoProcessor.from_pretrained(str(tiny_refiner)), check_budget(3136, 200_704)).save_pretrained(
+        other
+    )
+    server = served_by(str(other))
+    with pytest.raises(RuntimeError, match=r"the vLLM server makes \[(\d+)\] image tokens .* the trainer \[12\]"):
+        tg.main(config(use_vllm=True, vllm_mode="server", max_steps=1))
+    assert server.instances and not list((tmp_path / "run").glob("checkpoint-*"))
+    assert not (tmp_path / "run" / "final").exists()
