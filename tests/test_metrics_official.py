@@ -336,8 +336,10 @@ def test_official_correct_by_benchmark():
         dict(question=Q, answers=["red&&blue", "purple"], question_type="multi_answer"),
         dict(question=Q, answers=["x"], question_type=None),
     ]
-    bem = FakeBEM({("Menger clan", "the Menger family"): 0.8})
-    assert official_correct("evqa", evqa, ["Menger clan", "blue and red", None], bem) == [True, True, False]
+    bem = FakeBEM({("Menger clan", "the Menger family"): 0.8, ("", "x"): 0.6})
+    # no answer (None) is scored as the empty prediction a results file holds: it goes to BEM like any blank one
+    assert official_correct("evqa", evqa, ["Menger clan", "blue and red", None], bem) == [True, True, True]
+    assert ("", "x", Q) in bem.calls[0]
     assert official_correct("evqa", evqa, ["Menger clan", "purple", "x"]) == [False, True, True]  # no BEM
     infoseek = [
         dict(question="q", answers=["China"], answer_eval=["China", "PRC"], question_type="String"),
@@ -348,6 +350,10 @@ def test_official_correct_by_benchmark():
     ]
     assert official_correct("infoseek", infoseek, ["prc", "about 33", "38"]) == [True, True, True]
     assert official_correct("infoseek", infoseek, ["Japan", "25-35", None]) == [False, False, False]
+    # no answer is the official scorer's empty prediction: never a String match, [0, 0] for a Numerical question
+    around_zero = dict(question="q", answers=["0"], answer_eval=[{"wikidata": 0, "range": [-1, 1]}])
+    typed = [infoseek[0], dict(around_zero, question_type="Numerical"), infoseek[1]]
+    assert official_correct("infoseek", typed, [None, None, None]) == [False, True, False]
     with pytest.raises(ValueError, match="unknown metric"):
         official_correct("bleu", infoseek, ["a", "b", "c"])
 

@@ -23,33 +23,29 @@ def official_correct(
     """Correctness of ``predictions`` for question ``records`` (our question format) under a benchmark's rule:
     ``evqa`` (the CSV answer is ``|``.join(answers); BEM batched over the undecided ones, blank predictions included)
     or ``infoseek`` (``infoseek_correct`` when the record has an InfoSeek question type, else ``infoseek_match``).
-    A None prediction is the pipeline's "no answer": wrong, and never shown to BEM (the official scorers have no
-    such case; ``infoseek_report`` leaves such questions out of the official InfoSeek figure)."""
+    A None prediction is the pipeline's "no answer": scored as the empty prediction a results file holds for that
+    question, as the official scorers score one (E-VQA: exact match, then BEM; InfoSeek: String and Time never match,
+    Numerical reads it as [0, 0])."""
     if len(records) != len(predictions):
         raise ValueError(f"{len(records)} question records but {len(predictions)} predictions")
+    predictions = ["" if p is None else p for p in predictions]
     if metric == "evqa":
-        given = [i for i, p in enumerate(predictions) if p is not None]
         rows = [
             {
-                "id": records[i].get("id", f"#{i}"),
-                "prediction": predictions[i],
-                "answer": "|".join(str(a) for a in records[i].get("answers") or []),
-                "question": records[i]["question"],
-                "question_type": records[i].get("question_type") or "automatic",
+                "id": r.get("id", f"#{i}"),
+                "prediction": p,
+                "answer": "|".join(str(a) for a in r.get("answers") or []),
+                "question": r["question"],
+                "question_type": r.get("question_type") or "automatic",
             }
-            for i in given
+            for i, (r, p) in enumerate(zip(records, predictions))
         ]
-        out = [False] * len(records)
-        for i, ok in zip(given, evqa_correct_batch(rows, bem)):
-            out[i] = ok
-        return out
+        return evqa_correct_batch(rows, bem)
     if metric == "infoseek":
         out = []
         for i, (r, p) in enumerate(zip(records, predictions)):
             golds = r["answer_eval"] if r.get("answer_eval") is not None else (r.get("answers") or [])
-            if p is None:
-                out.append(False)
-            elif is_infoseek_type(r.get("question_type")):
+            if is_infoseek_type(r.get("question_type")):
                 out.append(infoseek_correct(p, golds, r["question_type"], qid=r.get("id", f"#{i}")))
             else:
                 out.append(infoseek_match(p, golds))

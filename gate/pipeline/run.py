@@ -61,8 +61,8 @@ class Clock:
 
 
 def answered(answer: str | None, failed: str | None = None) -> dict:
-    """An answer, or why there is none: a missing or empty one is recorded as None with the reason (judged wrong, and
-    left out of the official InfoSeek figure), whichever stage gave it."""
+    """An answer, or why there is none: a missing or empty one is recorded as None with the reason, whichever stage
+    gave it (scored as an empty prediction, as the official scorers would score one)."""
     if answer is not None and str(answer).strip():
         return {"answer": answer}
     return {"answer": None, "failed": failed or ("empty answer" if answer is not None else "no answer")}
