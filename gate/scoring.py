@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from common.placement import resolve_device
 from gate.variants import BINARY, messages, parse_completion, spec
 from rl.generate import generate_completions
 from rl.model import load_model
@@ -55,13 +56,14 @@ def verbaliser_ids(tokenizer, s: dict) -> list[int]:
 
 def load_gate(path, device: str | None = None, dtype: str | None = None):
     """A trained gate folder (train_sft's ``final``): model, processor and its spec from gate.json, on ``device``
-    (default: cpu) in ``dtype`` (default: bf16 on a GPU, fp32 on the CPU)."""
+    (default: this process's own, ``common.placement.resolve_device``) in ``dtype`` (default: bf16 on a GPU, fp32 on
+    the CPU)."""
     path = Path(path)
     if not (path / GATE_FILE).is_file():
         raise ValueError(f"gate model {path}: no {GATE_FILE} (a folder written by gate/train/sft.py)")
     info = json.loads((path / GATE_FILE).read_text())
     s = spec(info["variant"], info.get("verbalisers"), info.get("prompt"))
-    model, processor = load_model(str(path), dtype=dtype, device=device or "cpu")
+    model, processor = load_model(str(path), dtype=dtype, device=resolve_device(device))
     if info["variant"] in BINARY or info["variant"] == "skb":
         verbaliser_ids(processor.tokenizer, s)
     return model.eval(), processor, s

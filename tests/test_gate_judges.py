@@ -77,7 +77,19 @@ def test_distinct_answers_are_judged_once(stub):
     server = stub(["Score: 5", "Score: 1"])
     judge = LLMJudge(server.url, "m", backoff=0)
     records = [
-        {"id": "q1", "question": "Where?", "answers": ["Paris"], "samples": ["Paris", "paris.", "Lyon", "Paris"]}
+        {"id": "q1", "question": "Where?", "answers": ["Paris"], "samples": ["Paris", " Paris ", "Lyon", "Paris"]}
     ]
     assert judge_all(records, judge) == [[5.0, 5.0, 1.0, 5.0]]
     assert len(server.requests) == 2
+
+
+@pytest.mark.parametrize("samples", [["15 m", "1.5 m"], ["1.5 m", "15 m"], ["-5", "5"]])
+def test_answers_that_differ_only_in_punctuation_are_judged_apart(samples):
+    """A number's point or sign is part of the answer: each sample keeps its own score, whatever the order."""
+    judge = make_judge("exact")
+    rec = {"id": "q1", "question": "How tall?", "answers": ["1.5"], "samples": samples}
+    rec["answer_eval"] = (
+        [{"wikidata": 1.5, "range": [1.4, 1.6]}] if "m" in samples[0] else [{"wikidata": 5, "range": [4, 6]}]
+    )
+    assert judge_all([rec], judge) == [[judge.score("q", s, rec["answers"], rec["answer_eval"]) for s in samples]]
+    assert len(set(judge_all([rec], judge)[0])) == 2

@@ -213,3 +213,22 @@ def test_skb_soft_targets_keep_the_score():
     assert sum(digits) / len(digits) == pytest.approx(2.3, abs=0.08)  # the expected target is the score
     assert {r["completion"][0]["content"] for r in render_rows("skb", recs, skb_target="round")} == {"2"}
     assert render_rows("skb", recs) == rows  # seeded by the id
+
+
+def test_caps_and_balance_shape_the_train_split_only(tmp_path):
+    """--max_per_class and --balance shape what the gate learns from; the held-out split keeps every row and its true
+    class mix (its accuracy, majority baseline and positive ratio are reported), the same file on every render."""
+    from common.files import read_jsonl, write_jsonl_atomic
+    from gate.train.labelling import stage_render
+
+    recs = [record(i, i % 5 != 0, split="train") for i in range(20)] + [
+        record(100 + i, i % 5 != 0, split="test") for i in range(20)
+    ]  # 16 search, 4 not, in each split
+    write_jsonl_atomic(tmp_path / "labels-hkb.jsonl", recs)
+    args = BuildDataArgs(stage="render", out=str(tmp_path), variant="hkb", max_per_class=3, balance=True, seed=0)
+    stage_render(args, tmp_path, log=lambda *a: None)
+    assert class_balance(list(read_jsonl(tmp_path / "hkb.train.jsonl"))) == {"false": 3, "true": 3}
+    first = (tmp_path / "hkb.test.jsonl").read_text()
+    assert class_balance(list(read_jsonl(tmp_path / "hkb.test.jsonl"))) == {"false": 4, "true": 16}
+    stage_render(args, tmp_path, log=lambda *a: None)
+    assert (tmp_path / "hkb.test.jsonl").read_text() == first

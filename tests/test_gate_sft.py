@@ -71,7 +71,9 @@ ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
     "variant,targets",
     [("hkb", ["q_proj", "k_proj", "v_proj"]), ("srt", ALL_LINEAR), ("inspector", ["q_proj", "k_proj", "v_proj"])],
 )
-def test_two_sft_steps_change_lora_weights_not_the_vision_tower(variant, targets, tiny_world, tiny_gate_vlm, tmp_path):
+def test_two_sft_steps_change_lora_weights_not_the_vision_tower(
+    variant, targets, tiny_world, tiny_gate_vlm, tmp_path, monkeypatch
+):
     from gate.scoring import load_gate
     from gate.train.sft import main
 
@@ -89,6 +91,24 @@ def test_two_sft_steps_change_lora_weights_not_the_vision_tower(variant, targets
     assert metrics["n"] == len(rows) and 0.0 <= metrics["accuracy"] <= 1.0
     model, processor, s = load_gate(tmp_path / variant / "final")
     assert s["name"] == variant and not model.training
+    if variant == "hkb":  # held-out scoring (python -m gate.train.evaluation) on the device and dtype it is given
+        import gate.scoring
+        from gate.train.evaluation import ScoringArgs, score_file
+
+        loads = []
+        real = gate.scoring.load_model
+        monkeypatch.setattr(gate.scoring, "load_model", lambda *a, **k: loads.append(k) or real(*a, **k))
+        scored = score_file(
+            ScoringArgs(
+                model=str(tmp_path / variant / "final"),
+                data=str(tmp_path / f"{variant}.jsonl"),
+                out=str(tmp_path / "scored"),
+                device="cpu",
+                dtype="bfloat16",
+            ),
+            log=lambda *a: None,
+        )
+        assert loads == [{"dtype": "bfloat16", "device": "cpu"}] and scored["n"] == len(rows)
     # the gate's model card (gate.train.model_card) in final/ and the output dir, with the held-out figures
     card = (tmp_path / variant / "final" / "README.md").read_text()
     assert card == (tmp_path / variant / "README.md").read_text() and "[None]" not in card

@@ -4,7 +4,7 @@ Factories keyed by plain strings: ``exact`` (InfoSeek normalisation and numeric 
 recall r of the gold answer in the prediction: 1 + 4r), ``llm`` (an OpenAI-compatible chat endpoint, a 1–5
 correctness prompt in the style of LlamaIndex's CorrectnessEvaluator; the API key is read from an environment
 variable and never logged; an unparseable reply is retried, then recorded as a failure — ``None`` — never a score).
-``judge_all`` judges each distinct (question, normalised answer) once, through a cache.
+``judge_all`` judges each distinct (question, answer as written) once, through a cache.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import re
 from common.llm import ask_with_retries, chat, chat_url
 from gate.pipeline.metrics import token_accuracy
 from gate.pipeline.metrics_infoseek import infoseek_match
-from retrieval.answers import normalize_answer
 
 CORRECTNESS_SYSTEM = (
     "You are an expert evaluation system for a question answering chatbot.\n"
@@ -116,7 +115,9 @@ def judge_from_args(args):
 
 
 def judge_all(records: list[dict], judge, cache: dict | None = None) -> list[list[float | None]]:
-    """Scores for each record's ``samples``, judging each distinct (question id, normalised answer) once.
+    """Scores for each record's ``samples``, judging each distinct (question id, answer) once — the answer as written,
+    spaces collapsed: a judge reads it as written ("1.5 m" and "15 m" are different numbers, which
+    ``retrieval.answers.normalize_answer`` would merge by deleting punctuation).
 
     A record: {"id", "question", "answers" (golds), optional "answer_eval", "samples": [str, ...]}.
     """
@@ -125,7 +126,7 @@ def judge_all(records: list[dict], judge, cache: dict | None = None) -> list[lis
     for rec in records:
         scores = []
         for sample in rec["samples"]:
-            key = (str(rec["id"]), normalize_answer(sample))
+            key = (str(rec["id"]), " ".join(str(sample).split()))
             if key not in cache:
                 cache[key] = judge.score(rec["question"], sample, rec.get("answers") or [], rec.get("answer_eval"))
             scores.append(cache[key])

@@ -112,6 +112,8 @@ class ScoringArgs:
         default=None, metadata={"help": "scoring threshold γ (binary, default 0.5) or ε (skb, default 3)"}
     )
     batch_size: int = field(default=16, metadata={"help": "examples per forward pass"})
+    device: str = field(default=None, metadata={"help": "cuda / cuda:N / cpu (default: this process's own)"})
+    dtype: str = field(default=None, metadata={"help": "bfloat16 / float16 / float32 (default: bf16 on a GPU)"})
 
 
 def write_sweep(out: Path, scores, truth, name: str) -> list[dict]:
@@ -136,7 +138,7 @@ def score_file(args: ScoringArgs, log=print) -> dict:
     require_file(args.data, "data")
     if not args.out:
         raise ValueError("--out is required")
-    model, processor, s = load_gate(args.model)
+    model, processor, s = load_gate(args.model, device=args.device, dtype=args.dtype)
     if s["name"] not in BINARY and s["name"] != "skb":
         raise ValueError(f"variant {s['name']} has no first-token score (generate-and-parse only)")
     rows = list(read_jsonl(args.data))

@@ -216,7 +216,7 @@ def stage_render(args, out: Path, log=print) -> int:
             args.variant,
             recs,
             verbalisers=args.verbalisers,
-            max_per_class=args.max_per_class,
+            max_per_class=args.max_per_class if split == "train" else None,
             seed=args.seed if split == "train" else None,
             balance=args.balance and split == "train",
             skb_target=args.skb_target,
