@@ -44,16 +44,18 @@ def test_sft_configs_parse(name, variant):
     path = SFT / f"{name}.yaml"
     real = name == "paper"
     given = ["--variant", variant, *documented_flags(path, variant)] if variant else []
+    given += ["--dataset", "evqa"] if real else []
     args, training, model = parse_sft(path, *given, *(["--bf16", "false"] if real else []))  # no bf16 GPU here
     spec(args.variant)
     assert args.variant == (variant or "answer")
-    if variant:  # {variant} filled everywhere
+    if variant:  # {variant} (and the real config's {dataset}) filled everywhere
         assert args.train_file.endswith(f"/{variant}.train.jsonl") and args.eval_file.endswith(f"/{variant}.test.jsonl")
-        assert training.output_dir.endswith(f"-{variant}" if real else f"/{variant}")
+        assert training.output_dir.endswith(f"-evqa-{variant}" if real else f"/{variant}")
+        assert ("/evqa/" in args.train_file and "/evqa/" in args.eval_file) == real
         assert "{" not in f"{args.train_file}{args.eval_file}{training.output_dir}{training.run_name}"
     assert training.max_length is None and args.freeze_vision_tower
     if real:  # the papers' settings
-        assert training.run_name == f"refine-rl-sft-{variant}"
+        assert training.run_name == f"refine-rl-sft-evqa-{variant}"
         assert model.use_peft and model.lora_r == 8 and model.lora_alpha == 32
         assert set(model.lora_target_modules) == {"q_proj", "k_proj", "v_proj"}
         assert training.learning_rate == 1e-4 and training.lr_scheduler_type == "linear"
@@ -70,6 +72,10 @@ def test_sft_configs_parse(name, variant):
 def test_a_family_config_needs_a_known_variant(tmp_path):
     with pytest.raises(ValueError, match="--train_file .*holds \\{variant\\}: give --variant"):
         parse_sft(SFT / "toy.yaml")
+    with pytest.raises(ValueError, match="--train_file .*holds \\{dataset\\}: give --dataset \\(infoseek, evqa\\)"):
+        parse_sft(SFT / "paper.yaml", "--variant", "hkb", "--bf16", "false")
+    with pytest.raises(ValueError, match="--dataset must be a plain name"):
+        parse_sft(SFT / "paper.yaml", "--variant", "hkb", "--dataset", "../x", "--bf16", "false")
     with pytest.raises(SystemExit):  # argparse's choices
         parse_sft(SFT / "toy.yaml", "--variant", "vibes")
     config = tmp_path / "c.yaml"  # a YAML value is not checked by argparse
@@ -96,6 +102,27 @@ def test_toy_data_config_parses():
         (BuildDataArgs,), ["--config", str(ROOT / "configs" / "gate" / "toy_data.yaml"), "--stage", "judge"]
     )
     assert args.samples == 10 and args.judge == "exact" and args.refiner == "outputs/refiner"
+
+
+@pytest.mark.parametrize("dataset", ["infoseek", "evqa"])
+def test_real_gate_data_feeds_the_paper_sft_config_and_the_pipeline(dataset):
+    """configs/gate/<dataset>.yaml renders where configs/sft/paper.yaml --dataset reads (a held-out test split
+    included), from the refiner and index the pipeline uses; the pipeline reads the gates that SFT run writes."""
+    from common.cli import parse
+    from gate.pipeline.arguments import PipelineArgs
+    from gate.train.build_data import BuildDataArgs
+
+    (data,) = parse(
+        (BuildDataArgs,), ["--config", str(ROOT / "configs" / "gate" / f"{dataset}.yaml"), "--stage", "render"]
+    )
+    (pipeline,) = parse((PipelineArgs,), ["--config", str(ROOT / "configs" / "pipeline" / f"{dataset}.yaml")])
+    args, training, _ = parse_sft(SFT / "paper.yaml", "--variant", "srt", "--dataset", dataset, "--bf16", "false")
+    assert args.train_file == f"{data.out}/srt.train.jsonl" and args.eval_file == f"{data.out}/srt.test.jsonl"
+    assert 0 < data.holdout < 1 and data.alone_rule == "greedy" and data.samples == 30
+    assert (data.refiner, data.index, data.model) == (pipeline.refiner, pipeline.index, pipeline.answerer)
+    assert data.images_root == pipeline.images_root
+    assert pipeline.reranker == f"gate:{training.output_dir}/final"
+    assert pipeline.gate == f"{training.output_dir.replace('-srt', '-hkb')}/final"
 
 
 def test_a_toy_sft_config_runs_as_shipped(tiny_world, tiny_gate_vlm, tmp_path):

@@ -232,3 +232,30 @@ def test_caps_and_balance_shape_the_train_split_only(tmp_path):
     assert class_balance(list(read_jsonl(tmp_path / "hkb.test.jsonl"))) == {"false": 4, "true": 16}
     stage_render(args, tmp_path, log=lambda *a: None)
     assert (tmp_path / "hkb.test.jsonl").read_text() == first
+    # one split of questions only (InfoSeek's train): --holdout makes the held-out file from whole train questions
+    write_jsonl_atomic(tmp_path / "labels-hkb.jsonl", recs[:20])
+    (tmp_path / "hkb.test.jsonl").unlink()
+    stage_render(BuildDataArgs(stage="render", out=str(tmp_path), variant="hkb", holdout=0.3), tmp_path, log=print)
+    train, test = (list(read_jsonl(tmp_path / f"hkb.{s}.jsonl")) for s in ("train", "test"))
+    assert test and len(train) + len(test) == 20 and not {r["id"] for r in train} & {r["id"] for r in test}
+
+
+def test_holdout_moves_whole_questions_the_same_in_every_variant():
+    """srt has one example per document: a question's examples all land in one split, and a question held out for
+    one variant is held out for every other (the same hash of its id and the seed)."""
+    from gate.train.render import hold_out, question_of
+
+    per_doc = [dict(record(i, True), id=f"q{i}#d{j}", question_id=f"q{i}") for i in range(60) for j in range(3)]
+    one_each = [record(i, i % 2 == 0) for i in range(60)]
+    split = hold_out({"train": per_doc}, 0.25, seed=0)
+    held = {question_of(r) for r in split["test"]}
+    assert held and not held & {question_of(r) for r in split["train"]}
+    assert len(split["test"]) == 3 * len(held) and all(r["split"] == "test" for r in split["test"])
+    assert {r["id"] for r in hold_out({"train": one_each}, 0.25, seed=0)["test"]} == held
+    assert {r["id"] for r in hold_out({"train": one_each}, 0.25, seed=1)["test"]} != held
+    assert 5 <= len(held) <= 25  # about a quarter of 60
+    with pytest.raises(ValueError, match="already have a test split"):
+        hold_out({"train": one_each, "test": one_each[:1]}, 0.25, seed=0)
+    for bad in (0, 1, 1.5):
+        with pytest.raises(ValueError, match="fraction in"):
+            hold_out({"train": one_each}, bad, seed=0)

@@ -10,7 +10,7 @@
     python -m gate.train.build_data --stage expand   --out DIR --expander_url URL --expander_model M   (Inspector,
     E-VQA)
     python -m gate.train.build_data --stage render   --out DIR --variant V [--max_per_class N] [--balance]
-        [--class_targets pass:3000,fail:5000] [--inspector_expanded]
+        [--class_targets pass:3000,fail:5000] [--inspector_expanded] [--holdout 0.05]
 
 ``sample`` answers each question R times with any AutoModelForImageTextToText VLM (batched, progress bar) →
 ``samples.jsonl``; ``judge`` scores every sampled answer on the 1–5 scale (each distinct answer once) →
@@ -139,6 +139,13 @@ class BuildDataArgs:
         },
     )
     verbalisers: list[str] = field(default=None, metadata={"help": "render: replace the variant's verbalisers"})
+    holdout: float = field(
+        default=None,
+        metadata={
+            "help": "render: move this share of the train questions (the same ones in every variant, by a hash of "
+            "their id and --seed) with all their examples to <variant>.test.jsonl, the held-out eval_file"
+        },
+    )
     max_per_class: int = field(default=None, metadata={"help": "render: cap per class (train split)"})
     balance: bool = field(default=False, metadata={"help": "render: cap every train class at the smallest's size"})
     seed: int = field(default=0, metadata={"help": "sample: sampling seed (per batch); render: seed for capping"})

@@ -22,7 +22,7 @@ from gate.train.labels import (
     skb_label,
     srt_label,
 )
-from gate.train.render import class_balance, format_balance, parse_class_targets, render_rows
+from gate.train.render import class_balance, format_balance, hold_out, parse_class_targets, render_rows
 from gate.variants import load_gate_prompt, numbered_documents, prompt_file_for, spec
 
 LABEL_SOURCES = {
@@ -181,7 +181,7 @@ def stage_label(args, out: Path, log=print) -> int:
             no_gold += not has_gold(rec) and not mct_from_consistency(args)
             skipped += 1
             continue
-        base = {k: rec[k] for k in KEEP if k in rec} | {"variant": args.variant}
+        base = {k: rec[k] for k in KEEP if k in rec} | {"variant": args.variant, "question_id": str(rec["id"])}
         rows += [base | lab for lab in labelled if str(lab.get("id", rec["id"])) not in done]
     append_jsonl(target, rows)
     log(
@@ -209,6 +209,8 @@ def stage_render(args, out: Path, log=print) -> int:
         by_split.setdefault(rec.get("split") or "train", []).append(rec)
     if args.inspector_expanded:
         by_split = {split: with_expanded_answers(recs, out) for split, recs in by_split.items()}
+    if args.holdout:
+        by_split = hold_out(by_split, args.holdout, args.seed)
     total = 0
     for split, recs in sorted(by_split.items()):
         report: dict = {}

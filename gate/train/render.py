@@ -152,3 +152,27 @@ def class_balance(rows: list[dict]) -> dict[str, int]:
 def format_balance(balance: dict[str, int]) -> str:
     total = sum(balance.values()) or 1
     return ", ".join(f"{k}: {v} ({100 * v / total:.1f} %)" for k, v in balance.items()) or "none"
+
+
+def question_of(rec: dict) -> str:
+    """The question a labelled example comes from (srt's and mct's per-document examples share it)."""
+    return str(rec.get("question_id") or rec["id"])
+
+
+def hold_out(by_split: dict[str, list[dict]], fraction: float, seed: int) -> dict[str, list[dict]]:
+    """``fraction`` of the train split's questions moved, with every example of theirs, to a ``test`` split: the
+    held-out rows a gate's ``eval_file`` reads when all the questions came from one split (InfoSeek's or E-VQA's
+    train). A question is held out by a hash of its id and ``seed``, so the same questions in every variant."""
+    if not 0 < fraction < 1:
+        raise ValueError(f"--holdout must be a fraction in (0, 1), got {fraction}")
+    if "test" in by_split:
+        raise ValueError("--holdout: the labels already have a test split (the questions' own split); leave it out")
+    train = by_split.get("train", [])
+    chosen = [zlib.crc32(f"{seed}:{question_of(r)}".encode()) < fraction * 2**32 for r in train]
+    held = [r for r, c in zip(train, chosen) if c]
+    kept = [r for r, c in zip(train, chosen) if not c]
+    if not held or not kept:
+        raise ValueError(
+            f"--holdout {fraction}: the train split's {len(held) + len(kept)} examples would leave a split empty"
+        )
+    return {**by_split, "train": kept, "test": [{**r, "split": "test"} for r in held]}

@@ -1,10 +1,12 @@
 """Supervised fine-tuning of a gate (knowledge boundary, KBM, token system, Inspector) on rendered gate data.
 
-    accelerate launch gate/train/sft.py --config configs/sft/paper.yaml --variant hkb [--any_field value ...]
+    accelerate launch gate/train/sft.py --config configs/sft/paper.yaml --variant hkb --dataset infoseek
+        [--any_field value ...]
 
 Arguments are TRL's (SFTConfig, ModelConfig: LoRA through PEFT with ``use_peft``) plus GateArguments. One config
-serves every variant of a family: ``{variant}`` in ``train_file``, ``eval_file``, ``output_dir`` and ``run_name`` is
-replaced by ``--variant`` (an error without it). The loop is
+serves every variant of a family and every benchmark: ``{variant}`` and ``{dataset}`` in ``train_file``,
+``eval_file``, ``output_dir`` and ``run_name`` are replaced by ``--variant`` and ``--dataset`` (an error without
+them). The loop is
 TRL's SFTTrainer on a conversational prompt–completion dataset with one image per row (``gate.train.build_data --stage
 render``), loss on the completion only, vision tower frozen. Everything checkable is checked before a model loads:
 the variant, the files, the class balance (printed; an empty class is an error unless ``allow_single_class``), and
@@ -18,6 +20,7 @@ held-out accuracy of first-token scoring at the default threshold next to the ma
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +46,7 @@ from rl.model import (
     zero_stage,
 )
 
-PLACEHOLDER = "{variant}"
+PLACEHOLDERS = ("variant", "dataset")  # {variant}, {dataset} in the paths below, filled from the fields of that name
 
 
 @dataclass
@@ -55,11 +58,16 @@ class GateArguments:
             "choices": tuple(VARIANTS),
         },
     )
+    dataset: str = field(
+        default=None,
+        metadata={"help": "the benchmark the gate data comes from (infoseek, evqa); fills {dataset} like {variant}"},
+    )
     train_file: str = field(
-        default=None, metadata={"help": "rendered rows (<variant>.train.jsonl; may hold {variant})"}
+        default=None, metadata={"help": "rendered rows (<variant>.train.jsonl; may hold {variant}, {dataset})"}
     )
     eval_file: str = field(
-        default=None, metadata={"help": "held-out rendered rows, scored after training (may hold {variant})"}
+        default=None,
+        metadata={"help": "held-out rendered rows, scored after training (may hold {variant}, {dataset})"},
     )
     verbalisers: list[str] = field(default=None, metadata={"help": "the verbalisers the data was rendered with"})
     freeze_vision_tower: bool = field(default=True, metadata={"help": "train no vision-tower parameter"})
@@ -67,12 +75,14 @@ class GateArguments:
     eval_batch_size: int = field(default=16, metadata={"help": "examples per forward pass when scoring eval_file"})
 
 
-def fill_variant(args: GateArguments, training_args) -> None:
-    """``{variant}`` in ``train_file``, ``eval_file`` and the SFTConfig's ``output_dir`` and ``run_name`` replaced by
-    ``--variant``, in place. Nothing else of the SFTConfig is derived from those two when it is built (transformers
-    5's TrainingArguments.__post_init__ only expands ``~`` in output_dir, which a placeholder does not change; the
-    hub id and W&B's run name are read from them at training time)."""
+def fill_placeholders(args: GateArguments, training_args) -> None:
+    """``{variant}`` and ``{dataset}`` in ``train_file``, ``eval_file`` and the SFTConfig's ``output_dir`` and
+    ``run_name`` replaced by ``--variant`` and ``--dataset``, in place. Nothing else of the SFTConfig is derived from
+    those two when it is built (transformers 5's TrainingArguments.__post_init__ only expands ``~`` in output_dir,
+    which a placeholder does not change; the hub id and W&B's run name are read from them at training time)."""
     check_choices(args)
+    if args.dataset is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+", str(args.dataset)):
+        raise ValueError(f"--dataset must be a plain name (letters, digits, _ . -), got {args.dataset!r}")
     for obj, name in (
         (args, "train_file"),
         (args, "eval_file"),
@@ -80,19 +90,24 @@ def fill_variant(args: GateArguments, training_args) -> None:
         (training_args, "run_name"),
     ):
         value = getattr(obj, name, None)
-        if not isinstance(value, str) or PLACEHOLDER not in value:
-            continue
-        if not args.variant:
-            raise ValueError(f"--{name} {value!r} holds {PLACEHOLDER}: give --variant ({', '.join(VARIANTS)})")
-        setattr(obj, name, value.replace(PLACEHOLDER, args.variant))
+        for key in PLACEHOLDERS:
+            mark = "{" + key + "}"
+            if not isinstance(value, str) or mark not in value:
+                continue
+            if not getattr(args, key):
+                choices = f" ({', '.join(VARIANTS)})" if key == "variant" else " (infoseek, evqa)"
+                raise ValueError(f"--{name} {value!r} holds {mark}: give --{key}{choices}")
+            value = value.replace(mark, getattr(args, key))
+        if value is not None:
+            setattr(obj, name, value)
 
 
 def parse_args(argv=None):
-    """(GateArguments, SFTConfig, ModelConfig) from ``--config`` and flags, ``{variant}`` filled."""
+    """(GateArguments, SFTConfig, ModelConfig) from ``--config`` and flags, ``{variant}`` and ``{dataset}`` filled."""
     from trl import ModelConfig, SFTConfig
 
     args, training_args, model_args = parse((GateArguments, SFTConfig, ModelConfig), argv, description=__doc__)
-    fill_variant(args, training_args)
+    fill_placeholders(args, training_args)
     return args, training_args, model_args
 
 
