@@ -203,7 +203,7 @@ def world_module(argv: list[str]):
     return world
 
 
-def parse_arguments(argv=None):
+def parse_arguments(argv=None, description: str | None = None):
     """(args, training_args, model_args, world, world_args, state) from the command line; with no ``--config`` the
     embedded default's. The first accelerate state of the process is made here: under torchrun on CPUs it must know
     use_cpu, or every process believes it is alone; every collective waits at most ddp_timeout seconds."""
@@ -216,6 +216,8 @@ def parse_arguments(argv=None):
         argv = ["--config", str(DEFAULT_CONFIG), *argv]
     world = world_module(argv)
     types = (RefinerArguments, GRPOConfig, ModelConfig, *((world.Arguments,) if world else ()))
+    if "-h" in argv or "--help" in argv:  # every field's help, before anything starts (the early parse knows four)
+        parse(types, argv, description=description)
     early = early_settings(argv)
     # before GRPOConfig is built: its device setup would start the process group without ddp_timeout on CPUs
     state = PartialState(cpu=early.use_cpu, timeout=timedelta(seconds=early.ddp_timeout))

@@ -41,7 +41,7 @@ def main(argv=None) -> dict:
     t_start = time.time()
     quiet_checkpointing_deprecation()
     hf_logging.disable_progress_bar()  # weight loading / shard writing bars inside phases that have their own
-    args, training_args, model_args, world, world_args, state = parse_arguments(argv)
+    args, training_args, model_args, world, world_args, state = parse_arguments(argv, description=__doc__)
     geometry = validate(args, training_args, model_args, state.num_processes)
     say = print if state.is_main_process else (lambda *a, **k: None)  # facts every process shares: said once
     say(geometry)

@@ -249,3 +249,21 @@ def test_real_grpo_configs_get_the_papers_reward_and_image_budget_from_the_code(
         "max_pixels",
     }
     assert not stated & set(yaml.safe_load(path.read_text()))
+
+
+def test_train_grpo_help_lists_every_field(capsys, monkeypatch):
+    """--help prints every RefinerArguments, GRPOConfig and ModelConfig field (and the world's), not only the four
+    the early parse reads, and starts no process group."""
+    import rl.arguments as ra
+    import rl.train_grpo as tg
+
+    started = []
+    real = ra.early_settings
+    monkeypatch.setattr(ra, "early_settings", lambda argv: started.append(argv) or real(argv))
+    with pytest.raises(SystemExit) as done:
+        tg.main(["--help"])
+    said = capsys.readouterr().out
+    assert done.value.code == 0 and not started
+    for flag in ("--alpha", "--reward_tiers", "--learning_rate", "--num_generations", "--lora_r", "--world"):
+        assert f"{flag} " in said
+    assert tg.__doc__.split("\n")[0] in said
