@@ -184,6 +184,7 @@ def test_missing_image_is_skipped_and_the_run_goes_on(make_args, queries):
         (dict(inspector="/no/inspector"), "--inspector: /no/inspector"),
         (dict(generator_retries=0), "--generator_retries must be at least 1"),
         (dict(generator="endpoint"), "generator_url"),
+        (dict(generator=None, inspector="/no/inspector"), "--generator is required"),  # PASS answers through it
         (dict(generator_prompt="poem"), "--generator_prompt"),
         (dict(consistency_strategy="vote"), "--consistency_strategy: 'vote' is not one of filter, merge, rerank"),
         (dict(consistency="/no/mct"), "--consistency: /no/mct"),

@@ -138,8 +138,8 @@ def validate(args: PipelineArgs) -> None:
         raise ValueError("--answerer (the VLM that answers without retrieval) is required")
     if needs_rag:
         require_index(args.index)
-        if not args.generator and args.inspector == "none":
-            raise ValueError("--generator is required")
+        if not args.generator:  # it answers every question the Inspector passes (all of them without one)
+            raise ValueError("--generator is required (it answers from the section the Inspector passes)")
     for stage, value in (
         ("gate", args.gate),
         ("answerer", args.answerer),

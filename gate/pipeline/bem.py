@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from common.placement import resolve_device
+from common.placement import resolve_device, resolve_dtype
 
 DEFAULT_BEM = "kortukov/answer-equivalence-bem"
 
@@ -62,16 +62,10 @@ class BEMScorer:
     def __init__(
         self, model: str = DEFAULT_BEM, device: str | None = None, dtype: str = "auto", batch_size: int = 64, log=print
     ):
-        import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         self.device = resolve_device(device)
-        self.dtype = {
-            "auto": torch.bfloat16 if self.device.startswith("cuda") else torch.float32,
-            "bf16": torch.bfloat16,
-            "fp16": torch.float16,
-            "fp32": torch.float32,
-        }[dtype]
+        self.dtype = resolve_dtype(dtype, self.device)  # auto: bf16 on a GPU, fp32 on the CPU
         self.batch_size = batch_size
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.model = AutoModelForSequenceClassification.from_pretrained(model, dtype=self.dtype).to(self.device).eval()

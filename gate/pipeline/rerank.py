@@ -6,7 +6,8 @@
    gates' first-token scoring code); ``gate:<dir>`` — a trained ``srt`` gate's P(Rel); or a text CrossEncoder;
 2. within the chosen article (all its sections, from the article store), a text reranker (a sentence-transformers
    CrossEncoder: BAAI/bge-reranker-v2-m3 in the real configs; ``tiny``: the toy world's seeded random tiny BERT
-   cross-encoder, registered by toy.models): (1−β2)·first-stage score + β2·text-reranker score (``within_article``).
+   cross-encoder, registered by toy.models): (1−β2)·the query's text similarity to the section + β2·text-reranker
+   score (``within_article``); the first stage scored only the top-k sections, not the article's others.
 
 A CrossEncoder's logit goes through one sigmoid to [0, 1] (``CrossEncoderReranker.score``); every reranker loads on
 an explicit device and dtype."""
@@ -29,9 +30,9 @@ def combine(retrieval_scores, reranker_scores, beta: float) -> np.ndarray:
     return beta * np.asarray(retrieval_scores, dtype=float) + (1 - beta) * np.asarray(reranker_scores, dtype=float)
 
 
-def within_article(first_stage_scores, reranker_scores, beta2: float) -> np.ndarray:
-    """(1−β2)·first-stage + β2·text reranker: the paper's within-article stage (β2 = 0 keeps the first stage)."""
-    return combine(first_stage_scores, reranker_scores, 1.0 - beta2)
+def within_article(similarity, reranker_scores, beta2: float) -> np.ndarray:
+    """(1−β2)·similarity + β2·text reranker: the within-article stage (β2 = 0 ranks by the similarity alone)."""
+    return combine(similarity, reranker_scores, 1.0 - beta2)
 
 
 def unflatten(flat: np.ndarray, sections: list[list]) -> list[np.ndarray]:

@@ -213,7 +213,9 @@ class Judge:
         self.metric = args.metric
         self.bem = None
         if args.metric == "evqa" and args.bem != "none":
-            self.bem = BEMScorer(args.bem, device=args.bem_device or device, batch_size=args.batch_size)
+            self.bem = BEMScorer(
+                args.bem, device=args.bem_device or device, dtype=args.dtype or "auto", batch_size=args.batch_size
+            )
 
     def __call__(self, pairs: list[tuple[dict, dict]]) -> None:
         """Fill ``correct`` and ``token_accuracy`` into each answer dict of (question record, answer dict) pairs, with
