@@ -139,7 +139,13 @@ def validate(args: RefinerArguments, training_args, model_args, num_processes: i
     check_budget(args.min_pixels, args.max_pixels)
     check_k(args.depth, "depth")
     check_prompt(args.prompt)
-    validate_tiers(parse_tiers(args.reward_tiers), args.miss_reward)
+    tiers = parse_tiers(args.reward_tiers)
+    validate_tiers(tiers, args.miss_reward)
+    if args.depth < max_depth(tiers):  # ranks past depth come back as misses: the table's deep tiers would pay none
+        raise ValueError(
+            f"--reward_tiers reaches rank {max_depth(tiers)}, deeper than --depth {args.depth}: ranks between would "
+            f"earn the miss reward; set --depth {max_depth(tiers)}"
+        )
     if not model_args.model_name_or_path:
         raise ValueError("--model_name_or_path is required")
     if getattr(training_args, "generation_kwargs", None):

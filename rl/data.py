@@ -15,10 +15,12 @@ otherwise be rewarded as a permanent miss) or whose image is missing or unreadab
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from PIL import Image
 from tqdm import tqdm
 
 from common.cli import parse, require_file
@@ -26,7 +28,7 @@ from common.files import check_unique_ids, pyplot, read_jsonl, save_figure, writ
 from common.job_parts import JobParts
 from common.placement import Processes, decode_workers, dist_timeout_field, job_device, process_state
 from retrieval.index import MultimodalIndex, require_index
-from retrieval.kb import image_problem
+from retrieval.kb import image_problem, load_image
 from retrieval.ranking import check_alpha
 from rl.image_embeddings import embed_images, image_path_of
 from rl.prompts import prompt_messages, prompt_spec
@@ -62,9 +64,12 @@ def question_dataset(
 
     Duplicate ids are refused. Every image is decoded once; a question whose image is missing, unreadable or corrupt
     is left out, counted in one printed line and, when ``bad_images_dir`` is given, listed (id, image, reason) in
-    ``<bad_images_dir>/<file stem>.bad_images.jsonl``. ``limit`` keeps the first ``limit`` usable questions.
+    ``<bad_images_dir>/<file stem>.bad_images.jsonl``. ``limit`` keeps the first ``limit`` usable questions. An image
+    past PIL's pixel limit, which the ``image`` column could not decode from its path, goes in as the downscaled
+    picture everything else reads (``retrieval.kb.load_image``).
     """
-    from datasets import Dataset, Image
+    from datasets import Dataset
+    from datasets import Image as ImageColumn
 
     path = Path(path)
     root = Path(images_root or path.parent)
@@ -82,7 +87,7 @@ def question_dataset(
     rows = [
         {
             "prompt": prompt_messages(rec["question"], spec),
-            "image": rec["image_path"],
+            "image": image_column_value(rec["image_path"]),
             "id": str(rec["id"]),
             "entity_id": str(rec["entity_id"]),
             "question": rec["question"],
@@ -90,7 +95,19 @@ def question_dataset(
         }
         for rec in good
     ]
-    return Dataset.from_list(rows).cast_column("image", Image())
+    return Dataset.from_list(rows).cast_column("image", ImageColumn())
+
+
+def image_column_value(path: str) -> dict:
+    """A ``datasets`` Image value: the file's path, or, for an image past PIL's pixel limit (which the column's plain
+    ``PIL.Image.open`` refuses, at any step of training), the downscaled picture ``load_image`` gives, as JPEG."""
+    try:
+        with Image.open(path):
+            return {"path": path, "bytes": None}
+    except Image.DecompressionBombError:
+        buffer = io.BytesIO()
+        load_image(path)[0].save(buffer, format="JPEG", quality=95)
+        return {"path": None, "bytes": buffer.getvalue()}
 
 
 def warn_absent_entities(index, data, name: str) -> None:

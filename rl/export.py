@@ -32,7 +32,7 @@ from common.files import atomic_folder, write_json_atomic
 from common.model_card import write_card
 from common.placement import DTYPE_NAMES, resolve_dtype
 from rewards import parse_query
-from rewards.format import PARSER_VERSION
+from rewards.format import MAX_QUERY_TOKENS, PARSER_VERSION
 from rl.generate import generate_completions, sampling_settings
 from rl.image_budget import apply_image_budget
 from rl.model import open_vlm_image, quiet_checkpointing_deprecation
@@ -202,7 +202,7 @@ def verify(folder: Path, image_path: str | None = None, question: str = "What is
         prompt=spec["prompt"],  # the exact wording it was trained with, not a prompt file read again by name
         max_new_tokens=spec["generation"]["max_new_tokens"],
     )[0]
-    if parse_query(text) is None:
+    if parse_query(text, spec.get("max_query_tokens", MAX_QUERY_TOKENS)) is None:
         raise ValueError(f"exported model's output does not parse: {text[:200]!r}")
     return text
 
@@ -244,6 +244,7 @@ def export(args: ExportArgs, log=print) -> Path:
                 "user_template": record["prompt"]["user_template"],
                 "output_format": '<think>…</think><answer>{"query": "…"}</answer>',
                 "parser_version": PARSER_VERSION,
+                "max_query_tokens": record["refiner_args"].get("max_query_tokens", MAX_QUERY_TOKENS),
                 "index": record["index"],
                 "generation": gen,
                 "training_step": step,

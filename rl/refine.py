@@ -28,7 +28,7 @@ from common.files import check_unique_ids, read_jsonl
 from common.job_parts import JobParts
 from common.placement import dist_timeout_field, process_state, resolve_device
 from retrieval.kb import check_images
-from rewards.format import parse_query
+from rewards.format import MAX_QUERY_TOKENS, parse_query
 from rl.generate import generate_completions, generate_vllm, load_vllm
 from rl.image_budget import apply_image_budget
 from rl.model import load_model, open_vlm_image
@@ -49,6 +49,7 @@ def load_spec(path: Path) -> dict:
             "generation": rec["generation"],
             "index": rec["index"],
             "image_budget": rec.get("image_budget"),
+            "max_query_tokens": rec["refiner_args"].get("max_query_tokens", MAX_QUERY_TOKENS),
         }
     return {
         "prompt": prompt_spec("wikiseeker"),
@@ -119,7 +120,7 @@ class Refiner:
         raw = self.generate(images, questions, **kw)
         out = []
         for q, text in zip(questions, raw):
-            query = parse_query(text)
+            query = parse_query(text, self.spec.get("max_query_tokens", MAX_QUERY_TOKENS))  # as training parsed
             out.append(
                 {"refined_query": query if query is not None else q, "raw_output": text, "format_ok": query is not None}
             )

@@ -45,6 +45,7 @@ def test_full_fine_tune_round_trip(config, tmp_path, tiny_refiner):
     spec = json.loads((out / "refiner.json").read_text())
     assert spec["prompt"]["name"] == "toy" and spec["index"]["alpha"] == 0.5
     assert spec["index"]["image_encoder"] == "tiny" and spec["training_step"] == 1 and spec["parser_version"]
+    assert spec["max_query_tokens"] == 128  # the run's cap: rl.refine parses with it, as training did
     gen = json.loads((out / "generation_config.json").read_text())
     assert gen["temperature"] == 1.0 and gen["max_new_tokens"] == 40
     assert (out / "chat_template.jinja").exists() or "chat_template" in (out / "tokenizer_config.json").read_text()

@@ -218,3 +218,19 @@ def test_the_vlm_image_is_asked_of_transformers_as_an_array_where_it_can_be(tmp_
     assert isinstance(image, Image.Image) and image.mode == "RGB" and np.asarray(image).tolist() == [[[90] * 3] * 8] * 8
     takes_arrays = "return_numpy" in inspect.signature(real).parameters
     assert asked == [{"return_numpy": True} if takes_arrays else {}]
+
+
+@pytest.mark.parametrize("cap,words,ok", [(None, 128, True), (None, 129, False), (3, 3, True), (3, 4, False)])
+def test_refine_parses_with_the_query_cap_training_scored_with(toy_refiner, monkeypatch, cap, words, ok):
+    """A query longer than the run's max_query_tokens earned the format penalty in training: rl.refine does not take
+    it either (the cap from refiner.json; 128, the training default, for a folder written before it was recorded)."""
+    from rewards.format import format_completion
+
+    spec = dict(toy_refiner.spec, **({"max_query_tokens": cap} if cap else {}))
+    refiner = Refiner(toy_refiner.model, toy_refiner.processor, spec)
+    query = " ".join(["star"] * words)
+    monkeypatch.setattr(
+        refiner, "generate", lambda images, questions, **kw: [format_completion(query)] * len(questions)
+    )
+    (out,) = refiner.refine_with_outputs([None], ["which shape?"])
+    assert out["format_ok"] is ok and out["refined_query"] == (query if ok else "which shape?")

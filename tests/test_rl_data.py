@@ -196,6 +196,23 @@ def test_question_dataset_leaves_out_bad_images_and_lists_them(tiny_world, tmp_p
     assert lines == [] and not (tmp_path / "q.bad_images.jsonl").exists()  # stopped before the bad ones; no file
 
 
+def test_an_image_past_pils_limit_reaches_the_policy_downscaled(tiny_world, tmp_path, monkeypatch):
+    """datasets decodes an Image column with a plain PIL.Image.open, which refuses more than twice PIL's limit: such a
+    question would pass every check and stop training at the step that samples it. It goes in downscaled, as the
+    index and the reward read it."""
+    from PIL import Image
+
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 5_000)  # PIL refuses more than twice this: 10,000 pixels
+    rows = [json.loads(x) for x in open(tiny_world / "test.jsonl")][:2]
+    Image.new("RGB", (200, 100), (200, 30, 30)).save(tmp_path / "big.png")  # 20,000 pixels
+    rows[0]["image"] = str(tmp_path / "big.png")
+    ds = question_dataset(write_rows(tmp_path / "q.jsonl", rows), images_root=tiny_world, prompt="toy")
+    big, small = ds["image"]  # decoded by datasets, as TRL reads them
+    assert big.width * big.height <= 5_000 and abs(big.width / big.height - 2) < 0.1
+    assert big.getpixel((10, 10))[0] > 150 and small.size == Image.open(tiny_world / rows[1]["image"]).size
+    assert ds["image_path"][0] == str(tmp_path / "big.png")  # the reward still reads the file (load_image downscales)
+
+
 def test_question_dataset_refuses_when_no_image_is_usable(tmp_path):
     queries = write_rows(
         tmp_path / "q.jsonl", [{"id": "q1", "image": "nope.png", "question": "?", "entity_id": "E1", "answers": []}]

@@ -106,6 +106,7 @@ def test_resume_continues_from_the_saved_step(config, tiny_refiner, tmp_path):
         (dict(prompt="nope"), "unknown prompt"),
         (dict(reward_tiers="1-5:4,7-10:3"), "contiguous"),
         (dict(reward_tiers="1-5:1,6-10:3"), "must not increase"),
+        (dict(reward_tiers="1-100:1,101-500:0.1"), "reaches rank 500, deeper than --depth 200"),  # ranks > 200: misses
         (dict(index="/does/not/exist"), "--index"),
         (dict(train_file="/does/not/exist.jsonl"), "--train_file"),
         (dict(generation_kwargs={"top_k": 5}), "generation_kwargs .* the export"),  # not carried to the export
