@@ -45,7 +45,7 @@ class RefinerArguments:
     )
     depth: int = field(
         default=max_depth(DEFAULT_TIERS),
-        metadata={"help": "rank depth of the retrieval reward (the paper's last tier's end by default)"},
+        metadata={"help": "rank depth of the retrieval reward: at least the last tier's end (the default)"},
     )
     reward_tiers: str = field(
         default=PAPER_TIERS, metadata={"help": "rank tiers lo-hi:reward (the paper's by default)"}

@@ -92,7 +92,6 @@ def grpo_config(folder: Path, world: Path, index: Path, model: Path, **overrides
         train_file=str(world / "train.jsonl"),
         alpha=0.5,
         prompt="toy",
-        depth=8,
         model_name_or_path=str(model),
         output_dir=str(folder / "run"),
         use_cpu=True,
