@@ -34,25 +34,36 @@ def atomic_path(path: str | Path, suffix: str = ""):
     try:
         yield Path(tmp)
         os.chmod(tmp, 0o666 & ~_umask())
+        _fsync(tmp)  # the bytes on disk before the name points at them: a crash never leaves an empty file there
         os.replace(tmp, path)
+        _fsync(path.parent)  # and the rename itself
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
 
 
+def _fsync(path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 @contextmanager
 def atomic_folder(folder: str | Path, replace: bool = True):
     """Yield a fresh temporary folder next to ``folder`` (``.<name>.tmp-<pid>``); when the block succeeds, rename it
-    onto ``folder``: over an existing one with ``replace``, else keeping the one another process renamed there first.
-    A crash leaves no half-written folder."""
+    onto ``folder``: over an existing one with ``replace`` (moved aside first, deleted after), else keeping the one
+    another process renamed there first. A crash leaves no half-written or half-deleted folder at ``folder``."""
     folder = Path(folder)
     tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
+    old = folder.with_name(f".{folder.name}.old-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
         yield tmp
-        if replace:
-            shutil.rmtree(folder, ignore_errors=True)
+        if replace and folder.exists():
+            os.replace(folder, old)
         try:
             os.replace(tmp, folder)
         except OSError:  # a non-empty folder is there: another process finished first
@@ -60,6 +71,7 @@ def atomic_folder(folder: str | Path, replace: bool = True):
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def wait_for_path(path: str | Path, timeout_s: float, what: str) -> Path:
@@ -118,12 +130,19 @@ def append_jsonl(path: str | Path, records: list[dict]) -> None:
         fh.flush()
 
 
+def jsonl_lines(path: str | Path) -> list[bytes]:
+    """A JSONL file's lines as bytes, newlines kept: split on newlines only (a record may hold U+2028 or U+0085,
+    which ``str.splitlines`` would split on) and decoded by whoever reads one (a line cut inside a character is then
+    one bad line, not an unreadable file)."""
+    return Path(path).read_bytes().splitlines(keepends=True)
+
+
 def completed_ids(out: Path) -> set[str]:
     """Ids already written to ``out``; a last line cut short by a crash is dropped (atomically) first, and a whole
     last record without its newline gets one, so the next append starts a line of its own."""
     if not out.exists():
         return set()
-    lines = out.read_text().splitlines(keepends=True)
+    lines = jsonl_lines(out)
     ids = set()
     for i, line in enumerate(lines):
         try:
@@ -133,10 +152,12 @@ def completed_ids(out: Path) -> set[str]:
                 raise ValueError(
                     f"{out}: line {i + 1} is not a JSON record with an id; fix or remove the file"
                 ) from None
-            write_text_atomic(out, "".join(lines[:-1]))
+            with atomic_path(out) as tmp:
+                tmp.write_bytes(b"".join(lines[:-1]))
             return ids
-    if lines and not lines[-1].endswith("\n"):
-        write_text_atomic(out, "".join(lines) + "\n")
+    if lines and not lines[-1].endswith(b"\n"):
+        with atomic_path(out) as tmp:
+            tmp.write_bytes(b"".join(lines) + b"\n")
     return ids
 
 

@@ -14,11 +14,12 @@ refuses to resume results made with others.
 
 from __future__ import annotations
 
+import glob
 import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from common.files import append_jsonl, atomic_path, completed_ids, write_json_atomic
+from common.files import append_jsonl, atomic_path, completed_ids, jsonl_lines, write_json_atomic
 from common.placement import Processes
 
 
@@ -32,7 +33,7 @@ class JobParts(Processes):
         return self.out.with_name(f"{self.out.name}.part{self.rank}")
 
     def _parts(self) -> list[Path]:
-        return sorted(self.out.parent.glob(f"{self.out.name}.part*"))
+        return sorted(self.out.parent.glob(f"{glob.escape(self.out.name)}.part*"))
 
     def started(self) -> bool:
         """Whether an earlier run of this job left results behind (its output or part files)."""
@@ -66,17 +67,17 @@ class JobParts(Processes):
         parts = self._parts()
         if not parts:
             return
-        by_id: dict[str, str] = {}
+        by_id: dict[str, bytes] = {}
         for path in [self.out, *parts]:
             if not path.exists():
                 continue
             completed_ids(path)  # drops a cut last line, atomically
-            for line in path.read_text().splitlines():
+            for line in jsonl_lines(path):
                 if line.strip():
-                    by_id.setdefault(str(json.loads(line)["id"]), line)
+                    by_id.setdefault(str(json.loads(line)["id"]), line.rstrip(b"\n"))
         ranked = {i: n for n, i in enumerate(order)}
-        with atomic_path(self.out) as tmp, open(tmp, "w") as fh:
-            fh.writelines(by_id[i] + "\n" for i in sorted(by_id, key=lambda i: (ranked.get(i, len(ranked)), i)))
+        with atomic_path(self.out) as tmp, open(tmp, "wb") as fh:
+            fh.writelines(by_id[i] + b"\n" for i in sorted(by_id, key=lambda i: (ranked.get(i, len(ranked)), i)))
         for path in parts:
             path.unlink()
 
@@ -122,4 +123,4 @@ def _ids(path: Path) -> set[str]:
     """Ids in a file process 0 has just rewritten whole (no cut line to fix, so no write here)."""
     if not path.exists():
         return set()
-    return {str(json.loads(line)["id"]) for line in path.read_text().splitlines() if line.strip()}
+    return {str(json.loads(line)["id"]) for line in jsonl_lines(path) if line.strip()}

@@ -5,6 +5,7 @@ recorded as failed — never given an empty answer). Each returns generate(image
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import os
@@ -14,7 +15,17 @@ import urllib.request
 
 from common.placement import resolve_dtype
 
-RETRYABLE = (urllib.error.URLError, TimeoutError, ConnectionError, ValueError, KeyError, IndexError, TypeError)
+# a dropped or garbled connection (http.client: IncompleteRead mid-body, BadStatusLine) is as transient as a refused one
+RETRYABLE = (
+    urllib.error.URLError,
+    http.client.HTTPException,
+    OSError,
+    TimeoutError,
+    ValueError,
+    KeyError,
+    IndexError,
+    TypeError,
+)
 
 
 def chat_url(url: str) -> str:

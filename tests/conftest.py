@@ -267,7 +267,9 @@ class Stub:
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
-                self.wfile.write(data)
+                # a reply of None: the connection drops mid-body (the client reads an incomplete response)
+                self.wfile.write(data[:10] if reply is None else data)
+                self.close_connection = reply is None
 
             def log_message(self, *a):
                 pass

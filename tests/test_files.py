@@ -3,6 +3,7 @@ another process renamed first), a bounded wait for a path another process writes
 resume of a JSONL file an interrupted job appended to."""
 
 import stat
+from pathlib import Path
 
 import pytest
 
@@ -67,6 +68,7 @@ def test_an_atomic_file_gets_an_ordinary_files_permissions(tmp_path):
         ('{"id": "a"}\n{"id": "b', {"a"}, '{"id": "a"}\n'),  # cut short: dropped
         ('{"id": "a"}\n', {"a"}, '{"id": "a"}\n'),
         ("", set(), ""),
+        ('{"id": "a", "t": "x\u2028y\u0085z"}\n', {"a"}, '{"id": "a", "t": "x\u2028y\u0085z"}\n'),  # raw, one line
     ],
 )
 def test_the_next_append_after_a_resume_starts_its_own_line(tmp_path, text, ids, after):
@@ -76,3 +78,53 @@ def test_the_next_append_after_a_resume_starts_its_own_line(tmp_path, text, ids,
     assert out.read_text() == after
     append_jsonl(out, [{"id": "c"}])
     assert completed_ids(out) == ids | {"c"}
+
+
+def test_a_last_line_cut_inside_a_character_is_dropped_like_any_cut_line(tmp_path):
+    """A write stopped short (a full disk) can end mid-character: that last line is dropped, not the file refused."""
+    out = tmp_path / "out.jsonl"
+    out.write_bytes('{"id": "a", "title": "Zürich"}\n{"id": "b", "title": "K'.encode() + "ö".encode()[:1])
+    assert completed_ids(out) == {"a"} and out.read_text() == '{"id": "a", "title": "Zürich"}\n'
+
+
+def test_replacing_a_folder_never_leaves_it_half_deleted(tmp_path, monkeypatch):
+    """The old folder is moved aside before the new one is renamed in, and deleted after: a crash while deleting
+    leaves the new folder whole at the target (here the deletion of the old one fails midway)."""
+    import shutil
+
+    (tmp_path / "model").mkdir()
+    for i in range(5):
+        (tmp_path / "model" / f"shard{i}").write_text("old")
+    real = shutil.rmtree
+
+    def crash_in_old(path, *a, **k):
+        old = [f for f in Path(path).glob("shard*") if f.read_text() == "old"]
+        if old:  # the process dies while deleting the old copy, two files in
+            old[0].unlink(), old[1].unlink()
+            raise KeyboardInterrupt
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(shutil, "rmtree", crash_in_old)
+    with pytest.raises(KeyboardInterrupt), atomic_folder(tmp_path / "model") as tmp:
+        for i in range(3):
+            (tmp / f"shard{i}").write_text("new")
+    assert sorted(p.name for p in (tmp_path / "model").iterdir()) == ["shard0", "shard1", "shard2"]
+    assert {p.read_text() for p in (tmp_path / "model").iterdir()} == {"new"}
+
+
+def test_an_atomic_file_is_on_disk_before_its_name_points_at_it(tmp_path, monkeypatch):
+    """fsync of the file before the rename, of the folder after: a power loss never leaves the name on an empty
+    file (a filesystem that does not flush data on rename: XFS, network file systems)."""
+    import os
+
+    import common.files as files
+
+    events = []
+    real_replace = os.replace
+    monkeypatch.setattr(files.os, "fsync", lambda fd: events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))))
+    monkeypatch.setattr(files.os, "replace", lambda a, b: events.append(("replace", str(b))) or real_replace(a, b))
+    write_text_atomic(tmp_path / "out.json", "{}")
+    (fsync_file, name), (replace, target), (fsync_dir, folder) = events
+    assert (fsync_file, replace, fsync_dir) == ("fsync", "replace", "fsync")
+    assert Path(name).parent == tmp_path and Path(name).name.startswith(".out.json.")  # the temporary, before
+    assert target == str(tmp_path / "out.json") and folder == str(tmp_path)

@@ -73,6 +73,13 @@ def test_llm_judge_unreachable_endpoint_is_a_failure():
     assert judge.score("q", "a", ["b"]) is None and judge.last_failure == "URLError"
 
 
+def test_a_connection_dropped_mid_reply_is_retried(stub):
+    """http.client's IncompleteRead is not an OSError: it is retried like any transient failure, not raised."""
+    server = stub([None, "Score: 4"])
+    judge = LLMJudge(server.url, "m", retries=2, backoff=0)
+    assert judge.score("q", "a", ["b"]) == 4.0 and len(server.requests) == 2 and judge.failures == 0
+
+
 def test_distinct_answers_are_judged_once(stub):
     server = stub(["Score: 5", "Score: 1"])
     judge = LLMJudge(server.url, "m", backoff=0)

@@ -77,3 +77,20 @@ def test_results_made_with_other_settings_are_not_resumed(tmp_path):
     out.unlink()  # (start merged the part into out) nothing left: any settings
     (fresh,) = processes(out, 1)
     fresh.same_settings({"model": "b"})
+
+
+@pytest.mark.parametrize("name", ["out.jsonl", "refined[v2].jsonl"])
+def test_records_with_unicode_line_separators_merge_and_resume(tmp_path, name):
+    """JSON writes U+2028, U+2029 and U+0085 raw (ensure_ascii=False), and str.splitlines splits on them: a section
+    text holding one must not cut its record in two at the merge or on resume. An output name with [ ] (a glob
+    character class) finds its parts."""
+    out = tmp_path / name
+    rows = [{"id": f"q{i}", "text": f"line\u2028break\u0085next\u2029{i}"} for i in range(5)]
+    parts = processes(out, 2)
+    for p, mine in zip(parts, [p.start(rows, 2) for p in parts]):
+        for batch in mine:
+            p.append([dict(r, by=p.rank) for r in batch])
+    assert [p.finish(rows) for p in reversed(parts)][::-1] == [True, False]
+    assert [r["text"] for r in read_jsonl(out)] == [r["text"] for r in rows]
+    assert [len(b) for b in processes(out, 2)[0].start(rows, 2)] == []  # all done on resume
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]  # no part left behind
