@@ -21,7 +21,7 @@ import pytest
 import torch
 import yaml
 
-from tests.test_multiprocess import is_vision, reloaded
+from tests.test_multiprocess import free_port, is_vision, reloaded
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,6 +59,7 @@ def test_faiss_puts_one_fp16_replica_on_this_gpu_and_caps_k():
     index, rows, ents = make([3000] + [1] * 300, seed=2, rank_method="search")  # one entity owns 3,000 rows
     gpu_index, where = placement.index_to_device(index.faiss, "cuda:0")
     assert where == "cuda:0" and "Gpu" in type(gpu_index).__name__ and gpu_index.ntotal == len(rows)
+    index._faiss_cpu = index.faiss  # the CPU copy load() keeps beside the GPU one: queries short of depth use it
     index.faiss, index.search_device = FakeFaissIndex(gpu_index), "cuda:0"  # records every k, refuses k > 2048
     rng = np.random.default_rng(0)
     v, t = rng.normal(size=(8, 6)).astype(np.float32), rng.normal(size=(8, 10)).astype(np.float32)
@@ -116,6 +117,8 @@ def test_zero3_grpo_on_one_gpu(config, tiny_refiner, tmp_path):
             "accelerate.commands.launch",
             "--config_file",
             str(tmp_path / "zero3-1gpu.yaml"),
+            "--main_process_port",
+            str(free_port()),
             str(ROOT / "rl" / "train_grpo.py"),
             cfg_flag,
             cfg_path,
@@ -132,8 +135,11 @@ def test_zero3_grpo_on_one_gpu(config, tiny_refiner, tmp_path):
     assert before.keys() == after.keys()
     vision, text = split_tower(before)
     assert all(after[k].shape == before[k].shape for k in before)  # whole tensors, not ZeRO-3 placeholders
-    assert all(torch.allclose(before[k], after[k], atol=1e-2) for k in vision)  # frozen (bf16 round trip)
-    assert any(not torch.allclose(before[k], after[k], atol=1e-2) for k in text)
+    # ZeRO-3's partitioned init rounds every weight to bf16, as .bfloat16() does: frozen ones come back exactly that;
+    # two Adam steps at lr 1e-3 move a weight by ~1e-3 at most, which shows after the same rounding, not at atol 1e-2
+    bf16 = {k: before[k].bfloat16() for k in before}
+    assert all(torch.equal(bf16[k], after[k].bfloat16()) for k in vision)
+    assert any(not torch.equal(bf16[k], after[k].bfloat16()) for k in text)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (pip install -e '.[vllm]')")
