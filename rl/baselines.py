@@ -104,7 +104,8 @@ def run_baselines(args: BaselineArgs, log=print, state=None, generate=None) -> i
     check_images(rows, root, args.queries)
     check_unique_ids(rows, args.queries)
     parts = JobParts(Path(args.out), state)
-    parts.same_settings({"model": str(args.model), "prompt": prompt["name"], "max_new_tokens": args.max_new_tokens})
+    wording = {k: prompt.get(k) for k in ("name", "system", "user_template")}  # a file edited mid-job is other settings
+    parts.same_settings({"model": str(args.model), "prompt": wording, "max_new_tokens": args.max_new_tokens})
     batches = parts.start(rows, args.batch_size)
     log(f"query baselines ({prompt['name']}), {parts.status}")
     fell_back = 0

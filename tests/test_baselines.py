@@ -113,6 +113,10 @@ def test_baselines_resume_and_make_every_method_a_row(tiny_world, tiny_index_dir
     )
     with pytest.raises(Interrupted):
         run_baselines(args, generate=vlm, **QUIET)
+    prompt.write_text("system: Edited wording.\nuser_template: '{question}'\n")  # the same file, other words
+    with pytest.raises(ValueError, match="other settings .*Edited wording"):
+        run_baselines(args, generate=vlm, **QUIET)
+    prompt.write_text("system: Published wording.\nuser_template: '{question}'\n")
     assert run_baselines(args, generate=vlm, **QUIET) == 2  # only the 2 questions the first run had not written
     assert calls[2] == [r["question"] for r in rows[4:]]
     out = list(read_jsonl(tmp_path / "b.jsonl"))
