@@ -137,28 +137,37 @@ def jsonl_lines(path: str | Path) -> list[bytes]:
     return Path(path).read_bytes().splitlines(keepends=True)
 
 
-def completed_ids(out: Path) -> set[str]:
-    """Ids already written to ``out``; a last line cut short by a crash is dropped (atomically) first, and a whole
-    last record without its newline gets one, so the next append starts a line of its own."""
-    if not out.exists():
-        return set()
-    lines = jsonl_lines(out)
-    ids = set()
+def repair_jsonl(path: str | Path, key: str | None = None) -> list[dict]:
+    """The records of a JSONL file an interrupted job appended to: a last line cut short by a crash is dropped
+    (atomically), and a whole last record without its newline gets one, so the next append starts a line of its own.
+    Any other line that is not a JSON object (with ``key``, when given) is an error naming it."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    lines = jsonl_lines(path)
+    records = []
     for i, line in enumerate(lines):
         try:
-            ids.add(str(json.loads(line)["id"]))
-        except (ValueError, KeyError, TypeError):
+            rec = json.loads(line)
+            if not isinstance(rec, dict) or (key is not None and key not in rec):
+                raise TypeError
+            records.append(rec)
+        except (ValueError, TypeError):
             if i != len(lines) - 1:
-                raise ValueError(
-                    f"{out}: line {i + 1} is not a JSON record with an id; fix or remove the file"
-                ) from None
-            with atomic_path(out) as tmp:
+                what = f"a JSON record with {'an' if key == 'id' else 'a'} {key}" if key else "a JSON record"
+                raise ValueError(f"{path}: line {i + 1} is not {what}; fix or remove the file") from None
+            with atomic_path(path) as tmp:
                 tmp.write_bytes(b"".join(lines[:-1]))
-            return ids
+            return records
     if lines and not lines[-1].endswith(b"\n"):
-        with atomic_path(out) as tmp:
+        with atomic_path(path) as tmp:
             tmp.write_bytes(b"".join(lines) + b"\n")
-    return ids
+    return records
+
+
+def completed_ids(out: Path) -> set[str]:
+    """Ids already written to ``out`` (``repair_jsonl``: a last line cut short by a crash is dropped first)."""
+    return {str(rec["id"]) for rec in repair_jsonl(out, key="id")}
 
 
 def file_fingerprint(path: str | Path) -> str:

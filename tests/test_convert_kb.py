@@ -780,6 +780,9 @@ def test_title_keyed_image_csvs_list_what_they_leave_out(tmp_path, image, file, 
         ("", False),
         ("Jane Doe (jane@example.org)", True),
         ("KBFetch/1.0 (https://example.org/me) python", True),
+        ("@", False),  # an @ or :// alone names nobody
+        ("refine-rl @ home", False),
+        ("x://", False),
     ],
 )
 def test_fetch_images_needs_a_user_agent_with_a_contact(tmp_path, user_agent, ok):
@@ -850,3 +853,22 @@ def test_a_damaged_or_ambiguous_download_is_refused_naming_it(tmp_path, damage, 
     with pytest.raises(ValueError, match=f"{path.name}.*{match}"):
         convert(ConvertArgs(format="wiki6m", input=str(path), out=str(tmp_path / "kb.jsonl")), log=quiet)
     assert not (tmp_path / "kb.jsonl").exists()
+
+
+def test_a_connection_dropped_mid_image_is_listed_as_failed_and_the_run_goes_on(tmp_path):
+    """http.client's IncompleteRead is no OSError: one such URL among millions is listed in failed.jsonl, not the end
+    of the run (and of every rerun); a failed.jsonl whose last line a crash cut short is read on."""
+    from retrieval.upstream.fetch_images import FetchArgs, fetch_images
+    from tests.upstream_site import Site, png_bytes
+    from tests.upstream_site import ok as served
+
+    cut = (200, {"Content-Type": "image/png", "Content-Length": "1000"}, png_bytes())
+    with Site({"/a.png": [served(png_bytes())], "/cut.png": [cut]}) as site:
+        kb = kb_with_images(tmp_path, [site.url("/cut.png"), site.url("/a.png")])
+        args = FetchArgs(kb=str(kb), out=str(tmp_path / "imgs"), user_agent=UA, workers=1, timeout=5)
+        assert fetch_images(args, log=quiet) == {"fetched": 1, "failed": 1, "already there": 0}
+        (failed,) = read_jsonl(tmp_path / "imgs" / "failed.jsonl")
+        assert failed["url"] == site.url("/cut.png") and "IncompleteRead" in failed["reason"]
+        with open(tmp_path / "imgs" / "failed.jsonl", "a") as fh:
+            fh.write('{"url": "http://cut')  # a crash mid-append
+        assert fetch_images(args, log=quiet) == {"fetched": 0, "failed": 0, "already there": 2}

@@ -61,7 +61,9 @@ class Site:
                 self.send_response(status)
                 for k, v in headers.items():
                     self.send_header(k, v)
-                self.send_header("Content-Length", str(len(body)))
+                if "Content-Length" not in headers:  # a route may promise more than it sends (a dropped connection)
+                    self.send_header("Content-Length", str(len(body)))
+                self.close_connection = "Content-Length" in headers
                 self.end_headers()
                 self.wfile.write(body)
 

@@ -20,6 +20,8 @@ sends, else 1, 2, 4 … s) before the request is tried again, up to ``--max_retr
 from __future__ import annotations
 
 import email.utils
+import http.client
+import re
 import threading
 import time
 import urllib.error
@@ -33,7 +35,7 @@ from urllib.parse import urlparse, urlunparse
 from tqdm.auto import tqdm
 
 from common.cli import parse
-from common.files import append_jsonl, atomic_path, read_jsonl
+from common.files import append_jsonl, atomic_path, repair_jsonl
 from retrieval.upstream.kb import iter_evqa_kb, read_upstream_jsonl, svg_problem, url_hash
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".gif", ".webp", ".tif", ".tiff", ".bmp"}
@@ -168,8 +170,8 @@ def download(url: str, timeout: float, user_agent: str, throttle: Throttle, max_
                 continue
             tries = f" after {attempt + 1} tries" if e.code in RETRY_STATUSES else ""
             return None, f"HTTPError: {e}{tries}"
-        except (urllib.error.URLError, TimeoutError, OSError, ValueError) as e:
-            return None, f"{type(e).__name__}: {e}"
+        except (urllib.error.URLError, http.client.HTTPException, TimeoutError, OSError, ValueError) as e:
+            return None, f"{type(e).__name__}: {e}"  # HTTPException: a connection dropped mid-body (IncompleteRead)
     raise AssertionError("unreachable")
 
 
@@ -211,8 +213,11 @@ def fetch_one(
     return None
 
 
+CONTACT = re.compile(r"[^\s@()<>]+@[^\s@()<>]+\.[A-Za-z]{2,}|https?://[^\s/]+\.[^\s/]+")  # an address or a site
+
+
 def check_user_agent(value: str | None) -> None:
-    if not value or not value.strip() or not ("@" in value or "://" in value):
+    if not value or not CONTACT.search(value):
         raise ValueError(
             f'--user_agent must name you with a contact, e.g. "Jane Doe (jane@example.org)" or a URL, '
             f"as Wikimedia's User-Agent policy asks (clients without one get blocked); got {value!r}"
@@ -239,7 +244,7 @@ def fetch_images(args: FetchArgs, log=print) -> dict[str, int]:
         if not p.name.startswith(".") and p.name != failed_log.name and svg_problem(p.name) is None
     }
     if failed_log.exists() and not args.retry_failed:
-        done |= {url_hash(r["url"]) for r in read_jsonl(failed_log)}
+        done |= {url_hash(r["url"]) for r in repair_jsonl(failed_log, key="url")}  # a cut last line dropped
     counts = {"fetched": 0, "failed": 0, "already there": 0}
 
     def todo() -> Iterator[str]:
