@@ -174,3 +174,26 @@ def test_expand_asks_an_openai_compatible_endpoint_with_the_stages_prompt(tmp_pa
     ]
     (row,) = read_jsonl(tmp_path / "expanded-inspector.jsonl")
     assert row["id"] == "q1" and row["target"] == "Tower 1 is 10 m tall." and row["expanded"]
+
+
+def test_a_failed_expansion_request_is_asked_again_on_the_next_run(tmp_path):
+    """A request that failed after its retries (None) is not written as done: the next run asks for it again, and
+    the log says how many to retry."""
+    write_jsonl_atomic(tmp_path / "labels-inspector.jsonl", label_rows(6))  # q1 q2 q4 q5 FAIL
+    outage = [True]
+
+    def expand(questions, answers):
+        return [
+            None if outage[0] and "2" in q else json.dumps({"expanded_answer": f"It is {a} tall."})
+            for q, a in zip(questions, answers)
+        ]
+
+    args = BuildDataArgs(stage="expand", out=str(tmp_path), batch_size=8)
+    lines = []
+    assert stage_expand(args, tmp_path, log=lines.append, expand=expand) == 3
+    assert "1 requests failed and were not written" in lines[-1]
+    assert "q2" not in {r["id"] for r in read_jsonl(tmp_path / "expanded-inspector.jsonl")}
+    outage[0] = False
+    assert stage_expand(args, tmp_path, log=lines.append, expand=expand) == 1
+    expanded = {r["id"]: r["target"] for r in read_jsonl(tmp_path / "expanded-inspector.jsonl")}
+    assert expanded["q2"] == "It is 20 m tall." and len(expanded) == 4

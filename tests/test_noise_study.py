@@ -70,6 +70,8 @@ def test_relevant_sections_hold_an_answer_with_the_evidence_section_first():
     q = {"answers": ["seeds"], "evidence_section_id": 2}
     assert relevant_sections(q, sections) == ["T: Seeds, mostly.", "T: It eats seeds."]
     assert relevant_sections({"answers": ["fish"]}, sections) == []
+    # the KB's row per ⟨image, section⟩: a section with three images is still one relevant section
+    assert relevant_sections(q, sections * 3) == ["T: Seeds, mostly.", "T: It eats seeds."]
 
 
 def test_the_table_has_a_row_per_generator_and_a_column_per_level():
@@ -101,7 +103,7 @@ def test_an_interrupted_study_resumes_and_scores_by_the_official_rule(tiny_world
         if len(calls) == 2:
             raise Interrupted
         return [
-            next((g for g in sorted(golds[q]) if g.lower() in c.lower()), "no idea")
+            (next((g for g in sorted(golds[q]) if g.lower() in c.lower()), "no idea"), None)
             for q, c in zip(questions, contexts)
         ]
 
@@ -121,9 +123,26 @@ def test_an_interrupted_study_resumes_and_scores_by_the_official_rule(tiny_world
     result = run_study(args, generators={"reader": reader}, **QUIET)
     assert calls[2:] == [4, 4, 4, 2]  # the 14 (level, question) pairs the first run had not answered
     assert result["questions"] == 6 and len(list(read_jsonl(tmp_path / "answers.jsonl"))) == 18
-    assert result["accuracy"]["reader"]["oracle"] == 1.0 and result["accuracy"]["reader"]["0"] == 0.0
+    # level 0 holds only other entities' sections, which may still name a shared answer (a colour): rarely right
+    assert result["accuracy"]["reader"]["oracle"] == 1.0 and result["accuracy"]["reader"]["0"] <= 0.25
     assert json.loads((tmp_path / "noise.json").read_text())["accuracy"] == result["accuracy"]
     assert (tmp_path / "noise_table.md").read_text().startswith("| generator | 0 | 0.5 | oracle |")
+    # an endpoint down for some requests: they are not written as answers (scored wrong), the run says so, and
+    # the next run asks for exactly those
+    (tmp_path / "answers.jsonl").unlink()
+
+    def flaky(images, questions, contexts):
+        return [
+            (None, "generator failed after 3 attempts: URLError") if i == 0 else ("x", None)
+            for i in range(len(questions))
+        ]
+
+    with pytest.raises(RuntimeError, match="5 generator requests failed after their retries and were not written"):
+        run_study(args, generators={"reader": flaky}, **QUIET)  # the first of each of the 5 batches
+    assert len(list(read_jsonl(tmp_path / "answers.jsonl"))) == 18 - 5
+    before = len(calls)
+    run_study(args, generators={"reader": reader}, **QUIET)
+    assert sum(calls[before:]) == 5 and len(list(read_jsonl(tmp_path / "answers.jsonl"))) == 18
 
 
 def test_the_toy_world_study_with_a_vlm_with_and_without_the_image_and_a_text_llm(

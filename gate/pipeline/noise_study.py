@@ -133,12 +133,13 @@ def noisy_context(
 
 
 def relevant_sections(question: dict, sections: list[dict]) -> list[str]:
-    """The gold entity's sections that contain a gold answer, the question's evidence section first."""
+    """The gold entity's sections that contain a gold answer, the question's evidence section first, each once (the
+    KB has a row per ⟨image, section⟩: a section with three images is three rows)."""
     answers = [str(a) for a in question.get("answers") or []]
     evidence = question.get("evidence_section_id")
     hits = [s for s in sections if answers and answer_in_passage(answers, s.get("text", ""))]
     hits.sort(key=lambda s: s.get("section") != evidence if evidence is not None else 0)
-    return [section_text(s) for s in hits]
+    return list(dict.fromkeys(section_text(s) for s in hits))
 
 
 def accuracy_table(results: dict[str, dict[str, float]], levels: list[str]) -> str:
@@ -155,7 +156,8 @@ def accuracy_table(results: dict[str, dict[str, float]], levels: list[str]) -> s
 
 
 def load_generator(kind: str, target: str, args: NoiseArgs, prompt: dict, device: str):
-    """generate(images, questions, contexts) → answers (None for no answer)."""
+    """generate(images, questions, contexts) → (answer or None, why it failed or None) per question: an endpoint's
+    request that failed after its retries has a reason, an empty answer from a model does not."""
     if kind == "endpoint":
         model, _, url = target.partition("@")
         generate = endpoint_generator(url, model, prompt, args.key_env, args.max_new_tokens)
@@ -169,7 +171,7 @@ def load_generator(kind: str, target: str, args: NoiseArgs, prompt: dict, device
             answers = vlm(images if kind == "vlm" else None, texts, False)
             return [(a.strip() or None, None) for a in answers]
 
-    return lambda images, questions, contexts: [a for a, _ in generate(images, questions, contexts)]
+    return generate
 
 
 def study_rows(args: NoiseArgs, log) -> tuple[list[dict], list[tuple[str, str]], int]:
@@ -188,7 +190,7 @@ def study_rows(args: NoiseArgs, log) -> tuple[list[dict], list[tuple[str, str]],
             reservoir.append(row)
         elif (j := rng.randrange(seen)) < len(reservoir):
             reservoir[j] = row
-    pool = [(str(r.get("entity_id")), section_text(r)) for r in reservoir]
+    pool = list(dict.fromkeys((str(r.get("entity_id")), section_text(r)) for r in reservoir))  # a section once
     in_pool = Counter(e for e, _ in pool)
     rows, left_out = [], 0
     for q in questions:
@@ -222,6 +224,7 @@ def run_study(args: NoiseArgs, log=print, generators: dict | None = None) -> dic
     answers_path = out / "answers.jsonl"
     done = completed_ids(answers_path)
     device = resolve_device(args.device)
+    failed = 0
     for name, spec in specs.items():
         todo = [(lv, q) for lv in levels for q in rows if f"{name}|{lv}|{q['id']}" not in done]
         if not todo:
@@ -245,7 +248,8 @@ def run_study(args: NoiseArgs, log=print, generators: dict | None = None) -> dic
             ]
             images = [open_vlm_image(q["image_path"]) for _, q in batch]
             answers = generate(images, [q["question"] for _, q in batch], contexts)
-            append_jsonl(
+            failed += sum(why is not None for _, why in answers)
+            append_jsonl(  # a failed request is not written: the next run asks again
                 answers_path,
                 [
                     {
@@ -255,9 +259,15 @@ def run_study(args: NoiseArgs, log=print, generators: dict | None = None) -> dic
                         "question_id": str(q["id"]),
                         "answer": a,
                     }
-                    for (lv, q), a in zip(batch, answers)
+                    for (lv, q), (a, why) in zip(batch, answers)
+                    if why is None
                 ],
             )
+    if failed:
+        raise RuntimeError(
+            f"noise study: {failed} generator requests failed after their retries and were not written to "
+            f"{answers_path}: run it again to ask for them (the answers written are kept)"
+        )
     return score(args, rows, levels, list(specs), answers_path, left_out, log)
 
 

@@ -91,22 +91,26 @@ def stage_expand(args, out: Path, log=print, expand=None) -> int:
     todo = [r for r in read_jsonl(source) if not r["pass"] and str(r["id"]) not in done]
     if todo:
         expand = expand or expander(args, prompt)
-    kept_short = 0
+    kept_short = failed = written = 0
     for start in tqdm(range(0, len(todo), args.batch_size), desc="expanding answers", disable=not todo):
         batch = todo[start : start + args.batch_size]
         shorts = [str(r["inspector"].get("answer", "")) for r in batch]
         replies = expand([r["question"] for r in batch], shorts)
-        rows = [
+        rows = [  # a request that failed (None after its retries) is not written: the next run asks again
             {"id": str(r["id"]), "answer": short, "reply": reply, **expansion_target(short, reply)}
             for r, short, reply in zip(batch, shorts, replies)
+            if reply is not None
         ]
+        failed += len(batch) - len(rows)
         kept_short += sum(not x["expanded"] for x in rows)
+        written += len(rows)
         append_jsonl(target, rows)
     log(
-        f"expand: {len(todo)} FAIL answers expanded now ({len(done)} before); {kept_short} kept the short answer "
+        f"expand: {written} FAIL answers expanded now ({len(done)} before); {kept_short} kept the short answer "
         f"(no parsable sentence, or one without the short answer: the reason is in {target.name})"
+        + (f"; {failed} requests failed and were not written: run --stage expand again to retry them" if failed else "")
     )
-    return len(todo)
+    return written
 
 
 def expanded_targets(out: Path) -> dict[str, str]:
