@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import string
 from pathlib import Path
 
 import yaml
@@ -16,10 +17,15 @@ def is_prompt_file(value) -> bool:
 
 
 def load_prompt(
-    value: str, builtin: dict[str, dict], placeholders: tuple[str, ...] = ("{question}",), flag: str = "--prompt"
+    value: str,
+    builtin: dict[str, dict],
+    placeholders: tuple[str, ...] = ("{question}",),
+    flag: str = "--prompt",
+    allowed: tuple[str, ...] = (),
 ) -> dict:
     """{name, system, user_template} for a built-in prompt name or a YAML prompt file (checked: both strings present,
-    every placeholder in the template)."""
+    every placeholder in the template, and no other field than those and ``allowed`` — the template is filled with
+    ``str.format``, so a stray ``{Title}`` or a literal JSON ``{"key": …}`` would fail at the first batch)."""
     if not is_prompt_file(value):
         if value not in builtin:
             raise ValueError(
@@ -36,6 +42,18 @@ def load_prompt(
     missing = [x for x in placeholders if x not in spec["user_template"]]
     if missing:
         raise ValueError(f"{flag} {path}: user_template lacks {', '.join(missing)}")
+    fills = {p.strip("{}") for p in placeholders} | set(allowed)
+    literal = "write a literal brace as {{ or }}"
+    try:
+        fields = {name for _, name, _, _ in string.Formatter().parse(spec["user_template"]) if name is not None}
+    except ValueError as e:
+        raise ValueError(f"{flag} {path}: user_template is not a format string ({e}): {literal}") from None
+    unknown = sorted(fields - fills)
+    if unknown:
+        raise ValueError(
+            f"{flag} {path}: user_template holds {{{unknown[0]}}}, which nothing fills (it may use "
+            f"{', '.join('{' + f + '}' for f in sorted(fills))}): {literal}"
+        )
     return {"name": str(path), "system": spec["system"], "user_template": spec["user_template"]}
 
 

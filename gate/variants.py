@@ -73,7 +73,7 @@ def load_gate_prompt(path: str, variant: str) -> dict:
     """A variant's prompt from a YAML file (rl.prompts.load_prompt), its user template holding the placeholders the
     variant fills ({question}, and {context} for the variants that read a section)."""
     needs = ("{question}", "{context}") if "{context}" in check_variant(variant)["user"] else ("{question}",)
-    return load_prompt(path, {}, needs, "--gate_prompt")
+    return load_prompt(path, {}, needs, "--gate_prompt")  # a no-context variant refuses {context}: it would be empty
 
 
 def prompt_file_for(folder, variant: str):

@@ -24,7 +24,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from common.cli import parse, require_file
-from common.files import append_jsonl, read_jsonl, write_json_atomic
+from common.files import append_jsonl, read_jsonl, repair_jsonl, write_json_atomic
 from common.llm import replier
 from common.prompts import load_prompt
 from retrieval.encoders import TextEncoder
@@ -110,14 +110,16 @@ def summarize_kb(args: SummarizeArgs, log=print, summarize=None, count_tokens=No
     if summarize is None and not (args.summarizer_url and args.summarizer_model) and not args.summarizer:
         raise ValueError("give --summarizer_url and --summarizer_model (an endpoint) or --summarizer (a local model)")
     prompt = (
-        load_prompt(args.summary_prompt, {}, ("{text}",), "--summary_prompt") if args.summary_prompt else SUMMARY_PROMPT
+        load_prompt(args.summary_prompt, {}, ("{text}",), "--summary_prompt", allowed=("title", "section_title"))
+        if args.summary_prompt
+        else SUMMARY_PROMPT
     )
     if count_tokens is None:
         tokenizer = TextEncoder(args.text_encoder, device="cpu").model.tokenizer
         count_tokens = lambda text: len(tokenizer(text, add_special_tokens=True, verbose=False)["input_ids"])  # noqa: E731
     long, distinct = long_sections(Path(args.kb), args.text_template, count_tokens, args.max_tokens)
     out = Path(args.out)
-    done = set(load_summaries(out)) if out.exists() else set()
+    done = {r["text_sha"] for r in repair_jsonl(out, key="text_sha")}  # a last line a crash cut short: dropped
     todo = [r for r in long if r["text_sha"] not in done]
     if todo:
         summarize = summarize or summarizer(args, prompt)

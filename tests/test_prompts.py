@@ -2,6 +2,7 @@
 pipeline generator's; each file checked for the placeholders its stage fills."""
 
 import json
+import re
 
 import pytest
 
@@ -95,3 +96,31 @@ def test_a_gate_prompt_file_renders_the_rows_and_is_recorded_beside_them(tmp_pat
             tmp_path,
             log=lambda *a: None,
         )
+
+
+@pytest.mark.parametrize(
+    "template,placeholders,allowed,error",
+    [
+        (
+            'Reply as {"expanded_answer": "..."}. {question} {answer}',
+            ("{question}", "{answer}"),
+            (),
+            '{"expanded_answer"',
+        ),
+        ('Reply as {{"expanded_answer": "..."}}. {question} {answer}', ("{question}", "{answer}"), (), None),
+        ("{Title}: {text}", ("{text}",), ("title", "section_title"), "{Title}, which nothing fills"),
+        ("{title} / {section_title}: {text}", ("{text}",), ("title", "section_title"), None),
+        ("{question} {}", ("{question}",), (), "{}, which nothing fills"),
+        ("{question} {", ("{question}",), (), "not a format string"),
+    ],
+)
+def test_a_prompt_file_may_only_use_the_fields_its_stage_fills(tmp_path, template, placeholders, allowed, error):
+    """The template is filled with str.format at the first batch: a field nothing fills (a typo, a literal JSON
+    object) is refused when the file is read, naming the file and the field."""
+    path = tmp_path / "p.yaml"
+    path.write_text(json.dumps({"system": "s", "user_template": template}))  # JSON is YAML
+    if error is None:
+        assert load_prompt(str(path), {}, placeholders, "--x", allowed=allowed)["user_template"] == template
+    else:
+        with pytest.raises(ValueError, match=f"--x {re.escape(str(path))}: .*" + re.escape(error)):
+            load_prompt(str(path), {}, placeholders, "--x", allowed=allowed)

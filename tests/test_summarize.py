@@ -71,6 +71,8 @@ def test_summaries_resume_count_failures_and_take_a_prompt_file(tmp_path):
     )
     with pytest.raises(Interrupted):
         summarize_kb(args, summarize=summarize, count_tokens=WORDS, **QUIET)
+    with open(tmp_path / "s.jsonl", "a") as fh:
+        fh.write('{"text_sha": "ab')  # a crash mid-append: the resume drops that line
     counts = summarize_kb(args, summarize=summarize, count_tokens=WORDS, **QUIET)
     assert calls[0][0].startswith("Summarise: ") and sum(len(c) for c in calls[2:]) == 6  # 9 long, 3 done before
     assert counts["over_max_tokens"] == 9 and counts["summaries"] == 8 and counts["failed_now"] == 1
