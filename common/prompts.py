@@ -57,6 +57,12 @@ def load_prompt(
     return {"name": str(path), "system": spec["system"], "user_template": spec["user_template"]}
 
 
+def wording(prompt: dict) -> dict:
+    """A prompt's words (system, user template), as a job records them among the settings a resume must match: a
+    prompt file edited mid-job is other settings."""
+    return {k: prompt.get(k) for k in ("system", "user_template")}
+
+
 def json_objects(text):
     """Every JSON object (dict) that parses at a ``{`` of a model's reply, in order: how the stages that answer in
     JSON (query baselines, answer expansion) find theirs amid other text or code fences."""

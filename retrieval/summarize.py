@@ -25,8 +25,9 @@ from tqdm import tqdm
 
 from common.cli import parse, require_file
 from common.files import append_jsonl, read_jsonl, repair_jsonl, write_json_atomic
+from common.job_parts import JobParts
 from common.llm import replier
-from common.prompts import load_prompt
+from common.prompts import load_prompt, wording
 from retrieval.encoders import TextEncoder
 from retrieval.kb import entry_text
 
@@ -119,6 +120,15 @@ def summarize_kb(args: SummarizeArgs, log=print, summarize=None, count_tokens=No
         count_tokens = lambda text: len(tokenizer(text, add_special_tokens=True, verbose=False)["input_ids"])  # noqa: E731
     long, distinct = long_sections(Path(args.kb), args.text_template, count_tokens, args.max_tokens)
     out = Path(args.out)
+    JobParts(out).same_settings(  # summaries made with another prompt, model or limit are not mixed in
+        {
+            "prompt": wording(prompt),
+            "summarizer": args.summarizer or f"{args.summarizer_model}@{args.summarizer_url}",
+            "max_tokens": args.max_tokens,
+            "text_template": args.text_template,
+            "max_new_tokens": args.max_new_tokens,
+        }
+    )
     done = {r["text_sha"] for r in repair_jsonl(out, key="text_sha")}  # a last line a crash cut short: dropped
     todo = [r for r in long if r["text_sha"] not in done]
     if todo:

@@ -33,7 +33,7 @@ from common.cli import parse, require_file
 from common.files import check_unique_ids, read_jsonl
 from common.job_parts import JobParts
 from common.placement import dist_timeout_field, job_device, process_state, resolve_device
-from common.prompts import json_objects, load_prompt
+from common.prompts import json_objects, load_prompt, wording
 from retrieval.kb import check_images
 from rl.generate import vlm_generator
 from rl.model import open_vlm_image
@@ -104,8 +104,7 @@ def run_baselines(args: BaselineArgs, log=print, state=None, generate=None) -> i
     check_images(rows, root, args.queries)
     check_unique_ids(rows, args.queries)
     parts = JobParts(Path(args.out), state)
-    wording = {k: prompt.get(k) for k in ("name", "system", "user_template")}  # a file edited mid-job is other settings
-    parts.same_settings({"model": str(args.model), "prompt": wording, "max_new_tokens": args.max_new_tokens})
+    parts.same_settings({"model": str(args.model), "prompt": wording(prompt), "max_new_tokens": args.max_new_tokens})
     batches = parts.start(rows, args.batch_size)
     log(f"query baselines ({prompt['name']}), {parts.status}")
     fell_back = 0

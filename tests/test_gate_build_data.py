@@ -234,6 +234,8 @@ def test_retrieve_context_and_the_retrieval_labels(questions, tiny_world, tiny_i
             and r["summary"] is None
         )
     assert summaries == []
+    with pytest.raises(ValueError, match=r"other settings \(mct_gamma: 0.5 then, 0.7 now"):  # other relevance: refused
+        stage_consistency(BuildDataArgs(**{**cons_args.__dict__, "mct_gamma": 0.7}), out, summarise=summarise, **QUIET)
     # an srt gate that finds two relevant documents for one question: summary of those two, then the label
     (out / "consistency.jsonl").unlink()
     assert (

@@ -197,3 +197,6 @@ def test_a_failed_expansion_request_is_asked_again_on_the_next_run(tmp_path):
     assert stage_expand(args, tmp_path, log=lines.append, expand=expand) == 1
     expanded = {r["id"]: r["target"] for r in read_jsonl(tmp_path / "expanded-inspector.jsonl")}
     assert expanded["q2"] == "It is 20 m tall." and len(expanded) == 4
+    other = BuildDataArgs(stage="expand", out=str(tmp_path), batch_size=8, expander="another-model")
+    with pytest.raises(ValueError, match="other settings .*expander"):  # another model's sentences are not mixed in
+        stage_expand(other, tmp_path, log=lines.append, expand=expand)

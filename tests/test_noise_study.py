@@ -143,6 +143,9 @@ def test_an_interrupted_study_resumes_and_scores_by_the_official_rule(tiny_world
     before = len(calls)
     run_study(args, generators={"reader": reader}, **QUIET)
     assert sum(calls[before:]) == 5 and len(list(read_jsonl(tmp_path / "answers.jsonl"))) == 18
+    # answers to 4-section contexts are not resumed as if they were 10-section ones
+    with pytest.raises(ValueError, match=r"other settings \(n_sections: 4 then, 10 now"):
+        run_study(NoiseArgs(**{**args.__dict__, "n_sections": 10}), generators={"reader": reader}, **QUIET)
 
 
 def test_the_toy_world_study_with_a_vlm_with_and_without_the_image_and_a_text_llm(

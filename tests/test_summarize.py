@@ -77,6 +77,14 @@ def test_summaries_resume_count_failures_and_take_a_prompt_file(tmp_path):
     assert calls[0][0].startswith("Summarise: ") and sum(len(c) for c in calls[2:]) == 6  # 9 long, 3 done before
     assert counts["over_max_tokens"] == 9 and counts["summaries"] == 8 and counts["failed_now"] == 1
     assert json.loads((tmp_path / "s.jsonl.counts.json").read_text()) == counts
+    (tmp_path / "p2.yaml").write_text("system: Another prompt.\nuser_template: 'Shorten: {text}'\n")
+    with pytest.raises(ValueError, match="other settings .*prompt"):  # summaries of two wordings are not mixed
+        summarize_kb(
+            SummarizeArgs(**{**args.__dict__, "summary_prompt": str(tmp_path / "p2.yaml")}),
+            summarize=summarize,
+            count_tokens=WORDS,
+            **QUIET,
+        )
     with pytest.raises(ValueError, match=r"--summary_prompt .*user_template lacks \{text\}"):
         (tmp_path / "bad.yaml").write_text("system: s\nuser_template: '{title}'\n")
         summarize_kb(

@@ -84,6 +84,15 @@ def stage_consistency(args, out: Path, log=print, relevance=None, summarise=None
         contexts = {str(r["id"]): r for r in read_jsonl(ctx_path)}
     rows = list(read_jsonl(source))
     parts = JobParts(out / "consistency.jsonl", state)
+    parts.same_settings(
+        {
+            "srt_gate": args.srt_gate,
+            "mct_gamma": args.mct_gamma,
+            "correct_score": None if args.srt_gate else args.correct_score,
+            "model": args.model,
+            "summary_max_new_tokens": args.summary_max_new_tokens,
+        }
+    )
     batches = parts.start(rows, args.batch_size)
     origin = f"srt gate {args.srt_gate}" if args.srt_gate else "judged answers"
     log(f"consistency, {parts.status}; relevance from {origin}, γ = {args.mct_gamma}")

@@ -30,8 +30,10 @@ from tqdm import tqdm
 
 from common.cli import parse, require_file
 from common.files import append_jsonl, completed_ids, read_jsonl, write_json_atomic, write_text_atomic
+from common.job_parts import JobParts
 from common.llm import endpoint_generator, text_generator
 from common.placement import resolve_device
+from common.prompts import wording
 from gate.pipeline.bem import BEMScorer
 from gate.pipeline.context import load_questions, section_text, vlm_answerer
 from gate.pipeline.metrics import official_correct
@@ -222,6 +224,16 @@ def run_study(args: NoiseArgs, log=print, generators: dict | None = None) -> dic
     out.mkdir(parents=True, exist_ok=True)
     rows, pool, left_out = study_rows(args, log)
     answers_path = out / "answers.jsonl"
+    JobParts(answers_path).same_settings(  # answers to other contexts are not mixed in (generators may be added)
+        {
+            "queries": str(args.queries),
+            "kb": str(args.kb),
+            "n_sections": args.n_sections,
+            "seed": args.seed,
+            "prompt": wording(prompt),
+            "max_new_tokens": args.max_new_tokens,
+        }
+    )
     done = completed_ids(answers_path)
     device = resolve_device(args.device)
     failed = 0

@@ -21,8 +21,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from common.files import append_jsonl, completed_ids, read_jsonl
+from common.job_parts import JobParts
 from common.llm import replier
-from common.prompts import json_objects, load_prompt
+from common.prompts import json_objects, load_prompt, wording
 from retrieval.answers import answer_in_passage
 
 EXPANSION_PROMPT = {
@@ -87,6 +88,13 @@ def stage_expand(args, out: Path, log=print, expand=None) -> int:
         else EXPANSION_PROMPT
     )
     target = out / EXPANDED_FILE
+    JobParts(target).same_settings(  # sentences from another prompt or model are not mixed in
+        {
+            "prompt": wording(prompt),
+            "expander": args.expander or f"{args.expander_model}@{args.expander_url}",
+            "max_new_tokens": args.max_new_tokens,
+        }
+    )
     done = completed_ids(target)
     todo = [r for r in read_jsonl(source) if not r["pass"] and str(r["id"]) not in done]
     if todo:
