@@ -143,18 +143,25 @@ def summarize_kb(args: SummarizeArgs, log=print, summarize=None, count_tokens=No
             for r in batch
         ]
         replies = summarize(users)
-        rows = [
-            {"text_sha": r["text_sha"], "summary": s.strip(), "tokens": r["tokens"]}
+        rows = [  # tokens: the section's; summary_tokens: what the build embeds in its place
+            {
+                "text_sha": r["text_sha"],
+                "summary": s.strip(),
+                "tokens": r["tokens"],
+                "summary_tokens": count_tokens(entry_text({**r, "text": s.strip()}, args.text_template)),
+            }
             for r, s in zip(batch, replies)
             if s and s.strip()
         ]
         failed += len(batch) - len(rows)
         append_jsonl(out, rows)
+    written = list(read_jsonl(out)) if out.exists() else []
     counts = {
         "distinct_texts": distinct,
         "over_max_tokens": len(long),
         "max_tokens": args.max_tokens,
-        "summaries": len(load_summaries(out)) if out.exists() else 0,
+        "summaries": len(written),
+        "summaries_still_over": sum(r.get("summary_tokens", 0) > args.max_tokens for r in written),
         "failed_now": failed,
         "prompt": prompt["name"],
     }
@@ -162,6 +169,11 @@ def summarize_kb(args: SummarizeArgs, log=print, summarize=None, count_tokens=No
     log(
         f"summaries: {counts['over_max_tokens']} of {distinct} distinct sections exceed {args.max_tokens} tokens; "
         f"{counts['summaries']} summarised in {out}"
+        + (
+            f"; {counts['summaries_still_over']} summaries are still longer (the build truncates them)"
+            if counts["summaries_still_over"]
+            else ""
+        )
         + (f"; {failed} failed now (truncated in the build; run again to retry)" if failed else "")
     )
     return counts

@@ -60,7 +60,7 @@ def test_summaries_resume_count_failures_and_take_a_prompt_file(tmp_path):
         calls.append(users)
         if len(calls) == 2:
             raise Interrupted
-        return ["" if "long 3 " in u else "a short summary" for u in users]
+        return ["" if "long 3 " in u else "too long " * 10 if "long 5 " in u else "a short summary" for u in users]
 
     args = SummarizeArgs(
         kb=str(tmp_path / "kb.jsonl"),
@@ -76,6 +76,9 @@ def test_summaries_resume_count_failures_and_take_a_prompt_file(tmp_path):
     counts = summarize_kb(args, summarize=summarize, count_tokens=WORDS, **QUIET)
     assert calls[0][0].startswith("Summarise: ") and sum(len(c) for c in calls[2:]) == 6  # 9 long, 3 done before
     assert counts["over_max_tokens"] == 9 and counts["summaries"] == 8 and counts["failed_now"] == 1
+    assert counts["summaries_still_over"] == 1  # "too long" × 10: the build would still truncate it, and it says so
+    rows = {r["summary"]: r for r in read_jsonl(tmp_path / "s.jsonl")}
+    assert rows["a short summary"]["summary_tokens"] < 10 < rows[("too long " * 10).strip()]["summary_tokens"]
     assert json.loads((tmp_path / "s.jsonl.counts.json").read_text()) == counts
     (tmp_path / "p2.yaml").write_text("system: Another prompt.\nuser_template: 'Shorten: {text}'\n")
     with pytest.raises(ValueError, match="other settings .*prompt"):  # summaries of two wordings are not mixed
