@@ -19,7 +19,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from common.files import append_jsonl, atomic_path, completed_ids, jsonl_lines, write_json_atomic
+from common.files import append_jsonl, completed_ids, jsonl_lines, repair_jsonl, write_json_atomic, write_jsonl_atomic
 from common.placement import Processes
 
 
@@ -67,17 +67,12 @@ class JobParts(Processes):
         parts = self._parts()
         if not parts:
             return
-        by_id: dict[str, bytes] = {}
+        by_id: dict[str, dict] = {}
         for path in [self.out, *parts]:
-            if not path.exists():
-                continue
-            completed_ids(path)  # drops a cut last line, atomically
-            for line in jsonl_lines(path):
-                if line.strip():
-                    by_id.setdefault(str(json.loads(line)["id"]), line.rstrip(b"\n"))
+            for rec in repair_jsonl(path, key="id"):  # a cut last line dropped, atomically
+                by_id.setdefault(str(rec["id"]), rec)
         ranked = {i: n for n, i in enumerate(order)}
-        with atomic_path(self.out) as tmp, open(tmp, "wb") as fh:
-            fh.writelines(by_id[i] + b"\n" for i in sorted(by_id, key=lambda i: (ranked.get(i, len(ranked)), i)))
+        write_jsonl_atomic(self.out, (by_id[i] for i in sorted(by_id, key=lambda i: (ranked.get(i, len(ranked)), i))))
         for path in parts:
             path.unlink()
 

@@ -10,22 +10,13 @@ import json
 import logging
 import os
 import time
-import urllib.error
 import urllib.request
 
 from common.placement import resolve_dtype
 
-# a dropped or garbled connection (http.client: IncompleteRead mid-body, BadStatusLine) is as transient as a refused one
-RETRYABLE = (
-    urllib.error.URLError,
-    http.client.HTTPException,
-    OSError,
-    TimeoutError,
-    ValueError,
-    KeyError,
-    IndexError,
-    TypeError,
-)
+# OSError covers urllib's URLError, timeouts and refused connections; http.client.HTTPException a dropped or garbled
+# one (IncompleteRead mid-body, BadStatusLine); the rest, a reply that is not the JSON expected
+RETRYABLE = (OSError, http.client.HTTPException, ValueError, KeyError, IndexError, TypeError)
 
 
 def chat_url(url: str) -> str:

@@ -115,12 +115,8 @@ def summarize_kb(args: SummarizeArgs, log=print, summarize=None, count_tokens=No
         if args.summary_prompt
         else SUMMARY_PROMPT
     )
-    if count_tokens is None:
-        tokenizer = TextEncoder(args.text_encoder, device="cpu").model.tokenizer
-        count_tokens = lambda text: len(tokenizer(text, add_special_tokens=True, verbose=False)["input_ids"])  # noqa: E731
-    long, distinct = long_sections(Path(args.kb), args.text_template, count_tokens, args.max_tokens)
     out = Path(args.out)
-    JobParts(out).same_settings(  # summaries made with another prompt, model or limit are not mixed in
+    JobParts(out).same_settings(  # before the KB scan: summaries of another prompt, model or limit are not mixed in
         {
             "prompt": wording(prompt),
             "summarizer": args.summarizer or f"{args.summarizer_model}@{args.summarizer_url}",
@@ -129,6 +125,10 @@ def summarize_kb(args: SummarizeArgs, log=print, summarize=None, count_tokens=No
             "max_new_tokens": args.max_new_tokens,
         }
     )
+    if count_tokens is None:
+        tokenizer = TextEncoder(args.text_encoder, device="cpu").model.tokenizer
+        count_tokens = lambda text: len(tokenizer(text, add_special_tokens=True, verbose=False)["input_ids"])  # noqa: E731
+    long, distinct = long_sections(Path(args.kb), args.text_template, count_tokens, args.max_tokens)
     done = {r["text_sha"] for r in repair_jsonl(out, key="text_sha")}  # a last line a crash cut short: dropped
     todo = [r for r in long if r["text_sha"] not in done]
     if todo:

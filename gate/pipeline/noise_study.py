@@ -222,7 +222,6 @@ def run_study(args: NoiseArgs, log=print, generators: dict | None = None) -> dic
     prompt = generator_prompt(args.generator_prompt)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows, pool, left_out = study_rows(args, log)
     answers_path = out / "answers.jsonl"
     JobParts(answers_path).same_settings(  # answers to other contexts are not mixed in (generators may be added)
         {
@@ -234,6 +233,7 @@ def run_study(args: NoiseArgs, log=print, generators: dict | None = None) -> dic
             "max_new_tokens": args.max_new_tokens,
         }
     )
+    rows, pool, left_out = study_rows(args, log)  # the KB read once the settings are known to match
     done = completed_ids(answers_path)
     device = resolve_device(args.device)
     failed = 0

@@ -170,8 +170,9 @@ def download(url: str, timeout: float, user_agent: str, throttle: Throttle, max_
                 continue
             tries = f" after {attempt + 1} tries" if e.code in RETRY_STATUSES else ""
             return None, f"HTTPError: {e}{tries}"
-        except (urllib.error.URLError, http.client.HTTPException, TimeoutError, OSError, ValueError) as e:
-            return None, f"{type(e).__name__}: {e}"  # HTTPException: a connection dropped mid-body (IncompleteRead)
+        # OSError: URLError, timeouts; HTTPException: a connection dropped mid-body (IncompleteRead)
+        except (OSError, http.client.HTTPException, ValueError) as e:
+            return None, f"{type(e).__name__}: {e}"
     raise AssertionError("unreachable")
 
 
