@@ -63,7 +63,7 @@ def run_seed(seed: int, out: Path) -> dict:
             "R@1 original": table["original"]["R@1"],
             "R@1 warm start": table["warm_start"]["R@1"],
             "R@1 GRPO": table["grpo"]["R@1"],
-            "GRPO words / query": table["grpo"]["attribute_words_per_query"],
+            "GRPO attribute words / query": table["grpo"]["attribute_words_per_query"],
         },
         "attributes": {
             f"{name} {a} %": table[key][f"{a}_accuracy"]
@@ -78,7 +78,7 @@ def print_table(title: str, rows: list[dict], part: str) -> None:
     cols = list(rows[0][part])
 
     def fmt(c, v):
-        return f"{v:.2f}" if c in ("cores busy", "GRPO words / query") else f"{v:.1f}"
+        return f"{v:.2f}" if c in ("cores busy", "GRPO attribute words / query") else f"{v:.1f}"
 
     print(f"\n{title}\n")
     print("| seed | " + " | ".join(cols) + " |")

@@ -23,6 +23,7 @@ from PIL import Image  # noqa: E402
 
 from retrieval import MultimodalIndex  # noqa: E402
 from rewards import RetrievalReward, format_completion, parse_query, rank_reward  # noqa: E402
+from rewards.retrieval import image_keys  # noqa: E402
 from toy.drawing import ATTRIBUTE_VALUES  # noqa: E402
 from toy.world import ToyWorldArgs, build  # noqa: E402
 
@@ -90,7 +91,7 @@ def cold(warm_images: bool):
     for _ in range(args.repeats):
         reward = RetrievalReward(index, args.alpha)
         if warm_images:
-            reward.image_embeddings(ids, imgs)
+            reward.image_embeddings(image_keys(None, imgs), imgs)  # the keys the reward looks them up by
         t0 = time.perf_counter()
         result = batched(reward)
         times.append(time.perf_counter() - t0)
@@ -115,7 +116,7 @@ print("| method | total ms | ms / completion | speed-up vs loop |")
 print("|---|---|---|---|")
 for name, t in [
     ("per-completion loop (encode image + text, search one)", t_loop),
-    ("batched, empty caches (32 images + all queries encoded once)", t_cold),
+    (f"batched, empty caches ({args.prompts} images + all queries encoded once)", t_cold),
     ("batched, images cached (first sight of these queries)", t_img),
     ("batched, images and queries cached (a repeated batch)", t_warm),
     ("(for scale) one batch encoding of the distinct queries alone", t_text),

@@ -11,6 +11,7 @@ comes before the verbaliser (the Inspector's JSON opening), so first-token scori
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -132,7 +133,7 @@ def completion(s: dict, label) -> str:
     mct → JSON of the consistent document numbers (a list, or {"consistent", "summary"}); answer → the answer."""
     name, verbs = s["name"], s["verbalisers"]
     if name == "skb":
-        return verbs[min(4, max(0, round(float(label)) - 1))]
+        return verbs[min(4, max(0, math.floor(float(label) + 0.5) - 1))]  # halves up: round() takes 2.5 to 2
     if name == "inspector":
         passed = label.get("pass") == "true"
         body = {"pass": verbs[0]} if passed else {"pass": verbs[1], "answer": label.get("answer", "")}

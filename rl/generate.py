@@ -105,18 +105,27 @@ def generate_vllm(
     do_sample: bool = False,
     sampling: dict | None = None,
 ) -> list[str]:
-    """The same prompts and decoding as generate_completions, through a vLLM engine (one completion per input)."""
+    """The same prompts and decoding as generate_completions, through a vLLM engine (one completion per input).
+    When sampling, each request gets its own seed (``SamplingParams.seed``), drawn from torch's generator: a
+    ``torch.manual_seed`` before the call then makes a rerun draw the same samples with vLLM as with hf (the engine
+    does not read torch's generator), and the copies of one prompt (R answers to a question) still differ."""
+    import torch
     from vllm import SamplingParams
 
     s = sampling_settings(sampling) if do_sample else {**NEUTRAL, "temperature": 0.0}
-    params = SamplingParams(
-        max_tokens=max_new_tokens,
-        temperature=s["temperature"],
-        top_p=s["top_p"],
-        top_k=s["top_k"],
-        min_p=s["min_p"] or 0.0,
-        repetition_penalty=sampling_settings(sampling)["repetition_penalty"],
-    )
+    seeds = torch.randint(0, 2**31 - 1, (len(questions),)).tolist() if do_sample else [None] * len(questions)
+    params = [
+        SamplingParams(
+            max_tokens=max_new_tokens,
+            temperature=s["temperature"],
+            top_p=s["top_p"],
+            top_k=s["top_k"],
+            min_p=s["min_p"] or 0.0,
+            repetition_penalty=sampling_settings(sampling)["repetition_penalty"],
+            seed=seed,
+        )
+        for seed in seeds
+    ]
     prompts = [
         {
             "prompt": processor.apply_chat_template(

@@ -56,18 +56,27 @@ def _cache(tmp_path_factory):
 DISTRIBUTED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
+def restorable_env() -> dict:
+    """The variables a test's job may set for good: the distributed ones, and every WANDB_* (``rl.monitor.setup_wandb``
+    sets WANDB_MODE, WANDB_DIR and WANDB_CACHE_DIR, the last two inside that test's own temporary folder)."""
+    return {
+        name: os.environ.get(name) for name in {*DISTRIBUTED_ENV, *(n for n in os.environ if n.startswith("WANDB_"))}
+    }
+
+
 @pytest.fixture(autouse=True)
 def _one_process_after_each_test():
     """Every test leaves the test process as it found it: TRL's colocated-vLLM setup writes RANK, WORLD_SIZE and
     MASTER_* into os.environ for good, and the next trainer's PartialState then starts a real one-process group in
-    this process (a later test that records the group's start would see none). Restored after each test."""
-    before = {name: os.environ.get(name) for name in DISTRIBUTED_ENV}
+    this process (a later test that records the group's start would see none); a W&B run's setup leaves its WANDB_*
+    behind. Restored after each test."""
+    before = restorable_env()
     yield
-    for name, value in before.items():
-        if value is None:
+    for name in {*before, *restorable_env()}:
+        if before.get(name) is None:
             os.environ.pop(name, None)
         else:
-            os.environ[name] = value
+            os.environ[name] = before[name]
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

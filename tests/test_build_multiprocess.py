@@ -50,7 +50,8 @@ def same_index(out: Path, reference: Path) -> None:
 def two_process_builds(kb_and_reference, tiny_world, tmp_path_factory, encoders):
     """One launch of two processes for both directions (tests/scripts/build_and_die.py): it finishes the build that
     one process began and was killed in after 3 shards (``one_then_two``), then starts another build and is killed
-    after 2 shards of it (``two_then_one``). Each build's folder and the launch's log of it."""
+    after 2 shards of it (``two_then_one``). Each build's folder, and its log: both processes' own logs of it, read
+    from each process's file (in one shared pipe, the two builds' lines would interleave)."""
     kb, _ = kb_and_reference
     tmp = tmp_path_factory.mktemp("killed-builds")
     out = {name: tmp / name / "idx" for name in ("one_then_two", "two_then_one")}
@@ -68,11 +69,12 @@ def two_process_builds(kb_and_reference, tiny_world, tmp_path_factory, encoders)
         "--then",
         *build_argv(kb, tiny_world, out["two_then_one"]),
     ]
-    proc = two_processes([str(ROOT / "tests" / "scripts" / "build_and_die.py"), *argv], cwd=tmp, DIE_AFTER="2")
-    assert proc.returncode != 0 and "=== then\n" in proc.stdout and "=== then\n" in proc.stderr, proc.stderr[-4000:]
-    first, second = zip(*(text.split("=== then\n", 1) for text in (proc.stdout, proc.stderr)))
-    assert "killed after 2 shards" in second[1], proc.stderr[-4000:]
-    return out, {"one_then_two": "".join(first), "two_then_one": "".join(second)}
+    proc = two_processes(
+        [str(ROOT / "tests" / "scripts" / "build_and_die.py"), str(tmp), *argv], cwd=tmp, DIE_AFTER="2"
+    )
+    logs = {name: "".join(p.read_text() for p in sorted(tmp.glob(f"{i}.rank*.log"))) for i, name in enumerate(out)}
+    assert proc.returncode != 0 and "killed after 2 shards" in logs["two_then_one"], proc.stderr[-4000:] + str(logs)
+    return out, logs
 
 
 def test_a_one_process_build_killed_resumes_on_two_as_the_one_process_index(two_process_builds, kb_and_reference):

@@ -44,10 +44,14 @@ def test_sample_judge_label_pipeline(questions, tiny_world, tmp_path):
     args = dict(queries=str(path), images_root=str(tiny_world), out=str(tmp_path / "d"), samples=4, batch_size=1)
     assert stage_sample(BuildDataArgs(stage="sample", **args), tmp_path / "d", generate=gen, **QUIET) == 2
     assert stage_sample(BuildDataArgs(stage="sample", **args), tmp_path / "d", generate=gen, **QUIET) == 0  # resumed
+    with pytest.raises(ValueError, match=r"other settings \(samples: 4 then, 5 now\)"):  # R = 5 is not mixed in
+        stage_sample(BuildDataArgs(stage="sample", **{**args, "samples": 5}), tmp_path / "d", generate=gen, **QUIET)
     samples = [json.loads(x) for x in open(tmp_path / "d" / "samples.jsonl")]
     assert [len(s["samples"]) for s in samples] == [4, 4]
 
     assert build(BuildDataArgs(stage="judge", out=str(tmp_path / "d"), judge="exact"), **QUIET) == 2
+    with pytest.raises(ValueError, match=r"other settings \(judge: 'exact' then, 'token' now\)"):
+        build(BuildDataArgs(stage="judge", out=str(tmp_path / "d"), judge="token"), **QUIET)
     judged = {r["id"]: r["scores"] for r in map(json.loads, open(tmp_path / "d" / "judged.jsonl"))}
     assert judged[known["id"]] == [5.0] * 4 and judged[unknown["id"]] == [1.0] * 4
 
@@ -174,6 +178,10 @@ def test_retrieve_context_and_the_retrieval_labels(questions, tiny_world, tiny_i
         == 2
     )
     retrieved = {r["id"]: r for r in map(json.loads, open(out / "retrieved.jsonl"))}
+    with pytest.raises(ValueError, match=r"other settings \(k: 3 then, 5 now\)"):  # 5 hits beside 3 are not mixed
+        stage_retrieve(
+            BuildDataArgs(stage="retrieve", index=str(tiny_index_dir), **{**common, "k": 5}), out, index=tiny_index
+        )
     entity_of_text = {}
     for r in retrieved.values():
         assert len(r["hits"]) == 3 and r["query"] == r["question"] and r["alpha"] == 0.5
@@ -193,6 +201,8 @@ def test_retrieve_context_and_the_retrieval_labels(questions, tiny_world, tiny_i
         return out_
 
     assert stage_context(BuildDataArgs(stage="context", **common), out, generate=reads_context, **QUIET) == 2
+    with pytest.raises(ValueError, match=r"other settings \(max_new_tokens: 32 then, 8 now\)"):
+        stage_context(BuildDataArgs(stage="context", **common, max_new_tokens=8), out, generate=reads_context)
     labels = {}
     for variant in ("ret", "srt", "mct", "inspector"):
         build(BuildDataArgs(stage="label", out=str(out), variant=variant, mct_rule="gold-entity"), **QUIET)
@@ -258,6 +268,9 @@ def test_retrieve_context_and_the_retrieval_labels(questions, tiny_world, tiny_i
     (label,) = map(json.loads, open(out / "labels-mct.jsonl"))
     shown = [line.split("] ", 1)[1] for line in label["context"].split("\n")]
     assert label["id"] == unknown["id"] and label["summary"] == "they agree" and len(shown) == 2
+    # labelled at another γ, the relevant documents would not be the ones the summaries cover
+    with pytest.raises(ValueError, match=r"made with γ = 0.5 .* --mct_gamma is 0.3"):
+        build(BuildDataArgs(stage="label", out=str(out), variant="mct", mct_gamma=0.3), **QUIET)
     assert shown[label["consistent"][0] - 1].startswith(hits[2]["title"])  # P(Rel) 0.9 first
 
 
@@ -360,3 +373,25 @@ def test_questions_without_gold_answers_are_not_judged(questions, tiny_world, tm
     assert asked == [picked[1]["question"]]  # its samples and greedy answer are all "red": judged once
     assert judged[picked[0]["id"]]["scores"] == [None] * 3 and judged[picked[0]["id"]]["greedy_score"] is None
     assert judged[picked[1]["id"]]["scores"] == [1.0] * 3
+
+
+def test_labels_follow_the_settings_of_the_latest_run(tmp_path):
+    """The label stage relabels every question on every run: a rerun with another ε (or τ, or rule) changes the
+    labels it should, never keeping those of the run before."""
+    from common.files import write_jsonl_atomic
+
+    write_jsonl_atomic(
+        tmp_path / "judged.jsonl",
+        [
+            {"id": "q0", "question": "Which bird?", "answers": ["wren"], "samples": ["wren", "crow"], "scores": [5, 1]},
+            {"id": "q1", "question": "Which tree?", "answers": ["oak"], "samples": ["oak", "oak"], "scores": [5, 5]},
+        ],
+    )
+
+    def labels(**kw):
+        build(BuildDataArgs(stage="label", out=str(tmp_path), variant="hkb", **kw), **QUIET)
+        return {r["id"]: r["search"] for r in map(json.loads, open(tmp_path / "labels-hkb.jsonl"))}
+
+    assert labels(epsilon=3.0) == {"q0": False, "q1": False}  # mean 3 is not below 3
+    assert labels(epsilon=4.0) == {"q0": True, "q1": False}  # mean 3 is below 4
+    assert labels(epsilon=3.0) == {"q0": False, "q1": False}

@@ -25,6 +25,8 @@ from gate.variants import BINARY, VARIANTS, completion, messages, parse_completi
         ("skb", 4.6, "5"),
         ("skb", 1.0, "1"),
         ("skb", 2.4, "2"),
+        ("skb", 2.5, "3"),  # halves up, whatever the digit (Python's round() takes 2.5 to 2 and 3.5 to 4)
+        ("skb", 4.5, "5"),
         ("inspector", {"pass": "true"}, '{"pass": "true"}'),
         ("inspector", {"pass": "false", "answer": "salt marshes"}, '{"pass": "false", "answer": "salt marshes"}'),
         ("mct", [1, 3], '{"consistent": [1, 3]}'),
@@ -238,6 +240,10 @@ def test_caps_and_balance_shape_the_train_split_only(tmp_path):
     stage_render(BuildDataArgs(stage="render", out=str(tmp_path), variant="hkb", holdout=0.3), tmp_path, log=print)
     train, test = (list(read_jsonl(tmp_path / f"hkb.{s}.jsonl")) for s in ("train", "test"))
     assert test and len(train) + len(test) == 20 and not {r["id"] for r in train} & {r["id"] for r in test}
+    # rendered again without --holdout: every question is train, and the held-out file of before is gone (it would
+    # hold train questions, and the SFT configs read it as eval_file)
+    stage_render(BuildDataArgs(stage="render", out=str(tmp_path), variant="hkb"), tmp_path, log=lambda *a: None)
+    assert len(list(read_jsonl(tmp_path / "hkb.train.jsonl"))) == 20 and not (tmp_path / "hkb.test.jsonl").exists()
 
 
 def test_holdout_moves_whole_questions_the_same_in_every_variant():

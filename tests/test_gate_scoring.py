@@ -130,3 +130,23 @@ def test_a_failed_section_gets_the_inspectors_answer_after_a_written_fail(tiny_g
     assert [r["pass"] for r in out] == [False, False] and all(r["p_pass"] < 1.01 for r in out)
     prompts = [inspector.processor.tokenizer.decode(ids, skip_special_tokens=False) for ids in seen[0]]
     assert all(p.endswith('<|im_start|>assistant\n{"pass": "false", "answer": "') for p in prompts)
+
+
+def test_held_out_truth_is_read_from_the_gates_own_verbalisers():
+    """A completion none of the gate's verbalisers (rows rendered for another variant, or with other --verbalisers)
+    is an error naming the row, not a negative that inflates accuracy; skb's truth at ε = 3 calls the same questions
+    "search" as hkb's label at ε = 3 (mean < 3: a mean of exactly 3 is "no search" in both)."""
+    from gate.train.evaluation import true_labels
+    from gate.train.labels import hkb_label, skb_label
+
+    def row(i, text, **extra):
+        return {"id": f"q{i}", "completion": [{"role": "assistant", "content": text}], **extra}
+
+    truth, _ = true_labels(spec("hkb"), [row(0, "true"), row(1, "false")], 0.5)
+    assert truth.tolist() == [True, False]
+    with pytest.raises(ValueError, match=r"2 of 3 rows .* hkb gate cannot read .* first: row q0, 'Ret'"):
+        true_labels(spec("hkb"), [row(0, "Ret"), row(1, "true"), row(2, "NoRet")], 0.5)
+    for scores in ([1.0, 5.0], [1.0, 3.0], [3.0, 5.0], [2.0, 4.0, 3.0]):  # means 3, 2, 4, 3
+        target = skb_label(scores)
+        skb, _ = true_labels(spec("skb"), [row(0, str(round(target)), target=target)], 3.0)
+        assert bool(skb[0]) == (hkb_label(scores, 3.0) == "true"), scores

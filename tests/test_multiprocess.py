@@ -39,6 +39,7 @@ def two_processes(
         "PYTHONPATH": str(ROOT),
         "HF_HUB_OFFLINE": "1",
         "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",  # a process the launcher stops (its peer failed) has written what it printed
         "WANDB_MODE": "disabled",
         **env,
     }

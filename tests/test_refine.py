@@ -234,3 +234,42 @@ def test_refine_parses_with_the_query_cap_training_scored_with(toy_refiner, monk
     )
     (out,) = refiner.refine_with_outputs([None], ["which shape?"])
     assert out["format_ok"] is ok and out["refined_query"] == (query if ok else "which shape?")
+
+
+def test_vllm_sampling_is_seeded_per_request_from_torchs_generator(tiny_refiner, monkeypatch):
+    """rl.generate.generate_vllm up to vLLM's boundary (``SamplingParams`` and ``LLM.generate`` replaced by recording
+    stand-ins): sampling, every request carries its own seed, drawn from torch's generator, so the gate data's
+    ``torch.manual_seed`` per batch makes a rerun draw the same samples with vLLM too, and R copies of one question
+    are not R copies of one answer; greedy requests carry none."""
+    import sys
+    from types import ModuleType, SimpleNamespace
+
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    from rl.generate import generate_vllm
+
+    vllm = ModuleType("vllm")
+    vllm.SamplingParams = lambda **kw: SimpleNamespace(**kw)
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    received = []
+
+    class RecordingLLM:
+        def generate(self, prompts, params):
+            received.append((prompts, params))
+            return [SimpleNamespace(outputs=[SimpleNamespace(text="an answer")]) for _ in prompts]
+
+    processor = AutoProcessor.from_pretrained(str(tiny_refiner))
+    image = Image.new("RGB", (112, 112), "red")
+
+    def seeds(sample: bool, seed: int = 7) -> list:
+        torch.manual_seed(seed)
+        out = generate_vllm(RecordingLLM(), processor, [image] * 4, ["Which bird?"] * 4, "toy", 8, do_sample=sample)
+        prompts, params = received[-1]
+        assert out == ["an answer"] * 4 and len(prompts) == len(params) == 4
+        return [p.seed for p in params]
+
+    first = seeds(True)
+    assert first == seeds(True) and len(set(first)) == 4 and all(isinstance(s, int) for s in first)
+    assert seeds(True, seed=8) != first
+    assert seeds(False) == [None] * 4

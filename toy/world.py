@@ -1,6 +1,6 @@
 """A procedurally generated, deterministic KB-VQA world for the embedded default and the tests.
 
-    python -m toy.world --out DIR [--entities 180] [--seed 0] [--alpha 0.1]
+    python -m toy.world --out DIR [--entities 180] [--seed 0] [--alpha 0.3]
 
 Each entity is a made-up creature with a name, a habitat and a diet, and a visual identity made of three
 attributes from small closed sets (colour × shape × white pattern) that a tiny vision model reads quickly and the

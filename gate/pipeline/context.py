@@ -53,6 +53,9 @@ def stage_retrieve(args, out: Path, log=print, index=None, refiner=None) -> int:
     rows, _ = load_questions(args.queries, args.images_root)
     kb_path = require_file(args.kb or manifest.get("kb_path"), "kb")
     target = out / "retrieved.jsonl"
+    JobParts(target).same_settings(  # hits of another index, refiner, α or k are not mixed in
+        {"index": str(args.index), "refiner": args.refiner and str(args.refiner), "alpha": args.alpha, "k": args.k}
+    )
     done = completed_ids(target)
     todo = [r for r in rows if str(r["id"]) not in done]
     log(f"retrieve: {len(done)} done, {len(todo)} to go, k = {args.k}")
@@ -120,6 +123,14 @@ def stage_context(args, out: Path, log=print, generate=None, state=None) -> int:
     judge = judge_from_args(args)
     rows = list(read_jsonl(source))
     parts = JobParts(out / "contexts.jsonl", state)
+    parts.same_settings(  # answers of another model or length, or scores of another judge, are not mixed in
+        {
+            "model": args.model,
+            "max_new_tokens": args.max_new_tokens,
+            "judge": args.judge,
+            "judge_model": args.judge_model if args.judge == "llm" else None,
+        }
+    )
     batches = parts.start(rows, args.batch_size)
     log(f"context, {parts.status}")
     if generate is None and batches:

@@ -183,6 +183,15 @@ def stage_sample(args: BuildDataArgs, out: Path, log=print, generate=None, state
     if not args.model and generate is None:
         raise ValueError("--model is required for the sample stage")
     parts = JobParts(out / "samples.jsonl", state)
+    parts.same_settings(  # samples of another model, R, temperature, length or seed are not mixed in
+        {
+            "model": args.model,
+            "samples": args.samples,
+            "temperature": args.temperature,
+            "max_new_tokens": args.max_new_tokens,
+            "seed": args.seed,
+        }
+    )
     batches = parts.start(rows, args.batch_size)
     log(f"sample, {parts.status}, R = {args.samples}")
     if generate is None and batches:
@@ -219,6 +228,9 @@ def stage_judge(args: BuildDataArgs, out: Path, log=print) -> int:
         raise ValueError(f"judge: {source} does not exist (run --stage sample first)")
     judge = judge_from_args(args)
     target = out / "judged.jsonl"
+    JobParts(target).same_settings(  # scores of another judge are not mixed in
+        {"judge": args.judge, "judge_model": args.judge_model if args.judge == "llm" else None}
+    )
     done = completed_ids(target)
     todo = [r for r in read_jsonl(source) if str(r["id"]) not in done]
     cache: dict = {}

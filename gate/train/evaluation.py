@@ -38,11 +38,23 @@ def sweep(scores, labels, thresholds) -> list[dict]:
 
 def true_labels(s: dict, rows: list[dict], threshold: float) -> tuple[np.ndarray, np.ndarray | None]:
     """From rendered rows: the positive/negative truth, and for skb the target score (the row's non-integer
-    ``target`` when it has one, else the completion's digit)."""
+    ``target`` when it has one, else the completion's digit). skb's truth is "search" when the target exceeds the
+    threshold: 6 − mean > 3 is mean < 3, hkb's label at ε = 3, so both variants call the same questions "search"
+    (15 of 30 answers right, a mean of exactly 3 with the exact judge, is "no search" in both). A completion that is
+    none of the gate's verbalisers (rows rendered for another variant, or with other ``--verbalisers``) is an error
+    naming the row, not a negative."""
     targets = [parse_completion(s, r["completion"][0]["content"]) for r in rows]
+    unread = [(r.get("id"), r["completion"][0]["content"]) for r, t in zip(rows, targets) if t is None]
+    if unread:
+        (first_id, first_text), n = unread[0], len(unread)
+        raise ValueError(
+            f"{n} of {len(rows)} rows have a completion the {s['name']} gate cannot read (its verbalisers: "
+            f"{', '.join(map(str, s['verbalisers']))}); first: row {first_id}, {first_text!r}: rows rendered for "
+            "another variant, or with other --verbalisers?"
+        )
     if s["name"] == "skb":
         values = np.asarray([r.get("target", t) for r, t in zip(rows, targets)], dtype=float)
-        return values >= threshold, values
+        return values > threshold, values
     if s["name"] == "inspector":
         return np.asarray([t["pass"] for t in targets]), None
     return np.asarray(targets, dtype=bool), None

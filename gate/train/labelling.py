@@ -5,10 +5,12 @@ rows with an image (``<variant>.<split>.jsonl``, gate.train.render). ``args`` is
 
 from __future__ import annotations
 
+import glob
+import json
 import zlib
 from pathlib import Path
 
-from common.files import append_jsonl, completed_ids, read_jsonl, write_json_atomic, write_jsonl_atomic
+from common.files import read_jsonl, write_json_atomic, write_jsonl_atomic
 from gate.pipeline.context import section_text
 from gate.train.answer_expansion import EXPANDED_FILE, expanded_targets
 from gate.train.labels import (
@@ -163,6 +165,14 @@ def stage_label(args, out: Path, log=print) -> int:
             raise ValueError(
                 f"label mct: {cons_path} does not exist (run --stage consistency first, or set --mct_rule gold-entity)"
             )
+        recorded = cons_path.with_suffix(".settings.json")
+        made_with = json.loads(recorded.read_text()).get("mct_gamma") if recorded.is_file() else None
+        if made_with is not None and made_with != args.mct_gamma:
+            raise ValueError(
+                f"label mct: {cons_path} was made with γ = {made_with} (its summaries cover the documents with P(Rel) "
+                f"≥ {made_with}), but --mct_gamma is {args.mct_gamma}: label with --mct_gamma {made_with}, or rerun "
+                "--stage consistency into another --out"
+            )
         contexts = {str(r["id"]): r for r in read_jsonl(cons_path)}
     elif args.variant == "srt" or (args.variant == "inspector" and args.inspector_check_answer):
         ctx_path = out / "contexts.jsonl"
@@ -171,19 +181,16 @@ def stage_label(args, out: Path, log=print) -> int:
         hits = {str(r["id"]): r["hits"] for r in read_jsonl(out / "retrieved.jsonl")}
         contexts = {str(r["id"]): {**r, "hits": hits.get(str(r["id"]), [])} for r in read_jsonl(ctx_path)}
     target = out / f"labels-{args.variant}.jsonl"
-    done = completed_ids(target)
     rows, skipped, no_gold = [], 0, 0
-    for rec in read_jsonl(source):
-        if str(rec["id"]) in done:
-            continue
+    for rec in read_jsonl(source):  # every question, every run (a label costs no model call)
         labelled = label_records(args.variant, rec, args, contexts)
         if not labelled:
             no_gold += not has_gold(rec) and not mct_from_consistency(args)
             skipped += 1
             continue
         base = {k: rec[k] for k in KEEP if k in rec} | {"variant": args.variant, "question_id": str(rec["id"])}
-        rows += [base | lab for lab in labelled if str(lab.get("id", rec["id"])) not in done]
-    append_jsonl(target, rows)
+        rows += [base | lab for lab in labelled]
+    write_jsonl_atomic(target, rows)  # ε, τ or a rule changed: the whole file is relabelled, never a mix
     log(
         f"label ({args.variant}): {len(rows)} examples, {skipped} questions without a label"
         + (f" ({no_gold} have no gold answer: usable by kbm-cert only)" if no_gold else "")
@@ -211,6 +218,11 @@ def stage_render(args, out: Path, log=print) -> int:
         by_split = {split: with_expanded_answers(recs, out) for split, recs in by_split.items()}
     if args.holdout:
         by_split = hold_out(by_split, args.holdout, args.seed)
+    for stale in sorted(out.glob(f"{glob.escape(args.variant)}.*.jsonl")):
+        split = stale.name[len(args.variant) + 1 : -len(".jsonl")]
+        if split not in by_split:  # an earlier render's split (--holdout's test) would hold this render's train rows
+            stale.unlink()
+            log(f"render ({args.variant}): removed {stale}, a split this render does not make")
     total = 0
     for split, recs in sorted(by_split.items()):
         report: dict = {}

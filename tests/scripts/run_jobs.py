@@ -16,17 +16,10 @@ import sys
 from pathlib import Path
 
 from common.cli import run
+from tests.scripts.job_logs import output_to
 
 logs, pairs = Path(sys.argv[1]), sys.argv[2:]
 rank = os.environ["RANK"]
 for i, (module, config) in enumerate(zip(pairs[::2], pairs[1::2])):
-    with open(logs / f"{i}-{module}.rank{rank}.log", "w") as log:
-        sys.stdout.flush(), sys.stderr.flush()
-        saved = os.dup(1), os.dup(2)
-        os.dup2(log.fileno(), 1), os.dup2(log.fileno(), 2)
-        try:
-            run(functools.partial(importlib.import_module(module).main, ["--config", config]))
-        finally:
-            sys.stdout.flush(), sys.stderr.flush()
-            os.dup2(saved[0], 1), os.dup2(saved[1], 2)
-            os.close(saved[0]), os.close(saved[1])
+    with output_to(logs / f"{i}-{module}.rank{rank}.log"):
+        run(functools.partial(importlib.import_module(module).main, ["--config", config]))
