@@ -44,28 +44,22 @@ def two_processes(
         **env,
     }
     if accelerate_config is None:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            "--master_port",
-            str(free_port()),
-            *argv,
-        ]
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port"]
     else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "accelerate.commands.launch",
-            "--config_file",
-            str(accelerate_config),
-            "--main_process_port",
-            str(free_port()),
-            *argv,
-        ]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+        launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(accelerate_config)]
+        launcher.append("--main_process_port")
+    for _ in range(3):  # a port free when chosen may be taken before the launcher binds it: then another port
+        proc = subprocess.run(
+            [*launcher, str(free_port()), *argv], env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd
+        )
+        if proc.returncode == 0 or not port_taken(proc.stderr):
+            return proc
+    return proc
+
+
+def port_taken(stderr: str) -> bool:
+    """Whether a launch failed because its rendezvous port was taken (nothing of the job ran then)."""
+    return "address already in use" in stderr.lower() or "EADDRINUSE" in stderr
 
 
 def launch_jobs(jobs: dict, folder: Path, accelerate_config: Path | None = None, timeout: int = 1200) -> dict:
@@ -281,3 +275,19 @@ def test_a_barrier_nobody_reaches_is_an_error_naming_the_step(tmp_path):
         "TimeoutError: process 0/2: the other processes did not arrive at the barrier after process 0 wrote the "
         "shards within the collective timeout" in proc.stdout
     )
+
+
+def test_a_launch_whose_port_was_taken_meanwhile_goes_on_with_another(tmp_path, monkeypatch):
+    """The port ``free_port`` chose can be taken before the launcher binds it (another job on the machine): torchrun
+    then fails at its rendezvous, before any process of the job starts, and ``two_processes`` launches again on
+    another port."""
+    script = tmp_path / "hello.py"
+    script.write_text("import os\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])\n")
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        ports = iter([taken.getsockname()[1]])
+        # the module two_processes reads it from (pytest and conftest import this file under two names)
+        monkeypatch.setitem(two_processes.__globals__, "free_port", lambda real=free_port: next(ports, None) or real())
+        proc = two_processes([str(script)], cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0 and {"rank 0 of 2", "rank 1 of 2"} <= set(proc.stdout.splitlines()), proc.stderr[-2000:]
