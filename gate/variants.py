@@ -160,6 +160,9 @@ def parse_completion(s: dict, text: str):
     if name == "answer":
         return text
     if name == "skb":
+        if tuple(verbs) != VARIANTS["skb"]["verbalisers"]:  # --verbalisers: the word's place, 1–5
+            first = text.split()[0] if text else ""
+            return float(verbs.index(first) + 1) if first in verbs else None
         m = re.match(r"\s*([1-5](?:\.\d+)?)", text)
         return float(m.group(1)) if m else None
     if name in ("inspector", "mct"):

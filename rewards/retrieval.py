@@ -191,6 +191,8 @@ def image_keys(paths: list | None, images: list) -> list[str]:
         if id(img) not in seen:
             h = hashlib.blake2b(img.tobytes(), digest_size=16)
             h.update(f"{img.mode}{img.size}".encode())
+            if img.palette is not None:  # a palette image's bytes are indices: its colours are in the palette
+                h.update(img.palette.tobytes())
             seen[id(img)] = f"pixels:{h.hexdigest()}"
         keys.append(seen[id(img)])
     return keys

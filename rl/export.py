@@ -69,19 +69,17 @@ def resolve_checkpoint(path: Path) -> Path:
     if (path / "config.json").exists() or (path / "adapter_config.json").exists():
         return path
     checkpoints = sorted(path.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]))
-    if checkpoints:
-        state = (
-            json.loads((checkpoints[-1] / "trainer_state.json").read_text())
-            if (checkpoints[-1] / "trainer_state.json").exists()
-            else {}
-        )
+    saved = [c for c in checkpoints if (c / "trainer_state.json").exists()]  # transformers writes it last
+    for cut in (c for c in checkpoints if c not in saved):
+        print(f"{cut} has no trainer_state.json (its save was cut short): not exported")
+    if saved:
+        state = json.loads((saved[-1] / "trainer_state.json").read_text())
         best = state.get("best_model_checkpoint")  # output_dir/checkpoint-N, output_dir as the run was given it
-        for candidate in (Path(best), path / Path(best).name) if best else ():
-            if candidate.is_dir():
-                return candidate
+        if best and (path / Path(best).name).is_dir():  # in this folder: the recorded path may name another run's
+            return path / Path(best).name
         if best:
-            print(f"the best checkpoint {best} is not in {path}: exporting the latest, {checkpoints[-1].name}")
-        return checkpoints[-1]
+            print(f"the best checkpoint {best} is not in {path}: exporting the latest, {saved[-1].name}")
+        return saved[-1]
     if (path / "final").is_dir():
         return path / "final"
     raise ValueError(f"--checkpoint: {path} holds no model weights, adapter or checkpoint-* folder")

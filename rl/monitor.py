@@ -291,6 +291,8 @@ class RefinerMonitor(TrainerCallback):
             img = self.retrieval.images.get(r["image_key"])
             if img is not None:
                 images.append(wandb.Image(img, caption=caption(r)))
+        # process 0's completions of the step (1/N of them with N processes: a sample, like the table; the hit@k
+        # metrics are pooled over every process)
         ranks = [(self.retrieval.depth + 1) if x["rank"] is None else x["rank"] for x in self.retrieval.last]
         wandb.log(
             {"completions": table, "completion_images": images, "rank_histogram": wandb.Histogram(ranks)}, commit=False

@@ -17,6 +17,7 @@ Python API: ``Refiner.load(path)`` and ``refiner.refine(images, questions) -> li
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -143,6 +144,16 @@ class RefineArgs:
     dist_timeout_minutes: int = dist_timeout_field()
 
 
+def weights_fingerprint(folder: Path) -> str | None:
+    """The identity of the weights in a model folder, cheap to take: each weights file's name, size and modification
+    time, hashed (a re-export replaces the files; a copy that keeps the times keeps it). None without such files."""
+    files = sorted(f for f in folder.glob("*") if f.suffix in (".safetensors", ".bin", ".pt") and f.is_file())
+    if not files:
+        return None
+    stamp = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    return hashlib.blake2b(json.dumps(stamp).encode(), digest_size=12).hexdigest()
+
+
 def refine_file(args: RefineArgs, log=print, refiner: Refiner | None = None, state=None) -> int:
     """Refine every question not yet in ``args.out``; with an accelerate ``state`` of N processes each takes every
     N-th batch and the output is merged in input order (common.job_parts). Returns the questions refined here."""
@@ -159,7 +170,13 @@ def refine_file(args: RefineArgs, log=print, refiner: Refiner | None = None, sta
     check_unique_ids(rows, args.queries)
     out = Path(args.out)
     parts = JobParts(out, state)
-    parts.same_settings({"model": str(args.model), "sample": args.sample})  # what makes each refined query
+    parts.same_settings(  # what makes each refined query: a model re-exported into the same folder is another one
+        {
+            "model": str(args.model),
+            "weights": args.model and weights_fingerprint(Path(args.model)),
+            "sample": args.sample,
+        }
+    )
     batches = parts.start(rows, args.batch_size)
     log(f"refine, {parts.status}")
     if batches:

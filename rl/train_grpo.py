@@ -12,6 +12,7 @@ GRPO, and prints a table of test-set retrieval for the original question, the wa
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from transformers.utils import logging as hf_logging
 from trl import GRPOTrainer
 
 from common.cli import run
+from common.files import write_json_atomic
 from common.placement import Processes, configure_threads
 from retrieval.index import MultimodalIndex
 from rl.arguments import parse_arguments, validate, validate_files
@@ -96,6 +98,10 @@ def main(argv=None) -> dict:
     if state.is_main_process:
         processor.save_pretrained(str(output_dir / "final"))
         best = trainer.state.best_global_step if training_args.load_best_model_at_end else None
+        write_json_atomic(  # the step of final's weights and the run's log, which rl.export reads
+            output_dir / "final" / "trainer_state.json",
+            {**dataclasses.asdict(trainer.state), "global_step": best or trainer.state.global_step},
+        )
         write_run_cards(output_dir, trainer.state.log_history, best)  # over TRL's placeholder cards
     result = {"reward_time": getattr(monitor, "summary", {}), "log_history": trainer.state.log_history}
     if world and state.is_main_process:

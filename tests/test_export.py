@@ -55,6 +55,7 @@ def test_full_fine_tune_round_trip(config, tmp_path, tiny_refiner):
     assert f"python -m rl.refine --model {out.resolve()}" in card and "No held-out figures" in card
     for folder in (run, run / "final"):  # the run's, over the card TRL wrote at its checkpoint
         assert "python -m rl.export" in our_card(folder, tiny_refiner)
+    assert ex.step_and_metrics(run / "final")[0] == 1  # final, exported, says its step too (save_model writes none)
 
 
 def test_lora_is_merged(config, tmp_path, tiny_refiner):
@@ -147,6 +148,16 @@ def test_the_best_checkpoint_is_found_from_any_working_directory(tmp_path, monke
     state["best_model_checkpoint"] = "outputs/other/checkpoint-7"  # gone: the latest, said
     (run / "checkpoint-2" / "trainer_state.json").write_text(json.dumps(state))
     assert ex.resolve_checkpoint(run) == run / "checkpoint-2"
+    # the run renamed, and a new run of the same config under the recorded path: the renamed folder's own best
+    state["best_model_checkpoint"] = "outputs/grpo-evqa/checkpoint-1"
+    (run / "checkpoint-2" / "trainer_state.json").write_text(json.dumps(state))
+    (tmp_path / "outputs" / "grpo-evqa" / "checkpoint-1").mkdir(parents=True)
+    renamed = run.rename(run.with_name("grpo-evqa-run1"))
+    assert ex.resolve_checkpoint(renamed) == renamed / "checkpoint-1"
+    # a last checkpoint whose save was cut short (no trainer_state.json, written last): the best of the saved ones
+    (renamed / "checkpoint-3").mkdir()
+    (renamed / "checkpoint-3" / "model.safetensors").write_bytes(b"")
+    assert ex.resolve_checkpoint(renamed) == renamed / "checkpoint-1"
 
 
 def test_the_export_samples_as_the_run_did_not_as_the_base_model_says(config, tmp_path, tiny_refiner):

@@ -47,6 +47,9 @@ def test_normalize_answer(text, expected):
         ("1850-1880", [{"wikidata": 1889, "range": [1887, 1891]}], False),
         ("no number", [{"wikidata": 1889, "range": [1887, 1891]}], False),
         ("1889", [{"wikidata": 1889}], True),  # no range given: the value itself as an alias
+        ("", [{"wikidata": 0, "range": [-1, 1]}], False),  # empty never matches (the official scorer reads [0, 0])
+        ("  ", [{"wikidata": 2, "range": [0, 5]}], False),
+        ("3", [{"wikidata": "x"}, {"wikidata": 3, "range": [2, 4]}], True),  # the range of the item that has one
         ("Eiffel-Tower", ["eiffel tower"], False),  # punctuation is deleted, not replaced by a space
         ("EiffelTower", ["Eiffel-Tower"], True),
     ],

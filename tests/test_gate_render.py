@@ -69,6 +69,16 @@ def test_parse_completion_tables(variant, text, expected):
     assert parse_completion(spec(variant), text) == expected
 
 
+@given(st.floats(1.0, 5.0))
+def test_skb_with_its_own_verbalisers_parses_back(score):
+    """skb's five verbalisers replaced (--verbalisers): a completion reads back as the word's place, 1–5, as the
+    default digits read back as themselves; a word outside them is unreadable."""
+    words = spec("skb", ["never", "rarely", "sometimes", "often", "always"])
+    digit = float(completion(spec("skb"), score))
+    assert parse_completion(words, completion(words, score)) == digit == parse_completion(spec("skb"), str(int(digit)))
+    assert parse_completion(words, "3") is None and parse_completion(words, "often sure") == 4.0
+
+
 def test_verbalisers_can_be_replaced_but_not_to_duplicates():
     assert completion(spec("hkb", ["Y", "N"]), True) == "Y"
     with pytest.raises(ValueError, match="distinct"):

@@ -67,6 +67,25 @@ def test_a_resume_with_another_model_is_refused_naming_it(toy_refiner, tiny_worl
     assert refine_file(args, refiner=toy_refiner, **QUIET) == 48 - 16
 
 
+def test_a_refiner_exported_again_into_the_same_folder_is_not_resumed_over(toy_refiner, tiny_world, tmp_path):
+    """`rl.export --force` replaces the folder's weights (a new run, the same --out): its queries are another model's,
+    so a resume from the old ones is refused, although the path is the same."""
+    import os
+
+    folder = tmp_path / "refiner"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"weights of run a")
+    out = tmp_path / "refined.jsonl"
+    args = RefineArgs(model=str(folder), queries=str(tiny_world / "test.jsonl"), out=str(out), batch_size=8)
+    refine_file(args, refiner=toy_refiner, **QUIET)
+    out.write_text("".join(out.read_text().splitlines(keepends=True)[:16]))
+    (folder / "model.safetensors").write_bytes(b"weights of run b")
+    stat = (folder / "model.safetensors").stat()
+    os.utime(folder / "model.safetensors", ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # a later export
+    with pytest.raises(ValueError, match=r"other settings \(weights: "):
+        refine_file(args, refiner=toy_refiner, **QUIET)
+
+
 def test_missing_image_is_named(toy_refiner, tmp_path):
     (tmp_path / "q.jsonl").write_text(json.dumps({"id": "a", "image": "gone.png", "question": "?"}) + "\n")
     with pytest.raises(ValueError, match="gone.png"):

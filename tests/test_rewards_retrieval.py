@@ -129,6 +129,24 @@ def test_image_cache_is_keyed_by_the_image_not_the_question_id(tiny_index, batch
     assert len(set(reward.image_cache)) == 2 and all(k.startswith("pixels:") for k in reward.image_cache)
 
 
+def test_two_palette_images_of_other_colours_get_other_keys():
+    """A palette ("P") image's bytes are indices into its palette: red and blue squares of index 0 differ in the
+    palette alone, so the key must read it (else one's cached embedding answers for the other); equal images share."""
+    from PIL import Image
+
+    from rewards.retrieval import image_keys
+
+    def square(rgb):
+        img = Image.new("P", (4, 4), 0)
+        img.putpalette(list(rgb) + [0, 0, 0] * 255)
+        return img
+
+    red, blue, red_again = square((255, 0, 0)), square((0, 0, 255)), square((255, 0, 0))
+    assert red.tobytes() == blue.tobytes() and red.convert("RGB").tobytes() != blue.convert("RGB").tobytes()
+    keys = image_keys(None, [red, blue, red_again])
+    assert keys[0] != keys[1] and keys[0] == keys[2]
+
+
 def test_repeated_queries_are_encoded_once(tiny_index, batch, monkeypatch):
     rows, images = batch
     reward = RetrievalReward(tiny_index, alpha=0.3)

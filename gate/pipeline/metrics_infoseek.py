@@ -101,17 +101,19 @@ def _aliases(answer_eval, qid) -> list[str]:
 
 def infoseek_correct(prediction: str, answer_eval, question_type: str, qid=None, *, empty_matches: bool = True) -> bool:
     """The official InfoSeek decision for one question (``evaluation``): Numerical by ``numeric_correct`` on
-    ``answer_eval``'s range; Time and every other type (String, or anything else: scored as String) by exact match of
-    the normalised prediction with one normalised alias (``evaluate_time`` / ``evaluate_entity``) — so an empty
+    ``answer_eval``'s range; Time and every other type (String, or anything else: scored as String) by exact match
+    of the normalised prediction with one normalised alias (``evaluate_time`` / ``evaluate_entity``) — so an empty
     prediction matches an alias that normalises to empty ("A", "the"). ``empty_matches=False`` is our stricter rule
-    (an empty prediction never matches), which ``infoseek_match`` uses. A None prediction, a missing question type or
-    an empty ``answer_eval`` is refused."""
+    (an empty prediction never matches, nor reads as [0, 0] on a Numerical question), which ``infoseek_match`` uses.
+    A None prediction, a missing question type or an empty ``answer_eval`` is refused."""
     if not isinstance(prediction, str):
         raise ValueError(
             f"InfoSeek {who(qid)}: the prediction must be a string (an empty answer is ''), got {prediction!r}"
         )
     if question_type is None:
         raise ValueError(f"InfoSeek {who(qid)}: no question_type (the official scorer needs one per question)")
+    if not empty_matches and not prediction.strip():
+        return False
     if infoseek_kind(question_type) == "numerical":
         return numeric_correct(prediction, *_answer_range(answer_eval, qid))
     aliases = _aliases(answer_eval, qid)
@@ -200,8 +202,9 @@ def infoseek_match(prediction, answer_eval) -> bool:
     if prediction is None:
         return False
     items = answer_eval if isinstance(answer_eval, (list, tuple)) else [answer_eval]
-    if any(isinstance(i, dict) and i.get("range") is not None for i in items):
-        return infoseek_correct(prediction, answer_eval, "Numerical")
+    ranged = [i for i in items if isinstance(i, dict) and i.get("range") is not None]
+    if ranged:
+        return infoseek_correct(prediction, ranged, "Numerical", empty_matches=False)
     aliases = [
         str(i["wikidata"]) if isinstance(i, dict) else i
         for i in items

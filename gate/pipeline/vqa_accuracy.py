@@ -5,6 +5,11 @@ VQA / OK-VQA — GT-Vision-Lab/VQA ``PythonEvaluationTools/vqaEvaluation/vqaEval
 3) averaged over leaving each annotator out, the answers normalised only when the annotators disagree; per-question
 accuracies in % rounded to 2 decimals, the overall / per-question-type / per-answer-type figures from the unrounded
 ones, rounded to 2 decimals the way that Python 2 file's ``round`` does.
+
+The file as it stands since its commit a013f00 ("Fixed processing answers bug", March 2021), read in that repository.
+Copies made before it (many projects vendor one) score differently: they always normalise the prediction
+(punctuation, digits, articles) and the answers only by punctuation, when the annotators disagree — "Cat" against ten
+"cat" scores 1.0 there and 0.0 here. A figure compared with a paper's should use the version that paper used.
 """
 
 from __future__ import annotations
