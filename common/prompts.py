@@ -39,15 +39,15 @@ def load_prompt(
     spec = yaml.safe_load(path.read_text())
     if not isinstance(spec, dict) or not all(isinstance(spec.get(k), str) for k in ("system", "user_template")):
         raise ValueError(f"{flag} {path}: needs string fields 'system' and 'user_template'")
-    missing = [x for x in placeholders if x not in spec["user_template"]]
-    if missing:
-        raise ValueError(f"{flag} {path}: user_template lacks {', '.join(missing)}")
     fills = {p.strip("{}") for p in placeholders} | set(allowed)
     literal = "write a literal brace as {{ or }}"
     try:
         fields = {name for _, name, _, _ in string.Formatter().parse(spec["user_template"]) if name is not None}
     except ValueError as e:
         raise ValueError(f"{flag} {path}: user_template is not a format string ({e}): {literal}") from None
+    missing = [x for x in placeholders if x.strip("{}") not in fields]  # {{question}} is a literal, not a placeholder
+    if missing:
+        raise ValueError(f"{flag} {path}: user_template lacks {', '.join(missing)}")
     unknown = sorted(fields - fills)
     if unknown:
         raise ValueError(

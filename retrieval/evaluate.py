@@ -90,7 +90,7 @@ def parse_sweep(text: str) -> list[float]:
         raise ValueError(f"--alpha_sweep must look like lo:hi:step (e.g. 0:1:0.05), got {text!r}") from None
     if step <= 0 or lo > hi:
         raise ValueError(f"--alpha_sweep {text!r}: need lo ≤ hi and step > 0")
-    alphas = [round(a, 10) for a in np.arange(lo, hi + step / 2, step)]
+    alphas = [round(lo + i * step, 10) for i in range(int(np.floor((hi - lo) / step + 1e-9)) + 1)]  # never past hi
     for a in alphas:
         check_alpha(a)
     return alphas
@@ -211,8 +211,6 @@ def run(args: EvalArgs, log=print) -> dict:
     rows, excluded, absent = load_questions(queries, fields, images_root, index)
     for reason, count in excluded.items():
         log(f"excluded {count} question(s): {reason}")
-    if absent:
-        log(f"{absent} of {len(rows)} question(s) have a gold entity with no row in the index: counted as misses")
     if not rows:
         raise ValueError(f"no question in {queries} can be evaluated ({excluded})")
     kb_path = Path(args.kb or index.manifest.get("kb_path", ""))
@@ -225,6 +223,9 @@ def run(args: EvalArgs, log=print) -> dict:
         rows = [r for i, r in enumerate(rows) if i not in unreadable]
         if not rows:
             raise ValueError(f"no question in {queries} has a readable image ({excluded})")
+        absent = sum(not index.has_entity(str(r.get("entity_id"))) for r in rows)  # of the questions still in
+    if absent:
+        log(f"{absent} of {len(rows)} question(s) have a gold entity with no row in the index: counted as misses")
     text_embs = {f: index.encode_texts([r[f] for r in rows]) for f in fields}
     ranked = {a: {f: index.rank(image_emb, text_embs[f], a, max(args.depth, max(ks))) for f in fields} for a in alphas}
     entry_texts = None

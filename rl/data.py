@@ -186,6 +186,8 @@ def parse_strata(text: str) -> list[tuple[str, int | None, int | None, int]]:
             raise ValueError(f"--strata: bucket {part.strip()!r} must look like lo-hi:count or miss:count") from None
         if count < 0:
             raise ValueError(f"--strata: bucket {name} has a negative count")
+        if any(name == other for other, *_ in out):
+            raise ValueError(f"--strata: bucket {name} is named twice (its questions would be sampled twice)")
         out.append((name, lo, hi, count))
     spans = sorted((lo, hi) for _, lo, hi, _ in out if lo is not None)
     for (a_lo, a_hi), (b_lo, b_hi) in zip(spans, spans[1:]):

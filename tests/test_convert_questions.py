@@ -149,6 +149,22 @@ def test_evqa_two_hop_gives_lists_never_joined_strings(tmp_path):
     assert hop["evidence_section_id"] == [2, 5] and "upstream_id" not in hop and hop["id"] == "evqa-test-1"
 
 
+def test_a_csv_saved_with_a_byte_order_mark_converts(tmp_path):
+    """Spreadsheet tools save CSV with a UTF-8 byte order mark: the first column is still "question", not
+    "\\ufeffquestion" (which read as a missing column)."""
+    plain, bom = tmp_path / "plain.csv", tmp_path / "bom.csv"
+    write_csv(plain, [evqa_row()])
+    bom.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    out = {}
+    for path in (plain, bom):
+        args = ConvertArgs(
+            format="evqa-questions", input=str(path), split="val", out=str(tmp_path / f"{path.stem}.jsonl")
+        )
+        convert(args, log=quiet)
+        out[path.stem] = list(read_jsonl(tmp_path / f"{path.stem}.jsonl"))
+    assert out["bom"] == out["plain"] and out["plain"]
+
+
 def test_evqa_inaturalist_through_echosight_id2name(tmp_path):
     root = tmp_path / "images"
     touch(root, "inaturalist/val/04312_Plantae_x/abc.jpg")

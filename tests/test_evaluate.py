@@ -41,6 +41,8 @@ def test_parse_ks(text, ok):
 
 def test_parse_sweep():
     assert parse_sweep("0:1:0.25") == [0, 0.25, 0.5, 0.75, 1.0]
+    assert parse_sweep("0:0.5:0.3") == [0, 0.3] and parse_sweep("0.5:1:0.3") == [0.5, 0.8]  # never past hi
+    assert len(parse_sweep("0:1:0.05")) == 21 and parse_sweep("0:1:0.05")[-1] == 1.0
     for bad in ["0:1", "0:2:0.5", "1:0:0.1", "0:1:0"]:
         with pytest.raises(ValueError):
             parse_sweep(bad)
@@ -89,6 +91,13 @@ def test_excluded_rows_are_counted(tiny_index_dir, tiny_world, tmp_path, monkeyp
     known = run(tiny_index_dir, q, tmp_path / "known", alpha=0.5, images_root=str(tiny_world))["results"]["0.5"]
     for k in (1, 5, 20):
         assert res["results"]["0.5"]["question"][f"R@{k}"] == pytest.approx(known["question"][f"R@{k}"] * 3 / 4)
+    # the question without an index row has an unreadable image too: excluded, so it is not counted as absent
+    (tmp_path / "broken.png").write_bytes(b"not a png")
+    rows[1]["image"] = str(tmp_path / "broken.png")
+    q.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = run(tiny_index_dir, q, tmp_path / "unreadable", alpha=0.5, images_root=str(tiny_world))
+    assert res["excluded"]["image unreadable"] == 1 and res["gold_not_in_index"] == 0
+    assert res["results"]["0.5"]["question"]["n"] == 3
 
 
 def test_compare_prints_two_fields(tiny_index_dir, tiny_world, tmp_path, monkeypatch, encoders):

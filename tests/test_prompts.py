@@ -112,6 +112,8 @@ def test_a_gate_prompt_file_renders_the_rows_and_is_recorded_beside_them(tmp_pat
         ("{title} / {section_title}: {text}", ("{text}",), ("title", "section_title"), None),
         ("{question} {}", ("{question}",), (), "{}, which nothing fills"),
         ("{question} {", ("{question}",), (), "not a format string"),
+        ("Q: {{question}}", ("{question}",), (), "lacks {question}"),  # a literal: the question never reaches it
+        ("Q: {question:>10}", ("{question}",), (), None),  # a placeholder with a format spec fills it
     ],
 )
 def test_a_prompt_file_may_only_use_the_fields_its_stage_fills(tmp_path, template, placeholders, allowed, error):

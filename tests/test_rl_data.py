@@ -24,7 +24,7 @@ CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 def test_parse_strata():
     s = parse_strata("1-5:500,6-10:1000,11-20:1000,21-200:2500,miss:2000")
     assert s[0] == ("1-5", 1, 5, 500) and s[-1] == ("miss", None, None, 2000)
-    for bad in ["1-5", "a-b:3", "5-1:3", "1-5:-1", "1-5:3,4-8:3"]:
+    for bad in ["1-5", "a-b:3", "5-1:3", "1-5:-1", "1-5:3,4-8:3", "1-5:2,miss:3,miss:3", "1-5:2,1-5:1"]:
         with pytest.raises(ValueError, match="--strata"):
             parse_strata(bad)
 

@@ -68,7 +68,7 @@ def open_upstream(path: str | Path, text: bool = True):
     else:
         raw, name = open(path, "rb"), path.name
     stream = (
-        io.TextIOWrapper(raw, encoding="utf-8", newline="" if name.endswith((".csv", ".tsv")) else None)
+        io.TextIOWrapper(raw, encoding="utf-8-sig", newline="" if name.endswith((".csv", ".tsv")) else None)
         if text
         else raw
     )
