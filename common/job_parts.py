@@ -16,10 +16,18 @@ from __future__ import annotations
 
 import glob
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from common.files import append_jsonl, completed_ids, jsonl_lines, repair_jsonl, write_json_atomic, write_jsonl_atomic
+from common.files import (
+    append_jsonl,
+    completed_ids,
+    jsonl_lines,
+    read_jsonl,
+    repair_jsonl,
+    write_json_atomic,
+    write_jsonl_atomic,
+)
 from common.placement import Processes
 
 
@@ -76,13 +84,23 @@ class JobParts(Processes):
         for path in parts:
             path.unlink()
 
-    def start(self, rows: Sequence[dict], batch_size: int) -> list[list[dict]]:
+    def start(
+        self, rows: Sequence[dict], batch_size: int, redo: Callable[[dict], bool] | None = None
+    ) -> list[list[dict]]:
         """This process's batches of the rows not done yet (after merging leftovers); ``mine`` counts their rows and
-        ``status`` says, in one line, how many are done and how many are to go here."""
+        ``status`` says, in one line, how many are done and how many are to go here. ``redo``: the output records that
+        are not done after all (a request that failed, an input that was missing), dropped to be made again."""
         order = [str(r["id"]) for r in rows]
+        self.redone = 0
         if self.rank == 0:
             self.merge(order)
             completed_ids(self.out)  # a last line cut short by a crash is dropped before anyone reads the file
+            if redo is not None and self.out.exists():
+                records = list(read_jsonl(self.out))
+                kept = [r for r in records if not redo(r)]
+                if len(kept) < len(records):
+                    write_jsonl_atomic(self.out, kept)
+                    self.redone = len(records) - len(kept)
         self.barrier()  # everyone reads the merged output; no part is written before
         done = _ids(self.out)
         todo = [r for r in rows if str(r["id"]) not in done]
@@ -90,6 +108,7 @@ class JobParts(Processes):
         self.mine = sum(len(b) for b in batches)
         self.status = (
             f"process {self.rank}/{self.count}: {len(done)} of {len(rows)} done in {self.out}, {self.mine} to go here"
+            + (f" ({self.redone} left unfinished by the last run, done again)" if self.redone else "")
         )
         return batches
 

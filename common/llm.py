@@ -14,6 +14,8 @@ import urllib.request
 
 from common.placement import resolve_dtype
 
+REQUEST_FAILED = "generator failed after"  # the reason of an answer no request got: gate.pipeline redoes it
+
 # OSError covers urllib's URLError, timeouts and refused connections; http.client.HTTPException a dropped or garbled
 # one (IncompleteRead mid-body, BadStatusLine); the rest, a reply that is not the JSON expected
 RETRYABLE = (OSError, http.client.HTTPException, ValueError, KeyError, IndexError, TypeError)
@@ -92,7 +94,7 @@ def endpoint_generator(
                 backoff,
                 "empty reply",
             )
-            out.append((answer, None if answer else f"generator failed after {retries} attempts: {reason}"))
+            out.append((answer, None if answer else f"{REQUEST_FAILED} {retries} attempts: {reason}"))
         return out
 
     return generate

@@ -143,6 +143,13 @@ def test_endpoint_generator_answers_and_failures(make_args, queries, stub):
         r["rag"]["answer"] is None and "generator failed after 2 attempts" in r["rag"]["failed"]
         for r in predictions(args)
     )
+    # the server is back: a rerun on the same --out asks again for what failed, instead of keeping the failures
+    down.status, down.replies = 200, list(golds)
+    printed = []
+    m = run(args, log=printed.append)
+    assert m["accuracy"] == 1.0 and len(down.requests) == 2 * 6 + 6
+    assert all(r["rag"]["answer"] is not None and "failed" not in r["rag"] for r in predictions(args))
+    assert any("6 left unfinished by the last run, done again" in line for line in printed)
 
 
 def test_resume_after_an_interruption(make_args, monkeypatch):
@@ -168,12 +175,25 @@ def test_resume_after_an_interruption(make_args, monkeypatch):
     assert len(ids) == 6 == len(set(ids)) and calls == [3, 3, 3]
 
 
-def test_missing_image_is_skipped_and_the_run_goes_on(make_args, queries):
+def test_missing_image_is_skipped_and_the_run_goes_on(make_args, queries, tiny_world, tmp_path):
     path, rows = queries
-    write_jsonl_atomic(path, rows + [{**rows[0], "id": "lost", "image": "images/none.png"}])
+    late = tmp_path / "late" / "lost.png"  # outside the shared toy world: another test's missing image stays missing
+    write_jsonl_atomic(path, rows + [{**rows[0], "id": "lost", "image": str(late)}])
     m = run(make_args(), **QUIET)
     recs = {r["id"]: r for r in predictions(make_args())}
     assert "image file missing" in recs["lost"]["skipped"] and m["n"] == 6 and m["skipped"] == 1
+    assert (
+        "1 question(s) skipped (image missing) are in no figure above"
+        in (tmp_path_of(make_args()) / "metrics.md").read_text()
+    )
+    # the image fetched afterwards: a rerun on the same --out answers that question and keeps the others
+    kept = {i: r for i, r in recs.items() if i != "lost"}
+    late.parent.mkdir()
+    shutil.copy(tiny_world / rows[0]["image"], late)
+    m = run(make_args(), **QUIET)
+    recs = {r["id"]: r for r in predictions(make_args())}
+    assert "skipped" not in recs["lost"] and m["n"] == 7 and m["skipped"] == 0
+    assert {i: r for i, r in recs.items() if i != "lost"} == kept
 
 
 @pytest.mark.parametrize(
@@ -186,6 +206,8 @@ def test_missing_image_is_skipped_and_the_run_goes_on(make_args, queries):
         (dict(generator="endpoint"), "generator_url"),
         (dict(generator=None, inspector="/no/inspector"), "--generator is required"),  # PASS answers through it
         (dict(generator_prompt="poem"), "--generator_prompt"),
+        (dict(beta2=1.5, text_reranker="tiny"), r"--beta2 must lie in \[0, 1\], got 1.5"),  # before any model
+        (dict(beta1=-0.1), r"--beta1 must lie in \[0, 1\]"),
         (dict(consistency_strategy="vote"), "--consistency_strategy: 'vote' is not one of filter, merge, rerank"),
         (dict(consistency="/no/mct"), "--consistency: /no/mct"),
     ],

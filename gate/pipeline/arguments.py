@@ -131,6 +131,9 @@ def validate(args: PipelineArgs) -> None:
         raise ValueError("--out is required")
     if args.batch_size <= 0 or args.k <= 0:
         raise ValueError("--batch_size and --k must be positive")
+    for name in ("beta1", "beta2"):  # weights of a convex combination (docs/gates-and-pipeline.md)
+        if not 0.0 <= getattr(args, name) <= 1.0:
+            raise ValueError(f"--{name} must lie in [0, 1], got {getattr(args, name)}")
     generator_prompt(args.generator_prompt)  # a name, or a prompt file that exists and holds its placeholders
     needs_rag = args.gate != "never" or args.baselines
     needs_alone = args.gate != "always" or args.baselines

@@ -237,6 +237,8 @@ def format_table(metrics: dict, system: str = "gated pipeline") -> str:
             f"| official scorer (every question; without an answer, an empty prediction: {empty}) | "
             f"{info['unseen_question']:.2f} | {info['unseen_entity']:.2f} | {info['final']:.2f} |",
         ]
+    if metrics.get("skipped"):
+        lines += ["", f"{metrics['skipped']} question(s) skipped (image missing) are in no figure above"]
     mct = metrics.get("consistency")
     if mct:
         lines += [

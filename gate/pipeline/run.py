@@ -29,6 +29,7 @@ from tqdm import tqdm
 from common.cli import parse
 from common.files import check_unique_ids, pyplot, read_jsonl, save_figure, write_json_atomic, write_text_atomic
 from common.job_parts import JobParts
+from common.llm import REQUEST_FAILED
 from common.placement import job_device, process_state
 from gate.pipeline.arguments import PipelineArgs, check_same_config, validate
 from gate.pipeline.context import section_text
@@ -226,6 +227,13 @@ def run_batch(st: Stages, batch: list[dict], images, bars: dict | None = None) -
     return out
 
 
+def unfinished(record: dict) -> bool:
+    """A prediction the next run makes again: its image was missing, or an endpoint request failed after its retries
+    (``failed`` says so: the server may be back). An empty answer the model gave is an answer, kept."""
+    paths = [record.get("alone"), record.get("rag"), (record.get("rag") or {}).get("without_inspector")]
+    return "skipped" in record or any(str((p or {}).get("failed", "")).startswith(REQUEST_FAILED) for p in paths)
+
+
 def run(args: PipelineArgs, log=print, stages: Stages | None = None, state=None) -> dict | None:
     """Answer every question not yet in ``predictions.jsonl`` and report. With an accelerate ``state`` of N processes
     each answers every N-th batch on its own device and process 0 merges the parts in input order and reports (the
@@ -239,7 +247,7 @@ def run(args: PipelineArgs, log=print, stages: Stages | None = None, state=None)
     check_same_config(out, args)
     target = out / "predictions.jsonl"
     parts = JobParts(target, state)
-    batches = parts.start(rows, args.batch_size)
+    batches = parts.start(rows, args.batch_size, redo=unfinished)
     log(f"pipeline, {parts.status}")
     if batches:
         stages = stages or Stages(args, job_device(args.device, state))  # every model loads (or fails) first
@@ -261,6 +269,12 @@ def run(args: PipelineArgs, log=print, stages: Stages | None = None, state=None)
         return None
     ids = {str(r["id"]) for r in rows}
     records = [r for r in read_jsonl(target) if str(r["id"]) in ids]
+    again = sum(unfinished(r) for r in records)
+    if again:
+        log(
+            f"{again} of {len(records)} question(s) unfinished (an image missing, or a request that failed after its "
+            f"retries): run again with the same --out to do those again"
+        )
     return report(records, out, args, log)
 
 
