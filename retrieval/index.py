@@ -320,13 +320,8 @@ class MultimodalIndex:
         """``search(…, k)`` and ``entity_ranks(…, depth)`` from one ranking pass (at depth max(k, depth))."""
         alpha, k, depth = check_alpha(alpha), check_k(k), check_k(depth, "depth")
         ranked = self.rank(self._as_image_emb(images), self._as_text_emb(texts), alpha, max(k, depth))
-        return (
-            [self._hits(rk, k) for rk in ranked],
-            ranks_of(
-                [Ranked(rk.entities[:depth], rk.rows[:depth], rk.scores[:depth]) for rk in ranked],
-                [self.entity_index.get(e, -1) for e in entity_ids],
-            ),
-        )
+        ranks = ranks_of(ranked, [self.entity_index.get(e, -1) for e in entity_ids])
+        return [self._hits(rk, k) for rk in ranked], [r if r is not None and r <= depth else None for r in ranks]
 
     def top_entities(self, images, texts, alpha: float, k: int) -> list[list[str]]:
         """The ``k`` best entity ids per query. Where the reward ranks exactly (a GPU), from the exact ranker's

@@ -95,14 +95,19 @@ def deepening_search(
             r, s = rows[j][valid], scores[j][valid]
             ents = row_entity[r]
             _, first = np.unique(ents, return_index=True)
-            first = np.sort(first)[:depth]
+            first = np.sort(first)
             exhausted = len(r) < k_rows  # an approximate index gave all it reaches (IVF: within nprobe lists)
-            if len(first) < want and not exhausted:
+            # the last row returned ties with the depth-th entity: rows past it may tie too, and share its rank
+            tie_cut = len(first) >= depth > 0 and len(r) and s[-1] == s[first[depth - 1]]
+            if (len(first) < want or tie_cut) and not exhausted:
                 if k_rows < k_max:
                     still.append(qi)
                     continue
-                if k_max < index.ntotal:
+                if k_max < index.ntotal and len(first) < want:
                     short.append(int(qi))
+            if len(first) > depth:  # entities tied with the depth-th share its rank (as the exact ranker counts them)
+                tied = s[first[depth:]] == s[first[depth - 1]]
+                first = first[: depth + int(np.cumprod(tied).sum())]
             out[qi] = Ranked(ents[first], r[first], s[first] * norms[qi])
         pending = np.asarray(still, dtype=int)
         k_rows = min(k_max, k_rows * 4)

@@ -120,6 +120,24 @@ def test_ties_go_to_the_gold_entity():
     assert ranker.ranks(np.repeat(rows[:1], 2, 0), [0, 1]) == [1, 1]
 
 
+def test_entities_tied_at_the_depth_share_its_rank_on_every_path():
+    """Two entities with identical rows tie for rank 2 at depth 2 (duplicate KB entries do this): the exact ranker
+    counts strictly better entities, so both get 2; the search paths must not cut the list at `depth` entities
+    first (one of them came back a miss), nor stop their search inside the tie."""
+    e = np.eye(2, dtype=np.float32)
+    rows = np.concatenate([e[[0, 1, 1]], e[[0, 1, 1]]], 1)  # A, then B and C identical
+    manifest = {"image_dim": 2, "text_dim": 2, "image_encoder": "x", "text_encoder": "y"}
+    q = np.array([[1.0, 0.9]] * 2, np.float32)
+    got = {}
+    for method in ("exact", "search"):
+        index = MultimodalIndex(build_faiss_index(rows, "Flat"), ["r0", "r1", "r2"], ["A", "B", "C"], manifest,
+                                device="cpu", rank_method=method)  # fmt: skip
+        got[method, "entity_ranks"] = index.entity_ranks(q, q, ["B", "C"], 0.5, depth=2)
+        got[method, "search_and_rank"] = index.search_and_rank(q, q, ["B", "C"], 0.5, k=1, depth=2)[1]
+        assert index.entity_ranks(q, q, ["B", "C"], 0.5, depth=1) == [None, None]
+    assert set(map(tuple, got.values())) == {(2, 2)}, got
+
+
 @pytest.mark.parametrize(
     "factory,storage", [("Flat", "fp32"), ("SQfp16", "fp16"), ("SQbf16", "bf16"), ("HNSW8,Flat", None)]
 )
