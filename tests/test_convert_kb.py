@@ -872,3 +872,30 @@ def test_a_connection_dropped_mid_image_is_listed_as_failed_and_the_run_goes_on(
         with open(tmp_path / "imgs" / "failed.jsonl", "a") as fh:
             fh.write('{"url": "http://cut')  # a crash mid-append
         assert fetch_images(args, log=quiet) == {"fetched": 0, "failed": 0, "already there": 2}
+
+
+def test_odd_kb_entries_convert_or_are_named():
+    """An E-VQA KB entry that is not an article object is an error naming its URL (not an AttributeError); a lone
+    section written as a bare string is one section, not one per character; a section index pointing at a null text
+    falls back to the first section, like an empty one."""
+    from retrieval.upstream.kb import evqa_article
+
+    skipped = []
+    with pytest.raises(ValueError, match="the entry for 'https://x/wiki/A' is NoneType, not an article object"):
+        evqa_article("https://x/wiki/A", None, lambda u: None, skipped.append)
+    art, _ = evqa_article(
+        "https://x/wiki/B",
+        {"title": "B", "section_titles": "Intro", "section_texts": "Some lead text"},
+        None,
+        skipped.append,
+    )
+    assert art["sections"] == [(0, "Intro", "Some lead text")]
+    art = {
+        "title": "C",
+        "section_titles": ["Intro", "Habitat"],
+        "section_texts": ["Lead.", None],
+        "image_urls": ["https://img/c.jpg"],
+        "image_section_indices": [1],
+    }
+    _, rows = evqa_article("https://x/wiki/C", art, lambda u: "c.jpg", skipped.append)
+    assert [r["section"] for r in rows] == [0] and rows[0]["text"] and "None" not in rows[0]["text"]

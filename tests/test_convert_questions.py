@@ -248,6 +248,35 @@ def infoseek_images(tmp_path, rows, layout):
     return root
 
 
+def test_a_short_infoseek_image_id_never_becomes_an_absolute_path():
+    """OVEN's layout takes the folder from the id's [-8:-6]: an id too short for it has no folder, not "/id.jpg"
+    (which joined to the images root would look at the file system's root)."""
+    assert infoseek_image_candidates("oven_1", "oven")[0] == "oven_1.jpg"
+    assert infoseek_image_candidates("oven_04990048", "oven")[0] == "04/oven_04990048.jpg"
+
+
+def test_a_numeric_infoseek_answer_is_one_answer(tmp_path):
+    """InfoSeek's "answer" is a list of strings; a bare value (a number, as a hand-made file may hold) is one answer,
+    not an error about iterating an int."""
+    rows = list(read_jsonl(REAL / "infoseek_val_sample.jsonl"))
+    rows[0]["answer"] = 1889
+    src = tmp_path / "val.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    convert(
+        ConvertArgs(
+            format="infoseek",
+            input=str(src),
+            withkb=str(REAL / "infoseek_val_withkb_sample.jsonl"),
+            qtype=str(REAL / "infoseek_val_qtype_sample.jsonl"),
+            images_root=str(infoseek_images(tmp_path, rows, "oven")),
+            out=str(tmp_path / "q.jsonl"),
+        ),
+        log=quiet,
+    )
+    (q,) = read_jsonl(tmp_path / "q.jsonl")
+    assert q["answers"] == [1889]
+
+
 @pytest.mark.parametrize("layout", ["oven", "flat"])
 def test_real_infoseek_val_rows_with_qtype_and_withkb(tmp_path, layout):
     rows = list(read_jsonl(REAL / "infoseek_val_sample.jsonl"))

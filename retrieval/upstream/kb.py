@@ -226,9 +226,12 @@ def evqa_article(
     section when that index is missing, out of range or empty); an image with no local file is skipped. With
     ``titled`` (title-keyed image CSVs) the article's images are paired with its first section.
     """
+    if not isinstance(art, dict):
+        raise ValueError(f"E-VQA KB: the entry for {url!r} is {type(art).__name__}, not an article object")
     entity = art.get("url") or url
     title = art.get("title") or ""
-    titles, texts = list(art.get("section_titles") or []), list(art.get("section_texts") or [])
+    titles, texts = (art.get(k) or [] for k in ("section_titles", "section_texts"))
+    titles, texts = ([x] if isinstance(x, str) else list(x) for x in (titles, texts))  # one section as a bare string
     sections = [(i, titles[i] if i < len(titles) else "", t or "") for i, t in enumerate(texts)]
     article = {"entity_id": entity, "title": title, "url": entity, "sections": sections}
     rows = []
@@ -267,7 +270,7 @@ def evqa_article(
             skip({"entry_id": entry_id, "reason": svg_problem(path)})
             continue
         s = indices[j] if j < len(indices) else None
-        if not isinstance(s, int) or not (0 <= s < len(texts)) or not str(texts[s]).strip():
+        if not isinstance(s, int) or not (0 <= s < len(texts)) or not str(texts[s] or "").strip():
             s = 0
         if not sections:
             skip({"entry_id": entry_id, "reason": "article has no section text"})

@@ -54,7 +54,7 @@ def evqa_image_candidates(image_id: str, dataset_name: str, inat_id2name: dict |
 def infoseek_image_candidates(image_id: str, layout: str = "oven") -> list[str]:
     """OVEN's layout ``<image_id[-8:-6]>/<image_id>.jpg`` or one flat folder; ``.jpg`` then ``.JPEG``."""
     if layout == "oven":
-        return [f"{image_id[-8:-6]}/{image_id}{ext}" for ext in EXTENSIONS]
+        return ["/".join(filter(None, [image_id[-8:-6], f"{image_id}{ext}"])) for ext in EXTENSIONS]  # never "/x.jpg"
     if layout == "flat":
         return [f"{image_id}{ext}" for ext in EXTENSIONS]
     raise ValueError(f"--image_layout must be oven or flat, got {layout!r}")
@@ -250,7 +250,7 @@ def infoseek_questions(
             skip({"id": data_id, "image_id": r["image_id"], "reason": why})
             continue
         answers = r.get("answer")
-        answers = [] if answers is None else [answers] if isinstance(answers, str) else list(answers)
+        answers = [] if answers is None else list(answers) if isinstance(answers, (list, tuple)) else [answers]
         yield question_record(
             data_id,
             image,
