@@ -55,6 +55,20 @@ def test_summarize():
     assert "| gated pipeline | 80.0 | 60.0 |" in format_table(m)
 
 
+def test_stage_latency_means_the_same_with_and_without_baselines():
+    """latency_s: seconds per question of each stage over the questions that went through it, whichever kind of run
+    reports it (without baselines a stage's mean was taken over every question, as if the others took 0 s there)."""
+    from gate.pipeline.run import _summarize_chosen
+
+    went = {"id": "a", "correct": True, "gate": {"retrieve": True}, "latency": {"gate": 0.1, "retrieve": 1.0}}
+    alone = {"id": "b", "correct": False, "gate": {"retrieve": False}, "latency": {"gate": 0.1, "answer alone": 0.4}}
+    assert _summarize_chosen([went, alone])["latency_s"] == {
+        "gate": pytest.approx(0.1),
+        "retrieve": pytest.approx(1.0),
+        "answer alone": pytest.approx(0.4),
+    }
+
+
 def test_inspector_confusion_against_the_oracle():
     recs = [
         rec(False, True, True, inspector={"pass": True}, section_right=True),

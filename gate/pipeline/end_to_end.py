@@ -156,6 +156,13 @@ def consistency_report(records: list[dict]) -> dict | None:
     }
 
 
+def stage_latency(done: list[dict]) -> dict:
+    """Seconds per question of each stage, over the questions that went through it (with baselines every question
+    goes through both paths; without, a question only through its own), the same in every kind of run."""
+    stages = sorted({s for r in done for s in r.get("latency", {})})
+    return {s: float(np.mean([r["latency"][s] for r in done if s in r.get("latency", {})])) for s in stages}
+
+
 def summarize(records: list[dict], threshold_name: str = "threshold") -> dict:
     """metrics.json: the system's accuracy, token accuracy, retrieval ratio, per split, latency per stage, the
     Inspector's confusion matrix and the baselines."""
@@ -165,8 +172,7 @@ def summarize(records: list[dict], threshold_name: str = "threshold") -> dict:
     retrieve = np.array([bool(r["gate"]["retrieve"]) for r in done])
     correct = system_correct(done, retrieve)
     token = np.where(retrieve, [r["rag"]["token_accuracy"] for r in done], [r["alone"]["token_accuracy"] for r in done])
-    stages = sorted({s for r in done for s in r.get("latency", {})})
-    latency = {s: float(np.mean([r["latency"][s] for r in done if s in r.get("latency", {})])) for s in stages}
+    latency = stage_latency(done)
     failed = sum(bool(r["rag"].get("failed")) or bool(r["alone"].get("failed")) for r in done)
     section_right = [r["rag"]["section_right"] for r in done if r["rag"].get("section_right") is not None]
     return {

@@ -33,7 +33,7 @@ from common.llm import REQUEST_FAILED
 from common.placement import job_device, process_state
 from gate.pipeline.arguments import PipelineArgs, check_same_config, validate
 from gate.pipeline.context import section_text
-from gate.pipeline.end_to_end import format_table, is_gold_section, summarize, threshold_curve
+from gate.pipeline.end_to_end import format_table, is_gold_section, stage_latency, summarize, threshold_curve
 from gate.pipeline.stages import Stages
 from rl.model import open_vlm_image
 
@@ -327,10 +327,7 @@ def _summarize_chosen(records: list[dict]) -> dict:
         "accuracy": float(np.mean([r["correct"] for r in done])),
         "retrieval_ratio": float(np.mean([r["gate"]["retrieve"] for r in done])),
         "baselines": {},
-        "latency_s": {
-            s: float(np.mean([r["latency"].get(s, 0.0) for r in done]))
-            for s in sorted({s for r in done for s in r["latency"]})
-        },
+        "latency_s": stage_latency(done),
     }
 
 
