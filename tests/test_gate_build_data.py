@@ -395,3 +395,18 @@ def test_labels_follow_the_settings_of_the_latest_run(tmp_path):
     assert labels(epsilon=3.0) == {"q0": False, "q1": False}  # mean 3 is not below 3
     assert labels(epsilon=4.0) == {"q0": True, "q1": False}  # mean 3 is below 4
     assert labels(epsilon=3.0) == {"q0": False, "q1": False}
+
+
+def test_judged_relevance_refuses_contexts_that_do_not_match_the_retrieval():
+    """MCT's relevance from judged answers: each retrieved section's answer judged right is relevant; a question with
+    no contexts, or contexts of another retrieval (another number of sections), is named, not taken as "nothing is
+    relevant"."""
+    from gate.pipeline.consistency import judged_relevance
+
+    relevance = judged_relevance({"q0": {"doc_scores": [5.0, 1.0, None]}, "q1": {"doc_scores": [5.0]}}, 4.0)
+    hits = [{"text": t} for t in "abc"]
+    assert relevance(None, [{"id": "q0", "hits": hits}]) == [[1.0, 0.0, 0.0]]
+    with pytest.raises(ValueError, match="has 1 answers for question q1, which has 3 retrieved sections"):
+        relevance(None, [{"id": "q1", "hits": hits}])
+    with pytest.raises(ValueError, match="has none for question q2"):
+        relevance(None, [{"id": "q2", "hits": hits}])

@@ -40,12 +40,20 @@ SUMMARY_SYSTEM = (
 
 
 def judged_relevance(contexts: dict, correct_score: float):
-    """P(Rel) without an srt gate: 1.0 for a document whose answer was judged correct, else 0.0."""
+    """P(Rel) without an srt gate: 1.0 for a document whose answer was judged correct, else 0.0 (a judge that failed
+    on it included). A question whose contexts are missing, or hold another number of answers than it has retrieved
+    sections (contexts of an earlier retrieval), is an error naming it, not a question with nothing relevant."""
 
     def relevance(images, batch):
         out = []
         for r in batch:
-            scores = (contexts.get(str(r["id"])) or {}).get("doc_scores") or [None] * len(r["hits"])
+            scores = (contexts.get(str(r["id"])) or {}).get("doc_scores")
+            if scores is None or len(scores) != len(r["hits"]):
+                found = "none" if scores is None else f"{len(scores)} answers"
+                raise ValueError(
+                    f"consistency: contexts.jsonl has {found} for question {r['id']}, which has {len(r['hits'])} "
+                    "retrieved sections: run --stage context again (into a fresh contexts.jsonl) after --stage retrieve"
+                )
             out.append([1.0 if s is not None and s >= correct_score else 0.0 for s in scores])
         return out
 
