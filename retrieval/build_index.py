@@ -139,10 +139,13 @@ class BuildArgs:
     dist_timeout_minutes: int = dist_timeout_field()
 
 
-def _settings(args: BuildArgs, fingerprint: str) -> dict:
-    """What must match for a partial build to be resumed or a finished one to be reused."""
+def _settings(args: BuildArgs, fingerprint: str, device: str) -> dict:
+    """What must match for a partial build to be resumed or a finished one to be reused. ``encode_device``: the device
+    type, which sets the encoders' precision (fp16 / bf16 on a GPU, fp32 on the CPU): a partial build resumed on the
+    other kind would mix the two in one index."""
     return dict(
         kb_fingerprint=fingerprint,
+        encode_device=str(device).split(":")[0],
         image_encoder=args.image_encoder,
         image_processor=args.image_processor,
         text_encoder=args.text_encoder,
@@ -158,8 +161,8 @@ def _settings(args: BuildArgs, fingerprint: str) -> dict:
     )
 
 
-# a finished index is reused whatever these were (its images may have moved)
-IDENTITY_IGNORES = ("shard_size", "batch_size", "text_batch_size", "images_root")
+# a finished index is reused whatever these were (its images may have moved; it may be used on another device)
+IDENTITY_IGNORES = ("shard_size", "batch_size", "text_batch_size", "images_root", "encode_device")
 ASSEMBLY_ONLY = ("factory",)  # no shard depends on it: a partial build resumes under another (assembly uses the new)
 
 
@@ -212,7 +215,8 @@ def build_index(args: BuildArgs, log=print, encoders=None, state=None) -> dict |
     scan = scan_kb(kb, args.text_template)
     if scan.rows == 0:
         raise ValueError(f"--kb: {kb} has no rows")
-    settings = _settings(args, file_fingerprint(kb))
+    device = job_device(args.device, state)
+    settings = _settings(args, file_fingerprint(kb), device)
     build_dir = out / "build"
     manifest_path, state_path = out / MANIFEST_FILE, build_dir / "state.json"
     if manifest_path.exists():
@@ -248,7 +252,6 @@ def build_index(args: BuildArgs, log=print, encoders=None, state=None) -> dict |
         log(f"resuming the partial build in {build_dir}: {len(items) - len(pending)} of {len(items)} shards done")
     mine = pending[procs.rank :: procs.count]
 
-    device = job_device(args.device, state)
     threads = configure_threads()
     workers = decode_workers(args.workers)
     my_text = [i for kind, i in mine if kind == "text"]

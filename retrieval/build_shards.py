@@ -35,9 +35,19 @@ def save_shard(build_dir: Path, kind: str, i: int, emb: np.ndarray, meta: dict) 
     write_json_atomic(meta_path, meta)  # written last: its presence means the shard is complete
 
 
-@lru_cache(maxsize=2)
 def summaries_of(path: str | None) -> dict[str, str]:
-    return load_summaries(path) if path else {}
+    """The summaries file's {text_sha: summary}, read once per process and version of the file (its size and
+    modification time: a file rewritten between two builds of one process is read again, as its fingerprint in the
+    build's settings is taken again)."""
+    if not path:
+        return {}
+    stat = Path(path).stat()
+    return _summaries(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@lru_cache(maxsize=2)
+def _summaries(path: str, size: int, mtime_ns: int) -> dict[str, str]:
+    return load_summaries(path)
 
 
 def encode_text_shard(j: int, scan: KBScan, txt_enc, args, build_dir: Path) -> None:

@@ -186,6 +186,29 @@ def test_a_partial_build_from_other_images_is_refused(tiny_world, tmp_path, enco
         build_index(args_for(tiny_world, out, images_root=str(copy)), encoders=encoders, **QUIET)
 
 
+def test_a_partial_build_resumes_only_on_the_kind_of_device_it_began_on(tiny_world, tmp_path, encoders, monkeypatch):
+    """The encoders' precision follows the device (fp16 / bf16 on a GPU, fp32 on the CPU): a partial CPU build resumed
+    on a GPU would mix both in one index, so it is refused before any encoder loads; a finished index is reused on
+    any device."""
+    import retrieval.build_index as bi
+
+    out = tmp_path / "idx"
+    with monkeypatch.context() as m:
+        die_after(m, 2)
+        with pytest.raises(KeyboardInterrupt):
+            build_index(args_for(tiny_world, out), encoders=encoders, **QUIET)
+    with monkeypatch.context() as m:
+        m.setattr(bi, "job_device", lambda *a: "cuda:0")
+        with pytest.raises(ValueError, match="partial build with different encode_device"):
+            build_index(args_for(tiny_world, out), encoders=encoders, **QUIET)
+    build_index(args_for(tiny_world, out), encoders=encoders, **QUIET)  # on the CPU again: resumed, finished
+    with monkeypatch.context() as m:
+        m.setattr(bi, "job_device", lambda *a: "cuda:0")
+        said = []
+        build_index(args_for(tiny_world, out), encoders=encoders, log=said.append)
+    assert any("nothing to do" in line for line in said)
+
+
 def test_a_resumed_build_takes_this_runs_query_instruction(tiny_world, tmp_path, monkeypatch):
     """KB rows never carry the query instruction: text shards encoded under one setting and assembled under another
     give the manifest the new one (it used to keep the first run's, which every later load applied to queries)."""

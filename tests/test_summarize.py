@@ -140,3 +140,20 @@ def test_the_build_embeds_summaries_in_place_of_long_sections(tiny_world, encode
             encoders=encoders,
             **QUIET,
         )
+
+
+def test_a_summaries_file_rewritten_between_two_builds_of_one_process_is_read_again(tmp_path):
+    """The build's settings fingerprint the summaries file's content on every build; the summaries it embeds must be
+    that content too, not an earlier build's kept in memory (a notebook, or a driver building several indexes)."""
+    import os
+
+    from retrieval.build_shards import summaries_of
+    from retrieval.summarize import text_sha
+
+    path = tmp_path / "summaries.jsonl"
+    path.write_text(json.dumps({"text_sha": text_sha("long text"), "summary": "first wording"}) + "\n")
+    assert summaries_of(str(path)) == {text_sha("long text"): "first wording"}
+    path.write_text(json.dumps({"text_sha": text_sha("long text"), "summary": "second wording"}) + "\n")
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # rewritten a second later
+    assert summaries_of(str(path)) == {text_sha("long text"): "second wording"}
