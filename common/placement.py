@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from contextlib import contextmanager
 from dataclasses import field
 from datetime import timedelta
@@ -68,13 +69,13 @@ def resolve_device(device: str | None) -> str:
     if device in (None, "auto"):
         return process_device()
     device = str(device)
-    if device.startswith("cpu"):  # accelerate's MULTI_CPU state reports "cpu:0"
+    if re.fullmatch(r"cpu(:\d+)?", device):  # accelerate's MULTI_CPU state reports "cpu:0"
         return "cpu"
     if device == "cuda":
         import torch
 
         return f"cuda:{local_rank() % max(1, torch.cuda.device_count())}"  # a task may see only its own GPU
-    if device != "cpu" and not device.startswith("cuda:"):
+    if not re.fullmatch(r"cuda:\d+", device):
         raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N' or 'auto', got {device!r}")
     return device
 
@@ -235,6 +236,8 @@ def resolve_dtype(name: str | None, device: str = "cpu"):
 
 def per_device_batch(total: int, processes: int, accumulation: int, name: str) -> int:
     """The per-process batch that makes ``total`` examples per optimizer step over ``processes`` × ``accumulation``."""
+    if accumulation <= 0:
+        raise ValueError(f"gradient_accumulation_steps must be positive, got {accumulation}")
     if total <= 0 or total % (processes * accumulation):
         raise ValueError(
             f"{name} ({total}) must be a positive multiple of processes ({processes}) × "

@@ -9,6 +9,7 @@ entry point without it importing anything of the toy world.
 from __future__ import annotations
 
 import importlib
+import math
 import sys
 from dataclasses import dataclass, field, fields, make_dataclass
 from datetime import timedelta
@@ -115,6 +116,10 @@ def with_completions_per_step(argv: list[str], early, processes: int) -> list[st
     ``early_settings(argv)``."""
     if not early.completions_per_step:
         return argv
+    for name in ("completions_per_step", "gradient_accumulation_steps"):  # YAML values reach here unconverted
+        value = getattr(early, name)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name} must be a whole number, got {value!r}")
     n = per_device_batch(
         early.completions_per_step, processes, early.gradient_accumulation_steps, "completions_per_step"
     )
@@ -148,6 +153,17 @@ def validate(args: RefinerArguments, training_args, model_args, num_processes: i
         )
     if not model_args.model_name_or_path:
         raise ValueError("--model_name_or_path is required")
+    for name in ("format_valid_reward", "format_invalid_reward", "unparseable_retrieval_reward", "miss_reward"):
+        if not math.isfinite(getattr(args, name)):
+            raise ValueError(f"--{name} must be a finite number, got {getattr(args, name)}")
+    for name, value in (
+        ("max_query_tokens", args.max_query_tokens),
+        ("per_device_train_batch_size", training_args.per_device_train_batch_size),
+        ("gradient_accumulation_steps", training_args.gradient_accumulation_steps),
+        ("eval_limit", 1 if args.eval_limit is None else args.eval_limit),
+    ):
+        if value <= 0:
+            raise ValueError(f"--{name} must be positive, got {value}")
     if getattr(training_args, "generation_kwargs", None):
         raise ValueError(
             f"generation_kwargs {training_args.generation_kwargs}: TRL applies them to training samples on top of the "
@@ -178,6 +194,12 @@ def whole_eval_rounds(questions: int, per_device_eval_batch_size: int, processes
     if processes == 1:
         return questions
     per_round = per_device_eval_batch_size * processes // generations
+    if per_round == 0:
+        raise ValueError(
+            f"per_device_eval_batch_size ({per_device_eval_batch_size}) × processes ({processes}) holds fewer than "
+            f"one question's num_generations ({generations}): raise per_device_eval_batch_size to "
+            f"{-(-generations // processes)}"
+        )
     return questions // per_round * per_round
 
 
@@ -190,12 +212,28 @@ def validate_files(args: RefinerArguments) -> None:
         require_file(args.eval_file, "eval_file")
 
 
+def flag_value(argv: list[str], flag: str) -> str | None:
+    """The value of ``flag`` as argparse reads it: ``--flag value`` or ``--flag=value`` (the last one given)."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg[len(flag) + 1 :]
+    return value
+
+
 def world_module(argv: list[str]):
     """The module named by ``--world`` or by the ``world`` entry of the ``--config`` file (None when neither names
     one): read before the parse, since its Arguments join it."""
-    name = argv[argv.index("--world") + 1] if "--world" in argv[:-1] else None
-    if name is None and "--config" in argv[:-1]:
-        config = yaml.safe_load(Path(argv[argv.index("--config") + 1]).read_text()) or {}
+    name = flag_value(argv, "--world")
+    config_path = flag_value(argv, "--config")
+    if name is None and config_path is not None:
+        config = yaml.safe_load(Path(config_path).read_text()) or {}
+        if not isinstance(config, dict):
+            raise ValueError(
+                f"--config {config_path}: a YAML mapping of settings is needed, got a {type(config).__name__}"
+            )
         name = config.get("world")
     if not name:
         return None

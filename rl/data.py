@@ -28,8 +28,9 @@ from common.files import check_unique_ids, pyplot, read_jsonl, save_figure, writ
 from common.job_parts import JobParts
 from common.placement import Processes, decode_workers, dist_timeout_field, job_device, process_state
 from retrieval.index import MultimodalIndex, require_index
-from retrieval.kb import image_problem, load_image
+from retrieval.kb import load_image
 from retrieval.ranking import check_alpha
+from rl.image_budget import MAX_ASPECT_RATIO
 from rl.image_embeddings import embed_images, image_path_of
 from rl.prompts import prompt_messages, prompt_spec
 
@@ -41,7 +42,10 @@ def verify_images(rows: list[dict], root: Path, limit: int | None = None) -> tup
     good, bad = [], []
     for rec in tqdm(rows, desc="verifying images", total=min(limit or len(rows), len(rows))):
         path = image_path_of(rec, root)
-        reason = image_problem(path)
+        image, reason = load_image(path)
+        if reason is None and max(image.size) > MAX_ASPECT_RATIO * min(image.size):
+            w, h = image.size
+            reason = f"image {w}×{h} px: the Qwen2.5-VL processor refuses an aspect ratio past {MAX_ASPECT_RATIO}:1"
         if reason:
             bad.append({"id": str(rec.get("id")), "image": rec.get("image"), "reason": reason})
         else:

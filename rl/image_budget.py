@@ -22,6 +22,7 @@ from common.placement import local_world_size
 
 PAPER_MAX_PIXELS = 1024 * 28 * 28  # ≤ 1024 image tokens for Qwen2.5-VL (patch 14, merge 2)
 PAPER_MIN_PIXELS = 4 * 28 * 28
+MAX_ASPECT_RATIO = 200  # transformers' Qwen2-VL smart_resize refuses an image whose long side exceeds 200× its short
 
 
 def check_budget(min_pixels: int | None, max_pixels: int | None) -> dict | None:
@@ -41,7 +42,10 @@ def _grid(image_processor) -> tuple[int, int]:
 
 
 def max_image_tokens(budget: dict, image_processor) -> int:
-    """The most image tokens an image can become under ``budget`` with this processor's patch and merge sizes."""
+    """max_pixels ÷ (patch·merge)²: the image tokens an image the processor scales down to ``budget`` can take (what
+    the start-up probe checks). Not a bound for every shape: the processor rounds each side to a whole merged patch
+    (28 px) and never below one, so an extreme aspect ratio (150×50 at max_pixels 12,544: 21 tokens, not 16) or a
+    min_pixels that rounds up can exceed it."""
     patch, merge = _grid(image_processor)
     return max(1, math.floor(budget["max_pixels"] / (patch * merge) ** 2))
 

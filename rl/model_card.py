@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 from pathlib import Path
 
 from common.model_card import code_block, figures_table, format_value, render_card, write_card
@@ -27,16 +28,22 @@ NO_FIGURES = (
 )
 
 
+def shell_word(folder) -> str:
+    """A folder as one shell word (a path with a space stays one argument); a ``$VARIABLE`` placeholder as is."""
+    return str(folder) if str(folder).startswith("$") else shlex.quote(str(folder))
+
+
 def vllm_serve_command(folder, dtype: str, budget: dict | None) -> str:
     """The ``vllm serve`` command for an exported folder, with the training image budget."""
-    cmd = f"vllm serve {folder} --served-model-name refiner --dtype {dtype} --limit-mm-per-prompt '{{\"image\": 1}}'"
+    cmd = f"vllm serve {shell_word(folder)} --served-model-name refiner --dtype {dtype}"
+    cmd += " --limit-mm-per-prompt '{\"image\": 1}'"
     if budget:
         cmd += f" --mm-processor-kwargs '{json.dumps(budget)}'"
     return cmd
 
 
 def refine_command(folder) -> str:
-    return f"python -m rl.refine --model {folder} --queries questions.jsonl --out refined.jsonl"
+    return f"python -m rl.refine --model {shell_word(folder)} --queries questions.jsonl --out refined.jsonl"
 
 
 def held_out(log_history: list[dict], step: int | None = None) -> dict:

@@ -44,6 +44,33 @@ def test_per_device_batch_refuses_an_uneven_split_naming_the_setting(total, proc
         per_device_batch(total, processes, accumulation, "completions_per_step")
 
 
+@pytest.mark.parametrize("accumulation", [0, -1])
+def test_per_device_batch_refuses_an_accumulation_that_is_not_positive(accumulation):
+    with pytest.raises(ValueError, match=f"gradient_accumulation_steps must be positive, got {accumulation}"):
+        per_device_batch(32, 1, accumulation, "completions_per_step")  # 0 divided by zero, -1 gave -32
+
+
+def test_a_fractional_completions_per_step_from_yaml_is_named(tmp_path):
+    """TRL's parser hands YAML values over unconverted: 32.0 became --per_device_train_batch_size 16.0, an argparse
+    error about a flag nobody gave."""
+    config = tmp_path / "c.yaml"
+    config.write_text("completions_per_step: 32.0\n")
+    argv = ["--config", str(config)]
+    with pytest.raises(ValueError, match="completions_per_step must be a whole number, got 32.0"):
+        tg.with_completions_per_step(argv, tg.early_settings(argv), 2)
+
+
+def test_world_is_read_as_argparse_reads_it(tmp_path):
+    """``--world=module`` is the same flag as ``--world module``; a config that is not a mapping is named."""
+    from rl.arguments import world_module
+
+    assert world_module(["--world=toy.embedded_default"]).__name__ == "toy.embedded_default"
+    assert world_module(["--world", "toy.embedded_default"]).__name__ == "toy.embedded_default"
+    (tmp_path / "list.yaml").write_text("- alpha: 0.3\n")
+    with pytest.raises(ValueError, match="a YAML mapping of settings is needed, got a list"):
+        world_module(["--config", str(tmp_path / "list.yaml")])
+
+
 def parse_toy(extra=()):
     from trl import GRPOConfig, ModelConfig
 

@@ -3,6 +3,7 @@ per-process placement policy (one device, never all GPUs; HNSW stays on the CPU;
 
 import json
 import logging
+import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -241,6 +242,14 @@ def test_placement_puts_one_replica_on_this_ranks_gpu(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="refine_rl.placement"):
         assert placement.index_to_device(hnsw, "cuda:3") == (hnsw, "cpu")
     assert "cannot live on a GPU" in caplog.text and len(calls) == 1
+
+
+@pytest.mark.parametrize("device", ["cuda:abc", "cuda:", "cuda:-1", "cuda:0:1", "cuda:1.5", "cpufoo", "tpu"])
+def test_a_malformed_device_is_named(device):
+    with pytest.raises(
+        ValueError, match=f"device must be 'cpu', 'cuda', 'cuda:N' or 'auto', got '{re.escape(device)}'"
+    ):
+        placement.resolve_device(device)
 
 
 @pytest.mark.parametrize(

@@ -342,3 +342,14 @@ def test_write_gate_cards(tmp_path):
         (tmp_path / "hkb" / "README.md").read_text() == (tmp_path / "hkb" / "final" / "README.md").read_text() == text
     )
     assert "No held-out figures" in text
+
+
+def test_card_commands_keep_a_folder_with_a_space_as_one_argument():
+    import shlex
+
+    from rl.model_card import refine_command
+
+    folder = "/tmp/my exports/refiner"
+    assert shlex.split(vllm_serve_command(folder, "bfloat16", None))[2] == folder
+    assert shlex.split(refine_command(folder))[4] == folder
+    assert vllm_serve_command("$SERVE_DIR", "bfloat16", None).startswith("vllm serve $SERVE_DIR ")  # expands in a shell

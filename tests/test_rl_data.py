@@ -196,6 +196,26 @@ def test_question_dataset_leaves_out_bad_images_and_lists_them(tiny_world, tmp_p
     assert lines == [] and not (tmp_path / "q.bad_images.jsonl").exists()  # stopped before the bad ones; no file
 
 
+def test_an_image_the_processor_would_refuse_for_its_aspect_ratio_is_left_out(tiny_world, tmp_path):
+    """Qwen2.5-VL's processor refuses a long side over 200× the short one (transformers' smart_resize): such an
+    image (a banner, a strip) decodes fine, so it must be listed when the data loads, not crash the training step
+    that samples it."""
+    from PIL import Image
+
+    from rl.image_budget import MAX_ASPECT_RATIO
+
+    rows = [json.loads(x) for x in open(tiny_world / "test.jsonl")][:3]
+    for name, size in (("strip.png", (2010, 10)), ("wide.png", (2000, 10))):
+        Image.new("RGB", size, "white").save(tmp_path / name)
+    rows[1]["image"], rows[2]["image"] = str(tmp_path / "strip.png"), str(tmp_path / "wide.png")
+    ds = question_dataset(
+        write_rows(tmp_path / "q.jsonl", rows), images_root=tiny_world, prompt="toy", bad_images_dir=tmp_path / "run"
+    )
+    assert ds["id"] == [rows[0]["id"], rows[2]["id"]]  # 2000:10 is exactly 200:1, which the processor takes
+    (bad,) = [json.loads(x) for x in open(tmp_path / "run" / "q.bad_images.jsonl")]
+    assert bad["id"] == rows[1]["id"] and f"past {MAX_ASPECT_RATIO}:1" in bad["reason"]
+
+
 def test_an_image_past_pils_limit_reaches_the_policy_downscaled(tiny_world, tmp_path, monkeypatch):
     """datasets decodes an Image column with a plain PIL.Image.open, which refuses more than twice PIL's limit: such a
     question would pass every check and stop training at the step that samples it. It goes in downscaled, as the

@@ -110,6 +110,9 @@ def test_resume_continues_from_the_saved_step(config, tiny_refiner, tmp_path):
         (dict(index="/does/not/exist"), "--index"),
         (dict(train_file="/does/not/exist.jsonl"), "--train_file"),
         (dict(generation_kwargs={"top_k": 5}), "generation_kwargs .* the export"),  # not carried to the export
+        (dict(format_invalid_reward=float("nan")), "--format_invalid_reward must be a finite number"),
+        (dict(max_query_tokens=0), "--max_query_tokens must be positive"),  # every completion would be invalid
+        (dict(eval_limit=0), "--eval_limit must be positive"),  # 0 kept every question, -5 kept one
     ],
 )
 def test_bad_settings_fail_before_any_model_loads(config, monkeypatch, overrides, match):
@@ -461,3 +464,12 @@ def test_kept_eval_questions_are_each_scored_exactly_once_per_generation(questio
         for batch in prepare_data_loader(loader, num_processes=processes, process_index=rank, put_on_device=False):
             scored.update(batch)
     assert scored == Counter({q: generations for q in data})
+
+
+def test_an_eval_batch_smaller_than_one_questions_generations_is_named():
+    """Over 2 processes, 1 eval completion each holds less than one question's 4 generations: not one round is
+    filled, which divided by zero."""
+    from rl.arguments import whole_eval_rounds
+
+    with pytest.raises(ValueError, match=r"per_device_eval_batch_size \(1\) × processes \(2\) .* raise .* to 2"):
+        whole_eval_rounds(10, 1, 2, 4)
