@@ -341,6 +341,22 @@ def test_toy_kb_goes_through_the_store_unchanged(tmp_path, tiny_world):
     assert store_path_for(toy_world / "kb.jsonl").is_file()  # the toy world writes its store itself
 
 
+def test_store_keeps_each_entrys_own_section_index(tmp_path):
+    """Entries that carry their section index keep it, even two sections of equal text (4 and 7), and an entry
+    without one is numbered with the first index not taken (it collided with an explicit 1 and the store refused a
+    key the KB never repeated)."""
+    rows = [
+        dict(entry_id="a", entity_id="E", title="E", section_title="s", text="same", image="a.png", section=4),
+        dict(entry_id="b", entity_id="E", title="E", section_title="s", text="same", image="b.png", section=7),
+        dict(entry_id="c", entity_id="F", title="F", section_title="lead", text="x", image="c.png", section=1),
+        dict(entry_id="d", entity_id="F", title="F", section_title="more", text="y", image="d.png"),
+    ]
+    store_from_kb_rows(rows, tmp_path / "a.sqlite")
+    store = ArticleStore(tmp_path / "a.sqlite")
+    assert [store.entry(i)["section"] for i in "abcd"] == [4, 7, 1, 0]
+    assert store.entry("d")["text"] == "y" and store.entry("c")["text"] == "x"
+
+
 def test_store_refuses_interleaved_entities_and_leaves_nothing(tmp_path):
     rows = [
         dict(entry_id=f"e{i}", entity_id=ent, title=ent, section_title="s", text="t", image="x.png")

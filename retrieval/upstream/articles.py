@@ -165,8 +165,9 @@ class ArticleStore:
 
 def store_from_kb_rows(rows: Iterable[dict], out: str | Path) -> dict[str, int]:
     """A store from canonical KB entries (the toy world, or any KB JSONL without an upstream article file):
-    sections are the distinct (section_title, text) pairs of each entity, numbered in first-seen order, or the
-    entries' own ``section`` index when they carry one. Rows must be grouped by entity (converters write them so)."""
+    sections are the distinct (section_title, text) pairs of each entity, numbered in first-seen order (the first
+    index not taken), or the entries' own ``section`` index when they carry one (two sections of equal text keep
+    their own indices). Rows must be grouped by entity (converters write them so)."""
     with ArticleWriter(out) as w:
         current, title, sections, seen = None, "", [], {}
         done: set[str] = set()
@@ -183,11 +184,13 @@ def store_from_kb_rows(rows: Iterable[dict], out: str | Path) -> dict[str, int]:
                     raise ValueError(f"KB rows of entity {entity!r} are not contiguous; sort the KB by entity_id")
                 finish()
                 current, title, sections, seen = entity, e.get("title") or "", [], {}
-            key = (e.get("section_title") or "", e.get("text") or "")
+            own = int(e["section"]) if e.get("section") is not None else None
+            key = (own, e.get("section_title") or "", e.get("text") or "")  # an entry's own index is part of it
             if key not in seen:
-                idx = int(e["section"]) if e.get("section") is not None else len(seen)
+                used = set(seen.values())
+                idx = own if own is not None else next(i for i in range(len(seen) + 1) if i not in used)
                 seen[key] = idx
-                sections.append((idx, *key))
+                sections.append((idx, *key[1:]))
             w.add_entry(e["entry_id"], entity, seen[key], e.get("image"))
         finish()
     return dict(w.counts)
