@@ -50,6 +50,7 @@ from retrieval.encoder_names import check_image_encoder_name, check_text_encoder
 from retrieval.encoders import image_encoder, query_instruction_of, resolve_query_prompt, text_encoder
 from retrieval.faiss_build import check_factory
 from retrieval.index import MANIFEST_FILE
+from retrieval.kb import entry_text
 from retrieval.kb_scan import scan_kb
 from retrieval.ranking import check_k
 
@@ -183,6 +184,13 @@ def validate(args: BuildArgs) -> None:
         check_k(args.text_max_seq_length, "text_max_seq_length")
     if args.workers is not None and (not isinstance(args.workers, int) or args.workers < 0):
         raise ValueError(f"workers must be a non-negative integer, got {args.workers!r}")
+    try:  # the fields a KB entry fills (retrieval.kb.entry_text); a typo was a bare KeyError out of the KB scan
+        entry_text({}, args.text_template)
+    except (KeyError, IndexError, ValueError) as e:
+        raise ValueError(
+            f"--text_template {args.text_template!r}: it may use {{title}}, {{section_title}} and {{text}} "
+            f"({type(e).__name__}: {e})"
+        ) from None
     if args.image_processor and not args.image_encoder.startswith("hf:"):
         raise ValueError(f"--image_processor applies to hf: image encoders only, not {args.image_encoder!r}")
     if args.summaries:

@@ -95,6 +95,11 @@ def test_duplicate_entry_id_fails_before_encoding(tiny_world, tmp_path, monkeypa
         ("image_encoder", "no-such-clip", "unknown image encoder"),
         ("text_encoder", "nonsense", "unknown text encoder"),
         ("shard_size", 0, "shard_size"),
+        (
+            "text_template",
+            "{title}: {entity_id}",
+            r"--text_template .* may use \{title\}, \{section_title\} and \{text\}",
+        ),
     ],
 )
 def test_invalid_settings_fail_before_models_load(tiny_world, tmp_path, monkeypatch, field, value, match):
