@@ -21,9 +21,7 @@ from pathlib import Path
 
 from common.files import (
     append_jsonl,
-    completed_ids,
     jsonl_lines,
-    read_jsonl,
     repair_jsonl,
     write_json_atomic,
     write_jsonl_atomic,
@@ -94,13 +92,12 @@ class JobParts(Processes):
         self.redone = 0
         if self.rank == 0:
             self.merge(order)
-            completed_ids(self.out)  # a last line cut short by a crash is dropped before anyone reads the file
-            if redo is not None and self.out.exists():
-                records = list(read_jsonl(self.out))
+            records = repair_jsonl(self.out, key="id")  # a cut last line is dropped before anyone reads the file
+            if redo is not None:
                 kept = [r for r in records if not redo(r)]
-                if len(kept) < len(records):
+                self.redone = len(records) - len(kept)
+                if self.redone:
                     write_jsonl_atomic(self.out, kept)
-                    self.redone = len(records) - len(kept)
         self.barrier()  # everyone reads the merged output; no part is written before
         done = _ids(self.out)
         todo = [r for r in rows if str(r["id"]) not in done]

@@ -126,12 +126,11 @@ def pseudo_recall_at(hit_texts: list[list[str]], answers: list[list[str]], ks: l
 # --------------------------------------------------------------------------- data
 
 
-def load_questions(path: Path, fields: list[str], images_root: Path, index: MultimodalIndex | None):
-    """Keep the rows we can evaluate; return (rows, excluded, absent): excluded = {reason: count}, absent = how many
-    kept rows have a gold entity with no row in ``index``. Those stay in: such an entity is never retrieved, so they
-    count as misses in every R@K, as in the reference evaluation (EchoSight's ``eval_recall`` over every question),
-    rather than being left out of the denominator."""
-    rows, excluded, absent = [], {}, 0
+def load_questions(path: Path, fields: list[str], images_root: Path):
+    """Keep the rows we can evaluate; return (rows, excluded): excluded = {reason: count}. A row whose gold entity has
+    no index row stays in: such an entity is never retrieved, so it counts as a miss in every R@K, as in the reference
+    evaluation (EchoSight's ``eval_recall`` over every question), rather than being left out of the denominator."""
+    rows, excluded = [], {}
 
     def drop(reason):
         excluded[reason] = excluded.get(reason, 0) + 1
@@ -145,8 +144,7 @@ def load_questions(path: Path, fields: list[str], images_root: Path, index: Mult
             drop(f"empty or missing text field ({', '.join(fields)})")
         else:
             rows.append(rec)
-            absent += index is not None and not index.has_entity(str(rec.get("entity_id")))
-    return rows, excluded, absent
+    return rows, excluded
 
 
 def load_entry_texts(kb_path: Path, entry_ids: set[str]) -> dict[str, str]:
@@ -208,7 +206,7 @@ def run(args: EvalArgs, log=print) -> dict:
     out = Path(args.out or Path("outputs/eval") / queries.stem)
 
     index = MultimodalIndex.load(args.index, device=args.device)
-    rows, excluded, absent = load_questions(queries, fields, images_root, index)
+    rows, excluded = load_questions(queries, fields, images_root)
     for reason, count in excluded.items():
         log(f"excluded {count} question(s): {reason}")
     if not rows:
@@ -223,7 +221,7 @@ def run(args: EvalArgs, log=print) -> dict:
         rows = [r for i, r in enumerate(rows) if i not in unreadable]
         if not rows:
             raise ValueError(f"no question in {queries} has a readable image ({excluded})")
-        absent = sum(not index.has_entity(str(r.get("entity_id"))) for r in rows)  # of the questions still in
+    absent = sum(not index.has_entity(str(r.get("entity_id"))) for r in rows)  # of the questions still in
     if absent:
         log(f"{absent} of {len(rows)} question(s) have a gold entity with no row in the index: counted as misses")
     text_embs = {f: index.encode_texts([r[f] for r in rows]) for f in fields}

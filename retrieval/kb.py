@@ -125,8 +125,3 @@ def _load_large(path: Path):
             return im.convert("RGB"), None
     except Exception as e:
         return None, f"image unreadable: {path} ({type(e).__name__}: {e})"
-
-
-def image_problem(path: str | Path) -> str | None:
-    """Why the image at ``path`` cannot be used, or None when it decodes."""
-    return load_image(path)[1]

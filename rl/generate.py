@@ -113,6 +113,7 @@ def generate_vllm(
     from vllm import SamplingParams
 
     s = sampling_settings(sampling) if do_sample else {**NEUTRAL, "temperature": 0.0}
+    penalty = sampling_settings(sampling)["repetition_penalty"]  # kept when greedy, as generate_completions keeps it
     seeds = torch.randint(0, 2**31 - 1, (len(questions),)).tolist() if do_sample else [None] * len(questions)
     params = [
         SamplingParams(
@@ -121,7 +122,7 @@ def generate_vllm(
             top_p=s["top_p"],
             top_k=s["top_k"],
             min_p=s["min_p"] or 0.0,
-            repetition_penalty=sampling_settings(sampling)["repetition_penalty"],
+            repetition_penalty=penalty,
             seed=seed,
         )
         for seed in seeds

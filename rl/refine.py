@@ -150,7 +150,7 @@ def weights_fingerprint(folder: Path) -> str | None:
     files = sorted(f for f in folder.glob("*") if f.suffix in (".safetensors", ".bin", ".pt") and f.is_file())
     if not files:
         return None
-    stamp = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    stamp = [(f.name, st.st_size, st.st_mtime_ns) for f, st in ((f, f.stat()) for f in files)]
     return hashlib.blake2b(json.dumps(stamp).encode(), digest_size=12).hexdigest()
 
 

@@ -560,9 +560,9 @@ def test_svg_kb_images_become_png_or_are_listed(tmp_path, monkeypatch, case):
     rows = list(read_jsonl(tmp_path / "kb.jsonl"))
     if case["row"]:
         assert n == 1 and rows[0]["image"] == f"{url_hash(url)}{case['row']}"
-        from retrieval.kb import image_problem
+        from retrieval.kb import load_image
 
-        assert image_problem(imgs / rows[0]["image"]) is None  # what the build decodes
+        assert load_image(imgs / rows[0]["image"])[1] is None  # what the build decodes
     else:
         assert n == 0
         (failed,) = read_jsonl(imgs / "failed.jsonl")

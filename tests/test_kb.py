@@ -13,17 +13,17 @@ def test_check_images_names_the_missing_files(tmp_path):
     check_images(rows[:1], tmp_path, "q.jsonl")
 
 
-def test_image_problem_names_missing_and_corrupt_images(tmp_path):
+def test_load_image_names_missing_and_corrupt_images(tmp_path):
     from PIL import Image
 
-    from retrieval.kb import image_problem, load_image
+    from retrieval.kb import load_image
 
     Image.new("L", (4, 3)).save(tmp_path / "ok.png")
     (tmp_path / "bad.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
     image, reason = load_image(tmp_path / "ok.png")
     assert reason is None and image.mode == "RGB" and image.size == (4, 3)
-    assert image_problem(tmp_path / "gone.png") == f"image file missing: {tmp_path / 'gone.png'}"
-    assert image_problem(tmp_path / "bad.jpg").startswith(f"image unreadable: {tmp_path / 'bad.jpg'} (")
+    assert load_image(tmp_path / "gone.png")[1] == f"image file missing: {tmp_path / 'gone.png'}"
+    assert load_image(tmp_path / "bad.jpg")[1].startswith(f"image unreadable: {tmp_path / 'bad.jpg'} (")
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ from common.cli import require_file
 from common.files import append_jsonl, completed_ids, read_jsonl
 from common.job_parts import JobParts
 from common.placement import job_device
-from gate.pipeline.judges import judge_from_args
+from gate.pipeline.judges import judge_from_args, judge_settings
 from gate.variants import spec, user_text
 from retrieval import MultimodalIndex
 from retrieval.index import require_index
@@ -127,8 +127,7 @@ def stage_context(args, out: Path, log=print, generate=None, state=None) -> int:
         {
             "model": args.model,
             "max_new_tokens": args.max_new_tokens,
-            "judge": args.judge,
-            "judge_model": args.judge_model if args.judge == "llm" else None,
+            **judge_settings(args),
         }
     )
     batches = parts.start(rows, args.batch_size)

@@ -114,6 +114,11 @@ def judge_from_args(args):
     return make_judge(args.judge, **kwargs)
 
 
+def judge_settings(args) -> dict:
+    """The judge a stage's resume must match (``judge_from_args``'s choice; the URL may change, the model not)."""
+    return {"judge": args.judge, "judge_model": args.judge_model if args.judge == "llm" else None}
+
+
 def judge_all(records: list[dict], judge, cache: dict | None = None) -> list[list[float | None]]:
     """Scores for each record's ``samples``, judging each distinct (question id, answer) once — the answer as written,
     spaces collapsed: a judge reads it as written ("1.5 m" and "15 m" are different numbers, which

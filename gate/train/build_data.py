@@ -39,7 +39,7 @@ from common.job_parts import JobParts
 from common.placement import dist_timeout_field, job_device, process_state
 from gate.pipeline.consistency import stage_consistency
 from gate.pipeline.context import load_questions, stage_context, stage_retrieve, vlm_answerer
-from gate.pipeline.judges import judge_all, judge_from_args
+from gate.pipeline.judges import judge_all, judge_from_args, judge_settings
 from gate.train.answer_expansion import stage_expand
 from gate.train.labelling import LABEL_SOURCES, has_gold, stage_label, stage_render
 from rl.model import open_vlm_image
@@ -228,9 +228,7 @@ def stage_judge(args: BuildDataArgs, out: Path, log=print) -> int:
         raise ValueError(f"judge: {source} does not exist (run --stage sample first)")
     judge = judge_from_args(args)
     target = out / "judged.jsonl"
-    JobParts(target).same_settings(  # scores of another judge are not mixed in
-        {"judge": args.judge, "judge_model": args.judge_model if args.judge == "llm" else None}
-    )
+    JobParts(target).same_settings(judge_settings(args))  # scores of another judge are not mixed in
     done = completed_ids(target)
     todo = [r for r in read_jsonl(source) if str(r["id"]) not in done]
     cache: dict = {}

@@ -11,6 +11,7 @@ import zlib
 from pathlib import Path
 
 from common.files import read_jsonl, write_json_atomic, write_jsonl_atomic
+from common.job_parts import JobParts
 from gate.pipeline.context import section_text
 from gate.train.answer_expansion import EXPANDED_FILE, expanded_targets
 from gate.train.labels import (
@@ -165,7 +166,7 @@ def stage_label(args, out: Path, log=print) -> int:
             raise ValueError(
                 f"label mct: {cons_path} does not exist (run --stage consistency first, or set --mct_rule gold-entity)"
             )
-        recorded = cons_path.with_suffix(".settings.json")
+        recorded = JobParts(cons_path).settings_file
         made_with = json.loads(recorded.read_text()).get("mct_gamma") if recorded.is_file() else None
         if made_with is not None and made_with != args.mct_gamma:
             raise ValueError(
