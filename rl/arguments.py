@@ -171,18 +171,25 @@ def validate(args: RefinerArguments, training_args, model_args, num_processes: i
             "min_p, repetition_penalty and max_completion_length: set those instead, so the exported refiner "
             "samples as it was trained"
         )
-    per_step = training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps * num_processes
-    if per_step % training_args.num_generations:
+    per_device, accumulation = training_args.per_device_train_batch_size, training_args.gradient_accumulation_steps
+    generations, per_generation = training_args.num_generations, training_args.steps_per_generation or accumulation
+    per_step = per_device * accumulation * num_processes
+    generated = per_device * num_processes * per_generation  # TRL's generation_batch_size, whole groups only
+    if generated % generations:
         raise ValueError(
-            f"batch geometry: per_device_train_batch_size ({training_args.per_device_train_batch_size}) "
-            f"× gradient_accumulation_steps ({training_args.gradient_accumulation_steps}) × processes "
-            f"({num_processes}) = {per_step} completions per step is not a multiple of "
-            f"num_generations ({training_args.num_generations})"
+            f"batch geometry: per_device_train_batch_size ({per_device}) × processes ({num_processes}) × "
+            f"steps_per_generation ({per_generation}) = {generated} completions generated at a time is not a "
+            f"multiple of num_generations ({generations})"
         )
+    geometry = (
+        f"{per_step} completions per optimizer step ({num_processes} processes × {per_device} × {accumulation} "
+        "accumulation)"
+    )
+    if generated == per_step:
+        return f"batch geometry: {per_step // generations} prompts × {generations} generations = {geometry}"
     return (
-        f"batch geometry: {per_step // training_args.num_generations} prompts × {training_args.num_generations} "
-        f"generations = {per_step} completions per optimizer step ({num_processes} processes × "
-        f"{training_args.per_device_train_batch_size} × {training_args.gradient_accumulation_steps} accumulation)"
+        f"batch geometry: {geometry}; generated {generated // generations} prompts × {generations} generations = "
+        f"{generated} completions at a time (steps_per_generation {per_generation})"
     )
 
 
@@ -198,7 +205,7 @@ def whole_eval_rounds(questions: int, per_device_eval_batch_size: int, processes
         raise ValueError(
             f"per_device_eval_batch_size ({per_device_eval_batch_size}) × processes ({processes}) holds fewer than "
             f"one question's num_generations ({generations}): raise per_device_eval_batch_size to "
-            f"{-(-generations // processes)}"
+            f"{generations // math.gcd(generations, processes)}"
         )
     return questions // per_round * per_round
 

@@ -17,6 +17,7 @@ The read holds a second copy of the weights in CPU memory for the moment of the 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 log = logging.getLogger("refine_rl.checkpoints")
 
@@ -52,3 +53,12 @@ def use_converting_loads(trainer) -> bool:
     trainer._load_from_checkpoint = load_from_checkpoint
     trainer._load_best_model = load_best_model
     return True
+
+
+def best_weights_step(state, load_best_model_at_end: bool) -> int | None:
+    """The step of the checkpoint the Trainer loaded at the end (``state.best_model_checkpoint``), or None when it
+    loaded none and the weights are the last step's. Not ``state.best_global_step``: the Trainer moves that to every
+    evaluation that improves the metric, also one at a step with no checkpoint (``save_steps`` a multiple of
+    ``eval_steps``), whose weights it then cannot load."""
+    folder = state.best_model_checkpoint if load_best_model_at_end else None
+    return int(Path(folder).name.rsplit("-", 1)[1]) if folder else None

@@ -8,10 +8,12 @@ stored in ``<queries>.image-embeddings/<encoder>/`` and the trainer fills the re
 train and eval image has one, it never builds the image encoder (for the paper's EVA-CLIP-8B, ~15 GB of fp16 weights
 per training GPU). ``python -m rl.data`` writes the store for the questions it samples.
 
-Store folder (written whole at the end of the job, ``manifest.json`` last):
-    embeddings.npy   float32 (n, dim), the image encoder's L2-normalised output, row i ↔ images[i]
-    images.json      each image as the question file names it (its ``image`` field, relative to the images root)
-    manifest.json    image encoder and image processor (the index's), dim, count, unreadable images
+Store folder (written whole at the end of the job; each write puts new data files beside the old ones, then replaces
+``manifest.json``, which names them, so a crash leaves the old store or the new one, never a mix):
+    embeddings-<id>.npy   float32 (n, dim), the image encoder's L2-normalised output, row i ↔ images[i]
+    images-<id>.json      each image as the question file names it (its ``image`` field, relative to the images root)
+    manifest.json         image encoder and image processor (the index's), dim, count, the two files' names, the
+                          unreadable images (not tried again unless ``--retry_unreadable``)
 The folder is named after the encoder and its image processor, so a file can hold stores for several encoders; a
 store is used only for an index built with the same ones.
 """
@@ -22,6 +24,7 @@ import base64
 import hashlib
 import json
 import re
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,13 +32,13 @@ import numpy as np
 from tqdm import tqdm
 
 from common.cli import parse, require_file
-from common.files import read_jsonl, write_json_atomic, write_text_atomic
+from common.files import atomic_path, read_jsonl, write_json_atomic, write_text_atomic
 from common.job_parts import JobParts
 from common.placement import decode_workers, dist_timeout_field, job_device, process_state
 from retrieval.index import MultimodalIndex, require_index
 from rewards.retrieval import image_keys
 
-EMBEDDINGS_FILE = "embeddings.npy"
+EMBEDDINGS_FILE = "embeddings.npy"  # the data files' names in a manifest that names none (stores written before)
 IMAGES_FILE = "images.json"
 MANIFEST_FILE = "manifest.json"
 WORK_FILE = "work.jsonl"  # the resumable job's records (base64 float32), removed once the store is written
@@ -60,50 +63,59 @@ def store_dir(queries: str | Path, manifest: dict) -> Path:
     return queries.with_name(f"{queries.name}.image-embeddings") / f"{slug}-{digest}"
 
 
-def load_store(queries: str | Path, manifest: dict) -> dict[str, np.ndarray]:
-    """{image (as the question file names it): embedding} from the store for this index's encoder; {} when none."""
+def store_manifest(queries: str | Path, manifest: dict) -> dict | None:
+    """The store's own manifest for this index's encoder (None when there is no store); refuses another encoder's."""
     folder = store_dir(queries, manifest)
-    if not (folder / MANIFEST_FILE).exists():
-        return {}
-    meta = json.loads((folder / MANIFEST_FILE).read_text())
+    try:
+        meta = json.loads((folder / MANIFEST_FILE).read_text())
+    except FileNotFoundError:
+        return None
     if {k: meta.get(k) for k in encoder_identity(manifest)} != encoder_identity(manifest):
         raise ValueError(
             f"{folder}: embeddings of {meta.get('image_encoder')!r} / {meta.get('image_processor')!r}, "
             f"but the index uses {manifest['image_encoder']!r} / {manifest.get('image_processor')!r}"
         )
-    images = json.loads((folder / IMAGES_FILE).read_text())
-    emb = np.load(folder / EMBEDDINGS_FILE, allow_pickle=False)
-    if emb.shape != (len(images), int(manifest["image_dim"])):
+    return meta
+
+
+def load_store(queries: str | Path, manifest: dict, meta: dict | None = None) -> dict[str, np.ndarray]:
+    """{image (as the question file names it): embedding} from the store for this index's encoder; {} when none.
+    ``meta``: the store's manifest, when already read (``store_manifest``)."""
+    folder = store_dir(queries, manifest)
+    meta = meta or store_manifest(queries, manifest)
+    if meta is None:
+        return {}
+    images = json.loads((folder / meta.get("images_file", IMAGES_FILE)).read_text())
+    emb = np.load(folder / meta.get("embeddings_file", EMBEDDINGS_FILE), allow_pickle=False)
+    if emb.shape != (len(images), int(manifest["image_dim"])) or meta.get("count", len(images)) != len(images):
         raise ValueError(
-            f"{folder}: {EMBEDDINGS_FILE} has shape {emb.shape}, expected ({len(images)}, "
-            f"{manifest['image_dim']}) for {IMAGES_FILE} and the index; delete the folder and re-embed"
+            f"{folder}: its embeddings have shape {emb.shape}, expected ({meta.get('count')}, "
+            f"{manifest['image_dim']}) for its manifest and the index; delete the folder and re-embed"
         )
     return dict(zip(images, emb))
 
 
 def write_store(folder: Path, vectors: dict[str, np.ndarray], unreadable: dict[str, str], manifest: dict) -> None:
+    """The new data files beside the old ones, then the manifest that names them (atomically), then the old files
+    removed: a crash at any point leaves a whole store, the old or the new."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / MANIFEST_FILE).unlink(missing_ok=True)  # the store is incomplete until the manifest is back
     images = sorted(vectors)
-    tmp = folder / f".{EMBEDDINGS_FILE}.tmp.npy"
-    np.save(
-        tmp,
-        np.stack([vectors[i] for i in images]).astype(np.float32)
-        if images
-        else np.zeros((0, int(manifest["image_dim"])), np.float32),
-        allow_pickle=False,
-    )
-    tmp.replace(folder / EMBEDDINGS_FILE)
-    write_text_atomic(folder / IMAGES_FILE, json.dumps(images))
-    write_json_atomic(
-        folder / MANIFEST_FILE,
-        {
-            **encoder_identity(manifest),
-            "dim": int(manifest["image_dim"]),
-            "count": len(images),
-            "unreadable": unreadable,
-        },
-    )
+    tag = uuid.uuid4().hex[:12]
+    files = {"embeddings_file": f"embeddings-{tag}.npy", "images_file": f"images-{tag}.json"}
+    with atomic_path(folder / files["embeddings_file"]) as tmp, open(tmp, "wb") as f:
+        np.save(
+            f,
+            np.stack([vectors[i] for i in images]).astype(np.float32)
+            if images
+            else np.zeros((0, int(manifest["image_dim"])), np.float32),
+            allow_pickle=False,
+        )
+    write_text_atomic(folder / files["images_file"], json.dumps(images))
+    meta = {**encoder_identity(manifest), "dim": int(manifest["image_dim"]), "count": len(images), **files}
+    write_json_atomic(folder / MANIFEST_FILE, {**meta, "unreadable": unreadable})
+    for old in [*folder.glob("embeddings*.npy"), *folder.glob("images*.json")]:
+        if old.name not in files.values():
+            old.unlink(missing_ok=True)
 
 
 def encoded(vector: np.ndarray) -> str:
@@ -123,20 +135,28 @@ def embed_images(
     batch_size: int = 256,
     workers: int = 0,
     log=print,
+    retry_unreadable: bool = False,
 ) -> Path:
     """Embed ``images`` (paths relative to ``root``) into the store beside ``queries`` for ``index``'s image encoder:
     what the store already holds is kept, the rest is split over the processes of ``state`` in batches (resumable:
-    an interrupted job goes on from its work file), and process 0 writes the store whole. Returns the folder."""
+    an interrupted job goes on from its work file, trying its failures again), and process 0 writes the store whole.
+    Images the store lists as unreadable are not tried again unless ``retry_unreadable``. Returns the folder."""
     folder = store_dir(queries, index.manifest)
-    have = load_store(queries, index.manifest)
+    meta = store_manifest(queries, index.manifest) or {}
+    have = load_store(queries, index.manifest, meta) if meta else {}
+    listed = dict(meta.get("unreadable", {}))  # an earlier run's unreadable images
     wanted = list(dict.fromkeys(str(i) for i in images))
-    todo = [{"id": i} for i in wanted if i not in have]
+    todo = [{"id": i} for i in wanted if i not in have and (retry_unreadable or i not in listed)]
     if not todo:
-        log(f"question-image embeddings: all {len(wanted)} images already in {folder}")
+        skipped = sum(i in listed for i in wanted)
+        log(
+            f"question-image embeddings: all {len(wanted) - skipped} readable images already in {folder}"
+            + (f"; {skipped} listed unreadable there, not tried again (--retry_unreadable)" if skipped else "")
+        )
         return folder
     folder.mkdir(parents=True, exist_ok=True)
     parts = JobParts(folder / WORK_FILE, state)
-    batches = parts.start(todo, batch_size)
+    batches = parts.start(todo, batch_size, redo=lambda rec: "problem" in rec)  # an interrupted run's failures: again
     log(f"question-image embeddings ({index.manifest['image_encoder']}), {parts.status}")
     with tqdm(total=parts.mine, desc="embedding question images", unit="img", disable=not parts.mine) as bar:
         for batch in batches:
@@ -152,10 +172,11 @@ def embed_images(
             )
             bar.update(len(batch))
     if parts.finish(todo):
-        vectors, unreadable = dict(have), {}
+        vectors, unreadable = dict(have), {k: v for k, v in listed.items() if k not in have}
         for rec in read_jsonl(parts.out):
             if "embedding" in rec:
                 vectors[rec["id"]] = decoded(rec["embedding"])
+                unreadable.pop(rec["id"], None)
             else:
                 unreadable[rec["id"]] = rec["problem"]
         write_store(folder, vectors, unreadable, index.manifest)
@@ -202,6 +223,9 @@ class EmbedArgs:
         metadata={"help": "DataLoader processes decoding images (default: usable cores ÷ processes on this node)"},
     )
     device: str = field(default=None, metadata={"help": "cuda / cuda:N / cpu (default: this process's own)"})
+    retry_unreadable: bool = field(
+        default=False, metadata={"help": "try again the images an earlier run listed as unreadable in the manifest"}
+    )
     dist_timeout_minutes: int = dist_timeout_field()
 
 
@@ -210,7 +234,8 @@ def main(argv=None) -> None:
     require_file(args.queries, "queries")
     require_index(args.index)
     state = process_state(args.device, args.dist_timeout_minutes)
-    index = MultimodalIndex.load(args.index, device=job_device(args.device, state))
+    # the image encoder on this process's device; the FAISS index itself is never searched here: memory-mapped
+    index = MultimodalIndex.load(args.index, device=job_device(args.device, state), search_device="cpu")
     rows = list(read_jsonl(args.queries))
     embed_images(
         args.queries,
@@ -220,6 +245,7 @@ def main(argv=None) -> None:
         state,
         args.batch_size,
         decode_workers(args.workers),
+        retry_unreadable=args.retry_unreadable,
     )
 
 

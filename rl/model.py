@@ -61,11 +61,16 @@ ZERO3_DTYPES = {"bf16": "bfloat16", "fp16": "float16", None: "float32"}  # DeepS
 
 
 def master_dtype(
-    requested: str | None, use_peft: bool, zero_stage: int | None, mixed_precision: str | None = None
+    requested: str | None,
+    use_peft: bool,
+    zero_stage: int | None,
+    mixed_precision: str | None = None,
+    device: str = "cpu",
 ) -> tuple[str | None, str]:
     """The dtype to load trainable weights in, and what the run's precision is, in one line.
 
-    ``zero_stage``: DeepSpeed's ZeRO stage (0–3), None without DeepSpeed; ``mixed_precision``: "bf16", "fp16" or None.
+    ``zero_stage``: DeepSpeed's ZeRO stage (0–3), None without DeepSpeed; ``mixed_precision``: "bf16", "fp16" or None;
+    ``device``: where the weights load (``auto`` / None is bf16 on a GPU, common.placement.resolve_dtype).
     - Full fine-tuning with 16-bit weights and no fp32 master copy cannot move them at the paper's lr 1e-6 (bf16 keeps
       8 significant bits: an update 1e-6 × a weight of 0.02 rounds away): weights then load in fp32 and the forward
       runs under 16-bit autocast. Under DeepSpeed with mixed precision, DeepSpeed keeps the fp32 master copies.
@@ -88,10 +93,14 @@ def master_dtype(
                 f"autocast_adapter_dtype=False under ZeRO-3){masters}"
             )
         return dtype, f"weights in {dtype} ({why}){masters}"
-    if requested in ("bfloat16", "bf16", "float16", "fp16") and not use_peft and not ds_masters:
+    sixteen_bit = requested in ("bfloat16", "bf16", "float16", "fp16") or (
+        requested in (None, "auto") and str(device).startswith("cuda")
+    )
+    if sixteen_bit and not use_peft and not ds_masters:
         where = "outside DeepSpeed" if ds is None else f"under {ds} without mixed precision"
+        asked = requested if requested not in (None, "auto") else "auto (bfloat16 on a GPU)"
         return "float32", (
-            f"full fine-tuning {where}: fp32 master weights (dtype {requested} asked for; 16-bit "
+            f"full fine-tuning {where}: fp32 master weights (dtype {asked} asked for; 16-bit "
             "weights would not take lr-1e-6 updates), 16-bit compute through autocast"
         )
     name = requested or "auto"
@@ -216,19 +225,30 @@ GB = 1e9
 
 
 def ddp_full_finetune_bytes(
-    total: int, trained: int, vllm_bytes: float = 0.0, index_bytes: float = 0.0, encoder_bytes: float = 0.0
+    total: int,
+    trained: int,
+    vllm_bytes: float = 0.0,
+    index_bytes: float = 0.0,
+    encoder_bytes: float = 0.0,
+    processes: int = 2,
+    vllm_sleeps: bool = False,
 ) -> dict[str, float]:
     """Bytes one GPU holds for full fine-tuning without DeepSpeed (every rank a whole replica, fp32 masters), by item;
-    activations are not counted, so the sum is a lower bound. ``total`` / ``trained``: parameter counts."""
-    return {
+    activations are not counted, so the sum is a lower bound. ``total`` / ``trained``: parameter counts. DDP's
+    gradient buckets only with more than one process; a colocated vLLM that sleeps while the policy trains (TRL's
+    ``vllm_enable_sleep_mode``, level 2) shares the memory the gradients take then: only its excess is counted."""
+    gradients = 4.0 * trained
+    parts = {
         "weights, fp32": 4.0 * total,
-        "gradients, fp32": 4.0 * trained,
-        "DDP's gradient buckets (a second copy)": 4.0 * trained,
+        "gradients, fp32": gradients,
+        "DDP's gradient buckets (a second copy)": gradients if processes > 1 else 0.0,
         "Adam m and v, fp32": 8.0 * trained,
-        "colocated vLLM": float(vllm_bytes),
-        "index replica": float(index_bytes),
-        "reward encoders": float(encoder_bytes),
     }
+    if vllm_sleeps:
+        parts["colocated vLLM, beyond the gradients (asleep while they exist)"] = max(0.0, vllm_bytes - gradients)
+    else:
+        parts["colocated vLLM"] = float(vllm_bytes)
+    return parts | {"index replica": float(index_bytes), "reward encoders": float(encoder_bytes)}
 
 
 def check_fits(parts: dict[str, float], device_bytes: float, what: str) -> float:

@@ -24,6 +24,7 @@ from common.files import write_json_atomic
 from common.placement import Processes, configure_threads
 from retrieval.index import MultimodalIndex
 from rl.arguments import parse_arguments, validate, validate_files
+from rl.checkpoints import best_weights_step
 from rl.data import question_dataset, warn_absent_entities
 from rl.model import lora_config, quiet_checkpointing_deprecation
 from rl.model_card import write_run_cards
@@ -33,6 +34,7 @@ from rl.trainer_parts import (
     announce_rank,
     build_rewards,
     check_full_finetune_fits,
+    check_train_fills_a_generation,
     load_policy,
     ready_trainer,
     whole_round_eval,
@@ -58,19 +60,21 @@ def main(argv=None) -> dict:
         world.prepare(args, world_args, model_args, training_args, procs) if world else model_args.model_name_or_path
     )
     validate_files(args)
-    model, processor, budget = load_policy(model_path, args, training_args, model_args, state, load_dtype, say)
-    if state.is_main_process:
-        write_run_record(output_dir, args, training_args, model_path, budget, precision)
 
-    # data
+    # data, before any model loads: the questions whose images are readable, in whole batches
     bad_images = output_dir if state.is_main_process else None
     train_data = question_dataset(args.train_file, args.images_root, args.prompt, bad_images_dir=bad_images)
+    check_train_fills_a_generation(train_data, training_args)
     eval_data = (
         question_dataset(args.eval_file, args.images_root, args.prompt, args.eval_limit, bad_images_dir=bad_images)
         if args.eval_file
         else None
     )
     eval_data = whole_round_eval(eval_data, training_args, state.num_processes, say)
+
+    model, processor, budget = load_policy(model_path, args, training_args, model_args, state, load_dtype, say)
+    if state.is_main_process:
+        write_run_record(output_dir, args, training_args, model_path, budget, precision)
 
     # rewards: one replica of the index per process, exact ranks on this rank's device, FAISS top-k on the CPU
     index = MultimodalIndex.load(args.index, device=str(state.device), search_device="cpu")
@@ -92,12 +96,12 @@ def main(argv=None) -> dict:
         callbacks=[monitor],
     )
     ready_trainer(trainer, model, processor, retrieval, model_path, budget, args, training_args, say)
-    check_full_finetune_fits(model, index, encoders, training_args, model_args, state.device, say)
+    check_full_finetune_fits(model, index, encoders, training_args, model_args, state.device, state.num_processes, say)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(str(output_dir / "final"))  # gathers ZeRO-3 shards (zero3_save_16bit_model) on rank 0
     if state.is_main_process:
         processor.save_pretrained(str(output_dir / "final"))
-        best = trainer.state.best_global_step if training_args.load_best_model_at_end else None
+        best = best_weights_step(trainer.state, training_args.load_best_model_at_end)
         write_json_atomic(  # the step of final's weights and the run's log, which rl.export reads
             output_dir / "final" / "trainer_state.json",
             {**dataclasses.asdict(trainer.state), "global_step": best or trainer.state.global_step},

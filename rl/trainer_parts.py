@@ -41,7 +41,7 @@ def announce_rank(state, training_args, model_args, threads: int) -> tuple[str, 
     weights' precision)."""
     stage = zero_stage(training_args)
     mixed = "bf16" if training_args.bf16 else "fp16" if training_args.fp16 else None
-    load_dtype, precision = master_dtype(model_args.dtype, model_args.use_peft, stage, mixed)
+    load_dtype, precision = master_dtype(model_args.dtype, model_args.use_peft, stage, mixed, str(state.device))
     kind = f"DeepSpeed ZeRO-{stage} over {state.backend}" if stage is not None else state.distributed_type
     print(
         f"rank {state.process_index}/{state.num_processes} on {state.device} ({kind}, {threads} CPU threads); "
@@ -171,6 +171,9 @@ def whole_round_eval(eval_data, training_args, processes: int, say):
     left out; an error naming the settings when not one round is filled."""
     if eval_data is None:
         return None
+    if training_args.eval_strategy == "no":
+        say(f"eval_file: {len(eval_data)} questions, never evaluated (eval_strategy no)")
+        return eval_data
     generations = training_args.num_generations_eval or training_args.num_generations
     per_device = training_args.per_device_eval_batch_size
     kept = whole_eval_rounds(len(eval_data), per_device, processes, generations)
@@ -189,7 +192,20 @@ def whole_round_eval(eval_data, training_args, processes: int, say):
     return eval_data
 
 
-def check_full_finetune_fits(model, index, encoders, training_args, model_args, device, say) -> None:
+def check_train_fills_a_generation(train_data, training_args) -> None:
+    """Refuse a train set smaller than one generation batch's prompts: TRL's sampler yields whole batches only
+    (``RepeatSampler``), so the run would train nothing and save the untouched model as ``final``."""
+    prompts = training_args.generation_batch_size // training_args.num_generations
+    if len(train_data) < prompts:
+        raise ValueError(
+            f"train_file: {len(train_data)} usable questions, fewer than the {prompts} prompts of one generation "
+            f"batch (generation_batch_size {training_args.generation_batch_size} ÷ num_generations "
+            f"{training_args.num_generations}): TRL would train no step; give more questions or fewer completions "
+            "per step"
+        )
+
+
+def check_full_finetune_fits(model, index, encoders, training_args, model_args, device, processes, say) -> None:
     """Full fine-tuning on a GPU without DeepSpeed (configs/accelerate/ddp.yaml): refused, itemised, when the
     weights, gradients, DDP buckets, Adam state, vLLM's share, the exact ranker and the encoders exceed the GPU."""
     if device.type != "cuda" or zero_stage(training_args) is not None or model_args.use_peft:
@@ -205,6 +221,8 @@ def check_full_finetune_fits(model, index, encoders, training_args, model_args, 
             training_args.vllm_gpu_memory_utilization * total if colocated else 0.0,
             index.exact.nbytes if index.uses_exact_ranks else 0.0,
             sum(p.numel() * p.element_size() for e in encoders for p in e.model.parameters()),
+            processes,
+            colocated and training_args.vllm_enable_sleep_mode,
         ),
         total,
         "full fine-tuning without DeepSpeed",

@@ -66,6 +66,71 @@ def test_stored_embeddings_are_the_encoders_and_an_interrupted_job_resumes(tiny_
     manifest = json.loads((folder / "manifest.json").read_text())
     assert manifest["count"] == 10 and list(manifest["unreadable"]) == [str(tmp_path / "broken.png")]
     assert set(load_store(queries, index.manifest)) == set(images)  # the ten kept, the broken one listed
+    interrupt_after(index, monkeypatch, 0)  # listed unreadable: not tried again (no encoder built for it)
+    embed_images(queries, [*images, str(tmp_path / "broken.png")], tiny_world, index, **QUIET)
+    shutil.copy(tiny_world / images[0], tmp_path / "broken.png")  # mended
+    seen = interrupt_after(index, monkeypatch, 99)
+    embed_images(queries, [*images, str(tmp_path / "broken.png")], tiny_world, index, retry_unreadable=True, **QUIET)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert seen == [1] and manifest["count"] == 11 and manifest["unreadable"] == {}
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        ["manifest.json", manifest["embeddings_file"], manifest["images_file"]]  # the earlier stores' files gone
+    )
+
+
+def test_a_crash_while_the_store_is_rewritten_leaves_the_old_store_whole(tiny_world, index, tmp_path, monkeypatch):
+    import rl.image_embeddings as ie
+
+    rows = list(read_jsonl(tiny_world / "train.jsonl"))[:6]
+    images = [r["image"] for r in rows]
+    queries = tmp_path / "q.jsonl"
+    write_jsonl_atomic(queries, rows)
+    embed_images(queries, images[:5], tiny_world, index, **QUIET)
+    before = load_store(queries, index.manifest)
+
+    def killed(path, *a, **k):
+        raise Interrupted  # after the new data files, before the manifest that names them
+
+    monkeypatch.setattr(ie, "write_json_atomic", killed)
+    with pytest.raises(Interrupted):
+        embed_images(queries, images, tiny_world, index, **QUIET)
+    monkeypatch.undo()
+    after = load_store(queries, index.manifest)
+    assert set(after) == set(images[:5]) and all(np.array_equal(before[i], after[i]) for i in before)
+    seen = interrupt_after(index, monkeypatch, 99)
+    embed_images(queries, images, tiny_world, index, **QUIET)
+    assert seen == [] and set(load_store(queries, index.manifest)) == set(images)  # the new image from the work file
+
+
+def test_the_job_loads_the_index_for_its_image_encoder_only(tiny_world, tiny_index_dir, index, tmp_path, monkeypatch):
+    """``python -m rl.image_embeddings`` never searches: the FAISS index stays memory-mapped on the CPU (no fp16
+    replica beside the image encoder on each GPU), whatever device the encoder runs on."""
+    import retrieval.index as ri
+    from rl.image_embeddings import main
+
+    rows = list(read_jsonl(tiny_world / "train.jsonl"))[:2]
+    write_jsonl_atomic(tmp_path / "q.jsonl", rows)
+    loads = []
+    monkeypatch.setattr(ri.MultimodalIndex, "load", lambda *a, **k: loads.append(k) or index)
+    main(["--queries", str(tmp_path / "q.jsonl"), "--index", str(tiny_index_dir), "--images_root", str(tiny_world)])
+    assert [k.get("search_device") for k in loads] == ["cpu"]
+    assert set(load_store(tmp_path / "q.jsonl", index.manifest)) == {r["image"] for r in rows}
+
+
+def test_a_resumed_job_tries_again_what_the_interrupted_one_could_not_read(tiny_world, index, tmp_path, monkeypatch):
+    rows = list(read_jsonl(tiny_world / "train.jsonl"))[:2]
+    late = str(tmp_path / "late.png")  # not there yet when the first run reaches it
+    images = [late, *(r["image"] for r in rows)]
+    queries = tmp_path / "q.jsonl"
+    write_jsonl_atomic(queries, rows)
+    seen = interrupt_after(index, monkeypatch, 1)
+    with pytest.raises(Interrupted):
+        embed_images(queries, images, tiny_world, index, batch_size=1, **QUIET)
+    shutil.copy(tiny_world / rows[0]["image"], late)
+    seen = interrupt_after(index, monkeypatch, 99)
+    folder = embed_images(queries, images, tiny_world, index, batch_size=1, **QUIET)
+    assert seen == [1, 1, 1] and set(load_store(queries, index.manifest)) == set(images)
+    assert json.loads((folder / "manifest.json").read_text())["unreadable"] == {}
 
 
 def test_a_store_of_another_encoder_is_refused(tiny_world, index, tmp_path):

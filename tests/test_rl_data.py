@@ -322,8 +322,29 @@ def test_paper_configs_parse_and_match_the_paper(name, alpha):
     assert args.alpha == alpha and training.num_generations == 5 and training.temperature == 0.7
     assert training.learning_rate == 1e-6 and training.max_steps == 600 and args.freeze_vision_tower
     assert model.model_name_or_path == "Qwen/Qwen2.5-VL-3B-Instruct"
-    validate(args, training, model, num_processes=8)  # 20 × 1 × 8 = 160 = 32 prompts × 5
+    assert "32 prompts × 5 generations = 160 completions per optimizer step" in validate(
+        args, training, model, num_processes=8
+    )  # 20 × 1 × 8 = 160 = 32 prompts × 5
     assert training.per_device_train_batch_size * 8 // training.num_generations == 32
+
+
+def test_a_generation_batch_of_several_steps_is_whole_groups_not_whole_steps():
+    """TRL asks whole prompt groups of its generation batch (per device × processes × steps_per_generation), not of
+    each optimizer step: 2 per device on 8 processes is 16 completions a step, generated 80 at a time."""
+    from trl import GRPOConfig, ModelConfig
+
+    from common.cli import parse
+    from rl.arguments import RefinerArguments, validate
+
+    flags = ["--use_cpu", "true", "--bf16", "false", "--per_device_train_batch_size", "2"]
+    flags += ["--steps_per_generation", "5"]
+    args, training, model = parse(
+        (RefinerArguments, GRPOConfig, ModelConfig), ["--config", str(CONFIGS / "grpo" / "evqa.yaml"), *flags]
+    )
+    assert validate(args, training, model, num_processes=8) == (
+        "batch geometry: 16 completions per optimizer step (8 processes × 2 × 1 accumulation); generated 16 prompts "
+        "× 5 generations = 80 completions at a time (steps_per_generation 5)"
+    )
 
 
 def test_held_out_questions_are_never_in_the_rl_sample(tiny_world, tiny_index_dir, tmp_path, shared_encoders):

@@ -10,6 +10,7 @@ import yaml
 from safetensors.torch import load_file
 
 import rl.train_grpo as tg
+from common.files import read_jsonl, write_jsonl_atomic
 from common.model_card import format_value
 
 
@@ -159,13 +160,60 @@ def test_held_out_eval_selects_the_best_checkpoint(config, tiny_world, tiny_refi
     final = weights(tmp_path / "run" / "final")
     assert all(torch.equal(final[k], v) for k, v in weights(best).items())
     card = (tmp_path / "run" / "final" / "README.md").read_text()
-    assert f"Training step: {state['best_global_step']}" in card
+    step = int(best.name.rsplit("-", 1)[1])
+    assert f"Training step: {step}" in card
+    assert json.loads((tmp_path / "run" / "final" / "trainer_state.json").read_text())["global_step"] == step
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert metrics["eval_reward_seconds"] > 0 and 0 < metrics["reward_time_share"] < 1  # evaluation counted apart
     # our card, over the one TRL wrote into the output dir at each checkpoint, with the last held-out figures
     card = our_card(tmp_path / "run", tiny_refiner)
     assert card == our_card(tmp_path / "run" / "final", tiny_refiner)
     assert f"| retrieval/hit@1 | {format_value(evals[-1]['eval_retrieval/hit@1'])} |" in card
+
+
+@pytest.mark.parametrize(
+    "hits,expected",
+    [
+        ({50: 0.9, 100: 0.5, 150: 0.6, 200: 0.4}, None),  # best at 50, never saved: the last step's weights
+        ({50: 0.1, 100: 0.5, 150: 0.6, 200: 0.4}, 100),  # best at 150, never saved: checkpoint-100 is loaded
+        ({50: 0.1, 100: 0.5, 150: 0.2, 200: 0.7}, 200),
+    ],
+)
+def test_the_step_of_finals_weights_is_the_checkpoint_the_trainer_loads(hits, expected, tmp_path):
+    """transformers' own best-model bookkeeping, evaluating every 50 steps and saving every 100 (allowed with
+    load_best_model_at_end): ``best_global_step`` follows the best evaluation, saved or not; the weights come from
+    ``best_model_checkpoint``, and the step train_grpo records for final/ is that checkpoint's."""
+    from transformers import Trainer, TrainingArguments
+
+    from rl.checkpoints import best_weights_step
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        eval_strategy="steps",
+        eval_steps=50,
+        save_strategy="steps",
+        save_steps=100,
+        load_best_model_at_end=True,
+        metric_for_best_model="retrieval/hit@1",
+        use_cpu=True,
+        report_to=[],
+        max_steps=200,
+    )
+    trainer = Trainer(model=Tiny(), args=args, eval_dataset=[{}])
+    trainer.create_optimizer_and_scheduler(num_training_steps=200)
+    for step, hit in hits.items():
+        trainer.state.global_step = step
+        trainer._determine_best_metric({"eval_retrieval/hit@1": hit}, None)
+        if step % 100 == 0:
+            trainer._save_checkpoint(trainer.model, None)
+    assert best_weights_step(trainer.state, True) == expected and best_weights_step(trainer.state, False) is None
+    loaded = trainer.state.best_model_checkpoint  # what Trainer._load_best_model reads, when set
+    assert (Path(loaded).name if loaded else None) == (f"checkpoint-{expected}" if expected else None)
 
 
 @pytest.mark.parametrize(
@@ -223,12 +271,30 @@ def test_held_out_eval_selects_the_best_checkpoint(config, tiny_world, tiny_refi
         ("float32", False, 2, None, "float32", "weights in float32; DeepSpeed ZeRO-2"),
         ("float32", False, None, None, "float32", "as configured"),
         (None, False, None, None, None, "weights in auto"),
+        ("auto", False, None, None, "auto", "weights in auto"),
     ],
 )
 def test_master_weights_dtype(requested, peft, stage, mixed, loaded, said):
     from rl.model import master_dtype
 
     dtype, why = master_dtype(requested, peft, stage, mixed)
+    assert dtype == loaded and said in why, why
+
+
+@pytest.mark.parametrize(
+    "requested,peft,stage,mixed,loaded,said",
+    [  # on a GPU, auto is bf16 (common.placement.resolve_dtype): the same rules as bfloat16 asked for
+        ("auto", False, None, "bf16", "float32", "fp32 master weights (dtype auto (bfloat16 on a GPU) asked for"),
+        (None, False, 2, None, "float32", "under DeepSpeed ZeRO-2 without mixed precision: fp32 master weights"),
+        ("auto", False, 2, "bf16", "auto", "DeepSpeed ZeRO-2 keeps fp32 master copies"),
+        ("auto", True, None, "bf16", "auto", "LoRA adapters in float32"),
+        ("float32", False, None, "bf16", "float32", "as configured"),
+    ],
+)
+def test_master_weights_dtype_on_a_gpu(requested, peft, stage, mixed, loaded, said):
+    from rl.model import master_dtype
+
+    dtype, why = master_dtype(requested, peft, stage, mixed, device="cuda:0")
     assert dtype == loaded and said in why, why
 
 
@@ -396,6 +462,14 @@ def test_full_fine_tuning_of_3b_without_deepspeed_is_refused_on_an_80_gb_gpu():
         check_fits(parts, gpu, "full fine-tuning without DeepSpeed")
     small = ddp_full_finetune_bytes(3.75e9, 20e6, 0.25 * gpu, 2e6 * 2304 * 2, 0.6e9 * 2)
     assert check_fits(small, gpu, "x") == pytest.approx(sum(small.values())) and sum(small.values()) < 60e9
+    # vLLM asleep while the gradients exist (sleep mode, as the configs set it): the larger of the two, still too much
+    asleep = ddp_full_finetune_bytes(3.75e9, 3.09e9, 0.25 * gpu, 2e6 * 2304 * 2, 0.6e9 * 2, vllm_sleeps=True)
+    assert sum(asleep.values()) / 1e9 == pytest.approx(15.0 + 12.36 + 12.36 + 24.72 + 20 + 9.216 + 1.2 - 12.36)
+    with pytest.raises(ValueError, match=r"at least 82\.5 GB .*colocated vLLM, beyond the gradients .* 7\.6;"):
+        check_fits(asleep, gpu, "full fine-tuning without DeepSpeed")
+    # one process: no DDP wrapper, no buckets
+    alone = ddp_full_finetune_bytes(3.75e9, 3.09e9, 0.25 * gpu, 2e6 * 2304 * 2, 0.6e9 * 2, processes=1)
+    assert sum(parts.values()) - sum(alone.values()) == pytest.approx(3.09e9 * 4)
 
 
 def test_lora_without_target_modules_goes_on_the_language_models_linear_layers(tiny_refiner):
@@ -473,3 +547,35 @@ def test_an_eval_batch_smaller_than_one_questions_generations_is_named():
 
     with pytest.raises(ValueError, match=r"per_device_eval_batch_size \(1\) × processes \(2\) .* raise .* to 2"):
         whole_eval_rounds(10, 1, 2, 4)
+    with pytest.raises(ValueError, match=r"raise per_device_eval_batch_size to 5"):  # 5 × 2 = 10: whole groups of 5
+        whole_eval_rounds(10, 1, 2, 5)
+
+
+def test_an_eval_file_that_is_never_evaluated_is_left_as_it_is():
+    """With eval_strategy no, TRL neither checks the eval batch nor evaluates: nothing is cut, nothing refused."""
+    from types import SimpleNamespace
+
+    from datasets import Dataset
+
+    from rl.trainer_parts import whole_round_eval
+
+    questions, said = Dataset.from_dict({"id": list(range(7))}), []
+    off = SimpleNamespace(
+        eval_strategy="no", num_generations=5, num_generations_eval=None, per_device_eval_batch_size=1
+    )
+    assert len(whole_round_eval(questions, off, 2, said.append)) == 7 and said == [
+        "eval_file: 7 questions, never evaluated (eval_strategy no)"
+    ]
+    on = SimpleNamespace(**{**vars(off), "eval_strategy": "steps", "per_device_eval_batch_size": 5})
+    assert len(whole_round_eval(questions, on, 2, said.append)) == 6  # rounds of 2 questions × 5 generations
+
+
+def test_a_train_file_smaller_than_one_generation_batch_is_refused_before_any_model_loads(
+    config, tiny_world, tmp_path, monkeypatch
+):
+    """TRL's sampler yields whole generation batches only: 1 question for batches of 2 prompts would train no step
+    and save the untouched model as final/."""
+    write_jsonl_atomic(tmp_path / "one.jsonl", list(read_jsonl(tiny_world / "train.jsonl"))[:1])
+    monkeypatch.setattr("rl.trainer_parts.load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    with pytest.raises(ValueError, match=r"train_file: 1 usable questions, fewer than the 2 prompts of one generation"):
+        tg.main(config(train_file=str(tmp_path / "one.jsonl"), images_root=str(tiny_world)))

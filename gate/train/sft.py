@@ -203,7 +203,9 @@ def main(argv=None) -> dict:
     # waits at most ddp_timeout seconds
     state = PartialState(cpu=training_args.use_cpu, timeout=training_args.ddp_timeout_delta)
     mixed = "bf16" if training_args.bf16 else "fp16" if training_args.fp16 else None
-    load_dtype, precision = master_dtype(model_args.dtype, model_args.use_peft, zero_stage(training_args), mixed)
+    load_dtype, precision = master_dtype(
+        model_args.dtype, model_args.use_peft, zero_stage(training_args), mixed, str(state.device)
+    )
     if state.is_main_process:
         print(precision)
     model, processor = load_model(
