@@ -9,14 +9,59 @@ from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
 
+import yaml
+
+OUR_PACKAGES = ("common", "retrieval", "rewards", "rl", "gate", "toy")
+TEXT_TYPES = {"str", "str | None", "typing.Optional[str]"}
+TEXT_LIST_TYPES = {"list[str]", "list[str] | None", "typing.Optional[list[str]]"}
+
 
 def parse(dataclass_types, argv=None, description: str | None = None, known_only: bool = False):
     """Parse ``--config X.yaml`` plus flags into the given dataclasses with TRL's parser. ``known_only``: settings
-    the dataclasses do not hold are left alone (returned last, as strings) instead of refused."""
+    the dataclasses do not hold are left alone (returned last, as strings) instead of refused. ``--config=X`` is read
+    as ``--config X``; a missing or malformed config file, or a YAML value that is not the text one of our settings
+    holds, is a ValueError naming it."""
     from trl import TrlParser
 
+    argv = config_flag(list(sys.argv[1:] if argv is None else argv))
     parser = TrlParser(dataclass_types, description=description)
-    return parser.parse_args_and_config(argv, return_remaining_strings=known_only)
+    try:
+        parsed = parser.parse_args_and_config(argv, return_remaining_strings=known_only)
+    except yaml.YAMLError as e:
+        raise ValueError(f"--config {argv[argv.index('--config') + 1]}: not valid YAML: {e}") from None
+    for obj in parsed:
+        if type(obj).__module__.split(".")[0] in OUR_PACKAGES:
+            check_text_fields(obj)
+    return parsed
+
+
+def config_flag(argv: list[str]) -> list[str]:
+    """``--config=X`` as ``--config X`` (TRL's parser finds the flag only so); a ``--config`` with no file after it
+    is a ValueError."""
+    argv = [part for a in argv for part in (["--config", a[9:]] if a.startswith("--config=") else [a])]
+    if "--config" in argv and argv.index("--config") == len(argv) - 1:
+        raise ValueError("--config needs a YAML file after it")
+    return argv
+
+
+def check_text_fields(obj) -> None:
+    """Every text setting of our dataclass ``obj`` holds text: a YAML value becomes the parser's default as YAML read
+    it (``yes`` / ``no`` / ``true`` are booleans, ``1.5`` a number), and argparse converts only text defaults."""
+    for f in fields(obj):
+        declared = f.type if isinstance(f.type, str) else "str" if f.type is str else str(f.type)
+        value = getattr(obj, f.name)
+        if value is None:
+            continue
+        if declared in TEXT_TYPES and not isinstance(value, str):
+            raise ValueError(f"--{f.name}: {value!r} is not text (YAML reads it as {type(value).__name__}): quote it")
+        if declared in TEXT_LIST_TYPES:
+            if not isinstance(value, (list, tuple)):
+                raise ValueError(f"--{f.name}: {value!r} is not a list: give a YAML list, one item per entry")
+            wrong = [v for v in value if not isinstance(v, str)]
+            if wrong:
+                raise ValueError(
+                    f"--{f.name}: {wrong[0]!r} is not text (YAML reads it as {type(wrong[0]).__name__}): quote it"
+                )
 
 
 def run(main: Callable[[], object]) -> None:

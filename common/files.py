@@ -86,7 +86,7 @@ def wait_for_path(path: str | Path, timeout_s: float, what: str) -> Path:
 
 def write_text_atomic(path: str | Path, text: str) -> None:
     with atomic_path(path) as tmp:
-        tmp.write_text(text)
+        tmp.write_text(text, encoding="utf-8")
 
 
 def write_json_atomic(path: str | Path, obj) -> None:
@@ -95,7 +95,7 @@ def write_json_atomic(path: str | Path, obj) -> None:
 
 def write_jsonl_atomic(path: str | Path, records: Iterable[dict]) -> int:
     n = 0
-    with atomic_path(path) as tmp, open(tmp, "w") as f:
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         for rec in records:
             f.write(json.dumps(rec, ensure_ascii=False) + "\n")
             n += 1
@@ -115,7 +115,7 @@ def json_record(line: str | bytes, path, lineno: int) -> dict:
 
 def read_jsonl(path: str | Path) -> Iterator[dict]:
     """Stream records; a malformed line raises ValueError naming the file and line number."""
-    with open(path) as f:
+    with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if line.strip():
                 yield json_record(line, path, lineno)
@@ -125,7 +125,7 @@ def append_jsonl(path: str | Path, records: list[dict]) -> None:
     """Append records and flush: a resumable job's finished work survives an interruption (``completed_ids``)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as fh:
+    with open(path, "a", encoding="utf-8") as fh:
         fh.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
         fh.flush()
 

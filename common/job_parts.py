@@ -21,6 +21,7 @@ from pathlib import Path
 
 from common.files import (
     append_jsonl,
+    check_unique_ids,
     jsonl_lines,
     repair_jsonl,
     write_json_atomic,
@@ -47,7 +48,9 @@ class JobParts(Processes):
 
     @property
     def settings_file(self) -> Path:
-        return self.out.with_suffix(".settings.json")
+        """``<out without .jsonl>.settings.json``: only ``.jsonl`` is taken off (``refined_v1.5`` and ``refined_v1.6``
+        are two outputs, with two records)."""
+        return self.out.with_name(self.out.name.removesuffix(".jsonl") + ".settings.json")
 
     def same_settings(self, settings: dict) -> None:
         """Refuse to go on from results an earlier run made with other ``settings`` (a ValueError naming each one
@@ -88,17 +91,24 @@ class JobParts(Processes):
         """This process's batches of the rows not done yet (after merging leftovers); ``mine`` counts their rows and
         ``status`` says, in one line, how many are done and how many are to go here. ``redo``: the output records that
         are not done after all (a request that failed, an input that was missing), dropped to be made again."""
+        if batch_size < 1:
+            raise ValueError(f"{self.out}: the batch size must be positive, got {batch_size}")
+        check_unique_ids(rows, f"the input of {self.out}")  # one output record per id: a repeat would be dropped
         order = [str(r["id"]) for r in rows]
-        self.redone = 0
+        self.redone, error = 0, None
         if self.rank == 0:
-            self.merge(order)
-            records = repair_jsonl(self.out, key="id")  # a cut last line is dropped before anyone reads the file
-            if redo is not None:
-                kept = [r for r in records if not redo(r)]
-                self.redone = len(records) - len(kept)
-                if self.redone:
-                    write_jsonl_atomic(self.out, kept)
+            try:
+                self.merge(order)
+                records = repair_jsonl(self.out, key="id")  # a cut last line is dropped before anyone reads the file
+                if redo is not None:
+                    kept = [r for r in records if not redo(r)]
+                    self.redone = len(records) - len(kept)
+                    if self.redone:
+                        write_jsonl_atomic(self.out, kept)
+            except Exception as e:  # raised on every process below, not left for the others to wait on
+                error = e
         self.barrier()  # everyone reads the merged output; no part is written before
+        self.raise_everywhere(error)
         done = _ids(self.out)
         todo = [r for r in rows if str(r["id"]) not in done]
         batches = [todo[s : s + batch_size] for s in range(0, len(todo), batch_size)][self.rank :: self.count]
@@ -117,16 +127,23 @@ class JobParts(Processes):
         the process holding the whole output."""
         self.barrier()
         order = [str(r["id"]) for r in rows]
-        self.merge(order)
+        error = None
         if self.rank == 0:
-            done = _ids(self.out)
-            missing = [i for i in order if i not in done]
-            if missing:
-                raise RuntimeError(
-                    f"{self.out}: {len(missing)} of {len(order)} records are missing after the merge (first: "
-                    f"{', '.join(missing[:3])}): every process must write to one folder they all see (a shared "
-                    "file system across nodes); run the job again to do the missing ones"
-                )
+            try:
+                self.merge(order)
+                if not self.out.exists():
+                    write_jsonl_atomic(self.out, [])  # an empty job's output: empty, not absent
+                done = _ids(self.out)
+                missing = [i for i in order if i not in done]
+                if missing:
+                    raise RuntimeError(
+                        f"{self.out}: {len(missing)} of {len(order)} records are missing after the merge (first: "
+                        f"{', '.join(missing[:3])}): every process must write to one folder they all see (a shared "
+                        "file system across nodes); run the job again to do the missing ones"
+                    )
+            except Exception as e:  # raised on every process, not only on process 0 (the others would wait on it)
+                error = e
+        self.raise_everywhere(error)
         return self.rank == 0
 
 

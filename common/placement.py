@@ -132,6 +132,25 @@ class Processes:
                 f"after {what or 'this step'} within the collective timeout: {str(e).strip()[:300]}"
             ) from e
 
+    def raise_everywhere(self, error: Exception | None) -> None:
+        """Call on every process after a step process 0 took alone (after a barrier): process 0's ``error`` (None when
+        it succeeded) is raised on every process, so none goes on to a collective process 0 never reaches."""
+        import torch.distributed as dist
+
+        if self.count < 2 or not (dist.is_available() and dist.is_initialized()):
+            if error is not None:
+                raise error
+            return
+        from accelerate.utils import broadcast_object_list
+
+        said = broadcast_object_list([None if error is None else (type(error).__name__, str(error))], from_process=0)
+        if said[0] is None:
+            return
+        if error is not None:
+            raise error
+        kind = {k.__name__: k for k in (ValueError, FileNotFoundError, TimeoutError)}.get(said[0][0], RuntimeError)
+        raise kind(f"process 0: {said[0][1]}")
+
 
 def decode_workers(setting: int | None) -> int:
     """DataLoader processes decoding images for this process: ``setting``, or usable cores ÷ processes on this node."""

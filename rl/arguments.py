@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from common.cli import parse, require_file
+from common.cli import config_flag, parse, require_file
 from common.placement import per_device_batch
 from retrieval.encoder_names import check_image_encoder_name, check_text_encoder_name
 from retrieval.index import require_index
@@ -25,6 +25,7 @@ from retrieval.ranking import check_alpha, check_k
 from rewards.format import INVALID_REWARD, MAX_QUERY_TOKENS, VALID_REWARD
 from rewards.rank import DEFAULT_MISS, DEFAULT_TIERS, max_depth, parse_tiers, validate_tiers
 from rl.image_budget import PAPER_MAX_PIXELS, PAPER_MIN_PIXELS, check_budget
+from rl.model import check_model_flags
 from rl.prompts import check_prompt
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "grpo" / "toy.yaml"  # the embedded default
@@ -153,6 +154,7 @@ def validate(args: RefinerArguments, training_args, model_args, num_processes: i
         )
     if not model_args.model_name_or_path:
         raise ValueError("--model_name_or_path is required")
+    check_model_flags(model_args)
     for name in ("format_valid_reward", "format_invalid_reward", "unparseable_retrieval_reward", "miss_reward"):
         if not math.isfinite(getattr(args, name)):
             raise ValueError(f"--{name} must be a finite number, got {getattr(args, name)}")
@@ -261,7 +263,7 @@ def parse_arguments(argv=None, description: str | None = None):
     from accelerate import PartialState
     from trl import GRPOConfig, ModelConfig
 
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = config_flag(list(sys.argv[1:] if argv is None else argv))
     embedded_default = "--config" not in argv
     if embedded_default:
         argv = ["--config", str(DEFAULT_CONFIG), *argv]

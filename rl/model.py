@@ -113,6 +113,21 @@ def master_dtype(
     return requested, f"weights in {name}{masters or ' (as configured)'}"
 
 
+def check_model_flags(model_args) -> None:
+    """Refuse TRL ``ModelConfig`` settings our model loading does not apply (``load_model``): quantised loading and a
+    hub revision were parsed, then silently ignored."""
+    if getattr(model_args, "load_in_4bit", False) or getattr(model_args, "load_in_8bit", False):
+        raise ValueError(
+            "load_in_4bit / load_in_8bit: quantised loading (QLoRA) is not supported here; the weights would load "
+            "unquantised. Use LoRA (--use_peft) in bf16, or DeepSpeed ZeRO-3"
+        )
+    if getattr(model_args, "model_revision", None) not in (None, "main"):
+        raise ValueError(
+            f"model_revision {model_args.model_revision!r} is not applied here: download that revision into a folder "
+            "and give it as --model_name_or_path"
+        )
+
+
 def zero_stage(training_args) -> int | None:
     """DeepSpeed's ZeRO stage for a run, None without DeepSpeed: from ``--deepspeed`` (a JSON config) or accelerate's
     DeepSpeed plugin (``accelerate launch`` with a ``distributed_type: DEEPSPEED`` config), which transformers'

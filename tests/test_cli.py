@@ -1,4 +1,5 @@
-"""common.cli.run's exit: the objects alive at the end are frozen out of the garbage collector (the interpreter's last
+"""common.cli: ``parse`` (``--config`` in either form, a bad config file or a YAML value that is not text named) and
+``run``'s exit: the objects alive at the end are frozen out of the garbage collector (the interpreter's last
 collections cost over a second a process), except when a nanobind extension is loaded, whose exit check reports what
 the freeze keeps as leaks (triton 3.9, which torch._dynamo imports: dozens of lines after every job)."""
 
@@ -42,3 +43,35 @@ def test_an_entry_point_with_triton_loaded_exits_without_leak_reports():
     proc = python("import triton\nfrom common.cli import run\nrun(lambda: print('done'))")
     assert proc.returncode == 0 and proc.stdout.strip() == "done"
     assert "leaked" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_config_with_an_equals_sign_is_read_as_with_a_space(tmp_path):
+    from common.cli import parse
+    from gate.train.build_data import BuildDataArgs
+
+    (tmp_path / "c.yaml").write_text("stage: label\nverbalisers: ['Yes', 'No']\n")
+    (spaced,) = parse((BuildDataArgs,), ["--config", str(tmp_path / "c.yaml")])
+    (joined,) = parse((BuildDataArgs,), [f"--config={tmp_path / 'c.yaml'}"])
+    assert spaced == joined and joined.stage == "label" and joined.verbalisers == ["Yes", "No"]
+
+
+@pytest.mark.parametrize(
+    "yaml_text,argv_tail,match",
+    [
+        ("stage: label\nverbalisers: [yes, no]\n", [], r"--verbalisers: True is not text \(YAML reads it as bool\)"),
+        ("stage: label\nverbalisers: Rel NoRel\n", [], r"--verbalisers: 'Rel NoRel' is not a list"),
+        ("stage: label\nout: 1.5\n", [], r"--out: 1\.5 is not text \(YAML reads it as float\): quote it"),
+        ("stage: [label\n", [], r"--config .*c\.yaml: not valid YAML"),
+        ("stage: label\n", ["--config"], r"--config needs a YAML file after it"),
+    ],
+)
+def test_a_bad_config_is_a_value_error_naming_it(tmp_path, yaml_text, argv_tail, match):
+    """run() turns a ValueError into one line; these were tracebacks (IndexError, yaml's ParserError) or, for YAML's
+    booleans in a text setting, a TypeError far from the config (verbalisers ``yes`` / ``no``)."""
+    from common.cli import parse
+    from gate.train.build_data import BuildDataArgs
+
+    (tmp_path / "c.yaml").write_text(yaml_text)
+    argv = [] if argv_tail else ["--config", str(tmp_path / "c.yaml")]
+    with pytest.raises(ValueError, match=match):
+        parse((BuildDataArgs,), argv + argv_tail)

@@ -153,6 +153,14 @@ def test_the_process_group_starts_with_ddp_timeout_on_cpus(monkeypatch):
     assert calls[0].get("timeout") == timedelta(seconds=77)
 
 
+def test_a_config_given_with_an_equals_sign_is_not_the_embedded_default(capsys):
+    """``--config=FILE`` is read as ``--config FILE``: it was taken for no config, and the embedded default's was put
+    before it."""
+    evqa = tg.DEFAULT_CONFIG.parents[2] / "configs" / "grpo" / "evqa.yaml"
+    args, *_ = tg.parse_arguments([f"--config={evqa}", "--use_cpu", "true", "--bf16", "false"])
+    assert args.alpha == 0.59 and "no --config given" not in capsys.readouterr().out
+
+
 def test_an_explicit_per_device_batch_that_disagrees_is_an_error_naming_both():
     def early(extra):
         argv = ["--config", str(tg.DEFAULT_CONFIG), *extra]

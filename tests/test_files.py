@@ -128,3 +128,30 @@ def test_an_atomic_file_is_on_disk_before_its_name_points_at_it(tmp_path, monkey
     assert (fsync_file, replace, fsync_dir) == ("fsync", "replace", "fsync")
     assert Path(name).parent == tmp_path and Path(name).name.startswith(".out.json.")  # the temporary, before
     assert target == str(tmp_path / "out.json") and folder == str(tmp_path)
+
+
+def test_jsonl_files_are_utf8_whatever_the_locale(tmp_path):
+    """Written and read as UTF-8 under an ASCII locale too (``repair_jsonl`` decodes UTF-8): "Zürich" was an
+    encoding error there, and under a Latin-1 locale a finished record read as a line cut short."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from pathlib import Path; from common.files import *\n"
+        "p = Path(sys.argv[1])\n"
+        "z = 'Z\\u00fcrich'\n"  # the command line itself in ASCII
+        "append_jsonl(p, [{'id': 'q1', 'city': z}]); write_text_atomic(p.with_suffix('.txt'), z)\n"
+        "print(ascii([r['city'] for r in repair_jsonl(p, key='id')] + [r['city'] for r in read_jsonl(p)]))"
+    )
+    env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "a.jsonl")],
+        env=env,
+        capture_output=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert done.returncode == 0, done.stderr.decode()[-800:]
+    assert done.stdout.decode().strip() == ascii(["Zürich", "Zürich"])
+    assert (tmp_path / "a.txt").read_bytes() == "Zürich".encode()

@@ -78,7 +78,19 @@ def test_two_sft_steps_change_lora_weights_not_the_vision_tower(
     from gate.train.sft import main
 
     rows = render_rows(variant, gate_records(tiny_world))
-    result = main(sft_config(tmp_path, tiny_gate_vlm, variant, rows, lora_target_modules=targets))
+    wandb = {"report_to": ["wandb"]} if variant == "srt" else {}  # as configs/sft/paper.yaml: its run in output_dir
+    if wandb:
+        monkeypatch.delenv("WANDB_DIR", raising=False)
+        (tmp_path / "cwd").mkdir()
+        monkeypatch.chdir(tmp_path / "cwd")
+    result = main(sft_config(tmp_path, tiny_gate_vlm, variant, rows, lora_target_modules=targets, **wandb))
+    if wandb:
+        import wandb as wandb_lib
+
+        wandb_lib.finish()  # transformers leaves its run open for the process's exit
+        wandb_lib.teardown()  # its service process gone: every file it writes is complete
+        assert len(list((tmp_path / variant / "wandb").glob("offline-run-*/run-*.wandb"))) == 1
+        assert not list((tmp_path / "cwd").iterdir())  # not ./wandb where the job was started
     base = load_file(str(tiny_gate_vlm / "model.safetensors"))
     tuned = load_file(str(tmp_path / variant / "final" / "model.safetensors"))
     assert base.keys() == tuned.keys()
@@ -126,6 +138,9 @@ def test_two_sft_steps_change_lora_weights_not_the_vision_tower(
         ("hkb", {}, "one-class", "has no example"),
         ("hkb", {"verbalisers": ["Y", "N"]}, "hkb", "not verbalisers of hkb"),
         ("hkb", {"max_length": 1024}, "hkb", "max_length 1024: TRL cuts each example's end"),  # TRL's default
+        ("hkb", {"completion_only_loss": False}, "hkb", "loss on the prompt and its image tokens too"),
+        ("hkb", {"load_in_4bit": True}, "hkb", "quantised loading .* is not supported"),  # was parsed, then ignored
+        ("hkb", {"model_revision": "abc123"}, "hkb", "model_revision 'abc123' is not applied here"),
     ],
 )
 def test_bad_configs_fail_before_a_model_loads(variant, overrides, rows_of, match, tiny_world, tmp_path):
@@ -174,3 +189,37 @@ def test_a_full_fine_tune_asked_in_bf16_keeps_fp32_master_weights(tiny_world, ti
     moved = sum(int((before[k].float() != after[k].float()).sum()) for k in text) / sum(before[k].numel() for k in text)
     assert moved > 0.5, moved
     assert "fp32 master weights" in capsys.readouterr().out
+
+
+def test_the_rendered_verbalisers_are_trained_in_their_order(tiny_world, tmp_path):
+    """The rows hold the classes as a set: ``--verbalisers false true`` on rows rendered with ``true false`` trained
+    a gate whose first verbaliser (the positive score) meant "no search", and its held-out check, parsed with the same
+    reversed words, hid it. The render's record (``<variant>.prompt.json``) decides; other ones are refused."""
+    from common.files import write_json_atomic
+    from gate.train.sft import main, parse_args, validate
+    from gate.variants import prompt_file_for, spec
+
+    recs = gate_records(tiny_world)
+    rendered = {"system": spec("hkb")["system"], "user_template": spec("hkb")["user"], "source": "built-in"}
+    write_json_atomic(prompt_file_for(tmp_path, "hkb"), {**rendered, "verbalisers": ["true", "false"]})
+    argv = sft_config(tmp_path, "/no/such/model", "hkb", render_rows("hkb", recs), verbalisers=["false", "true"])
+    with pytest.raises(ValueError, match=r"--verbalisers \['false', 'true'\]: .* rendered with \['true', 'false'\]"):
+        main(argv)
+    # rows rendered with other words: taken from the record when none are given
+    write_json_atomic(prompt_file_for(tmp_path, "hkb"), {**rendered, "verbalisers": ["yes", "no"]})
+    argv = sft_config(tmp_path, "/no/such/model", "hkb", render_rows("hkb", recs, verbalisers=["yes", "no"]))
+    args, training_args, model_args = parse_args(argv)
+    validate(args, training_args, model_args)
+    assert args.verbalisers == ["yes", "no"]
+
+
+def test_render_records_the_verbalisers_in_order(tmp_path):
+    from common.files import write_jsonl_atomic as write
+    from gate.train.build_data import BuildDataArgs
+    from gate.train.labelling import stage_render
+    from gate.variants import prompt_file_for
+
+    write(tmp_path / "labels-hkb.jsonl", [{"id": "q0", "question": "Q?", "image_path": "x.png", "search": True}])
+    args = BuildDataArgs(stage="render", variant="hkb", verbalisers=["no", "yes"])
+    stage_render(args, tmp_path, log=lambda *a: None)
+    assert json.loads(prompt_file_for(tmp_path, "hkb").read_text())["verbalisers"] == ["no", "yes"]

@@ -6,6 +6,7 @@ tests/scripts/run_jobs.py calls each module's ``main`` with its config, as ``pyt
 one-process reference runs first, in the test process."""
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -98,11 +99,18 @@ def rl_data_job(folder: Path, tiny_world, tiny_index_dir, **_) -> dict:
     return {**config, "out": str(folder / "two.jsonl")}
 
 
+def job_parts_apart_job(folder: Path, **_) -> dict:
+    (folder / "node1").mkdir()
+    (folder / "broken.jsonl").write_text('{"id": "q0"}\nnot json\n{"id": "q1"}\n')
+    return {"folder": str(folder)}
+
+
 JOBS = {  # job → (the module `python -m` runs, what prepares its config and runs its one-process reference)
     "refine": ("rl.refine", refine_job),
     "pipeline": ("gate.pipeline.run", pipeline_job),  # python -m gate.pipeline runs gate.pipeline.run's main
     "gate_data": ("gate.train.build_data", gate_data_job),
     "rl_data": ("rl.data", rl_data_job),
+    "job_parts_apart": ("tests.scripts.job_parts_apart", job_parts_apart_job),
 }
 
 
@@ -179,3 +187,16 @@ def test_rl_data_on_two_processes_equals_one(jobs, tiny_index_dir):
     assert one.keys() == two.keys() and one
     for image in one:
         np.testing.assert_allclose(two[image], one[image], atol=1e-6)
+
+
+def test_an_error_process_0_meets_alone_is_raised_on_both_processes(jobs):
+    """Process 0 alone merges and checks; its error (records missing at the end, a broken output at the start) was
+    raised there only, and process 1 went on to the next collective, where it waited for a process 0 that had left."""
+    log = jobs[1]["job_parts_apart"]
+    for step, error in (
+        ("finish_apart", r"RuntimeError: .*2 of 6 records are missing after the merge \(first: q2, q3\)"),
+        ("start_on_a_broken_file", r"ValueError: .*broken\.jsonl: line 2 is not a JSON record with an id"),
+    ):
+        for rank in (0, 1):
+            assert re.search(rf"{step}, process {rank}: {error}", log), log[-2000:]
+        assert re.search(rf"{step}, process 1: \w+: process 0: ", log)  # process 1's error says whose it is

@@ -94,3 +94,37 @@ def test_records_with_unicode_line_separators_merge_and_resume(tmp_path, name):
     assert [r["text"] for r in read_jsonl(out)] == [r["text"] for r in rows]
     assert [len(b) for b in processes(out, 2)[0].start(rows, 2)] == []  # all done on resume
     assert sorted(p.name for p in tmp_path.iterdir()) == [name]  # no part left behind
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_repeated_id_is_refused_not_merged_away(tmp_path, n):
+    """One output record per id: which of two inputs with one id survived the merge depended on the process count."""
+    rows = [{"id": "x"}, {"id": "a", "q": "first"}, {"id": "a", "q": "second"}]
+    with pytest.raises(ValueError, match=r"the input of .*out\.jsonl: 1 id value\(s\) occur more than once: a"):
+        processes(tmp_path / "out.jsonl", n)[0].start(rows, 1)
+
+
+@pytest.mark.parametrize("batch_size", [0, -1])
+def test_a_batch_size_below_one_is_named(tmp_path, batch_size):
+    with pytest.raises(ValueError, match=rf"the batch size must be positive, got {batch_size}"):
+        processes(tmp_path / "out.jsonl", 1)[0].start(ROWS, batch_size)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_an_empty_job_leaves_an_empty_output(tmp_path, n):
+    out = tmp_path / "out.jsonl"
+    assert run(processes(out, n), rows=[]) == [True] + [False] * (n - 1)
+    assert out.is_file() and list(read_jsonl(out)) == []
+
+
+def test_outputs_that_differ_after_a_dot_keep_their_own_settings(tmp_path):
+    """``refined_v1.5`` and ``refined_v1.6`` shared ``refined_v1.settings.json``: one run's settings let the other
+    resume under them."""
+    a, b = (processes(tmp_path / name, 1)[0] for name in ("refined_v1.5", "refined_v1.6"))
+    assert a.settings_file != b.settings_file and a.settings_file.name == "refined_v1.5.settings.json"
+    a.same_settings({"model": "A"})
+    run([a], stop_after=1)
+    b.same_settings({"model": "B"})
+    with pytest.raises(ValueError, match=r"model: 'A' then, 'B' now"):
+        processes(tmp_path / "refined_v1.5", 1)[0].same_settings({"model": "B"})
+    assert processes(tmp_path / "out.jsonl", 1)[0].settings_file.name == "out.settings.json"  # .jsonl taken off

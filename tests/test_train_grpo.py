@@ -114,6 +114,8 @@ def test_resume_continues_from_the_saved_step(config, tiny_refiner, tmp_path):
         (dict(format_invalid_reward=float("nan")), "--format_invalid_reward must be a finite number"),
         (dict(max_query_tokens=0), "--max_query_tokens must be positive"),  # every completion would be invalid
         (dict(eval_limit=0), "--eval_limit must be positive"),  # 0 kept every question, -5 kept one
+        (dict(load_in_8bit=True), "quantised loading .* is not supported"),  # parsed, then ignored
+        (dict(model_revision="v2"), "model_revision 'v2' is not applied here"),
     ],
 )
 def test_bad_settings_fail_before_any_model_loads(config, monkeypatch, overrides, match):

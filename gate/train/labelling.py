@@ -210,7 +210,12 @@ def stage_render(args, out: Path, log=print) -> int:
     used = spec(args.variant, args.verbalisers, prompt)
     write_json_atomic(
         prompt_file_for(out, args.variant),
-        {"system": used["system"], "user_template": used["user"], "source": prompt["name"] if prompt else "built-in"},
+        {
+            "system": used["system"],
+            "user_template": used["user"],
+            "verbalisers": list(used["verbalisers"]),  # in order: SFT reads its classes from them (gate.train.sft)
+            "source": prompt["name"] if prompt else "built-in",
+        },
     )
     by_split: dict[str, list[dict]] = {}
     for rec in read_jsonl(source):

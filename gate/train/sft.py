@@ -35,6 +35,7 @@ from gate.train.render import class_balance, format_balance
 from gate.variants import BINARY, VARIANTS, completion, prompt_file_for, spec
 from rl.checkpoints import use_converting_loads
 from rl.model import (
+    check_model_flags,
     freeze_vision_tower,
     load_model,
     load_trained,
@@ -45,6 +46,7 @@ from rl.model import (
     vision_tower,
     zero_stage,
 )
+from rl.monitor import setup_wandb
 
 PLACEHOLDERS = ("variant", "dataset")  # {variant}, {dataset} in the paths below, filled from the fields of that name
 
@@ -156,11 +158,18 @@ def validate(args: GateArguments, training_args, model_args) -> tuple[list[dict]
         require_file(args.eval_file, "eval_file")
     if not model_args.model_name_or_path:
         raise ValueError("--model_name_or_path is required")
+    check_model_flags(model_args)
+    if training_args.completion_only_loss is False or training_args.assistant_only_loss:
+        raise ValueError(
+            "completion_only_loss false / assistant_only_loss true: a gate learns its answer only; with these TRL puts "
+            "loss on the prompt and its image tokens too (set completion_only_loss: true, assistant_only_loss: false)"
+        )
     if getattr(training_args, "max_length", None) is not None:  # TRL's SFTConfig sets 1024 when nothing does
         raise ValueError(
             f"max_length {training_args.max_length}: TRL cuts each example's end, the completion first (the label "
             "then carries no loss), and can cut image tokens; set max_length: null (TRL's default is 1024)"
         )
+    rendered_verbalisers(args)
     rows = read_rows(args.train_file)
     check_balance(args, rows)
     return rows, read_rows(args.eval_file) if args.eval_file else None
@@ -172,6 +181,22 @@ def rendered_prompt(train_file: str, variant: str) -> dict | None:
 
     path = prompt_file_for(Path(train_file).parent, variant)
     return json.loads(path.read_text()) if path.is_file() else None
+
+
+def rendered_verbalisers(args: GateArguments) -> None:
+    """``args.verbalisers`` from the render's record, in its order (the first is what the gate's score reads as
+    positive): taken when none are given, refused when other ones, or the same in another order, are. The classes
+    are only a set in the rows, so reversed verbalisers trained an inverted gate whose held-out check, parsed with
+    the same reversed words, looked right."""
+    recorded = (rendered_prompt(args.train_file, args.variant) or {}).get("verbalisers")
+    if recorded is None:
+        return
+    if args.verbalisers and list(args.verbalisers) != list(recorded):
+        raise ValueError(
+            f"--verbalisers {list(args.verbalisers)}: {args.train_file} was rendered with {list(recorded)} "
+            f"({prompt_file_for(Path(args.train_file).parent, args.variant).name}), in that order; give those or none"
+        )
+    args.verbalisers = list(recorded)
 
 
 def save_final(final: Path, model, processor, info: dict) -> None:
@@ -221,6 +246,7 @@ def main(argv=None) -> dict:
         [{"prompt": r["prompt"], "completion": r["completion"], "image": r["image"]} for r in rows]
     ).cast_column("image", Image())
     peft_config = lora_config(model, model_args, args.freeze_vision_tower)
+    setup_wandb(training_args.output_dir, training_args.report_to)  # offline without credentials, in output_dir
     trainer = SFTTrainer(
         model=model, args=training_args, train_dataset=data, processing_class=processor, peft_config=peft_config
     )
