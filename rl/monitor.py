@@ -203,7 +203,7 @@ class RefinerMonitor(TrainerCallback):
             self.step_seconds += time.perf_counter() - self._t0
         if self.table_steps and state.global_step % self.table_steps == 0 and state.is_world_process_zero:
             self.reward_weights = tuple(args.reward_weights or (1.0, 1.0))
-            self.log_table(state.global_step)
+            self.log_table(state.global_step, to_wandb="wandb" in (args.report_to or []))
 
     def reward_seconds(self) -> float:
         """Seconds in the rewards inside training steps (what the share of step time compares)."""
@@ -247,13 +247,17 @@ class RefinerMonitor(TrainerCallback):
             )
         return rows
 
-    def log_table(self, step: int) -> None:
+    def log_table(self, step: int, to_wandb: bool = True) -> None:
+        """The step's completions to ``samples.jsonl``, and to the W&B run when ``to_wandb`` (the run reports to W&B:
+        another job's run left open in this process is not this run's)."""
         rows = self.rows()
         if not rows:
             return
         with open(self.output_dir / "samples.jsonl", "a") as fh:
             for r in rows:
                 fh.write(json.dumps({"step": step, **r}, default=str) + "\n")
+        if not to_wandb:
+            return
         try:
             import wandb
         except ImportError:

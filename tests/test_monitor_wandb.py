@@ -81,6 +81,8 @@ def test_offline_run_holds_table_rows_and_captioned_images(tmp_path, monkeypatch
     fmt.last = [1.0, 1.0, 1.0, -4.0]
     monitor = RefinerMonitor(retrieval, fmt, [fmt], table_steps=1, output_dir=str(tmp_path))
     run = wandb.init(project="t", dir=str(tmp_path))
+    not_to_wandb = SimpleNamespace(report_to=["none"], reward_weights=None)  # a run open, but not this job's
+    monitor.on_step_end(not_to_wandb, SimpleNamespace(global_step=6, is_world_process_zero=True), None)
     monitor.log_table(step=7)
     wandb.log({"reward": 1.0})
     run.finish()
@@ -96,7 +98,7 @@ def test_offline_run_holds_table_rows_and_captioned_images(tmp_path, monkeypatch
     assert len(pngs) == 4 and all(os.path.getsize(p) > 0 for p in pngs)
     history = Path(glob.glob(f"{run_dir}/run-*.wandb")[0]).read_bytes()
     assert b"img1.png: green cross 1 | gold Title1 rank 2 | reward 4.00" in history  # the caption, in the run log
-    assert json.loads(open(tmp_path / "samples.jsonl").readline())["step"] == 7
+    assert sorted({json.loads(line)["step"] for line in open(tmp_path / "samples.jsonl")}) == [6, 7]  # both steps
 
 
 # --------------------------------------------------------------------------- a real run, read back
