@@ -18,6 +18,7 @@ from PIL import Image
 
 from common.placement import log, resolve_device
 from retrieval.encoder_names import check_image_encoder_name, check_text_encoder_name, registered_builder
+from retrieval.kb import to_rgb
 
 
 def l2_normalize(x: np.ndarray) -> np.ndarray:
@@ -80,7 +81,7 @@ def encode_in_batches(encoder, images) -> np.ndarray:
 
     out = [
         encoder.encode_pixels(
-            torch.stack([encoder.preprocess(img.convert("RGB")) for img in images[s : s + encoder.batch_size]])
+            torch.stack([encoder.preprocess(to_rgb(img)) for img in images[s : s + encoder.batch_size]])
         )
         for s in range(0, len(images), encoder.batch_size)
     ]
@@ -94,7 +95,7 @@ class HFPreprocess:
         self.processor = processor
 
     def __call__(self, img):
-        return self.processor(images=img.convert("RGB"), return_tensors="pt")["pixel_values"][0]
+        return self.processor(images=to_rgb(img), return_tensors="pt")["pixel_values"][0]
 
 
 class HFImageEncoder:

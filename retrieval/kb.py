@@ -77,16 +77,27 @@ def upright(im):
     return ImageOps.exif_transpose(im)
 
 
+def to_rgb(im):
+    """An RGB copy of ``im`` with any transparency (an alpha band, a palette's transparent colour) composited onto
+    white, as transformers' ``convert_to_rgb`` (the image processors') and the VLM's training see it. PIL's
+    ``convert("RGB")`` keeps whatever colour lies under the alpha, black for most files, so every black-on-transparent
+    logo, flag or signature (Wikimedia's SVG renderings) became one black square with one embedding."""
+    if "A" in im.getbands() or im.info.get("transparency") is not None:
+        im = im.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", im.size, (255, 255, 255, 255)), im).convert("RGB")
+    return im.convert("RGB")
+
+
 def load_image(path: str | Path):
     """(RGB PIL image, None) when the file decodes, else (None, why not: missing, unreadable or corrupt). Upright
-    (``upright``). An image past PIL's pixel limit comes back downscaled to within ``Image.MAX_IMAGE_PIXELS``
-    (aspect kept)."""
+    (``upright``), transparency on white (``to_rgb``). An image past PIL's pixel limit comes back downscaled to within
+    ``Image.MAX_IMAGE_PIXELS`` (aspect kept)."""
     path = Path(path)
     if not path.is_file():
         return None, f"image file missing: {path}"
     try:
         with Image.open(path) as im:
-            return upright(im).convert("RGB"), None
+            return to_rgb(upright(im)), None
     except Image.DecompressionBombError:
         return _load_large(path)
     except Exception as e:  # PIL raises OSError, SyntaxError, ValueError, …
@@ -117,11 +128,11 @@ def _load_large(path: Path):
             im.load()
             im = upright(im)
             if im.mode not in ("RGB", "L", "RGBA"):
-                im = im.convert("RGB")
+                im = to_rgb(im)
             if im.width * im.height > target:
                 im = im.reduce(math.ceil(math.sqrt(im.width * im.height / target)))
             while im.width * im.height > target:  # reduce rounds sizes up
                 im = im.reduce(2)
-            return im.convert("RGB"), None
+            return to_rgb(im), None
     except Exception as e:
         return None, f"image unreadable: {path} ({type(e).__name__}: {e})"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 import re
@@ -13,7 +12,7 @@ import torch
 from PIL import Image
 
 from common.placement import outside_zero3_init, resolve_dtype
-from retrieval.kb import upright
+from retrieval.kb import to_rgb, upright
 
 
 def quiet_checkpointing_deprecation() -> None:
@@ -187,18 +186,11 @@ def load_trained(folder, dtype: str | None = None, device: str = "cpu", base: st
 def open_vlm_image(path):
     """An image file as a transformers image processor sees it in training, where TRL hands it the image the datasets
     library decoded: upright by its EXIF Orientation (``retrieval.kb.upright``), transparency composited onto white
-    (transformers' ``convert_to_rgb``). PIL's ``convert("RGB")`` drops the alpha
-    and keeps whatever colour lies under it, so a transparent PNG would look otherwise at inference. transformers
-    5.24 deprecates a PIL image out of ``convert_to_rgb`` (a warning in every job): the array is asked for where the
-    installed version takes ``return_numpy``, and made an image again."""
-    from transformers.image_transforms import convert_to_rgb
-
+    (``retrieval.kb.to_rgb``, as transformers' ``convert_to_rgb``). PIL's ``convert("RGB")`` drops the alpha and keeps
+    whatever colour lies under it, so a transparent PNG would look otherwise at inference."""
     with Image.open(path) as opened:
         opened.load()
-        im = upright(opened)
-        if "return_numpy" in inspect.signature(convert_to_rgb).parameters:
-            return Image.fromarray(convert_to_rgb(im, return_numpy=True))
-        return convert_to_rgb(im)
+        return to_rgb(upright(opened))
 
 
 def lora_config(model, model_args, freeze_vision_tower: bool = True, say=print):

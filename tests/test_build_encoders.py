@@ -168,6 +168,36 @@ def test_hf_image_encoder_is_the_pooled_projected_image_tower(tiny_hf_clip):
     np.testing.assert_allclose(enc.encode(images), expected, atol=1e-5)
 
 
+def test_a_transparent_image_is_embedded_as_the_image_processor_sees_it(tiny_hf_clip, tmp_path):
+    """The model card's image processor composites transparency onto white; PIL's convert("RGB") before it kept the
+    black under the alpha, so two black-on-transparent drawings (a circle, a bar) were one black square, one vector."""
+    import torch
+    from PIL import ImageDraw
+    from transformers import CLIPImageProcessor, CLIPModel
+
+    from retrieval.encoders import image_encoder
+
+    drawings = []
+    for shape in ("circle", "bar"):
+        im = Image.new("RGBA", (64, 64), (0, 0, 0, 0))
+        draw = ImageDraw.Draw(im)
+        if shape == "circle":
+            draw.ellipse((8, 8, 56, 56), fill=(0, 0, 0, 255))
+        else:
+            draw.rectangle((28, 0, 36, 64), fill=(0, 0, 0, 255))
+        im.save(tmp_path / f"{shape}.png")
+        drawings.append(Image.open(tmp_path / f"{shape}.png"))
+    enc = image_encoder(f"hf:{tiny_hf_clip}", device="cpu", batch_size=2)
+    ours = enc.encode(drawings)
+    full = CLIPModel.from_pretrained(tiny_hf_clip).eval()
+    pixels = CLIPImageProcessor.from_pretrained(tiny_hf_clip)(images=drawings, return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        expected = full.get_image_features(pixel_values=pixels).pooler_output.numpy()
+    expected /= np.linalg.norm(expected, axis=1, keepdims=True)
+    np.testing.assert_allclose(ours, expected, atol=1e-5)
+    assert ours[0] @ ours[1] < 0.9999  # two drawings, two vectors
+
+
 def test_hf_remote_code_runs_only_when_asked(tiny_hf_clip, tmp_path):
     """A checkpoint whose config names its own code (as EVA-CLIP-8B's does) is refused without trust_remote_code;
     nothing of that code is imported."""

@@ -87,3 +87,27 @@ def test_every_path_opens_an_image_upright_as_the_policy_sees_it_in_training(tmp
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 200)  # past PIL's limit (twice this): the downscaling path
     small = kb.load_image(path)[0]
     assert (small.width < small.height) == (size[0] < size[1])
+
+
+@pytest.mark.parametrize("mode", ["RGBA", "LA", "P-transparent", "P", "RGB", "L", "CMYK", "I;16"])
+def test_to_rgb_is_transformers_convert_to_rgb(mode, tmp_path):
+    """Every image path (index, reward, evaluation, the VLM at inference) goes through ``to_rgb``: transparency onto
+    white, as transformers' image processors and the VLM's training see it."""
+    import numpy as np
+    from PIL import Image
+    from transformers.image_transforms import convert_to_rgb
+
+    from retrieval.kb import to_rgb
+
+    rng = np.random.default_rng(0)
+    rgba = Image.fromarray(rng.integers(0, 256, (12, 10, 4), dtype=np.uint8), "RGBA")
+    if mode == "P-transparent":
+        im = rgba.convert("RGB").convert("P", palette=Image.Palette.ADAPTIVE, colors=8)
+        im.info["transparency"] = 3
+    elif mode == "I;16":
+        im = Image.fromarray(rng.integers(0, 65536, (12, 10), dtype=np.uint16))
+    else:
+        im = rgba.convert(mode)
+    im.save(tmp_path / "x.png" if mode != "CMYK" else tmp_path / "x.jpg")
+    opened = Image.open(tmp_path / ("x.png" if mode != "CMYK" else "x.jpg"))
+    assert np.array_equal(np.asarray(to_rgb(opened)), convert_to_rgb(opened, return_numpy=True))

@@ -213,32 +213,6 @@ def test_a_transparent_image_reaches_the_vlm_at_inference_as_in_training(tiny_re
     assert not torch.allclose(pixels(Image.open(tmp_path / "logo.png").convert("RGB")), training)
 
 
-def test_the_vlm_image_is_asked_of_transformers_as_an_array_where_it_can_be(tmp_path, monkeypatch):
-    """transformers 5.24 deprecates a PIL image out of convert_to_rgb (a warning in every job that opens one):
-    open_vlm_image asks for the array where the installed version can give one, and still returns a PIL image."""
-    import inspect
-
-    import numpy as np
-    import transformers.image_transforms as it
-    from PIL import Image
-
-    from rl.model import open_vlm_image
-
-    Image.fromarray(np.full((8, 8, 3), 90, np.uint8)).save(tmp_path / "grey.png")
-    real, asked = it.convert_to_rgb, []
-
-    def recording(image, **kwargs):
-        asked.append(kwargs)
-        return real(image, **kwargs)
-
-    recording.__signature__ = inspect.signature(real)
-    monkeypatch.setattr(it, "convert_to_rgb", recording)
-    image = open_vlm_image(tmp_path / "grey.png")
-    assert isinstance(image, Image.Image) and image.mode == "RGB" and np.asarray(image).tolist() == [[[90] * 3] * 8] * 8
-    takes_arrays = "return_numpy" in inspect.signature(real).parameters
-    assert asked == [{"return_numpy": True} if takes_arrays else {}]
-
-
 @pytest.mark.parametrize("cap,words,ok", [(None, 128, True), (None, 129, False), (3, 3, True), (3, 4, False)])
 def test_refine_parses_with_the_query_cap_training_scored_with(toy_refiner, monkeypatch, cap, words, ok):
     """A query longer than the run's max_query_tokens earned the format penalty in training: rl.refine does not take
