@@ -10,11 +10,14 @@ import json
 import logging
 import os
 import time
+import urllib.error
 import urllib.request
 
 from common.placement import resolve_dtype
 
 REQUEST_FAILED = "generator failed after"  # the reason of an answer no request got: gate.pipeline redoes it
+EMPTY_ANSWER = "empty answer"  # the model answered nothing: an answer, kept (no REQUEST_FAILED prefix)
+RETRY_AFTER_CAP = 60.0  # seconds: the longest a server's Retry-After is waited
 
 # OSError covers urllib's URLError, timeouts and refused connections; http.client.HTTPException a dropped or garbled
 # one (IncompleteRead mid-body, BadStatusLine); the rest, a reply that is not the JSON expected
@@ -57,17 +60,30 @@ def ask_with_retries(ask, read, retries: int, backoff: float, bad_reply: str):
     between attempts."""
     reason = None
     for attempt in range(retries):
+        asked_to_wait = 0.0
         try:
             value = read(ask())
         except RETRYABLE as e:
             value, reason = None, type(e).__name__
+            if isinstance(e, urllib.error.HTTPError):  # the status says why (429 rate limit, 401 key, 500 server)
+                reason = f"HTTPError {e.code}"
+                asked_to_wait = retry_after(e.headers)
         else:
             reason = bad_reply
         if value is not None:
             return value, None
         if attempt + 1 < retries:
-            time.sleep(backoff * (attempt + 1))
+            time.sleep(max(backoff * (attempt + 1), asked_to_wait))
     return None, reason
+
+
+def retry_after(headers) -> float:
+    """Seconds a server's ``Retry-After`` asks to wait (a number of seconds; an HTTP date or nothing: 0), at most
+    ``RETRY_AFTER_CAP``."""
+    try:
+        return min(max(float((headers or {}).get("Retry-After", 0)), 0.0), RETRY_AFTER_CAP)
+    except (TypeError, ValueError):
+        return 0.0
 
 
 def endpoint_generator(
@@ -94,7 +110,10 @@ def endpoint_generator(
                 backoff,
                 "empty reply",
             )
-            out.append((answer, None if answer else f"{REQUEST_FAILED} {retries} attempts: {reason}"))
+            if answer is None and reason == "empty reply":  # the last reply came, empty: the model's answer
+                out.append((None, EMPTY_ANSWER))
+            else:
+                out.append((answer, None if answer else f"{REQUEST_FAILED} {retries} attempts: {reason}"))
         return out
 
     return generate
@@ -134,7 +153,7 @@ def text_generator(name_or_path: str, prompt: dict, max_new_tokens: int, device:
                 **batch, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
             )
         answers = tokenizer.batch_decode(ids[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
-        return [(a.strip() or None, None if a.strip() else "empty answer") for a in answers]
+        return [(a.strip() or None, None if a.strip() else EMPTY_ANSWER) for a in answers]
 
     return generate
 

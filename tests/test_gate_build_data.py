@@ -375,6 +375,39 @@ def test_questions_without_gold_answers_are_not_judged(questions, tiny_world, tm
     assert judged[picked[1]["id"]]["scores"] == [1.0] * 3
 
 
+def test_a_failed_judgement_and_answers_sampled_since_are_judged_again(tmp_path, monkeypatch):
+    """A judgement that failed (the endpoint down: None) was written as done, and a resumed run skipped it for good;
+    answers sampled anew (samples.jsonl made again) kept the old answers' scores. Both are judged again."""
+    from common.files import read_jsonl, write_jsonl_atomic
+    from gate.train.build_data import stage_judge
+
+    samples = [
+        {"id": "q0", "question": "Which bird?", "answers": ["wren"], "samples": ["wren", "crow"], "greedy": "wren"},
+        {"id": "q1", "question": "Which tree?", "answers": ["oak"], "samples": ["oak", "elm"], "greedy": "oak"},
+    ]
+    write_jsonl_atomic(tmp_path / "samples.jsonl", samples)
+    down = {"on": True}
+
+    class Judge:
+        failures = 0
+
+        def score(self, question, answer, golds, answer_eval=None):
+            if down["on"] and question == "Which bird?":
+                return None  # its requests failed after their retries
+            return 5.0 if answer in golds else 1.0
+
+    monkeypatch.setattr("gate.train.build_data.judge_from_args", lambda a: Judge())
+    args = BuildDataArgs(stage="judge", out=str(tmp_path))
+    judged = lambda: {r["id"]: r for r in read_jsonl(tmp_path / "judged.jsonl")}  # noqa: E731
+    assert stage_judge(args, tmp_path, **QUIET) == 2 and judged()["q0"]["scores"] == [None, None]
+    down["on"] = False
+    assert stage_judge(args, tmp_path, **QUIET) == 1  # q0 again
+    assert judged()["q0"]["scores"] == [5.0, 1.0] and judged()["q0"]["greedy_score"] == 5.0 and len(judged()) == 2
+    assert stage_judge(args, tmp_path, **QUIET) == 0
+    write_jsonl_atomic(tmp_path / "samples.jsonl", [samples[0], {**samples[1], "samples": ["oak", "oak"]}])
+    assert stage_judge(args, tmp_path, **QUIET) == 1 and judged()["q1"]["scores"] == [5.0, 5.0]
+
+
 def test_labels_follow_the_settings_of_the_latest_run(tmp_path):
     """The label stage relabels every question on every run: a rerun with another ε (or τ, or rule) changes the
     labels it should, never keeping those of the run before."""
@@ -410,3 +443,52 @@ def test_judged_relevance_refuses_contexts_that_do_not_match_the_retrieval():
         relevance(None, [{"id": "q1", "hits": hits}])
     with pytest.raises(ValueError, match="has none for question q2"):
         relevance(None, [{"id": "q2", "hits": hits}])
+
+
+def test_context_answers_are_made_again_for_failed_judgements_and_sections_retrieved_since(
+    tiny_world, tmp_path, monkeypatch
+):
+    """The context stage wrote a failed judgement (None) as done, and kept answers made for sections an earlier
+    retrieval returned; label then joined those scores to the new sections' texts. Both are answered again, and
+    label refuses contexts made for other sections, and srt halves judged by two judges."""
+    from common.files import read_jsonl, write_json_atomic, write_jsonl_atomic
+    from gate.pipeline.context import stage_context
+
+    image = str(next((tiny_world / "images").glob("*.png")))
+    hit = lambda text: {"title": "T", "section_title": "S", "text": text, "entity_id": "E1", "section": 0}  # noqa: E731
+    retrieved = [
+        {"id": "q0", "question": "Which?", "answers": ["red"], "image_path": image, "hits": [hit("a"), hit("b")]}
+    ]
+    write_jsonl_atomic(tmp_path / "retrieved.jsonl", retrieved)
+    down, asked = {"on": True}, []
+
+    class Judge:
+        def score(self, question, answer, golds, answer_eval=None):
+            return None if down["on"] else 5.0
+
+    monkeypatch.setattr("gate.pipeline.context.judge_from_args", lambda a: Judge())
+    args = BuildDataArgs(stage="context", out=str(tmp_path), model="stub")
+    generate = lambda images, texts, sample: asked.extend(texts) or ["red"] * len(texts)  # noqa: E731
+    assert stage_context(args, tmp_path, generate=generate, **QUIET) == 1
+    down["on"] = False
+    assert stage_context(args, tmp_path, generate=generate, **QUIET) == 1  # the failed judgements: again
+    assert [r["doc_scores"] for r in read_jsonl(tmp_path / "contexts.jsonl")] == [[5.0, 5.0]]
+    assert stage_context(args, tmp_path, generate=generate, **QUIET) == 0
+    write_jsonl_atomic(tmp_path / "retrieved.jsonl", [{**retrieved[0], "hits": [hit("c"), hit("b")]}])
+    write_jsonl_atomic(  # a stale contexts file, as the stage before this fix left it
+        tmp_path / "stale.jsonl", list(read_jsonl(tmp_path / "contexts.jsonl"))
+    )
+    assert stage_context(args, tmp_path, generate=generate, **QUIET) == 1 and "T - S: c" in asked[-2]
+    # label srt: the contexts of the earlier retrieval are refused, as are halves judged by two judges
+    write_jsonl_atomic(
+        tmp_path / "judged.jsonl",
+        [{**retrieved[0], "samples": ["blue"], "scores": [1.0], "greedy": "blue", "greedy_score": 1.0}],
+    )
+    write_json_atomic(tmp_path / "judged.settings.json", {"judge": "exact", "judge_model": None})
+    assert build(BuildDataArgs(stage="label", out=str(tmp_path), variant="srt"), **QUIET) == 2
+    (tmp_path / "stale.jsonl").replace(tmp_path / "contexts.jsonl")
+    with pytest.raises(ValueError, match=r"answered 1 question\(s\) \(first: q0\) with other sections"):
+        build(BuildDataArgs(stage="label", out=str(tmp_path), variant="srt"), **QUIET)
+    write_json_atomic(tmp_path / "judged.settings.json", {"judge": "llm", "judge_model": "m"})
+    with pytest.raises(ValueError, match=r"judged by \{'judge': 'llm', 'judge_model': 'm'\} and contexts.jsonl by"):
+        build(BuildDataArgs(stage="label", out=str(tmp_path), variant="srt"), **QUIET)

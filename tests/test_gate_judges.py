@@ -23,6 +23,11 @@ from gate.pipeline.judges import LLMJudge, judge_all, make_judge, parse_score
         ("1. The answer names the wrong city", None),  # a list marker, not a score
         ("", None),
         (None, None),
+        # the asked-for "Score: N" line before a "score" in the reasoning, and a reasoning model's thinking left out
+        ("Reasoning: a fully right answer would score 5, but this one names the wrong city.\nScore: 2", 2.0),
+        ("Score (1-5): 4\nright", 4.0),
+        ("<think>it could score 5, or 1</think>\nScore: 3", 3.0),
+        ("- **Score**: 4", 4.0),
     ],
 )
 def test_parse_score(reply, score):
@@ -100,3 +105,54 @@ def test_answers_that_differ_only_in_punctuation_are_judged_apart(samples):
     )
     assert judge_all([rec], judge) == [[judge.score("q", s, rec["answers"], rec["answer_eval"]) for s in samples]]
     assert len(set(judge_all([rec], judge)[0])) == 2
+
+
+def test_a_failed_judgement_is_not_cached(stub):
+    """judge_all judges each distinct answer once; a failure (None) was cached, so every later sample with the same
+    answer in the batch (and a resumed batch) kept the failure."""
+    server = stub(["no", "Score: 5"])  # the first request unreadable, then readable
+    judge = LLMJudge(server.url, "m", retries=1, backoff=0)
+    rec = {"id": "q0", "question": "Where?", "answers": ["Paris"], "samples": ["Paris", "Paris"]}
+    assert judge_all([rec], judge) == [[None, 5.0]] and len(server.requests) == 2
+
+
+def test_an_empty_reply_is_the_models_answer_and_a_refused_request_names_its_status(stub):
+    """An endpoint that replies with nothing gave an answer (the pipeline keeps it, the noise study scores it); a
+    request refused with 429 failed, and its reason says which status (it said "HTTPError" for 401, 429 and 500)."""
+    from common.llm import EMPTY_ANSWER, REQUEST_FAILED, endpoint_generator
+
+    prompt = {"system": "s", "user_template": "{question} {context}"}
+    empty = stub([" ", " "])
+    assert endpoint_generator(empty.url, "m", prompt, "NO_KEY", 8, retries=2, backoff=0)([None], ["q"], ["c"]) == [
+        (None, EMPTY_ANSWER)
+    ]
+    limited = stub([], status=429)
+    said = endpoint_generator(limited.url, "m", prompt, "NO_KEY", 8, retries=2, backoff=0)([None], ["q"], ["c"])
+    assert said == [(None, f"{REQUEST_FAILED} 2 attempts: HTTPError 429")]
+
+
+@pytest.mark.parametrize(
+    "headers,waited",
+    [
+        ({"Retry-After": "5"}, [5.0]),  # the server's wait, over the backoff's 0.1
+        ({"Retry-After": "600"}, [60.0]),  # at most RETRY_AFTER_CAP
+        ({"Retry-After": "Wed, 21 Oct 2015 07:28:00 GMT"}, [0.1]),  # a date: the backoff
+        ({}, [0.1]),
+    ],
+)
+def test_a_refused_request_waits_what_the_server_asks(headers, waited, monkeypatch):
+    import email.message
+    import urllib.error
+
+    import common.llm as llm
+
+    slept = []
+    monkeypatch.setattr(llm.time, "sleep", slept.append)
+    message = email.message.Message()
+    for k, v in headers.items():
+        message[k] = v
+
+    def refused():
+        raise urllib.error.HTTPError("http://x/v1/chat/completions", 429, "Too Many Requests", message, None)
+
+    assert llm.ask_with_retries(refused, str, 2, 0.1, "bad") == (None, "HTTPError 429") and slept == waited

@@ -143,6 +143,12 @@ def test_an_interrupted_study_resumes_and_scores_by_the_official_rule(tiny_world
     before = len(calls)
     run_study(args, generators={"reader": reader}, **QUIET)
     assert sum(calls[before:]) == 5 and len(list(read_jsonl(tmp_path / "answers.jsonl"))) == 18
+    # a model that answers nothing gave an answer (scored wrong), not a failed request: the study finishes
+    (tmp_path / "answers.jsonl").unlink()
+    silent = lambda images, questions, contexts: [(None, "empty answer")] * len(questions)  # noqa: E731
+    result = run_study(args, generators={"reader": silent}, **QUIET)
+    assert [r["answer"] for r in read_jsonl(tmp_path / "answers.jsonl")] == [None] * 18
+    assert result["accuracy"]["reader"]["oracle"] == 0.0
     # answers to 4-section contexts are not resumed as if they were 10-section ones
     with pytest.raises(ValueError, match=r"other settings \(n_sections: 4 then, 10 now"):
         run_study(NoiseArgs(**{**args.__dict__, "n_sections": 10}), generators={"reader": reader}, **QUIET)

@@ -9,6 +9,8 @@ Both append per batch and skip question ids already written.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 from tqdm import tqdm
@@ -113,6 +115,12 @@ def section_text(hit: dict) -> str:
     return f"{head}: {hit['text']}" if head else hit["text"]
 
 
+def hits_digest(hits: list[dict]) -> str:
+    """What a question's retrieved sections were, in 16 hex: a context record answered for other sections than the
+    retrieval's is told apart (``stage_context`` redoes it, ``label`` refuses it)."""
+    return hashlib.sha1(json.dumps([section_text(h) for h in hits]).encode()).hexdigest()[:16]
+
+
 def stage_context(args, out: Path, log=print, generate=None, state=None) -> int:
     """One greedy answer per retrieved section (the section in the prompt), judged like the samples."""
     source = out / "retrieved.jsonl"
@@ -130,7 +138,15 @@ def stage_context(args, out: Path, log=print, generate=None, state=None) -> int:
             **judge_settings(args),
         }
     )
-    batches = parts.start(rows, args.batch_size)
+    retrieved = {str(r["id"]): hits_digest(r["hits"]) for r in rows}
+
+    def redo(rec: dict) -> bool:
+        """Answered again: a failed judgement (None), or sections retrieved anew since (retrieved.jsonl made again;
+        a record written before digests were kept is taken as it is)."""
+        now = retrieved.get(str(rec["id"]))
+        return None in rec["doc_scores"] or rec.get("hits_digest", now) != now
+
+    batches = parts.start(rows, args.batch_size, redo=redo)
     log(f"context, {parts.status}")
     if generate is None and batches:
         generate = vlm_answerer(
@@ -150,7 +166,9 @@ def stage_context(args, out: Path, log=print, generate=None, state=None) -> int:
             answers = [t.strip() for t in texts[i : i + len(r["hits"])]]
             i += len(r["hits"])
             scores = [judge.score(r["question"], a, r.get("answers") or [], r.get("answer_eval")) for a in answers]
-            records.append({"id": r["id"], "doc_answers": answers, "doc_scores": scores})
+            records.append(
+                {"id": r["id"], "doc_answers": answers, "doc_scores": scores, "hits_digest": hits_digest(r["hits"])}
+            )
         parts.append(records)
     parts.finish(rows)
     return parts.mine

@@ -30,14 +30,20 @@ CORRECTNESS_USER = "## User Query\n{question}\n\n## Reference Answer\n{reference
 # are out of range, not 4 and 1); a reply whose first line is only the number counts too, a list marker does not
 _SCORE = re.compile(r"score[*_\s]*(?:is\s*)?[:=]?[*_\s]*(\d+(?:\.\d+)?)(?!\d)", re.I)
 _ALONE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(?:/\s*5)?\s*(?:\n|$)")
+# the line the prompt asks for, "Score: N" at the start of a line ("**Score (1-5):** 4" too): read before any "score"
+# in the reasoning ("a fully right answer would score 5, but … Score: 2")
+_SCORE_LINE = re.compile(r"^[\s*_#>-]*score[*_\s]*(?:\([^)\n]*\))?[*_\s]*[:=][*_\s]*(\d+(?:\.\d+)?)(?!\d)", re.I | re.M)
+_THINKING = re.compile(r"<think>.*?(?:</think>|$)", re.S | re.I)
 
 
 def parse_score(reply: str) -> float | None:
-    """The 1–5 score in a judge reply ('Score: 4' in any of its usual spellings, or a first line that is only the
-    number), else None: an unreadable or out-of-range reply is never turned into a score."""
+    """The 1–5 score in a judge reply: a line that starts 'Score: N' (as the prompt asks), else 'score N' anywhere in
+    any of its usual spellings, else a first line that is only the number; a reasoning model's ``<think>`` block is
+    left out. None when there is none: an unreadable or out-of-range reply is never turned into a score."""
     if not isinstance(reply, str):
         return None
-    m = _SCORE.search(reply) or _ALONE.match(reply)
+    reply = _THINKING.sub("", reply)
+    m = _SCORE_LINE.search(reply) or _SCORE.search(reply) or _ALONE.match(reply)
     if not m:
         return None
     value = float(m.group(1))
@@ -122,7 +128,8 @@ def judge_settings(args) -> dict:
 def judge_all(records: list[dict], judge, cache: dict | None = None) -> list[list[float | None]]:
     """Scores for each record's ``samples``, judging each distinct (question id, answer) once — the answer as written,
     spaces collapsed: a judge reads it as written ("1.5 m" and "15 m" are different numbers, which
-    ``retrieval.answers.normalize_answer`` would merge by deleting punctuation).
+    ``retrieval.answers.normalize_answer`` would merge by deleting punctuation). A failed judgement (None) is not
+    cached.
 
     A record: {"id", "question", "answers" (golds), optional "answer_eval", "samples": [str, ...]}.
     """
@@ -132,8 +139,11 @@ def judge_all(records: list[dict], judge, cache: dict | None = None) -> list[lis
         scores = []
         for sample in rec["samples"]:
             key = (str(rec["id"]), " ".join(str(sample).split()))
-            if key not in cache:
-                cache[key] = judge.score(rec["question"], sample, rec.get("answers") or [], rec.get("answer_eval"))
-            scores.append(cache[key])
+            score = cache.get(key)
+            if score is None:  # a failure (None) is not cached: the next sample with this answer asks again
+                score = judge.score(rec["question"], sample, rec.get("answers") or [], rec.get("answer_eval"))
+                if score is not None:
+                    cache[key] = score
+            scores.append(score)
         out.append(scores)
     return out

@@ -31,7 +31,7 @@ from tqdm import tqdm
 from common.cli import parse, require_file
 from common.files import append_jsonl, completed_ids, read_jsonl, write_json_atomic, write_text_atomic
 from common.job_parts import JobParts
-from common.llm import endpoint_generator, text_generator
+from common.llm import REQUEST_FAILED, endpoint_generator, text_generator
 from common.placement import resolve_device
 from common.prompts import wording
 from gate.pipeline.bem import BEMScorer
@@ -157,6 +157,12 @@ def accuracy_table(results: dict[str, dict[str, float]], levels: list[str]) -> s
 # --------------------------------------------------------------------------- the study
 
 
+def request_failed(why: str | None) -> bool:
+    """A generator's reason for no answer that means no request got one (redone by the next run), not an empty
+    answer the model gave."""
+    return why is not None and why.startswith(REQUEST_FAILED)
+
+
 def load_generator(kind: str, target: str, args: NoiseArgs, prompt: dict, device: str):
     """generate(images, questions, contexts) → (answer or None, why it failed or None) per question: an endpoint's
     request that failed after its retries has a reason, an empty answer from a model does not."""
@@ -260,7 +266,7 @@ def run_study(args: NoiseArgs, log=print, generators: dict | None = None) -> dic
             ]
             images = [open_vlm_image(q["image_path"]) for _, q in batch]
             answers = generate(images, [q["question"] for _, q in batch], contexts)
-            failed += sum(why is not None for _, why in answers)
+            failed += sum(request_failed(why) for _, why in answers)
             append_jsonl(  # a failed request is not written: the next run asks again
                 answers_path,
                 [
@@ -272,7 +278,7 @@ def run_study(args: NoiseArgs, log=print, generators: dict | None = None) -> dic
                         "answer": a,
                     }
                     for (lv, q), (a, why) in zip(batch, answers)
-                    if why is None
+                    if not request_failed(why)  # an empty answer is the model's answer: written (None)
                 ],
             )
     if failed:

@@ -34,7 +34,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from common.cli import check_choices, parse
-from common.files import append_jsonl, completed_ids, read_jsonl
+from common.files import read_jsonl
 from common.job_parts import JobParts
 from common.placement import dist_timeout_field, job_device, process_state
 from gate.pipeline.consistency import stage_consistency
@@ -222,24 +222,34 @@ def stage_sample(args: BuildDataArgs, out: Path, log=print, generate=None, state
     return parts.mine
 
 
+def judge_failed(rec: dict) -> bool:
+    """A judged record to judge again: a sample or the greedy answer whose judgement failed (None) although the
+    question has gold answers (without them nothing is judged, and the record is done)."""
+    return rec.get("judge") is not None and (None in rec["scores"] or ("greedy" in rec and rec["greedy_score"] is None))
+
+
 def stage_judge(args: BuildDataArgs, out: Path, log=print) -> int:
     source = out / "samples.jsonl"
     if not source.is_file():
         raise ValueError(f"judge: {source} does not exist (run --stage sample first)")
     judge = judge_from_args(args)
-    target = out / "judged.jsonl"
-    JobParts(target).same_settings(judge_settings(args))  # scores of another judge are not mixed in
-    done = completed_ids(target)
-    todo = [r for r in read_jsonl(source) if str(r["id"]) not in done]
+    rows = list(read_jsonl(source))
+    sampled = {str(r["id"]): (r["samples"], r.get("greedy")) for r in rows}
+    parts = JobParts(out / "judged.jsonl")
+    parts.same_settings(judge_settings(args))  # scores of another judge are not mixed in
+    # judged again: a failed judgement, and answers sampled since (samples.jsonl made anew)
+    batches = parts.start(
+        rows,
+        64,
+        redo=lambda rec: judge_failed(rec) or sampled.get(str(rec["id"])) != (rec["samples"], rec.get("greedy")),
+    )
     cache: dict = {}
-    for start in range(0, len(todo), 64):
-        batch = todo[start : start + 64]
+    for batch in batches:
         unjudged = [r for r in batch if not has_gold(r)]  # nothing to judge against: kbm-cert labels them unjudged
         batch = [r for r in batch if has_gold(r)]
         greedy = [{**r, "samples": [r["greedy"]]} for r in batch if "greedy" in r]
         greedy_scores = iter(judge_all(greedy, judge, cache))  # the same cache: an answer is judged once
-        append_jsonl(
-            target,
+        parts.append(
             [
                 {
                     **r,
@@ -255,12 +265,16 @@ def stage_judge(args: BuildDataArgs, out: Path, log=print) -> int:
                 for r in unjudged
             ],
         )
-    failures, no_gold = getattr(judge, "failures", 0), sum(not has_gold(r) for r in todo)
+    parts.finish(rows)
+    failures, no_gold = getattr(judge, "failures", 0), sum(not has_gold(r) for b in batches for r in b)
     log(
-        f"judge ({args.judge}): {len(todo)} questions, {len(cache)} distinct answers judged, {failures} failures"
+        f"judge ({args.judge}): {parts.mine} questions"
+        + (f" ({parts.redone} judged again: a failed judgement, or answers sampled since)" if parts.redone else "")
+        + f", {len(cache)} distinct answers judged, {failures} failures"
+        + (" (judged again by the next run)" if failures else "")
         + (f"; {no_gold} without gold answers, not judged" if no_gold else "")
     )
-    return len(todo)
+    return parts.mine
 
 
 def build(args: BuildDataArgs, log=print, state=None) -> int:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from common.files import read_jsonl, write_json_atomic, write_jsonl_atomic
 from common.job_parts import JobParts
-from gate.pipeline.context import section_text
+from gate.pipeline.context import hits_digest, section_text
 from gate.train.answer_expansion import EXPANDED_FILE, expanded_targets
 from gate.train.labels import (
     certainty,
@@ -155,6 +155,29 @@ KEEP = (
 )
 
 
+def answered_other_sections(ctx: dict) -> bool:
+    """A context record (its ``hits`` joined from retrieved.jsonl) whose answers were made for other sections: a
+    record written before digests were kept is checked by its count only."""
+    now = hits_digest(ctx["hits"])
+    return len(ctx["doc_scores"]) != len(ctx["hits"]) or ctx.get("hits_digest", now) != now
+
+
+def same_judge(judged: Path, contexts: Path) -> None:
+    """srt compares an answer without retrieval (``judged``) with one per section (``contexts``): both must be
+    judged by one judge, or a document that changed nothing reads as one that did."""
+    made = [
+        {k: v for k, v in json.loads(JobParts(f).settings_file.read_text()).items() if k in ("judge", "judge_model")}
+        if JobParts(f).settings_file.is_file()
+        else None
+        for f in (judged, contexts)
+    ]
+    if None not in made and made[0] != made[1]:
+        raise ValueError(
+            f"label srt: {judged.name} was judged by {made[0]} and {contexts.name} by {made[1]}: the two halves of "
+            "an srt label must come from one judge; run --stage judge or --stage context again with the other's"
+        )
+
+
 def stage_label(args, out: Path, log=print) -> int:
     source = out / f"{LABEL_SOURCES[args.variant]}.jsonl"
     if not source.is_file():
@@ -179,8 +202,17 @@ def stage_label(args, out: Path, log=print) -> int:
         ctx_path = out / "contexts.jsonl"
         if not ctx_path.is_file():
             raise ValueError(f"label {args.variant}: {ctx_path} does not exist (run --stage context first)")
+        if args.variant == "srt":
+            same_judge(out / "judged.jsonl", ctx_path)
         hits = {str(r["id"]): r["hits"] for r in read_jsonl(out / "retrieved.jsonl")}
         contexts = {str(r["id"]): {**r, "hits": hits.get(str(r["id"]), [])} for r in read_jsonl(ctx_path)}
+        stale = [qid for qid, ctx in contexts.items() if answered_other_sections(ctx)]
+        if stale:
+            raise ValueError(
+                f"label {args.variant}: {ctx_path} answered {len(stale)} question(s) (first: {', '.join(stale[:3])}) "
+                f"with other sections than {out / 'retrieved.jsonl'} holds now (retrieved again since): run --stage "
+                "context again"
+            )
     target = out / f"labels-{args.variant}.jsonl"
     rows, skipped, no_gold = [], 0, 0
     for rec in read_jsonl(source):  # every question, every run (a label costs no model call)
