@@ -12,6 +12,7 @@ Converters from the upstream files live in ``retrieval.upstream.questions`` and 
 
 from __future__ import annotations
 
+import io
 import math
 import threading
 from pathlib import Path
@@ -102,6 +103,17 @@ def load_image(path: str | Path):
         return _load_large(path)
     except Exception as e:  # PIL raises OSError, SyntaxError, ValueError, …
         return None, f"image unreadable: {path} ({type(e).__name__}: {e})"
+
+
+def downscaled_jpeg(path: str | Path) -> bytes:
+    """An image past PIL's pixel limit as training's image column holds it (rl.data.image_column_value):
+    ``load_image``'s downscaled picture as a quality-95 JPEG; a ValueError naming why when it does not load."""
+    image, why = load_image(path)
+    if image is None:
+        raise ValueError(why)
+    buffer = io.BytesIO()
+    image.save(buffer, format="JPEG", quality=95)
+    return buffer.getvalue()
 
 
 def _load_large(path: Path):

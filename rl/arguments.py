@@ -166,6 +166,13 @@ def validate(args: RefinerArguments, training_args, model_args, num_processes: i
     ):
         if value <= 0:
             raise ValueError(f"--{name} must be positive, got {value}")
+    for name in ("chat_template_kwargs", "vllm_structured_outputs_regex"):
+        if getattr(training_args, name, None):
+            raise ValueError(
+                f"{name} {getattr(training_args, name)!r}: TRL applies it to every training prompt or rollout, but "
+                "the export and rl.refine do not carry it, so the refiner would be prompted or decode otherwise "
+                "than it was trained"
+            )
     if getattr(training_args, "generation_kwargs", None):
         raise ValueError(
             f"generation_kwargs {training_args.generation_kwargs}: TRL applies them to training samples on top of the "

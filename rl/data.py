@@ -15,7 +15,6 @@ otherwise be rewarded as a permanent miss) or whose image is missing or unreadab
 
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,7 +27,7 @@ from common.files import check_unique_ids, pyplot, read_jsonl, save_figure, writ
 from common.job_parts import JobParts
 from common.placement import Processes, decode_workers, dist_timeout_field, job_device, process_state
 from retrieval.index import MultimodalIndex, require_index
-from retrieval.kb import load_image
+from retrieval.kb import downscaled_jpeg, load_image
 from retrieval.ranking import check_alpha
 from rl.image_budget import MAX_ASPECT_RATIO
 from rl.image_embeddings import embed_images, image_path_of
@@ -109,9 +108,7 @@ def image_column_value(path: str) -> dict:
         with Image.open(path):
             return {"path": path, "bytes": None}
     except Image.DecompressionBombError:
-        buffer = io.BytesIO()
-        load_image(path)[0].save(buffer, format="JPEG", quality=95)
-        return {"path": None, "bytes": buffer.getvalue()}
+        return {"path": None, "bytes": downscaled_jpeg(path)}
 
 
 def warn_absent_entities(index, data, name: str) -> None:

@@ -199,6 +199,7 @@ def verify(folder: Path, image_path: str | None = None, question: str = "What is
         [question],
         prompt=spec["prompt"],  # the exact wording it was trained with, not a prompt file read again by name
         max_new_tokens=spec["generation"]["max_new_tokens"],
+        sampling=spec["generation"],  # greedy with the run's repetition penalty, as rl.refine decodes
     )[0]
     if parse_query(text, spec.get("max_query_tokens", MAX_QUERY_TOKENS)) is None:
         raise ValueError(f"exported model's output does not parse: {text[:200]!r}")

@@ -19,8 +19,12 @@ NEUTRAL = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=None, repetition_penal
 
 def sampling_settings(recorded: dict | None = None) -> dict:
     """A run's sampling settings (temperature, top_p, top_k, min_p, repetition_penalty): what ``recorded`` holds,
-    NEUTRAL for the rest."""
-    return {k: (recorded or {}).get(k, v) for k, v in NEUTRAL.items()}
+    NEUTRAL for the rest; top_k "off" is 0 for both backends (-1, vLLM's and TRL's other spelling, is refused by
+    transformers)."""
+    settings = {k: (recorded or {}).get(k, v) for k, v in NEUTRAL.items()}
+    if settings["top_k"] is None or settings["top_k"] < 0:  # vLLM's (and TRL's) "off" is -1; transformers refuses it
+        settings["top_k"] = 0
+    return settings
 
 
 def hf_decoding(do_sample: bool, sampling: dict | None = None) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import re
@@ -12,7 +13,7 @@ import torch
 from PIL import Image
 
 from common.placement import outside_zero3_init, resolve_dtype
-from retrieval.kb import to_rgb, upright
+from retrieval.kb import downscaled_jpeg, to_rgb, upright
 
 
 def quiet_checkpointing_deprecation() -> None:
@@ -188,9 +189,13 @@ def open_vlm_image(path):
     library decoded: upright by its EXIF Orientation (``retrieval.kb.upright``), transparency composited onto white
     (``retrieval.kb.to_rgb``, as transformers' ``convert_to_rgb``). PIL's ``convert("RGB")`` drops the alpha and keeps
     whatever colour lies under it, so a transparent PNG would look otherwise at inference."""
-    with Image.open(path) as opened:
-        opened.load()
-        return to_rgb(upright(opened))
+    try:
+        with Image.open(path) as opened:
+            opened.load()
+            return to_rgb(upright(opened))
+    except Image.DecompressionBombError:  # past PIL's pixel limit: downscaled, as training's image column holds it
+        with Image.open(io.BytesIO(downscaled_jpeg(path))) as opened:
+            return to_rgb(opened)
 
 
 def lora_config(model, model_args, freeze_vision_tower: bool = True, say=print):

@@ -175,6 +175,7 @@ def refine_file(args: RefineArgs, log=print, refiner: Refiner | None = None, sta
             "model": str(args.model),
             "weights": args.model and weights_fingerprint(Path(args.model)),
             "sample": args.sample,
+            "backend": args.backend,  # vLLM and transformers decode alike only up to their numerics
         }
     )
     batches = parts.start(rows, args.batch_size)

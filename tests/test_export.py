@@ -177,6 +177,22 @@ def test_the_export_samples_as_the_run_did_not_as_the_base_model_says(config, tm
     )
 
 
+def test_the_exports_check_decodes_as_rl_refine_does(config, tmp_path, monkeypatch):
+    """The check generated greedily without the run's repetition penalty, which rl.refine's greedy decoding applies:
+    it could pass on output rl.refine never gives. It now decodes with the run's settings."""
+    from rewards.format import format_completion
+
+    run = train(config, tmp_path, "run", repetition_penalty=1.3)
+    out = export(ExportArgs(checkpoint=str(run), out=str(tmp_path / "serve"), dtype="fp32", verify=False), **QUIET)
+    asked = []
+    monkeypatch.setattr(
+        ex, "generate_completions", lambda *a, **k: asked.append(k) or [format_completion("a red cross")]
+    )
+    assert ex.verify(out) == format_completion("a red cross")
+    (kwargs,) = asked
+    assert kwargs.get("do_sample", False) is False and kwargs["sampling"]["repetition_penalty"] == 1.3
+
+
 def test_neutral_sampling_is_trls_default():
     """The settings every generation passes when a run recorded none are TRL's GRPOConfig defaults."""
     from dataclasses import fields

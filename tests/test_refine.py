@@ -64,6 +64,8 @@ def test_a_resume_with_another_model_is_refused_naming_it(toy_refiner, tiny_worl
     with pytest.raises(ValueError, match=r"other settings \(model: 'run-a' then, 'run-b' now\)"):
         refine_file(RefineArgs(**{**vars(args), "model": "run-b"}), refiner=toy_refiner, **QUIET)
     assert out.read_text() == "".join(lines[:16])  # nothing lost
+    with pytest.raises(ValueError, match=r"other settings \(backend: 'hf' then, 'vllm' now\)"):  # other numerics
+        refine_file(RefineArgs(**{**vars(args), "backend": "vllm"}), refiner=toy_refiner, **QUIET)
     assert refine_file(args, refiner=toy_refiner, **QUIET) == 48 - 16
 
 
@@ -266,3 +268,30 @@ def test_vllm_sampling_is_seeded_per_request_from_torchs_generator(tiny_refiner,
     assert first == seeds(True) and len(set(first)) == 4 and all(isinstance(s, int) for s in first)
     assert seeds(True, seed=8) != first
     assert seeds(False) == [None] * 4
+
+
+@pytest.mark.parametrize("top_k,expected", [(-1, 0), (None, 0), (0, 0), (5, 5)])
+def test_top_k_off_is_zero_for_both_backends(top_k, expected):
+    """vLLM (and TRL, which passes it on) takes -1 for "off"; transformers refuses it: a run trained with -1 is
+    refined and exported with 0."""
+    from rl.generate import hf_decoding, sampling_settings
+
+    assert sampling_settings({"top_k": top_k})["top_k"] == expected
+    assert hf_decoding(True, {"top_k": top_k})["top_k"] == expected
+
+
+def test_an_image_past_the_pixel_limit_reaches_the_vlm_as_in_training(tiny_world, monkeypatch):
+    """Training's image column holds such an image downscaled (rl.data.image_column_value); open_vlm_image raised
+    PIL's DecompressionBombError, which ended rl.refine, rl.baselines and the pipeline at that question."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from rl.data import image_column_value
+    from rl.model import open_vlm_image
+
+    path = str(next((tiny_world / "images").glob("*.png")))
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 500)  # the toy image is past it (more than twice the limit)
+    trained = Image.open(io.BytesIO(image_column_value(path)["bytes"])).convert("RGB")
+    assert np.array_equal(np.asarray(open_vlm_image(path)), np.asarray(trained))

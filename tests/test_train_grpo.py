@@ -116,6 +116,8 @@ def test_resume_continues_from_the_saved_step(config, tiny_refiner, tmp_path):
         (dict(eval_limit=0), "--eval_limit must be positive"),  # 0 kept every question, -5 kept one
         (dict(load_in_8bit=True), "quantised loading .* is not supported"),  # parsed, then ignored
         (dict(model_revision="v2"), "model_revision 'v2' is not applied here"),
+        (dict(chat_template_kwargs={"add_vision_id": True}), "chat_template_kwargs .* do not carry it"),  # a prompt
+        (dict(vllm_structured_outputs_regex="<answer>.*"), "vllm_structured_outputs_regex .* do not carry it"),
     ],
 )
 def test_bad_settings_fail_before_any_model_loads(config, monkeypatch, overrides, match):
