@@ -38,7 +38,8 @@ def chat(
     temperature: float = 0.0,
     max_tokens: int | None = None,
 ) -> str:
-    """One chat completion from an OpenAI-compatible endpoint; the reply's text."""
+    """One chat completion from an OpenAI-compatible endpoint; the reply's text. ``timeout`` bounds the whole reply (a
+    server sending a byte now and then cannot hold the job), a TimeoutError past it."""
     body = {"model": model, "temperature": temperature, "messages": messages}
     if max_tokens:
         body["max_tokens"] = max_tokens
@@ -47,8 +48,14 @@ def chat(
     if key:
         headers["Authorization"] = f"Bearer {key}"
     request = urllib.request.Request(chat_url(url), data=json.dumps(body).encode(), headers=headers, method="POST")
+    deadline = time.monotonic() + timeout  # for the whole reply: urlopen's timeout bounds each read only
     with urllib.request.urlopen(request, timeout=timeout) as response:
-        content = json.loads(response.read())["choices"][0]["message"]["content"]
+        chunks = []
+        while chunk := response.read1(1 << 16):
+            chunks.append(chunk)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no whole reply within {timeout} s")
+        content = json.loads(b"".join(chunks))["choices"][0]["message"]["content"]
     if not isinstance(content, str):
         raise ValueError("reply has no text content")
     return content

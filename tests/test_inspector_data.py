@@ -168,6 +168,7 @@ def test_expand_asks_an_openai_compatible_endpoint_with_the_stages_prompt(tmp_pa
         log=lambda *a: None,
     )
     (sent,) = server.requests
+    assert sent["body"]["max_tokens"] == 128  # a JSON object holding a sentence, not sample's 32-token answers
     assert sent["body"]["model"] == "m" and sent["body"]["messages"] == [
         {"role": "system", "content": EXPANSION_PROMPT["system"]},
         {"role": "user", "content": "Question: How tall is tower 1?\nShort answer: 10 m"},

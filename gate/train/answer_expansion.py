@@ -59,7 +59,7 @@ def expander(args, prompt: dict):
     """(questions, short answers) → replies (None for a failed request), from an endpoint or a local text LLM."""
     reply = replier(
         prompt["system"],
-        args.max_new_tokens,
+        args.expansion_max_new_tokens,
         args.expander_url,
         args.expander_model,
         args.judge_key_env,
@@ -92,7 +92,7 @@ def stage_expand(args, out: Path, log=print, expand=None) -> int:
         {
             "prompt": wording(prompt),
             "expander": args.expander or f"{args.expander_model}@{args.expander_url}",
-            "max_new_tokens": args.max_new_tokens,
+            "max_new_tokens": args.expansion_max_new_tokens,
         }
     )
     done = completed_ids(target)

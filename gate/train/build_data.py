@@ -162,6 +162,9 @@ class BuildDataArgs:
         default=None, metadata={"help": "expand: OpenAI-compatible base URL (key from --judge_key_env)"}
     )
     expander_model: str = field(default=None, metadata={"help": "expand: the endpoint's model name"})
+    expansion_max_new_tokens: int = field(
+        default=128, metadata={"help": "expand: reply length (a JSON object holding a sentence; not sample's 32)"}
+    )
     expansion_prompt: str = field(default=None, metadata={"help": "expand: YAML prompt file ({question}, {answer})"})
     gate_prompt: str = field(
         default=None,
