@@ -24,11 +24,10 @@ def parse(dataclass_types, argv=None, description: str | None = None, known_only
     from trl import TrlParser
 
     argv = config_flag(list(sys.argv[1:] if argv is None else argv))
+    if "--config" in argv:
+        read_config(argv[argv.index("--config") + 1])  # a clear error before TRL's parser opens it
     parser = TrlParser(dataclass_types, description=description)
-    try:
-        parsed = parser.parse_args_and_config(argv, return_remaining_strings=known_only)
-    except yaml.YAMLError as e:
-        raise ValueError(f"--config {argv[argv.index('--config') + 1]}: not valid YAML: {e}") from None
+    parsed = parser.parse_args_and_config(argv, return_remaining_strings=known_only)
     for obj in parsed:
         if type(obj).__module__.split(".")[0] in OUR_PACKAGES:
             check_text_fields(obj)
@@ -39,9 +38,25 @@ def config_flag(argv: list[str]) -> list[str]:
     """``--config=X`` as ``--config X`` (TRL's parser finds the flag only so); a ``--config`` with no file after it
     is a ValueError."""
     argv = [part for a in argv for part in (["--config", a[9:]] if a.startswith("--config=") else [a])]
-    if "--config" in argv and argv.index("--config") == len(argv) - 1:
-        raise ValueError("--config needs a YAML file after it")
+    if "--config" in argv:
+        after = argv[argv.index("--config") + 1 :]
+        if not after or not after[0] or after[0].startswith("--"):
+            raise ValueError("--config needs a YAML file after it")
     return argv
+
+
+def read_config(path) -> dict:
+    """A ``--config`` file's settings; a ValueError naming it when it is not a readable YAML mapping."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"--config {path}: no such file")
+    try:
+        config = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ValueError(f"--config {path}: not valid YAML: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"--config {path}: a YAML mapping of settings is needed, got a {type(config).__name__}")
+    return config
 
 
 def check_text_fields(obj) -> None:

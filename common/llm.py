@@ -8,6 +8,7 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import math
 import os
 import time
 import urllib.error
@@ -88,9 +89,10 @@ def retry_after(headers) -> float:
     """Seconds a server's ``Retry-After`` asks to wait (a number of seconds; an HTTP date or nothing: 0), at most
     ``RETRY_AFTER_CAP``."""
     try:
-        return min(max(float((headers or {}).get("Retry-After", 0)), 0.0), RETRY_AFTER_CAP)
+        seconds = float((headers or {}).get("Retry-After", 0))
     except (TypeError, ValueError):
         return 0.0
+    return 0.0 if math.isnan(seconds) else min(max(seconds, 0.0), RETRY_AFTER_CAP)
 
 
 def endpoint_generator(

@@ -15,9 +15,7 @@ from dataclasses import dataclass, field, fields, make_dataclass
 from datetime import timedelta
 from pathlib import Path
 
-import yaml
-
-from common.cli import config_flag, parse, require_file
+from common.cli import config_flag, parse, read_config, require_file
 from common.placement import per_device_batch
 from retrieval.encoder_names import check_image_encoder_name, check_text_encoder_name
 from retrieval.index import require_index
@@ -245,12 +243,7 @@ def world_module(argv: list[str]):
     name = flag_value(argv, "--world")
     config_path = flag_value(argv, "--config")
     if name is None and config_path is not None:
-        config = yaml.safe_load(Path(config_path).read_text()) or {}
-        if not isinstance(config, dict):
-            raise ValueError(
-                f"--config {config_path}: a YAML mapping of settings is needed, got a {type(config).__name__}"
-            )
-        name = config.get("world")
+        name = read_config(config_path).get("world")
     if not name:
         return None
     try:

@@ -63,6 +63,10 @@ def test_config_with_an_equals_sign_is_read_as_with_a_space(tmp_path):
         ("stage: label\nout: 1.5\n", [], r"--out: 1\.5 is not text \(YAML reads it as float\): quote it"),
         ("stage: [label\n", [], r"--config .*c\.yaml: not valid YAML"),
         ("stage: label\n", ["--config"], r"--config needs a YAML file after it"),
+        ("stage: label\n", ["--config", "--out", "x"], r"--config needs a YAML file after it"),
+        ("stage: label\n", ["--config="], r"--config needs a YAML file after it"),
+        ("stage: label\n", ["--config", "."], r"--config \.: no such file"),  # a folder
+        ("- a\n- list\n", [], r"c\.yaml: a YAML mapping of settings is needed, got a list"),
     ],
 )
 def test_a_bad_config_is_a_value_error_naming_it(tmp_path, yaml_text, argv_tail, match):
@@ -75,3 +79,12 @@ def test_a_bad_config_is_a_value_error_naming_it(tmp_path, yaml_text, argv_tail,
     argv = [] if argv_tail else ["--config", str(tmp_path / "c.yaml")]
     with pytest.raises(ValueError, match=match):
         parse((BuildDataArgs,), argv + argv_tail)
+
+
+def test_the_grpo_entry_points_early_read_of_a_broken_config_is_named(tmp_path):
+    """rl.train_grpo reads --config for its world before the parse: malformed YAML was a yaml traceback there."""
+    import rl.train_grpo as tg
+
+    (tmp_path / "bad.yaml").write_text("stage: [label\n")
+    with pytest.raises(ValueError, match=r"--config .*bad\.yaml: not valid YAML"):
+        tg.parse_arguments(["--config", str(tmp_path / "bad.yaml")])

@@ -492,3 +492,8 @@ def test_context_answers_are_made_again_for_failed_judgements_and_sections_retri
     write_json_atomic(tmp_path / "judged.settings.json", {"judge": "llm", "judge_model": "m"})
     with pytest.raises(ValueError, match=r"judged by \{'judge': 'llm', 'judge_model': 'm'\} and contexts.jsonl by"):
         build(BuildDataArgs(stage="label", out=str(tmp_path), variant="srt"), **QUIET)
+    # a record written before digests were kept, for three sections where two are retrieved now: made again
+    legacy = {"id": "q0", "doc_answers": ["red"] * 3, "doc_scores": [5.0] * 3}
+    write_jsonl_atomic(tmp_path / "contexts.jsonl", [legacy])
+    assert stage_context(args, tmp_path, generate=generate, **QUIET) == 1
+    assert [len(r["doc_scores"]) for r in read_jsonl(tmp_path / "contexts.jsonl")] == [2]

@@ -28,6 +28,14 @@ from gate.pipeline.judges import LLMJudge, judge_all, make_judge, parse_score
         ("Score (1-5): 4\nright", 4.0),
         ("<think>it could score 5, or 1</think>\nScore: 3", 3.0),
         ("- **Score**: 4", 4.0),
+        ("The answer would score 5 if complete, but it misses the date.\nOverall Score: 3", 3.0),  # a qualifier
+        ("Reasoning: a right answer would score 5.\n**Final score:** 1", 1.0),
+        ("Score: N/A\nReasoning: a correct answer would score 5", None),  # the verdict unreadable: no score
+        ("Let me draft.\nScore: 5\nWait, the year is wrong.\n</think>\nScore: 2", 2.0),  # only the closing tag
+        ("Score: 4/10", None),  # another scale
+        ("Score: 3 out of 10", None),
+        ("Score: 4,5", None),
+        ("Score: 4 out of 5", 4.0),
     ],
 )
 def test_parse_score(reply, score):
@@ -138,6 +146,7 @@ def test_an_empty_reply_is_the_models_answer_and_a_refused_request_names_its_sta
         ({"Retry-After": "600"}, [60.0]),  # at most RETRY_AFTER_CAP
         ({"Retry-After": "Wed, 21 Oct 2015 07:28:00 GMT"}, [0.1]),  # a date: the backoff
         ({}, [0.1]),
+        ({"Retry-After": "nan"}, [0.1]),
     ],
 )
 def test_a_refused_request_waits_what_the_server_asks(headers, waited, monkeypatch):

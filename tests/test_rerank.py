@@ -15,13 +15,13 @@ scores = st.lists(st.floats(0, 1), min_size=1, max_size=8)
 def test_beta_extremes_reproduce_one_stage_exactly(first, data):
     reranker = data.draw(st.lists(st.floats(0, 1), min_size=len(first), max_size=len(first)))
     assert combine(first, reranker, 1.0).tolist() == first  # β1 = 1: the retrieval scores alone
-    assert within_article(first, reranker, 0.0).tolist() == first  # β2 = 0: the first stage alone
+    assert within_article(first, reranker, 0.0).tolist() == first  # β2 = 0: the text similarity alone
     assert within_article(first, reranker, 1.0).tolist() == reranker  # β2 = 1: the text reranker alone
 
 
 def test_beta2_weights_the_text_reranker_side():
     first, reranker = [1.0, 0.0], [0.0, 1.0]
-    # the paper's β2 = 0.2: 0.8·first + 0.2·reranker, so the first stage's pick wins
+    # the paper's β2 = 0.2: 0.8·text similarity + 0.2·reranker, so the similarity's pick wins
     assert within_article(first, reranker, 0.2).tolist() == pytest.approx([0.8, 0.2])
     assert int(np.argmax(within_article(first, reranker, 0.2))) == 0
     assert int(np.argmax(within_article(first, reranker, 0.8))) == 1

@@ -138,13 +138,13 @@ def stage_context(args, out: Path, log=print, generate=None, state=None) -> int:
             **judge_settings(args),
         }
     )
-    retrieved = {str(r["id"]): hits_digest(r["hits"]) for r in rows}
+    retrieved = {str(r["id"]): (hits_digest(r["hits"]), len(r["hits"])) for r in rows}
 
     def redo(rec: dict) -> bool:
         """Answered again: a failed judgement (None), or sections retrieved anew since (retrieved.jsonl made again;
-        a record written before digests were kept is taken as it is)."""
-        now = retrieved.get(str(rec["id"]))
-        return None in rec["doc_scores"] or rec.get("hits_digest", now) != now
+        a record written before digests were kept, by its count of sections, as ``label`` checks it)."""
+        digest, count = retrieved.get(str(rec["id"]), (None, None))
+        return None in rec["doc_scores"] or rec.get("hits_digest", digest) != digest or len(rec["doc_scores"]) != count
 
     batches = parts.start(rows, args.batch_size, redo=redo)
     log(f"context, {parts.status}")

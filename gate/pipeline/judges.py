@@ -30,20 +30,28 @@ CORRECTNESS_USER = "## User Query\n{question}\n\n## Reference Answer\n{reference
 # are out of range, not 4 and 1); a reply whose first line is only the number counts too, a list marker does not
 _SCORE = re.compile(r"score[*_\s]*(?:is\s*)?[:=]?[*_\s]*(\d+(?:\.\d+)?)(?!\d)", re.I)
 _ALONE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(?:/\s*5)?\s*(?:\n|$)")
-# the line the prompt asks for, "Score: N" at the start of a line ("**Score (1-5):** 4" too): read before any "score"
-# in the reasoning ("a fully right answer would score 5, but … Score: 2")
-_SCORE_LINE = re.compile(r"^[\s*_#>-]*score[*_\s]*(?:\([^)\n]*\))?[*_\s]*[:=][*_\s]*(\d+(?:\.\d+)?)(?!\d)", re.I | re.M)
+# the verdict line the prompt asks for: "Score: N" at the start of a line ("**Final Score (1-5):** 4", "Overall score
+# = 3" too), read before any "score" in the reasoning ("a fully right answer would score 5, but … Score: 2"); a number
+# on another scale ("4/10", "3 out of 10", "4,5") is not a 1–5 score
+_VERDICT = re.compile(r"^[\s*_#>-]*(?:[A-Za-z]+\s+)?score\b[*_\s]*(?:\([^)\n]*\))?[*_\s]*[:=](.*)$", re.I | re.M)
+_NUMBER = re.compile(r"[*_\s]*(\d+(?:\.\d+)?)(?![.,]\d)(?!\d)(?!\s*(?:/|out\s+of)\s*(?!5(?:\.0)?\b)\d)", re.I)
 _THINKING = re.compile(r"<think>.*?(?:</think>|$)", re.S | re.I)
 
 
 def parse_score(reply: str) -> float | None:
-    """The 1–5 score in a judge reply: a line that starts 'Score: N' (as the prompt asks), else 'score N' anywhere in
-    any of its usual spellings, else a first line that is only the number; a reasoning model's ``<think>`` block is
-    left out. None when there is none: an unreadable or out-of-range reply is never turned into a score."""
+    """The 1–5 score in a judge reply: the last verdict line ('Score: N', 'Final score: N', as the prompt asks), else
+    'score N' anywhere in any of its usual spellings, else a first line that is only the number; a reasoning model's
+    thinking (a ``<think>`` block, or all before a lone ``</think>``) is left out. None when there is none, or when
+    the verdict line holds no 1–5 number ('Score: N/A'): an unreadable reply is never turned into a score."""
     if not isinstance(reply, str):
         return None
+    reply = reply.rsplit("</think>", 1)[-1] if "</think>" in reply.lower() else reply
     reply = _THINKING.sub("", reply)
-    m = _SCORE_LINE.search(reply) or _SCORE.search(reply) or _ALONE.match(reply)
+    verdicts = _VERDICT.findall(reply)
+    if verdicts:
+        m = _NUMBER.match(verdicts[-1])
+    else:
+        m = _SCORE.search(reply) or _ALONE.match(reply)
     if not m:
         return None
     value = float(m.group(1))

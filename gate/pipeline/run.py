@@ -146,7 +146,8 @@ def rag_path(st: Stages, batch: list[dict], images, clock: Clock) -> list[dict]:
                 "query": queries[i],
                 "retrieved": [h.entity_id for h in hits[i]],
                 "gold_rank": ranks[i],
-                "section": chosen[i]["entry_id"],
+                # what the Inspector and generator were shown: the chosen section, or MCT's listed ones (filter, merge)
+                "section": shown[i][0]["entry_id"] if shown[i] == [chosen[i]] else [e["entry_id"] for e in shown[i]],
                 "section_right": any(
                     is_gold_section(e["entity_id"], e.get("section"), r.get("entity_id"), r.get("evidence_section_id"))
                     for e in shown[i]
