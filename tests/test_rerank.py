@@ -87,3 +87,19 @@ def test_a_cross_encoder_score_is_the_sigmoid_of_its_logit_once():
         logits = model.model(**features).logits.float().squeeze(-1).numpy()
     scores = np.concatenate(reranker.score(None, queries, sections))
     np.testing.assert_allclose(scores, 1 / (1 + np.exp(-logits)), atol=1e-5)
+
+
+def test_a_cross_encoder_with_two_labels_is_refused(tmp_path):
+    """A classifier with two outputs gave (n, 2) scores, which the β-weighted sum broadcast and argmax indexed past
+    the article's sections."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    from gate.pipeline.rerank import CrossEncoderReranker
+    from toy.models import tiny_cross_encoder
+
+    config = AutoConfig.from_pretrained(tiny_cross_encoder(), num_labels=2)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(tmp_path / "two")
+    AutoTokenizer.from_pretrained(tiny_cross_encoder()).save_pretrained(tmp_path / "two")
+    with pytest.raises(ValueError, match="a cross-encoder with 2 output labels"):
+        CrossEncoderReranker(str(tmp_path / "two"))
+    assert CrossEncoderReranker("tiny").model.num_labels == 1

@@ -49,6 +49,11 @@ class CrossEncoderReranker:
         path = builder() if builder else name
         self.name = name
         self.model = CrossEncoder(str(path), device=device, model_kwargs={"dtype": resolve_dtype(dtype, device)})
+        if self.model.num_labels != 1:  # (n, 2) scores would broadcast in the β-weighted sum and pick past the article
+            raise ValueError(
+                f"text reranker {name}: a cross-encoder with {self.model.num_labels} output labels; a reranker gives "
+                "one relevance logit per (question, section) pair"
+            )
 
     def score(self, images, queries: list[str], sections: list[list[str]]) -> list[np.ndarray]:
         """sigmoid(logit) per (question, section) pair. ``predict`` gets the identity activation: it applies the
