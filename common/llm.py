@@ -85,6 +85,12 @@ def ask_with_retries(ask, read, retries: int, backoff: float, bad_reply: str):
     return None, reason
 
 
+def request_failed(why) -> bool:
+    """Whether a generator's reason for no answer means no request got one (``REQUEST_FAILED``: the next run asks
+    again), not an answer the model gave empty (``EMPTY_ANSWER``) or a stage's own reason."""
+    return isinstance(why, str) and why.startswith(REQUEST_FAILED)
+
+
 def retry_after(headers) -> float:
     """Seconds a server's ``Retry-After`` asks to wait (a number of seconds; an HTTP date or nothing: 0), at most
     ``RETRY_AFTER_CAP``."""

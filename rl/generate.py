@@ -116,8 +116,9 @@ def generate_vllm(
     import torch
     from vllm import SamplingParams
 
-    s = sampling_settings(sampling) if do_sample else {**NEUTRAL, "temperature": 0.0}
-    penalty = sampling_settings(sampling)["repetition_penalty"]  # kept when greedy, as generate_completions keeps it
+    run = sampling_settings(sampling)
+    s = run if do_sample else {**NEUTRAL, "temperature": 0.0}
+    penalty = run["repetition_penalty"]  # kept when greedy, as generate_completions keeps it
     seeds = torch.randint(0, 2**31 - 1, (len(questions),)).tolist() if do_sample else [None] * len(questions)
     params = [
         SamplingParams(

@@ -121,6 +121,13 @@ def hits_digest(hits: list[dict]) -> str:
     return hashlib.sha1(json.dumps([section_text(h) for h in hits]).encode()).hexdigest()[:16]
 
 
+def answered_other_sections(rec: dict, hits: list[dict]) -> bool:
+    """A context record whose answers were made for other sections than ``hits`` (the retrieval's now): by its
+    digest, or by its count of sections for a record written before digests were kept."""
+    now = hits_digest(hits)
+    return len(rec["doc_scores"]) != len(hits) or rec.get("hits_digest", now) != now
+
+
 def stage_context(args, out: Path, log=print, generate=None, state=None) -> int:
     """One greedy answer per retrieved section (the section in the prompt), judged like the samples."""
     source = out / "retrieved.jsonl"
@@ -138,15 +145,13 @@ def stage_context(args, out: Path, log=print, generate=None, state=None) -> int:
             **judge_settings(args),
         }
     )
-    retrieved = {str(r["id"]): (hits_digest(r["hits"]), len(r["hits"])) for r in rows}
-
-    def redo(rec: dict) -> bool:
-        """Answered again: a failed judgement (None), or sections retrieved anew since (retrieved.jsonl made again;
-        a record written before digests were kept, by its count of sections, as ``label`` checks it)."""
-        digest, count = retrieved.get(str(rec["id"]), (None, None))
-        return None in rec["doc_scores"] or rec.get("hits_digest", digest) != digest or len(rec["doc_scores"]) != count
-
-    batches = parts.start(rows, args.batch_size, redo=redo)
+    hits = {str(r["id"]): r["hits"] for r in rows}
+    # answered again: a failed judgement (None), or sections retrieved anew since (retrieved.jsonl made again)
+    batches = parts.start(
+        rows,
+        args.batch_size,
+        redo=lambda rec: None in rec["doc_scores"] or answered_other_sections(rec, hits.get(str(rec["id"]), [])),
+    )
     log(f"context, {parts.status}")
     if generate is None and batches:
         generate = vlm_answerer(

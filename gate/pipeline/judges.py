@@ -45,8 +45,7 @@ def parse_score(reply: str) -> float | None:
     the verdict line holds no 1–5 number ('Score: N/A'): an unreadable reply is never turned into a score."""
     if not isinstance(reply, str):
         return None
-    reply = reply.rsplit("</think>", 1)[-1] if "</think>" in reply.lower() else reply
-    reply = _THINKING.sub("", reply)
+    reply = _THINKING.sub("", re.split(r"</think>", reply, flags=re.I)[-1])  # after the last closing tag
     verdicts = _VERDICT.findall(reply)
     if verdicts:
         m = _NUMBER.match(verdicts[-1])

@@ -31,7 +31,7 @@ from tqdm import tqdm
 from common.cli import parse, require_file
 from common.files import append_jsonl, completed_ids, read_jsonl, write_json_atomic, write_text_atomic
 from common.job_parts import JobParts
-from common.llm import REQUEST_FAILED, endpoint_generator, text_generator
+from common.llm import endpoint_generator, request_failed, text_generator
 from common.placement import resolve_device
 from common.prompts import wording
 from gate.pipeline.bem import BEMScorer
@@ -155,12 +155,6 @@ def accuracy_table(results: dict[str, dict[str, float]], levels: list[str]) -> s
 
 
 # --------------------------------------------------------------------------- the study
-
-
-def request_failed(why: str | None) -> bool:
-    """A generator's reason for no answer that means no request got one (redone by the next run), not an empty
-    answer the model gave."""
-    return why is not None and why.startswith(REQUEST_FAILED)
 
 
 def load_generator(kind: str, target: str, args: NoiseArgs, prompt: dict, device: str):

@@ -29,7 +29,7 @@ from tqdm import tqdm
 from common.cli import parse
 from common.files import check_unique_ids, pyplot, read_jsonl, save_figure, write_json_atomic, write_text_atomic
 from common.job_parts import JobParts
-from common.llm import REQUEST_FAILED
+from common.llm import request_failed
 from common.placement import job_device, process_state
 from gate.pipeline.arguments import PipelineArgs, check_same_config, validate
 from gate.pipeline.context import section_text
@@ -232,7 +232,7 @@ def unfinished(record: dict) -> bool:
     """A prediction the next run makes again: its image was missing, or an endpoint request failed after its retries
     (``failed`` says so: the server may be back). An empty answer the model gave is an answer, kept."""
     paths = [record.get("alone"), record.get("rag"), (record.get("rag") or {}).get("without_inspector")]
-    return "skipped" in record or any(str((p or {}).get("failed", "")).startswith(REQUEST_FAILED) for p in paths)
+    return "skipped" in record or any(request_failed((p or {}).get("failed")) for p in paths)
 
 
 def run(args: PipelineArgs, log=print, stages: Stages | None = None, state=None) -> dict | None:

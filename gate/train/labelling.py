@@ -12,7 +12,7 @@ from pathlib import Path
 
 from common.files import read_jsonl, write_json_atomic, write_jsonl_atomic
 from common.job_parts import JobParts
-from gate.pipeline.context import hits_digest, section_text
+from gate.pipeline.context import answered_other_sections, section_text
 from gate.train.answer_expansion import EXPANDED_FILE, expanded_targets
 from gate.train.labels import (
     certainty,
@@ -155,21 +155,13 @@ KEEP = (
 )
 
 
-def answered_other_sections(ctx: dict) -> bool:
-    """A context record (its ``hits`` joined from retrieved.jsonl) whose answers were made for other sections: a
-    record written before digests were kept is checked by its count only."""
-    now = hits_digest(ctx["hits"])
-    return len(ctx["doc_scores"]) != len(ctx["hits"]) or ctx.get("hits_digest", now) != now
-
-
 def same_judge(judged: Path, contexts: Path) -> None:
     """srt compares an answer without retrieval (``judged``) with one per section (``contexts``): both must be
     judged by one judge, or a document that changed nothing reads as one that did."""
+    recorded = [JobParts(f).settings_file for f in (judged, contexts)]
     made = [
-        {k: v for k, v in json.loads(JobParts(f).settings_file.read_text()).items() if k in ("judge", "judge_model")}
-        if JobParts(f).settings_file.is_file()
-        else None
-        for f in (judged, contexts)
+        {k: v for k, v in json.loads(r.read_text()).items() if k in ("judge", "judge_model")} if r.is_file() else None
+        for r in recorded
     ]
     if None not in made and made[0] != made[1]:
         raise ValueError(
@@ -206,7 +198,7 @@ def stage_label(args, out: Path, log=print) -> int:
             same_judge(out / "judged.jsonl", ctx_path)
         hits = {str(r["id"]): r["hits"] for r in read_jsonl(out / "retrieved.jsonl")}
         contexts = {str(r["id"]): {**r, "hits": hits.get(str(r["id"]), [])} for r in read_jsonl(ctx_path)}
-        stale = [qid for qid, ctx in contexts.items() if answered_other_sections(ctx)]
+        stale = [qid for qid, ctx in contexts.items() if answered_other_sections(ctx, ctx["hits"])]
         if stale:
             raise ValueError(
                 f"label {args.variant}: {ctx_path} answered {len(stale)} question(s) (first: {', '.join(stale[:3])}) "
