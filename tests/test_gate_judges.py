@@ -32,7 +32,7 @@ from gate.pipeline.judges import LLMJudge, judge_all, make_judge, parse_score
         ("Reasoning: a right answer would score 5.\n**Final score:** 1", 1.0),
         ("Score: N/A\nReasoning: a correct answer would score 5", None),  # the verdict unreadable: no score
         ("Let me draft.\nScore: 5\nWait, the year is wrong.\n</think>\nScore: 2", 2.0),  # only the closing tag
-        ("Score: 5 at first.\n</THINK>\nScore: 2", 2.0),  # the closing tag in capitals
+        ("Draft: Score: 5\n</THINK>\nThe year is wrong, so I give it score 1", 1.0),  # the closing tag in capitals
         ("Score: 4/10", None),  # another scale
         ("Score: 3 out of 10", None),
         ("Score: 4,5", None),
