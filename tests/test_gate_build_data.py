@@ -435,14 +435,57 @@ def test_judged_relevance_refuses_contexts_that_do_not_match_the_retrieval():
     no contexts, or contexts of another retrieval (another number of sections), is named, not taken as "nothing is
     relevant"."""
     from gate.pipeline.consistency import judged_relevance
+    from gate.pipeline.context import hits_digest
 
-    relevance = judged_relevance({"q0": {"doc_scores": [5.0, 1.0, None]}, "q1": {"doc_scores": [5.0]}}, 4.0)
     hits = [{"text": t} for t in "abc"]
+    contexts = {
+        "q0": {"doc_scores": [5.0, 1.0, None], "hits_digest": hits_digest(hits)},
+        "q1": {"doc_scores": [5.0]},
+        "q3": {"doc_scores": [5.0, 5.0, 5.0], "hits_digest": hits_digest([{"text": t} for t in "abd"])},
+    }
+    relevance = judged_relevance(contexts, 4.0)
     assert relevance(None, [{"id": "q0", "hits": hits}]) == [[1.0, 0.0, 0.0]]
-    with pytest.raises(ValueError, match="has 1 answers for question q1, which has 3 retrieved sections"):
+    with pytest.raises(ValueError, match=r"answers for other sections \(1\) for question q1, which has 3 retrieved"):
         relevance(None, [{"id": "q1", "hits": hits}])
     with pytest.raises(ValueError, match="has none for question q2"):
         relevance(None, [{"id": "q2", "hits": hits}])
+    with pytest.raises(ValueError, match=r"other sections \(3\) for question q3"):  # as many, but not these
+        relevance(None, [{"id": "q3", "hits": hits}])
+
+
+def test_consistency_is_made_again_for_sections_retrieved_since_and_label_refuses_stale_records(tiny_world, tmp_path):
+    """consistency.jsonl kept the P(Rel) and summary of an earlier retrieval's sections when retrieve ran again (same
+    k), and label mct joined them to the new sections' texts: such a record is made again, and label refuses one."""
+    from common.files import read_jsonl, write_jsonl_atomic
+    from gate.pipeline.consistency import stage_consistency
+
+    image = str(next((tiny_world / "images").glob("*.png")))
+    hit = lambda text: {"title": "T", "section_title": "S", "text": text, "entity_id": "E1", "section": 0}  # noqa: E731
+    retrieved = [
+        {"id": "q0", "question": "Which?", "answers": ["red"], "image_path": image, "hits": [hit(t) for t in "abc"]}
+    ]
+    write_jsonl_atomic(tmp_path / "retrieved.jsonl", retrieved)
+    asked = []
+
+    def summarise(images, texts, sample):
+        asked.extend(texts)
+        return [f"summary {len(asked)}"] * len(texts)
+
+    args = BuildDataArgs(stage="consistency", out=str(tmp_path), model="stub", mct_negative_ratio=0.0)
+    relevance = lambda images, batch: [[0.9, 0.8, 0.1] for _ in batch]  # noqa: E731
+    run = lambda: stage_consistency(args, tmp_path, relevance=relevance, summarise=summarise, **QUIET)  # noqa: E731
+    assert run() == 1 and run() == 0 and len(asked) == 1
+    write_jsonl_atomic(tmp_path / "retrieved.jsonl", [{**retrieved[0], "hits": [hit(t) for t in "dbc"]}])
+    stale = list(read_jsonl(tmp_path / "consistency.jsonl"))
+    assert run() == 1 and "T - S: d" in asked[-1]
+    (made,) = read_jsonl(tmp_path / "consistency.jsonl")
+    assert made["summary"] == "summary 2"
+    build(BuildDataArgs(stage="label", out=str(tmp_path), variant="mct", mct_negative_ratio=0.0), **QUIET)
+    (label,) = read_jsonl(tmp_path / "labels-mct.jsonl")
+    assert label["summary"] == "summary 2" and "T - S: d" in label["context"]
+    write_jsonl_atomic(tmp_path / "consistency.jsonl", stale)
+    with pytest.raises(ValueError, match=r"made 1 question\(s\) \(first: q0\) for other sections"):
+        build(BuildDataArgs(stage="label", out=str(tmp_path), variant="mct", mct_negative_ratio=0.0), **QUIET)
 
 
 def test_context_answers_are_made_again_for_failed_judgements_and_sections_retrieved_since(

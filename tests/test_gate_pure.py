@@ -145,6 +145,10 @@ def test_kbm_accuracy_label(correct, tau, search):
         (["x"] * 3 + ["y"], 1 - (-(0.75 * math.log(0.75) + 0.25 * math.log(0.25))) / math.log(4)),
         (["x"] * 2 + ["y"] * 2, 0.5),  # two clusters of two among four answers: H = log 2, Hmax = log 4
         (["x"] * 29 + ["y"], 1 - (-(29 / 30 * math.log(29 / 30) + 1 / 30 * math.log(1 / 30))) / math.log(30)),
+        ([""] * 30, 0.0),  # no answer agrees with another non-answer: all normalised to "" was certainty 1.0
+        (["", "the", "A", "an", "..."] * 6, 0.0),
+        ([""], 0.0),
+        (["x", "x", "", ""], 1 - (-(0.5 * math.log(0.5) + 2 * 0.25 * math.log(0.25))) / math.log(4)),
     ],
 )
 def test_certainty(answers, expected):
@@ -159,11 +163,11 @@ def test_kbm_certainty_label_polarity():
         certainty([])
 
 
-@given(st.lists(st.sampled_from(["a", "b", "c", "d"]), min_size=1, max_size=40))
+@given(st.lists(st.sampled_from(["x", "y", "z", "", "the"]), min_size=1, max_size=40))
 def test_certainty_in_unit_interval_and_one_iff_unanimous(answers):
     c = certainty(answers)
     assert 0.0 <= c <= 1.0
-    assert (c == 1.0) == (len(set(answers)) == 1)
+    assert (c == 1.0) == (len(set(answers)) == 1 and answers[0] in ("x", "y", "z"))  # "" and "the": no answer
 
 
 # ---------------------------------------------------------------- MMKB and Inspector labels

@@ -28,7 +28,8 @@ class PipelineArgs:
         default=None,
         metadata={
             "help": "scoring threshold γ on the gate's probability (default 0.5; the KBM label threshold τ is a "
-            "separate build_data setting) or ε for skb (default 3)"
+            "separate build_data setting), or for skb t on its expected digit 1–5 (default 3; search at or above "
+            "t; its held-out truth, target 6 − mean > t, is hkb's label at ε = 6 − t)"
         },
     )
     answerer: str = field(default=None, metadata={"help": "the VLM that answers without retrieval"})

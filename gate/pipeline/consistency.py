@@ -23,7 +23,7 @@ from tqdm import tqdm
 from common.files import read_jsonl
 from common.job_parts import JobParts
 from common.placement import job_device
-from gate.pipeline.context import section_text, vlm_answerer
+from gate.pipeline.context import answered_other_sections, hits_digest, section_text, vlm_answerer
 from gate.pipeline.rerank import FirstTokenReranker
 from gate.scoring import gate_of, generate_parsed
 from gate.variants import numbered_documents
@@ -41,20 +41,20 @@ SUMMARY_SYSTEM = (
 
 def judged_relevance(contexts: dict, correct_score: float):
     """P(Rel) without an srt gate: 1.0 for a document whose answer was judged correct, else 0.0 (a judge that failed
-    on it included). A question whose contexts are missing, or hold another number of answers than it has retrieved
-    sections (contexts of an earlier retrieval), is an error naming it, not a question with nothing relevant."""
+    on it included). A question whose contexts are missing, or were answered for other sections than it has retrieved
+    now (contexts of an earlier retrieval), is an error naming it, not a question with nothing relevant."""
 
     def relevance(images, batch):
         out = []
         for r in batch:
-            scores = (contexts.get(str(r["id"])) or {}).get("doc_scores")
-            if scores is None or len(scores) != len(r["hits"]):
-                found = "none" if scores is None else f"{len(scores)} answers"
+            context = contexts.get(str(r["id"]))
+            if context is None or answered_other_sections(context, r["hits"]):
+                found = "none" if context is None else f"answers for other sections ({len(context['doc_scores'])})"
                 raise ValueError(
                     f"consistency: contexts.jsonl has {found} for question {r['id']}, which has {len(r['hits'])} "
-                    "retrieved sections: run --stage context again (into a fresh contexts.jsonl) after --stage retrieve"
+                    "retrieved sections now: run --stage context again after --stage retrieve"
                 )
-            out.append([1.0 if s is not None and s >= correct_score else 0.0 for s in scores])
+            out.append([1.0 if s is not None and s >= correct_score else 0.0 for s in context["doc_scores"]])
         return out
 
     return relevance
@@ -101,7 +101,14 @@ def stage_consistency(args, out: Path, log=print, relevance=None, summarise=None
             "summary_max_new_tokens": args.summary_max_new_tokens,
         }
     )
-    batches = parts.start(rows, args.batch_size)
+    hits = {str(r["id"]): r["hits"] for r in rows}
+    # made again: a question retrieved anew since (retrieved.jsonl made again), whose P(Rel) and summary were of
+    # other sections
+    batches = parts.start(
+        rows,
+        args.batch_size,
+        redo=lambda rec: answered_other_sections(rec, hits.get(str(rec["id"]), []), per_section="rel_probs"),
+    )
     origin = f"srt gate {args.srt_gate}" if args.srt_gate else "judged answers"
     log(f"consistency, {parts.status}; relevance from {origin}, γ = {args.mct_gamma}")
     if batches:
@@ -134,6 +141,7 @@ def stage_consistency(args, out: Path, log=print, relevance=None, summarise=None
                     "rel_probs": p,
                     "relevance": origin,
                     "summary": summaries[i].strip() if i in summaries else None,
+                    "hits_digest": hits_digest(r["hits"]),
                 }
                 for i, (r, p) in enumerate(zip(batch, probs))
             ]

@@ -121,11 +121,12 @@ def hits_digest(hits: list[dict]) -> str:
     return hashlib.sha1(json.dumps([section_text(h) for h in hits]).encode()).hexdigest()[:16]
 
 
-def answered_other_sections(rec: dict, hits: list[dict]) -> bool:
-    """A context record whose answers were made for other sections than ``hits`` (the retrieval's now): by its
-    digest, or by its count of sections for a record written before digests were kept."""
+def answered_other_sections(rec: dict, hits: list[dict], per_section: str = "doc_scores") -> bool:
+    """A record (contexts.jsonl; consistency.jsonl with ``per_section="rel_probs"``) made for other sections than
+    ``hits`` (the retrieval's now): by its digest, or by its count of sections for a record written before digests
+    were kept."""
     now = hits_digest(hits)
-    return len(rec["doc_scores"]) != len(hits) or rec.get("hits_digest", now) != now
+    return len(rec[per_section]) != len(hits) or rec.get("hits_digest", now) != now
 
 
 def stage_context(args, out: Path, log=print, generate=None, state=None) -> int:

@@ -99,7 +99,7 @@ class BuildDataArgs:
         default="greedy",
         metadata={
             "help": "ret/srt labels: did the VLM answer right without retrieval — greedy (MMKB-RAG: its one greedy "
-            "answer, judged) or sampled-majority (most of the R judged samples)",
+            "answer, judged) or sampled-majority (at least half of the R judged samples right)",
             "choices": ALONE_RULES,
         },
     )

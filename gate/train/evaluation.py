@@ -121,7 +121,11 @@ class ScoringArgs:
     data: str = field(default=None, metadata={"help": "rendered rows (gate.train.build_data --stage render)"})
     out: str = field(default=None, metadata={"help": "folder for scores.jsonl, metrics.json, sweep.csv, sweep.png"})
     threshold: float = field(
-        default=None, metadata={"help": "scoring threshold γ (binary, default 0.5) or ε (skb, default 3)"}
+        default=None,
+        metadata={
+            "help": "scoring threshold γ (binary, default 0.5), or t on skb's expected digit (default 3; its "
+            "truth: target > t, a mean judge score below 6 − t)"
+        },
     )
     batch_size: int = field(default=16, metadata={"help": "examples per forward pass"})
     device: str = field(default=None, metadata={"help": "cuda / cuda:N / cpu (default: this process's own)"})

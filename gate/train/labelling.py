@@ -51,7 +51,8 @@ def has_gold(rec: dict) -> bool:
 
 def correct_alone(rec: dict, correct_score: float, rule: str = "sampled-majority") -> bool | None:
     """Did the VLM answer correctly without retrieval: its one greedy answer scores ≥ ``correct_score`` (``greedy``,
-    MMKB-RAG's definition), or most of its judged samples do (``sampled-majority``); None when unknown."""
+    MMKB-RAG's definition), or at least half its judged samples do (``sampled-majority``: 15 of 30 is right, as hkb
+    at ε = 3 calls a mean of exactly 3 known); None when unknown."""
     if rule == "greedy":
         if "greedy_score" not in rec:
             raise ValueError(
@@ -190,6 +191,17 @@ def stage_label(args, out: Path, log=print) -> int:
                 "--stage consistency into another --out"
             )
         contexts = {str(r["id"]): r for r in read_jsonl(cons_path)}
+        hits = {str(r["id"]): r["hits"] for r in read_jsonl(source)}
+        stale = [
+            qid
+            for qid, cons in contexts.items()
+            if qid in hits and answered_other_sections(cons, hits[qid], per_section="rel_probs")
+        ]
+        if stale:
+            raise ValueError(
+                f"label mct: {cons_path} made {len(stale)} question(s) (first: {', '.join(stale[:3])}) for other "
+                f"sections than {source} holds now (retrieved again since): run --stage consistency again"
+            )
     elif args.variant == "srt" or (args.variant == "inspector" and args.inspector_check_answer):
         ctx_path = out / "contexts.jsonl"
         if not ctx_path.is_file():

@@ -62,13 +62,15 @@ def certainty(answers) -> float:
     """C = 1 − H/Hmax over the clusters of normalised answers (H: entropy of the cluster shares; Hmax = log n, the
     entropy of n answers that all differ); 1.0 when every answer falls in one cluster. (Hmax = log k for k clusters
     would measure how evenly the answers split, not how sure the model is: 29 of 30 answers agreeing would score
-    0.79, below τ = 0.9; here 0.96.)"""
-    clusters = Counter(normalize_answer(a) for a in answers)
+    0.79, below τ = 0.9; here 0.96.) An answer that normalises to nothing ("", "the", "...") agrees with no other:
+    a model that answers nothing 30 times is not certain of anything."""
+    keys = [normalize_answer(a) or (None, i) for i, a in enumerate(answers)]  # each non-answer its own cluster
+    clusters = Counter(keys)
     n, k = sum(clusters.values()), len(clusters)
     if n == 0:
         raise ValueError("certainty needs at least one answer")
     if k == 1:
-        return 1.0
+        return 1.0 if isinstance(keys[0], str) else 0.0
     entropy = -sum((c / n) * math.log(c / n) for c in clusters.values())
     return max(0.0, min(1.0, 1.0 - entropy / math.log(n)))
 

@@ -109,8 +109,8 @@ def output_section(variant: str, verbalisers) -> str:
     if variant == "skb":
         return (
             f"One digit, {', '.join(f'`{v}`' for v in verbs)} (1 = certainly known, 5 = certainly search). Its "
-            "score is the expected digit under the first answer token's probabilities over those digits, "
-            f"compared with ε (default {format_value(float(DEFAULT_THRESHOLDS['skb']))}): search at or above it."
+            "score is the expected digit under the first answer token's probabilities over those digits, compared "
+            f"with the threshold t (default {format_value(float(DEFAULT_THRESHOLDS['skb']))}): search at or above it."
         )
     if variant == "mct":
         return 'JSON `{"consistent": [document numbers], "summary": "…"}`, generated and parsed.'
