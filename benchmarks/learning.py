@@ -4,8 +4,9 @@
 
 Each seed runs `make demo ARGS="--seed S --output_dir <out>/seedS --run_name …"`: the embedded default exactly as
 `make demo` launches it (two CPU processes over gloo), in its own output folder (the toy world and index are shared and
-built by the first run if missing; a folder holding a finished warm start of the same seed reuses it, so delete
-<out> for honest wall times). Its output goes to <out>/seedS/run.log; the learning table is read from learning.json
+built by the first run if missing, inside its wall time: the first seed's "wall s" includes that build unless
+outputs/toyworld exists; a folder holding a finished warm start of the same seed reuses it (its "warm start s" is —,
+left out of the mean), so delete <out> for honest wall times). Its output goes to <out>/seedS/run.log; the learning table is read from learning.json
 and the phase times from the one-line summaries in the log.
 
 Prints per seed and as mean (min – max):
@@ -78,6 +79,8 @@ def print_table(title: str, rows: list[dict], part: str) -> None:
     cols = list(rows[0][part])
 
     def fmt(c, v):
+        if v != v:  # NaN: the phase did not run (a reused warm start)
+            return "—"
         return f"{v:.2f}" if c in ("cores busy", "GRPO attribute words / query") else f"{v:.1f}"
 
     print(f"\n{title}\n")
@@ -88,8 +91,10 @@ def print_table(title: str, rows: list[dict], part: str) -> None:
     if len(rows) > 1:
         cells = []
         for c in cols:
-            vals = [r[part][c] for r in rows]
-            cells.append(f"{fmt(c, sum(vals) / len(vals))} ({fmt(c, min(vals))} – {fmt(c, max(vals))})")
+            vals = [v for v in (r[part][c] for r in rows) if v == v]  # the seeds where the phase ran
+            cells.append(
+                f"{fmt(c, sum(vals) / len(vals))} ({fmt(c, min(vals))} – {fmt(c, max(vals))})" if vals else "—"
+            )
         print("| mean (min – max) | " + " | ".join(cells) + " |")
 
 

@@ -29,6 +29,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common.placement import usable_cores  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 ISA_VARIABLES = {  # each library's own switch, as each spells the level
     "avx2": {
@@ -62,6 +65,27 @@ def cpu_cgroup(name: str, cpus: float, period_us: int) -> Path:
     raise RuntimeError("no cgroup with a cpu controller under /sys/fs/cgroup")
 
 
+def available_cpus() -> float:
+    """The CPUs this process may use: the cores it may run on (not the host's count), capped by its own cgroup's
+    quota when it has one (a container's: a quota for the suite above it would slow nothing)."""
+    cpus = float(usable_cores())
+    for line in Path("/proc/self/cgroup").read_text().splitlines() if Path("/proc/self/cgroup").exists() else []:
+        hierarchy, controllers, path = line.split(":", 2)
+        if hierarchy == "0" and controllers == "":  # v2
+            limit = Path("/sys/fs/cgroup") / path.lstrip("/") / "cpu.max"
+            quota, _, period = limit.read_text().partition(" ") if limit.exists() else ("max", "", "")
+        elif "cpu" in controllers.split(","):  # v1
+            folder = Path("/sys/fs/cgroup/cpu") / path.lstrip("/")
+            if not (folder / "cpu.cfs_quota_us").exists():
+                continue
+            quota, period = [(folder / name).read_text() for name in ("cpu.cfs_quota_us", "cpu.cfs_period_us")]
+        else:
+            continue
+        if quota.strip() not in ("max", "-1") and period.strip():
+            cpus = min(cpus, int(quota) / int(period))
+    return cpus
+
+
 def throttled(stat: Path) -> str:
     fields = dict(line.split() for line in stat.read_text().splitlines())
     periods, hit = int(fields.get("nr_periods", 0)), int(fields.get("nr_throttled", 0))
@@ -86,7 +110,7 @@ def main():
     args = parser.parse_args()
     if args.slowdown < 1:
         parser.error(f"--slowdown {args.slowdown}: must be ≥ 1 (a quota cannot make the machine faster)")
-    cores = os.cpu_count() or 1
+    cores = available_cpus()  # affinity and this process's own quota, not the host's count
     cpus = cores / args.slowdown
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **ISA_VARIABLES[args.isa]}
     group = None
@@ -99,7 +123,7 @@ def main():
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=10", *args.pytest_args]
     log = ROOT / args.log
     log.parent.mkdir(parents=True, exist_ok=True)
-    print(f"running {' '.join(command[1:])} on {cores} cores held to {args.isa}, quota {cpus:.2f} CPUs")
+    print(f"running {' '.join(command[1:])} on {cores:g} CPUs held to {args.isa}, quota {cpus:.2f} CPUs")
     start = time.perf_counter()
     with open(log, "w") as out:
         rc = subprocess.run(
@@ -115,7 +139,7 @@ def main():
             print(f"note: {group} is left behind ({e}): a process the suite started is still running")
     c = found["counts"]
     print(f"\n{found['machine']}\n")
-    print(f"| ISA | CPUs (of {cores}) | wall s | passed | failed | skipped | throttled | pytest exit |")
+    print(f"| ISA | CPUs (of {cores:g}) | wall s | passed | failed | skipped | throttled | pytest exit |")
     print("|---|---|---|---|---|---|---|---|")
     print(
         f"| {args.isa} | {cpus:.2f} | {wall:.0f} | {c.get('passed', 0)} | "

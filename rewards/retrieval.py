@@ -57,8 +57,10 @@ class RetrievalReward:
         self.image_cache: dict[str, np.ndarray] = {}  # image key (path or pixel hash) → embedding
         self.text_cache: dict[str, np.ndarray] = {}
         self.text_cache_size = 200_000
-        self.last: list[dict] = []  # the latest call's per-completion details (for tables)
-        self.images: dict[str, object] = {}  # the latest call's images by image key (for tables)
+        # the latest training call's per-completion details and images by image key (the monitor's tables: an
+        # evaluation's completions, scored between two training steps, do not replace them)
+        self.last: list[dict] = []
+        self.images: dict[str, object] = {}
         self.completions_log = completions_log  # a JSONL file every scored completion is appended to, or None
         self.trainer = None  # set by follow(): its model's training flag tells evaluation calls apart
         self.totals: dict[str, dict[str, list[float]]] = {}  # mode → metric → [sum, count] since the last take
@@ -141,7 +143,8 @@ class RetrievalReward:
         ]
         rewards = [r if math.isfinite(r) else self.miss for r in rewards]
         questions = kwargs.get(self.question_field)
-        self.last = [
+        mode = self.mode()
+        scored = [
             dict(
                 query=q,
                 rank=r,
@@ -153,18 +156,18 @@ class RetrievalReward:
             )
             for j, (q, r, w, e, i, k) in enumerate(zip(queries, ranks, rewards, entity_id, ids, keys))
         ]
-        self.images = dict(zip(keys, images))
+        if mode == "train":
+            self.last, self.images = scored, dict(zip(keys, images))
         if self.completions_log is not None:
+            # the step as log_history numbers it: a training step's completions are scored while global_step is
+            # still the one before; an evaluation runs after the step it is logged under
             state = kwargs.get("trainer_state")
-            step = None if state is None else state.global_step + 1
+            step = None if state is None else state.global_step + (mode == "train")
             append_jsonl(
                 self.completions_log,
-                [
-                    {"step": step, "mode": self.mode(), **{k: v for k, v in r.items() if k != "question"}}
-                    for r in self.last
-                ],
+                [{"step": step, "mode": mode, **{k: v for k, v in r.items() if k != "question"}} for r in scored],
             )
-        totals = self.totals.setdefault(self.mode(), {})
+        totals = self.totals.setdefault(mode, {})
         for name, values in completion_metrics(queries, ranks, questions).items():
             total = totals.setdefault(name, [0.0, 0])
             total[0] += sum(values)

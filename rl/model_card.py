@@ -77,7 +77,23 @@ def _tiers(args: dict) -> tuple:
     return parse_tiers(args["reward_tiers"]) if args.get("reward_tiers") else DEFAULT_TIERS
 
 
-def reward_section(args: dict) -> str:
+def combination(optimisation: dict) -> str:
+    """How TRL combined the two rewards into the one GRPO compares (format first, as the trainer passes them)."""
+    weights = optimisation.get("reward_weights") or [1.0, 1.0]
+    if optimisation.get("multi_objective_aggregation") == "normalize_then_sum":
+        return (
+            f"the sum of two rewards, each first normalised within the question's group of completions, weighted "
+            f"{format_value(float(weights[0]))} (format) and {format_value(float(weights[1]))} (retrieval)"
+        )
+    if list(map(float, weights)) == [1.0, 1.0]:
+        return "the sum of two rewards"
+    return (
+        f"a weighted sum of two rewards: {format_value(float(weights[0]))} × format + "
+        f"{format_value(float(weights[1]))} × retrieval"
+    )
+
+
+def reward_section(args: dict, optimisation: dict | None = None) -> str:
     valid = args.get("format_valid_reward", VALID_REWARD)
     invalid = args.get("format_invalid_reward", INVALID_REWARD)
     max_tokens = args.get("max_query_tokens", MAX_QUERY_TOKENS)
@@ -89,7 +105,8 @@ def reward_section(args: dict) -> str:
         f"| {lo}–{hi} | {format_value(float(r))} |\n" for lo, hi, r in tiers
     )
     return (
-        "Each sampled completion earns the sum of two rewards (GRPO compares the completions of one question):\n\n"
+        f"Each sampled completion earns {combination(optimisation or {})} (GRPO compares the completions of one "
+        "question):\n\n"
         f"- **Format**: {format_value(float(valid))} when the output has the format above and its query is at most "
         f"{max_tokens} tokens, {format_value(float(invalid))} otherwise.\n"
         "- **Retrieval (rank tiers)**: the query, with the question's image, searches the index; the reward depends "
@@ -162,6 +179,15 @@ def refiner_card(
         f"- Training step: {format_value(step)}",
         f"- Training precision: {format_value(record.get('precision'))}",
     ]
+    opt = record.get("optimisation")
+    if opt:
+        lr = opt.get("learning_rate")
+        model += [
+            f"- GRPO: {format_value(opt.get('num_generations'))} completions per question, learning rate "
+            f"{'—' if lr is None else f'{float(lr):g}'}, β (KL) "
+            f"{format_value(opt.get('beta'))}, loss `{opt.get('loss_type')}`, rewards scaled by "
+            f"`{opt.get('scale_rewards')}`, max steps {format_value(opt.get('max_steps'))}"
+        ]
     if export is not None:
         model += [
             f"- Exported from `{format_value(export.get('source'))}` in {format_value(export.get('dtype'))}, "
@@ -203,7 +229,7 @@ def refiner_card(
     sections = [
         ("Model", "\n".join(model)),
         ("Task", task),
-        ("Reward", reward_section(args)),
+        ("Reward", reward_section(args, record.get("optimisation"))),
         ("Index", index_section(record.get("index") or {})),
         ("Held-out evaluation", evaluation),
         ("Use", usage_section(record, folder, export)),

@@ -135,17 +135,18 @@ class TimedReward:
         self.seconds = 0.0
         self.seconds_outside_steps = 0.0
         self.in_step = False
-        self.last: list[float] = []
+        self.last: list[float] = []  # the latest training step's rewards (the table's; not an evaluation's)
 
     def __call__(self, *args, **kwargs):
         t0 = time.perf_counter()
-        self.last = self.func(*args, **kwargs)
+        rewards = self.func(*args, **kwargs)
         elapsed = time.perf_counter() - t0
         if self.in_step:
             self.seconds += elapsed
+            self.last = rewards
         else:
             self.seconds_outside_steps += elapsed
-        return self.last
+        return rewards
 
 
 def image_label(key: str) -> str:
@@ -298,8 +299,10 @@ class RefinerMonitor(TrainerCallback):
         # process 0's completions of the step (1/N of them with N processes: a sample, like the table; the hit@k
         # metrics are pooled over every process)
         ranks = [(self.retrieval.depth + 1) if x["rank"] is None else x["rank"] for x in self.retrieval.last]
+        # "refined_queries", not "completions": TRL's own table (log_completions) is logged under that name
         wandb.log(
-            {"completions": table, "completion_images": images, "rank_histogram": wandb.Histogram(ranks)}, commit=False
+            {"refined_queries": table, "completion_images": images, "rank_histogram": wandb.Histogram(ranks)},
+            commit=False,
         )
 
     # -------------------------------------------------------------- end of training

@@ -37,7 +37,7 @@ def train(config, tmp_path, name, **kw):
 
 
 def test_full_fine_tune_round_trip(config, tmp_path, tiny_refiner):
-    run = train(config, tmp_path, "full")
+    run = train(config, tmp_path, "full", reward_weights=[0.5, 2.0])
     out = export(ExportArgs(checkpoint=str(run), out=str(tmp_path / "serve"), dtype="fp32"), **QUIET)
     trained, exported = weights(run / "checkpoint-1"), weights(out)
     assert set(trained) == set(exported)
@@ -55,6 +55,7 @@ def test_full_fine_tune_round_trip(config, tmp_path, tiny_refiner):
     assert f"python -m rl.refine --model {out.resolve()}" in card and "No held-out figures" in card
     for folder in (run, run / "final"):  # the run's, over the card TRL wrote at its checkpoint
         assert "python -m rl.export" in our_card(folder, tiny_refiner)
+    assert "0.5 × format + 2 × retrieval" in card and "- GRPO: 4 completions per question" in card  # as TRL trained
     assert ex.step_and_metrics(run / "final")[0] == 1  # final, exported, says its step too (save_model writes none)
 
 

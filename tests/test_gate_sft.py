@@ -127,6 +127,7 @@ def test_two_sft_steps_change_lora_weights_not_the_vision_tower(
     assert yaml.safe_load(card.split("---\n")[1])["base_model"] == str(tiny_gate_vlm)
     assert f"- Variant: `{variant}`" in card and all(f"`{v}`" in card or f'"{v}"' in card for v in s["verbalisers"])
     assert f"| accuracy | {format_value(metrics['accuracy'])} |" in card and "load_gate(" in card
+    assert "vision tower frozen; a LoRA adapter (r = 4) merged into the weights; learning rate 0.05, 2 steps" in card
 
 
 @pytest.mark.parametrize(

@@ -215,6 +215,43 @@ def test_refiner_card(record, metrics, export, present, absent):
     assert_no_placeholder(card)
 
 
+OPTIMISATION = {
+    "reward_weights": None,
+    "multi_objective_aggregation": "sum_then_normalize",
+    "scale_rewards": "group",
+    "num_generations": 8,
+    "learning_rate": 1e-6,
+    "beta": 0.0,
+    "loss_type": "dapo",
+    "max_steps": 300,
+}
+
+
+@pytest.mark.parametrize(
+    "optimisation,says",
+    [
+        ({}, "earns the sum of two rewards (GRPO"),
+        (OPTIMISATION, "earns the sum of two rewards (GRPO"),
+        ({**OPTIMISATION, "reward_weights": [1.0, 1.0]}, "earns the sum of two rewards (GRPO"),
+        ({**OPTIMISATION, "reward_weights": [0.5, 2.0]}, "earns a weighted sum of two rewards: 0.5 × format + 2 × "),
+        (
+            {**OPTIMISATION, "multi_objective_aggregation": "normalize_then_sum"},
+            "each first normalised within the question's group of completions, weighted 1 (format) and 1 (retrieval)",
+        ),
+    ],
+)
+def test_the_card_says_how_trl_combined_the_rewards_and_the_updates_settings(optimisation, says):
+    """TRL trains on reward_weights · rewards (or on each reward normalised per group first); the card said "the sum
+    of two rewards" whatever the run's weights, and nothing of its learning rate or group size."""
+    card = refiner_card(run_record() | {"optimisation": optimisation}, EVAL, name="r", step=2, folder="/f")
+    assert says in card
+    if optimisation:
+        assert "- GRPO: 8 completions per question, learning rate 1e-06, β (KL) 0, loss `dapo`" in card
+        assert "rewards scaled by `group`, max steps 300" in card
+    else:
+        assert "- GRPO:" not in card
+
+
 def test_refiner_card_says_what_the_record_lacks():
     card = refiner_card({}, None, name="r", step=None, folder="/f")
     assert "base_model" not in meta_of(card) and "Base model: `—`" in card and "No held-out figures" in card
@@ -290,6 +327,26 @@ def test_gate_card(variant, metrics, present):
     assert ("No held-out figures" in card) == (metrics is None)
     assert "| variant |" not in card
     assert_no_placeholder(card)
+
+
+@pytest.mark.parametrize(
+    "training,says",
+    [
+        (None, "merged into the weights (settings not recorded)"),
+        (
+            {"freeze_vision_tower": False, "lora_r": None, "learning_rate": 1e-5, "global_step": 300},
+            "vision tower trained too; every weight trained (full fine-tune); learning rate 1e-05, 300 steps",
+        ),
+        (
+            {"freeze_vision_tower": True, "lora_r": 16, "learning_rate": 2e-4, "global_step": 12},
+            "vision tower frozen; a LoRA adapter (r = 16) merged into the weights; learning rate 0.0002, 12 steps",
+        ),
+    ],
+)
+def test_the_gate_card_says_how_the_weights_were_trained(training, says):
+    """The card said "vision tower frozen" also of a gate trained with freeze_vision_tower false."""
+    card = gate_card(gate_info("hkb") | {"training": training}, None, name="hkb", folder="/o/hkb/final")
+    assert says in card and ("vision tower frozen" in card) == (training is not None and training["lora_r"] == 16)
 
 
 def test_every_variant_has_a_description():

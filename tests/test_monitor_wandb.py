@@ -89,7 +89,7 @@ def test_offline_run_holds_table_rows_and_captioned_images(tmp_path, monkeypatch
     finished_writing(wandb)
     (run_dir,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*"))
     media = Path(run_dir) / "files" / "media"
-    (table_file,) = (media / "table").glob("completions_*.table.json")
+    (table_file,) = (media / "table").glob("refined_queries_*.table.json")
     table = json.loads(table_file.read_text())
     assert table["columns"][:2] == ["step", "image"] and len(table["data"]) == 4
     assert [row[1] for row in table["data"]] == [r["image_key"] for r in last] and "Image" not in table["data"][0]
@@ -160,12 +160,13 @@ def test_a_grpo_run_logged_offline_reads_back(config, tmp_path, monkeypatch):
             "reward",
         ):
             assert h[f"train/{key}"] == pytest.approx(logged[step][key], abs=1e-6), (step, key)
-    tables = [h for h in history if "completions/path" in h]
+    tables = [h for h in history if "refined_queries/path" in h]
     assert len(tables) == 2  # one table per step (log_table_steps 1)
     run_files = run_dir / "files"
-    table = json.loads((run_files / tables[-1]["completions/path"]).read_text())
+    table = json.loads((run_files / tables[-1]["refined_queries/path"]).read_text())
     assert (
-        table["columns"][:3] == ["step", "image", "question"] and len(table["data"]) == tables[-1]["completions/nrows"]
+        table["columns"][:3] == ["step", "image", "question"]
+        and len(table["data"]) == tables[-1]["refined_queries/nrows"]
     )
     assert all(row[1].endswith(".png") and not row[1].startswith("path:") for row in table["data"])
     images = tables[-1]

@@ -13,7 +13,7 @@ from rewards.retrieval import batch_metrics
 G = 4  # generations per prompt
 
 
-def trl_call(reward, rows, completions, images, **extra):
+def trl_call(reward, rows, completions, images, trainer_state=None, **extra):
     """Mimic GRPOTrainer._calculate_rewards: every column but prompt, repeated G times, plus TRL's extras."""
     rep = lambda xs: [x for x in xs for _ in range(G)]  # noqa: E731
     logged = {}
@@ -26,7 +26,7 @@ def trl_call(reward, rows, completions, images, **extra):
         question=rep([r["question"] for r in rows]),
         answers=rep([r["answers"] for r in rows]),
         image=rep(images),
-        trainer_state=None,
+        trainer_state=trainer_state,
         log_extra=lambda *a: None,
         log_metric=lambda k, v: logged.setdefault(k, []).append(v),
         **extra,
@@ -217,3 +217,52 @@ def test_the_completions_tables_top3_comes_from_the_exact_ranker_where_it_ranks(
     monkeypatch.setattr(tiny_index.faiss, "search", lambda *a: pytest.fail("FAISS searched"), raising=False)
     by_exact = [r["top3"] for r in monitor.rows()]
     assert by_exact == by_faiss and len(by_exact) == len(queries) and all(len(t) == 3 for t in by_exact)
+
+
+def test_an_evaluation_between_steps_leaves_the_table_its_training_completions(tiny_index, batch, tmp_path):
+    """TRL reuses a generation for steps_per_generation steps and evaluates between them: the monitor's table at the
+    next step showed the evaluation's completions (the reward and the format reward kept the latest call's, eval or
+    not)."""
+    from types import SimpleNamespace
+
+    from rl.monitor import RefinerMonitor, TimedReward
+
+    rows, images = batch
+    reward = RetrievalReward(tiny_index, alpha=0.3)
+    model = SimpleNamespace(training=True)
+    reward.follow(SimpleNamespace(model=model))
+    n = len(rows) * G
+    fmt = TimedReward(lambda **k: [1.0] * n if model.training else [-4.0] * n)
+    monitor = RefinerMonitor(reward, fmt, [fmt], table_steps=1, output_dir=str(tmp_path))
+    monitor.on_step_begin(None, None, None)  # step 5 (global_step 4 while it runs)
+    trl_call(reward, rows, [format_completion(f"train {i}") for i in range(n)], images)
+    fmt(completions=["x"] * n)
+    monitor.on_step_end(
+        SimpleNamespace(reward_weights=None, report_to=[]),
+        SimpleNamespace(global_step=5, is_world_process_zero=False),
+        None,
+    )
+    model.training = False  # the evaluation after step 5
+    trl_call(reward, rows, [format_completion(f"eval {i}") for i in range(n)], images)
+    fmt(completions=["x"] * n)
+    table = monitor.rows()
+    assert [r["query"] for r in table] == [f"train {i}" for i in range(n)]
+    assert [r["format_reward"] for r in table] == [1.0] * n
+
+
+def test_the_completions_log_numbers_steps_as_log_history_does(tiny_index, batch, tmp_path):
+    """An evaluation after step N was numbered N + 1 in completions.rank<R>.jsonl, where log_history has it at N."""
+    from types import SimpleNamespace
+
+    rows, images = batch
+    log = tmp_path / "completions.rank0.jsonl"
+    reward = RetrievalReward(tiny_index, alpha=0.3, completions_log=log)
+    model = SimpleNamespace(training=True)
+    reward.follow(SimpleNamespace(model=model))
+    n = len(rows) * G
+    state = SimpleNamespace(global_step=4)  # while step 5 runs
+    trl_call(reward, rows, [format_completion("q")] * n, images, trainer_state=state)
+    state.global_step, model.training = 5, False  # the evaluation after step 5, logged at step 5
+    trl_call(reward, rows, [format_completion("q")] * n, images, trainer_state=state)
+    logged = [json.loads(line) for line in open(log)]
+    assert [(r["mode"], r["step"]) for r in logged] == [("train", 5)] * n + [("eval", 5)] * n

@@ -28,7 +28,7 @@ VARIANTS = {
         "soft knowledge boundary",
         "rates from 1 to 5 how much answering the question about the image needs a search (5 = certainly)",
         "6 − the mean judged score (1–5) of the base VLM's sampled answers, written as one digit (rounded down or "
-        "up at random, so the digit's expectation is the score)",
+        "up at random so that the digit's expectation is the score, or to the nearest with `skb_target: round`)",
     ),
     "kbm-acc": (
         "knowledge-boundary model, accuracy labels",
@@ -58,7 +58,9 @@ VARIANTS = {
         "multi-document consistency",
         "lists the numbered retrieved documents that are relevant to the question and consistent with the image "
         "and each other, most relevant first, with a summary of what they say",
-        "the positions of the relevant documents (by an SRT gate's P(relevant), or the gold entity's sections)",
+        "the positions of the relevant documents: P(relevant) from an SRT gate, or from whether the base VLM's "
+        "answer with each document was judged right, then a summary of them (`--mct_rule srt`); or the gold "
+        "entity's sections (`--mct_rule gold-entity`)",
     ),
     "inspector": (
         "Inspector",
@@ -151,6 +153,24 @@ def usage_section(variant: str, folder) -> str:
     )
 
 
+def training_line(training: dict | None) -> str:
+    """How the gate's weights were trained, from gate.json's ``training`` (a gate saved before it was kept: the
+    defaults, said to be such)."""
+    if not training:
+        return "a LoRA adapter, when one was trained, is merged into the weights (settings not recorded)"
+    lr = training.get("learning_rate")
+    tower = "vision tower frozen" if training.get("freeze_vision_tower", True) else "vision tower trained too"
+    weights = (
+        f"a LoRA adapter (r = {training['lora_r']}) merged into the weights"
+        if training.get("lora_r") is not None
+        else "every weight trained (full fine-tune)"
+    )
+    return (
+        f"{tower}; {weights}; learning rate {'—' if lr is None else f'{float(lr):g}'}, "
+        f"{format_value(training.get('global_step'))} steps"
+    )
+
+
 def gate_card(info: dict, metrics: dict | None, *, name: str, folder) -> str:
     """The card of a trained gate from its gate.json (``info``) and held-out figures (gate_eval.json; None or {} when
     there are none)."""
@@ -167,8 +187,7 @@ def gate_card(info: dict, metrics: dict | None, *, name: str, folder) -> str:
         f"- Base model: `{format_value(base)}`\n"
         f"- Variant: `{variant}` ({label}; `gate/variants.py`)\n"
         "- Training: supervised fine-tuning (TRL's SFTTrainer, `gate/train/sft.py`) on rendered gate rows, loss "
-        "on the completion only, vision tower frozen; a LoRA adapter, when one was trained, is merged into the "
-        "weights"
+        f"on the completion only; {training_line(info.get('training'))}"
     )
     task = (
         f"The gate {does}.\n\n"

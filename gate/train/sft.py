@@ -281,6 +281,12 @@ def main(argv=None) -> dict:
             "verbalisers": list(s["verbalisers"]),
             "base_model": model_args.model_name_or_path,
             "prompt": {"system": s["system"], "user_template": s["user"]},
+            "training": {  # what the card says of how the gate was trained
+                "freeze_vision_tower": args.freeze_vision_tower,
+                "lora_r": model_args.lora_r if model_args.use_peft else None,
+                "learning_rate": training_args.learning_rate,
+                "global_step": trainer.state.global_step,
+            },
         },
     )
     if zero3:
