@@ -37,7 +37,7 @@ from common.prompts import json_objects, load_prompt, wording
 from retrieval.kb import check_images
 from rl.generate import vlm_generator
 from rl.model import open_vlm_image
-from rl.refine import BACKENDS
+from rl.refine import BACKENDS, input_settings, weights_fingerprint
 
 BASELINE_PROMPT = {
     "name": "query_baselines",
@@ -104,7 +104,16 @@ def run_baselines(args: BaselineArgs, log=print, state=None, generate=None) -> i
     check_images(rows, root, args.queries)
     check_unique_ids(rows, args.queries)
     parts = JobParts(Path(args.out), state)
-    parts.same_settings({"model": str(args.model), "prompt": wording(prompt), "max_new_tokens": args.max_new_tokens})
+    parts.same_settings(  # as rl.refine records its own: the model's weights, the backend and the input
+        {
+            "model": str(args.model),
+            "weights": args.model and weights_fingerprint(Path(args.model)),
+            "backend": args.backend,
+            "prompt": wording(prompt),
+            "max_new_tokens": args.max_new_tokens,
+            **input_settings(args.queries, root),
+        }
+    )
     batches = parts.start(rows, args.batch_size)
     log(f"query baselines ({prompt['name']}), {parts.status}")
     fell_back = 0

@@ -25,7 +25,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from common.cli import parse, require_file
-from common.files import check_unique_ids, read_jsonl
+from common.files import check_unique_ids, file_fingerprint, read_jsonl
 from common.job_parts import JobParts
 from common.placement import dist_timeout_field, process_state, resolve_device
 from retrieval.kb import check_images
@@ -154,6 +154,12 @@ def weights_fingerprint(folder: Path) -> str | None:
     return hashlib.blake2b(json.dumps(stamp).encode(), digest_size=12).hexdigest()
 
 
+def input_settings(queries, images_root) -> dict:
+    """What a resumable job over a queries file records of its input: the file's content (a file made again, by
+    another refiner say, is another input) and the folder its images resolve against."""
+    return {"queries": file_fingerprint(queries), "images_root": str(Path(images_root).resolve())}
+
+
 def refine_file(args: RefineArgs, log=print, refiner: Refiner | None = None, state=None) -> int:
     """Refine every question not yet in ``args.out``; with an accelerate ``state`` of N processes each takes every
     N-th batch and the output is merged in input order (common.job_parts). Returns the questions refined here."""
@@ -176,6 +182,7 @@ def refine_file(args: RefineArgs, log=print, refiner: Refiner | None = None, sta
             "weights": args.model and weights_fingerprint(Path(args.model)),
             "sample": args.sample,
             "backend": args.backend,  # vLLM and transformers decode alike only up to their numerics
+            **input_settings(args.queries, root),  # another queries file's records are not kept beside these
         }
     )
     batches = parts.start(rows, args.batch_size)

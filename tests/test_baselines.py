@@ -117,6 +117,13 @@ def test_baselines_resume_and_make_every_method_a_row(tiny_world, tiny_index_dir
     with pytest.raises(ValueError, match="other settings .*Edited wording"):
         run_baselines(args, generate=vlm, **QUIET)
     prompt.write_text("system: Published wording.\nuser_template: '{question}'\n")
+    with pytest.raises(ValueError, match=r"other settings \(backend: 'hf' then, 'vllm' now\)"):
+        run_baselines(BaselineArgs(**{**vars(args), "backend": "vllm"}), generate=vlm, **QUIET)
+    # the queries file made again (another refiner's refined_query): the rows written are another input's
+    write_jsonl_atomic(tmp_path / "q.jsonl", [{**r, "refined_query": "another refiner"} for r in rows])
+    with pytest.raises(ValueError, match=r"other settings \(queries: 'sha256:"):
+        run_baselines(args, generate=vlm, **QUIET)
+    write_jsonl_atomic(tmp_path / "q.jsonl", rows)
     assert run_baselines(args, generate=vlm, **QUIET) == 2  # only the 2 questions the first run had not written
     assert calls[2] == [r["question"] for r in rows[4:]]
     out = list(read_jsonl(tmp_path / "b.jsonl"))

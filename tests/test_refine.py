@@ -66,6 +66,15 @@ def test_a_resume_with_another_model_is_refused_naming_it(toy_refiner, tiny_worl
     assert out.read_text() == "".join(lines[:16])  # nothing lost
     with pytest.raises(ValueError, match=r"other settings \(backend: 'hf' then, 'vllm' now\)"):  # other numerics
         refine_file(RefineArgs(**{**vars(args), "backend": "vllm"}), refiner=toy_refiner, **QUIET)
+    # another queries file into the same output: its questions were kept beside the first file's (val beside test)
+    other = tmp_path / "val.jsonl"
+    other.write_text((tiny_world / "val.jsonl").read_text())
+    with pytest.raises(ValueError, match=r"other settings \(queries: 'sha256:"):
+        refine_file(
+            RefineArgs(**{**vars(args), "queries": str(other), "images_root": str(tiny_world)}),
+            refiner=toy_refiner,
+            **QUIET,
+        )
     assert refine_file(args, refiner=toy_refiner, **QUIET) == 48 - 16
 
 
