@@ -162,9 +162,12 @@ class RLDataArgs:
     dist_timeout_minutes: int = dist_timeout_field()
 
 
-def held_out_sample(n: int, chosen: list[int], count: int, seed: int) -> list[int]:
-    """``count`` of the indices ``range(n)`` that are not ``chosen`` (seeded, in file order; all of them if fewer)."""
-    rest = sorted(set(range(n)) - set(chosen))
+def held_out_sample(n: int, chosen: list[int], count: int, seed: int, images: list | None = None) -> list[int]:
+    """``count`` of the indices ``range(n)`` that are not ``chosen`` (seeded, in file order; all of them if fewer).
+    With ``images`` (each index's image), none whose image a chosen question has: a question about a training
+    image would reward remembering it, in the split that picks the checkpoint."""
+    seen = {images[i] for i in chosen} if images is not None else set()
+    rest = sorted(i for i in set(range(n)) - set(chosen) if images is None or images[i] not in seen)
     take = min(count, len(rest))
     picked = np.random.default_rng([seed, 1]).choice(len(rest), size=take, replace=False) if take else []
     return sorted(rest[j] for j in picked)
@@ -329,7 +332,8 @@ def build_rl_data(args: RLDataArgs, log=print, state=None) -> dict:
     if not kept:
         raise ValueError(f"{args.queries}: no question is usable (all {len(rows)} listed in {skipped_path})")
     chosen, report = stratified_sample(ranks, strata, args.seed)
-    held_out = held_out_sample(len(kept), chosen, args.eval_questions, args.seed) if args.eval_out else []
+    images = [str(r["image"]) for r in kept]
+    held_out = held_out_sample(len(kept), chosen, args.eval_questions, args.seed, images) if args.eval_out else []
     summary = {
         "alpha": args.alpha,
         "depth": args.depth,

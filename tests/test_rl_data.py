@@ -367,6 +367,12 @@ def test_held_out_questions_are_never_in_the_rl_sample(tiny_world, tiny_index_di
     assert {r["image"] for r in rows} <= set(load_store(held, manifest))
     assert held_out_sample(10, [1, 2, 3], 20, 0) == [0, 4, 5, 6, 7, 8, 9]  # all the rest when fewer than asked
     assert held_out_sample(100, [], 5, 0) == held_out_sample(100, [], 5, 0) != held_out_sample(100, [], 5, 1)
+    # a question about an image the RL sample trains on is not held out (it shared 3 of 9 images with 3 per image)
+    images = ["a", "a", "b", "c", "c", "d", "b"]
+    assert held_out_sample(7, [0, 3], 20, 0, images) == [2, 5, 6]
+    assert held_out_sample(7, [0, 3], 20, 0) == [1, 2, 4, 5, 6]
+    train_images = {r["image"] for r in map(json.loads, open(out))}
+    assert not train_images & {r["image"] for r in rows}
     with pytest.raises(ValueError, match="--eval_out needs"):
         build_rl_data(RLDataArgs(**args, out=str(out), eval_out=str(out)), log=lambda *a: None)
 
