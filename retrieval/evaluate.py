@@ -7,14 +7,17 @@ Query images are decoded by DataLoader workers and encoded in batches (never all
 approximate index (HNSW, IVF) every table also shows R@K of an exact search over the same stored vectors ("Flat
 reference") and how often both give the gold entity the same rank.
 
-Recall@K: the gold entity is among the top K unique entities. Pseudo-recall@K: an answer appears, as whole words
-after normalisation (``&&`` parts all present; retrieval.answers), in the text of the best section of one of the top
-K entities. ``--compare FIELD`` evaluates a
-second text field on the same images side by side; ``--alpha_sweep lo:hi:step`` evaluates many α from one set of
-embeddings and writes a CSV and a plot of R@K against α. Question rows whose image is missing or unreadable, whose
-text field is empty, or that are 2-hop are reported and excluded, with the counts shown. A question whose gold entity
-has no row in the index (its article had no usable image, …) stays in and counts as a miss, as in the reference
-evaluation; the count is logged and written as ``gold_not_in_index``.
+Recall@K: the gold entity is among the top K unique entities (K at most ``--depth``). Pseudo-recall@K: an answer
+appears, as whole words after normalisation (``&&`` parts all present; retrieval.answers), in the text of the best
+section of one of the top K entities. ``--compare FIELD`` evaluates more text fields on the same images side by side,
+with a histogram of how far the gold entity moved per question (``rank_change*.png``; ``rank_change`` in
+metrics.json): from the original ``question`` to the other field when one of the two is ``question``, else from
+``--text_field`` to the compared field. ``--alpha_sweep lo:hi:step`` evaluates many α from one set of embeddings and
+writes a CSV and a plot of R@K against α. A run removes what an earlier run left in ``--out`` (the other mode's files,
+other fields' histograms). Question rows whose image is missing or unreadable, whose text field is empty, or that are
+2-hop are reported and excluded, with the counts shown. A question whose gold entity has no row in the index (its
+article had no usable image, …) stays in and counts as a miss, as in the reference evaluation; the count is logged
+and written as ``gold_not_in_index``.
 """
 
 from __future__ import annotations
@@ -185,12 +188,18 @@ def format_table(results: dict[str, dict], ks: list[int], label: str = "field") 
     return "\n".join([head, sep, *body])
 
 
+ORIGINAL = "question"  # the field a rank change is measured from when it is one of the two
+OUTPUT_FILES = ("metrics.md", "metrics.csv", "metrics.json", "ranks.jsonl", "alpha_sweep.csv", "alpha_sweep.png")
+
+
 def run(args: EvalArgs, log=print) -> dict:
     # ---- validate everything before any model loads
     require_index(args.index)
     require_file(args.queries, "queries")
     ks = parse_ks(args.k)
     check_k(args.depth, "depth")
+    if max(ks) > args.depth:  # ranks past the depth are misses: R@K would be R@depth under K's name
+        raise ValueError(f"--k {max(ks)} is deeper than --depth {args.depth}: give --depth {max(ks)} or a smaller K")
     if args.alpha_sweep:
         alphas = parse_sweep(args.alpha_sweep)
     elif args.alpha is None:
@@ -225,7 +234,7 @@ def run(args: EvalArgs, log=print) -> dict:
     if absent:
         log(f"{absent} of {len(rows)} question(s) have a gold entity with no row in the index: counted as misses")
     text_embs = {f: index.encode_texts([r[f] for r in rows]) for f in fields}
-    ranked = {a: {f: index.rank(image_emb, text_embs[f], a, max(args.depth, max(ks))) for f in fields} for a in alphas}
+    ranked = {a: {f: index.rank(image_emb, text_embs[f], a, args.depth) for f in fields} for a in alphas}
     entry_texts = None
     if kb_path.is_file():  # pseudo-recall reads the sections ranked in the top max(K)
         needed = {
@@ -264,6 +273,8 @@ def run(args: EvalArgs, log=print) -> dict:
         "results": {str(a): {f: r["metrics"] for f, r in per.items()} for a, per in results.items()},
     }
     out.mkdir(parents=True, exist_ok=True)
+    for stale in (*OUTPUT_FILES, *out.glob("rank_change*.png")):  # an earlier run's (another mode, other fields)
+        (out / stale).unlink(missing_ok=True)
     if len(alphas) == 1:
         table = format_table({f: r["metrics"] for f, r in results[alphas[0]].items()}, ks)
         log(f"α = {alphas[0]}\n{table}")
@@ -278,8 +289,9 @@ def run(args: EvalArgs, log=print) -> dict:
         per = results[alphas[0]]
         for f in compared:  # one histogram per compared field: rank_change.png, or rank_change_<field>.png
             name = "rank_change.png" if len(compared) == 1 else f"rank_change_{re.sub(r'[^A-Za-z0-9_.+-]', '_', f)}.png"
+            before, after = (f, args.text_field) if f == ORIGINAL else (args.text_field, f)
             summary.setdefault("rank_change", {})[f] = _write_rank_change(
-                out / name, per[f]["ranks"], per[args.text_field]["ranks"], args.depth, f, args.text_field
+                out / name, per[before]["ranks"], per[after]["ranks"], args.depth, before, after
             )
     else:
         _write_sweep(out, alphas, list(results[alphas[0]]), ks, results, log)

@@ -17,6 +17,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 import yaml  # noqa: E402
+from hypothesis import settings as hypothesis_settings  # noqa: E402
+
+# Hypothesis's default 200 ms deadline per example is a fixed timeout: on a busy or slow machine of this kind an
+# example may take longer and fail for it. Every @given test runs without one; the other defaults stay.
+hypothesis_settings.register_profile("refine-rl", deadline=None)
+hypothesis_settings.load_profile("refine-rl")
 
 from tests.upstream_site import serve_in_background  # noqa: E402
 

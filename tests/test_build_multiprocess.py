@@ -3,6 +3,7 @@ same index as one process (same rows in the same order, same vectors), and resum
 process count in either direction."""
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -89,16 +90,25 @@ def test_a_one_process_build_killed_resumes_on_two_as_the_one_process_index(two_
     assert m["skipped"] == 2 and m["texts_encoded"] < m["text_rows"] + 1
 
 
-def test_a_two_process_build_killed_resumes_on_one(two_process_builds, kb_and_reference, tiny_world, encoders):
+def test_a_two_process_build_killed_resumes_on_one(
+    two_process_builds, kb_and_reference, tiny_world, encoders, tmp_path
+):
     kb, reference = kb_and_reference
-    out, log = two_process_builds[0]["two_then_one"], two_process_builds[1]["two_then_one"]
+    killed, log = two_process_builds[0]["two_then_one"], two_process_builds[1]["two_then_one"]
     assert "resuming" not in log and "process 1/2 on cpu" in log  # a new build, killed on both processes
-    done = len(list((out / "build").glob("*-*.json")))
-    assert 2 <= done <= 4 and not (out / "manifest.json").exists()
+    done = sorted(p.name for p in (killed / "build").glob("*-*.json"))
+    assert 2 <= len(done) <= 4 and not (killed / "manifest.json").exists()
+    out = tmp_path / "idx"  # finished in a copy: the module's killed build stays as the launch left it
+    shutil.copytree(killed, out)
     resumed = []
-    log = resumed.append
     build_index(
-        BuildArgs(kb=str(kb), images_root=str(tiny_world), out=str(out), **SETTINGS), encoders=encoders, log=log
+        BuildArgs(kb=str(kb), images_root=str(tiny_world), out=str(out), **SETTINGS),
+        encoders=encoders,
+        log=resumed.append,
     )
-    assert any("resuming the partial build" in line for line in resumed)
+    # one process took up the shards the two processes had not finished
+    assert any(f"resuming the partial build in {out / 'build'}: {len(done)} of " in line for line in resumed)
+    assert "process 0/1 on cpu" in "\n".join(resumed)
     same_index(out, reference)
+    assert sorted(p.name for p in (killed / "build").glob("*-*.json")) == done  # the original left as it was
+    assert not (killed / "manifest.json").exists()

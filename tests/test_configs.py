@@ -69,15 +69,16 @@ def test_sft_configs_parse(name, variant):
         assert model.use_peft and model.lora_r == 16 and training.max_steps == 300
 
 
-def test_a_family_config_needs_a_known_variant(tmp_path):
+def test_a_family_config_needs_a_known_variant(tmp_path, capsys):
     with pytest.raises(ValueError, match="--train_file .*holds \\{variant\\}: give --variant"):
         parse_sft(SFT / "toy.yaml")
     with pytest.raises(ValueError, match="--train_file .*holds \\{dataset\\}: give --dataset \\(infoseek, evqa\\)"):
         parse_sft(SFT / "paper.yaml", "--variant", "hkb", "--bf16", "false")
     with pytest.raises(ValueError, match="--dataset must be a plain name"):
         parse_sft(SFT / "paper.yaml", "--variant", "hkb", "--dataset", "../x", "--bf16", "false")
-    with pytest.raises(SystemExit):  # argparse's choices
+    with pytest.raises(SystemExit) as refused:  # argparse's choices
         parse_sft(SFT / "toy.yaml", "--variant", "vibes")
+    assert refused.value.code == 2 and "argument --variant: invalid choice: 'vibes'" in capsys.readouterr().err
     config = tmp_path / "c.yaml"  # a YAML value is not checked by argparse
     config.write_text(yaml.safe_dump({**yaml.safe_load((SFT / "toy.yaml").read_text()), "variant": "vibes"}))
     with pytest.raises(ValueError, match="--variant: 'vibes' is not one of hkb, skb"):

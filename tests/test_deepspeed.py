@@ -93,11 +93,15 @@ def test_export_gathers_a_checkpoint_that_holds_only_zero_shards(zero3_run, tmp_
     from rl.export import ExportArgs, export
 
     run, _ = zero3_run
-    shards_only = run.parent / "shards-only" / "checkpoint-4"
+    before = sorted(p.relative_to(run) for p in run.rglob("*"))
+    shards_only = tmp_path / "shards-only" / "checkpoint-4"  # a copy: the shared run's checkpoint keeps its weights
     shutil.copytree(run / "checkpoint-4", shards_only)
     shutil.copy(run / "refine_rl_run.json", shards_only.parent)  # the run's record, beside its checkpoints
     for f in shards_only.glob("*.safetensors"):
         f.unlink()
+    assert not [*shards_only.glob("*.safetensors"), *shards_only.glob("pytorch_model*.bin")]  # no weights beside it
+    step = shards_only / (shards_only / "latest").read_text().strip()
+    assert list(step.glob("*model_states.pt"))  # only the ZeRO shards (DeepSpeed's global_step*/), named by latest
     export(
         ExportArgs(checkpoint=str(shards_only), out=str(tmp_path / "exported"), dtype="fp32", verify=False),
         log=lambda *a: None,
@@ -106,6 +110,7 @@ def test_export_gathers_a_checkpoint_that_holds_only_zero_shards(zero3_run, tmp_
     assert exported.keys() == final.keys()
     for k in final:
         assert torch.equal(exported[k], final[k]), k
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before  # nothing written into the shared run
 
 
 # --------------------------------------------------------------------------- LoRA under ZeRO-3, and export

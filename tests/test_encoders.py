@@ -1,5 +1,7 @@
 """Encoders: tiny ones are deterministic and offline, outputs are normalised float32, bad names are refused."""
 
+import re
+
 import numpy as np
 import pytest
 from PIL import Image
@@ -63,9 +65,17 @@ def test_query_prompt_applies_to_queries_only():
     assert not np.allclose(q, d)
 
 
-@pytest.mark.parametrize("name", ["", "no-such-model", "EVA02-E-14-plus@no-such-tag", "local-dir:/does/not/exist"])
-def test_bad_image_encoder_names(name):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize(
+    "name,error",
+    [
+        ("", "image encoder name must be a non-empty string, got ''"),
+        ("no-such-model", "unknown image encoder 'no-such-model': expected a registered name"),
+        ("EVA02-E-14-plus@no-such-tag", "open_clip has no pretrained tag 'no-such-tag' for EVA02-E-14-plus"),
+        ("local-dir:/does/not/exist", "image encoder 'local-dir:/does/not/exist': folder /does/not/exist does not"),
+    ],
+)
+def test_bad_image_encoder_names(name, error):
+    with pytest.raises(ValueError, match=re.escape(error)):
         check_image_encoder_name(name)
 
 

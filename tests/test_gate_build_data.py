@@ -130,7 +130,7 @@ def test_sample_and_judge_resume_after_an_interruption(questions, tiny_world, tm
     args = BuildDataArgs(
         stage="sample", queries=str(path), images_root=str(tiny_world), out=str(tmp_path / "d"), samples=3, batch_size=1
     )
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="^killed$"):
         stage_sample(args, tmp_path / "d", generate=dies_on_second_batch, **QUIET)
     part = tmp_path / "d" / "samples.jsonl.part0"  # this process's part, merged when the stage finishes
     assert [json.loads(x)["id"] for x in open(part)] == [picked[0]["id"]]
@@ -149,7 +149,7 @@ def test_sample_and_judge_resume_after_an_interruption(questions, tiny_world, tm
         return real(batch, judge, cache)
 
     monkeypatch.setattr(build_data, "judge_all", judge_dies)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="^endpoint died$"):
         build(BuildDataArgs(stage="judge", out=str(tmp_path / "d")), **QUIET)
     assert not (tmp_path / "d" / "judged.jsonl").exists() or not open(tmp_path / "d" / "judged.jsonl").read()
     assert build(BuildDataArgs(stage="judge", out=str(tmp_path / "d")), **QUIET) == 2

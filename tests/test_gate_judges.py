@@ -83,8 +83,12 @@ def test_llm_judge_failure_is_recorded_never_scored(stub):
 
 
 def test_llm_judge_unreachable_endpoint_is_a_failure():
-    judge = LLMJudge("http://127.0.0.1:9", "m", retries=2, backoff=0, timeout=2)
-    assert judge.score("q", "a", ["b"]) is None and judge.last_failure == "URLError"
+    import socket
+
+    with socket.socket() as held:  # bound but never listening: Linux refuses every connection to its port
+        held.bind(("127.0.0.1", 0))
+        judge = LLMJudge(f"http://127.0.0.1:{held.getsockname()[1]}", "m", retries=2, backoff=0, timeout=2)
+        assert judge.score("q", "a", ["b"]) is None and judge.last_failure == "URLError" and judge.failures == 1
 
 
 def test_a_connection_dropped_mid_reply_is_retried(stub):

@@ -111,8 +111,13 @@ def test_skb_label(scores, label):
 
 def test_judged_mean_validates():
     assert judged_mean([1, 2, 3]) == 2
-    for bad in ([], [0], [6], [float("nan")]):
-        with pytest.raises(ValueError):
+    for bad, error in [
+        ([], "judged_mean needs at least one score"),
+        ([0], r"judged scores must lie in \[1, 5\], got 0.0"),
+        ([6], r"judged scores must lie in \[1, 5\], got 6.0"),
+        ([float("nan")], r"judged scores must lie in \[1, 5\], got nan"),
+    ]:
+        with pytest.raises(ValueError, match=error):
             judged_mean(bad)
 
 
@@ -159,7 +164,7 @@ def test_kbm_certainty_label_polarity():
     assert kbm_certainty_label(["Paris"] * 30) is False  # all agree: certain, no search
     assert kbm_certainty_label(["Paris"] * 15 + ["Lyon"] * 15) is True
     assert kbm_certainty_label(["Paris"] * 29 + ["Lyon"]) is False  # 29 of 30 agree: certain (0.96 ≥ τ = 0.9)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="certainty needs at least one answer"):
         certainty([])
 
 

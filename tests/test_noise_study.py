@@ -155,8 +155,30 @@ def test_an_interrupted_study_resumes_and_scores_by_the_official_rule(tiny_world
 
 
 def test_the_toy_world_study_with_a_vlm_with_and_without_the_image_and_a_text_llm(
-    tiny_world, tiny_gate_vlm, tiny_text_llm, tmp_path
+    tiny_world, tiny_gate_vlm, tiny_text_llm, tmp_path, monkeypatch
 ):
+    from PIL import Image
+
+    import gate.pipeline.noise_study as noise_study
+
+    # the real VLM answerers, each recording the images it is given, by the kind of generator it was made for
+    real_load, real_answerer, sent, making = noise_study.load_generator, noise_study.vlm_answerer, {}, []
+
+    def load_generator(kind, *a, **kw):
+        making.append(kind)
+        return real_load(kind, *a, **kw)
+
+    def vlm_answerer(*a, **kw):
+        vlm, calls = real_answerer(*a, **kw), sent.setdefault(making[-1], [])
+
+        def answer(images, texts, sample):
+            calls.append((images, len(texts)))
+            return vlm(images, texts, sample)
+
+        return answer
+
+    monkeypatch.setattr(noise_study, "load_generator", load_generator)
+    monkeypatch.setattr(noise_study, "vlm_answerer", vlm_answerer)
     lines = []
     args = NoiseArgs(
         queries=str(tiny_world / "test.jsonl"),
@@ -177,6 +199,15 @@ def test_the_toy_world_study_with_a_vlm_with_and_without_the_image_and_a_text_ll
     assert "| VLM text-only |" in lines[-1] and "3-section context, 4 questions" in lines[-1]
     answers = list(read_jsonl(tmp_path / "answers.jsonl"))
     assert len(answers) == 3 * 3 * 4 and {a["generator"] for a in answers} == set(result["accuracy"])
+    assert making == ["vlm", "vlm-text", "llm"] and set(sent) == {"vlm", "vlm-text"}  # the LLM is no VLM
+    for calls in sent.values():  # every (level, question) of each VLM generator asked once
+        assert sum(n for _, n in calls) == 3 * 4
+    # with the image: one PIL image per question; text-only: no image at all
+    assert all(
+        images is not None and len(images) == n and all(isinstance(i, Image.Image) for i in images)
+        for images, n in sent["vlm"]
+    )
+    assert all(images is None for images, _ in sent["vlm-text"])
 
 
 def test_the_toy_config_parses_and_names_its_generators():

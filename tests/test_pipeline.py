@@ -165,7 +165,7 @@ def test_resume_after_an_interruption(make_args, monkeypatch):
 
     monkeypatch.setattr(pipeline, "run_batch", flaky)
     args = make_args()
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="^killed$"):
         run(args, **QUIET)
     part = Path(args.out) / "predictions.jsonl.part0"  # this process's part, merged when the run finishes
     assert sum(1 for _ in open(part)) == 3  # the first batch was written
@@ -299,16 +299,35 @@ def test_the_e_vqa_metric_asks_bem_once_per_batch_about_undecided_answers(make_a
         assert r["alone"]["correct"] is exact[r["id"]] and r["rag"]["correct"] is False
 
 
-def test_an_untrained_mct_gate_falls_back_to_the_first_stage(make_args, gates):
+def test_an_untrained_mct_gate_falls_back_to_the_first_stage(make_args, gates, monkeypatch):
+    import gate.pipeline.consistency as consistency
+
+    real, parsed = consistency.generate_parsed, []  # what the untrained gate's outputs parse to, recorded
+
+    def recorded(*a, **kw):
+        out = real(*a, **kw)
+        parsed.extend(out)
+        return out
+
+    monkeypatch.setattr(consistency, "generate_parsed", recorded)
     args = make_args(consistency=gates["mct"], consistency_max_new_tokens=8)
     metrics = run(args, **QUIET)
     plain = run(make_args(out=str(tmp_path_of(args).parent / "plain")), **QUIET)
-    for r, p in zip(predictions(args), predictions(make_args(out=str(tmp_path_of(args).parent / "plain")))):
+    k = args.k  # first-stage sections the gate numbers 1..k
+    no_valid_section = [
+        not any(isinstance(i, int) and 1 <= i <= k for i in (p or {}).get("consistent") or []) for p in parsed
+    ]
+    recs = predictions(args)
+    assert len(parsed) == len(recs) == 6 and any(no_valid_section)  # 8 tokens of an untrained gate: not a listing
+    for r, p in zip(recs, predictions(make_args(out=str(tmp_path_of(args).parent / "plain")))):
         mct = r["rag"]["consistency"]
         assert mct["strategy"] == "filter" and "consistency" in r["latency"]
         if mct["fallback"]:  # nothing usable listed: the same section and answer as without the MCT stage
             assert (r["rag"]["section"], r["rag"]["answer"]) == (p["rag"]["section"], p["rag"]["answer"])
-    assert metrics["consistency"]["n"] == 6 and 0.0 <= metrics["consistency"]["fallback_ratio"] <= 1.0
+    fell_back = sum(r["rag"]["consistency"]["fallback"] for r in recs)
+    assert fell_back == sum(no_valid_section) >= 1  # each output that lists no valid section, and only those
+    assert metrics["consistency"]["n"] == 6
+    assert metrics["consistency"]["fallback_ratio"] == pytest.approx(fell_back / 6)
     assert plain["consistency"] is None
 
 

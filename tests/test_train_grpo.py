@@ -148,8 +148,9 @@ def test_held_out_eval_selects_the_best_checkpoint(config, tiny_world, tiny_refi
     evals = [h for h in result["log_history"] if "eval_retrieval/hit@1" in h]
     assert len(evals) == 2 and all(0 <= h["eval_retrieval/hit@1"] <= 1 for h in evals)
     scored = [r for r in map(json.loads, open(tmp_path / "run" / "completions.rank0.jsonl")) if r["mode"] == "eval"]
-    for logged, step in zip(evals, (2, 3)):  # evaluations after steps 1 and 2 (logged as the step to come)
-        ranks = [r["rank"] for r in scored if r["step"] == step]
+    assert [h["step"] for h in evals] == [1, 2]  # evaluations after steps 1 and 2
+    for logged in evals:  # the completions log numbers an evaluation's completions as log_history does
+        ranks = [r["rank"] for r in scored if r["step"] == logged["step"]]
         hits = [r for r in ranks if r is not None]
         assert len(ranks) == 20
         assert logged["eval_retrieval/hit@1"] == pytest.approx(sum(r == 1 for r in hits) / 20)
@@ -527,21 +528,29 @@ def test_kept_eval_questions_are_each_scored_exactly_once_per_generation(questio
 
     from rl.arguments import whole_eval_rounds
 
+    def scored_once_per_generation(n: int) -> bool:
+        """Whether n eval questions' completions are each scored exactly ``generations`` times over all processes."""
+        data, scored = list(range(n)), Counter()
+        for rank in range(processes):
+            loader = DataLoader(
+                data,
+                batch_size=per_device,
+                sampler=RepeatSampler(data, mini_repeat_count=generations, seed=0),
+                collate_fn=lambda batch: batch,
+            )
+            for batch in prepare_data_loader(loader, num_processes=processes, process_index=rank, put_on_device=False):
+                scored.update(batch)
+        return scored == Counter({q: generations for q in data})
+
     kept = whole_eval_rounds(questions, per_device, processes, generations)
-    assert 0 <= kept <= questions and (processes == 1) <= (kept == questions)
-    if kept == 0:
-        return
-    data, scored = list(range(kept)), Counter()
-    for rank in range(processes):
-        loader = DataLoader(
-            data,
-            batch_size=per_device,
-            sampler=RepeatSampler(data, mini_repeat_count=generations, seed=0),
-            collate_fn=lambda batch: batch,
-        )
-        for batch in prepare_data_loader(loader, num_processes=processes, process_index=rank, put_on_device=False):
-            scored.update(batch)
-    assert scored == Counter({q: generations for q in data})
+    if processes == 1:  # a short last batch is taken as it is: every question is kept
+        assert kept == questions
+    else:  # a round: the questions whose completions fill one eval batch on every process
+        per_round = per_device * processes // generations
+        assert kept % per_round == 0 and 0 <= questions - kept < per_round  # every whole round, and nothing more
+    assert kept == 0 or scored_once_per_generation(kept)
+    # and the most that are: any more questions (a short last round) score some of them again
+    assert not any(scored_once_per_generation(n) for n in range(kept + 1, questions + 1))
 
 
 def test_an_eval_batch_smaller_than_one_questions_generations_is_named():
