@@ -6,8 +6,8 @@ Each seed runs `make demo ARGS="--seed S --output_dir <out>/seedS --run_name …
 `make demo` launches it (two CPU processes over gloo), in its own output folder (the toy world and index are shared and
 built by the first run if missing, inside its wall time: the first seed's "wall s" includes that build unless
 outputs/toyworld exists; a folder holding a finished warm start of the same seed reuses it (its "warm start s" is —,
-left out of the mean), so delete <out> for honest wall times). Its output goes to <out>/seedS/run.log; the learning table is read from learning.json
-and the phase times from the one-line summaries in the log.
+left out of the mean), so delete <out> for honest wall times). Its output goes to <out>/seedS/run.log; the learning
+table is read from learning.json and the phase times from the one-line summaries in the log.
 
 Prints per seed and as mean (min – max):
 - test R@1 of the original question, the warm start and the GRPO refiner; attribute words per query (GRPO);
