@@ -57,6 +57,8 @@ def chat(
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no whole reply within {timeout} s")
         content = json.loads(b"".join(chunks))["choices"][0]["message"]["content"]
+    if content is None:  # a reasoning model that spent its tokens thinking: no answer, as an empty one
+        return ""
     if not isinstance(content, str):
         raise ValueError("reply has no text content")
     return content
@@ -183,7 +185,8 @@ def replier(
     device: str = "cpu",
     dtype: str | None = None,
 ):
-    """replies(user_turns) → one reply per already formatted user turn (None when it failed), from an
+    """replies(user_turns) → one reply per already formatted user turn (None when the request failed, "" when the
+    model answered nothing: its answer, not a failure to ask again), from an
     OpenAI-compatible endpoint (``url`` + ``model``) or else a local text LLM (``local``), with ``system`` as the
     system prompt: for stages whose user turn is not a question and a context (answer expansion, section summaries)."""
     one_turn = {"system": system, "user_template": "{question}"}  # the user turn arrives formatted
@@ -192,4 +195,7 @@ def replier(
         if url
         else text_generator(local, one_turn, max_new_tokens, device=device, dtype=dtype)
     )
-    return lambda users: [text for text, _ in generate([None] * len(users), users, [""] * len(users))]
+    return lambda users: [
+        "" if reason == EMPTY_ANSWER else text
+        for text, reason in generate([None] * len(users), users, [""] * len(users))
+    ]

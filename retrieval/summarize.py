@@ -119,7 +119,8 @@ def summarize_kb(args: SummarizeArgs, log=print, summarize=None, count_tokens=No
     JobParts(out).same_settings(  # before the KB scan: summaries of another prompt, model or limit are not mixed in
         {
             "prompt": wording(prompt),
-            "summarizer": args.summarizer or f"{args.summarizer_model}@{args.summarizer_url}",
+            # the one replier uses: the endpoint when a URL is given, else the local model
+            "summarizer": f"{args.summarizer_model}@{args.summarizer_url}" if args.summarizer_url else args.summarizer,
             "max_tokens": args.max_tokens,
             "text_template": args.text_template,
             "max_new_tokens": args.max_new_tokens,

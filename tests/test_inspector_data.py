@@ -201,3 +201,16 @@ def test_a_failed_expansion_request_is_asked_again_on_the_next_run(tmp_path):
     other = BuildDataArgs(stage="expand", out=str(tmp_path), batch_size=8, expander="another-model")
     with pytest.raises(ValueError, match="other settings .*expander"):  # another model's sentences are not mixed in
         stage_expand(other, tmp_path, log=lines.append, expand=expand)
+
+
+def test_an_empty_expansion_is_the_models_answer_not_a_request_to_retry_forever(tmp_path, stub):
+    """An endpoint that answers nothing (a reasoning model out of tokens) was a failed request: never written, asked
+    again on every run, and render then refused the rows. It keeps the short answer, saying why, once."""
+    write_jsonl_atomic(tmp_path / "labels-inspector.jsonl", label_rows(2))  # q1 FAIL
+    server = stub([""] * 20)
+    args = BuildDataArgs(stage="expand", out=str(tmp_path), expander_url=server.url, expander_model="m")
+    assert stage_expand(args, tmp_path, log=lambda *a: None) == 1
+    (row,) = read_jsonl(tmp_path / "expanded-inspector.jsonl")
+    assert row["target"] == "10 m" and not row["expanded"] and "no expanded_answer" in row["reason"]
+    asked = len(server.requests)
+    assert stage_expand(args, tmp_path, log=lambda *a: None) == 0 and len(server.requests) == asked

@@ -91,7 +91,8 @@ def stage_expand(args, out: Path, log=print, expand=None) -> int:
     JobParts(target).same_settings(  # sentences from another prompt or model are not mixed in
         {
             "prompt": wording(prompt),
-            "expander": args.expander or f"{args.expander_model}@{args.expander_url}",
+            # the one replier uses: the endpoint when a URL is given, else the local model
+            "expander": f"{args.expander_model}@{args.expander_url}" if args.expander_url else args.expander,
             "max_new_tokens": args.expansion_max_new_tokens,
         }
     )
