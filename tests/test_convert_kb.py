@@ -915,3 +915,38 @@ def test_odd_kb_entries_convert_or_are_named():
     }
     _, rows = evqa_article("https://x/wiki/C", art, lambda u: "c.jpg", skipped.append)
     assert [r["section"] for r in rows] == [0] and rows[0]["text"] and "None" not in rows[0]["text"]
+
+
+def test_an_empty_body_or_a_page_without_content_type_is_not_saved_as_an_image(tmp_path):
+    """A 0-byte reply and an HTML page sent without a Content-Type were saved as images and counted as fetched: never
+    listed in failed.jsonl, so --retry_failed could not recover them, and the converter made index rows of them."""
+    from retrieval.upstream.fetch_images import fetch_one, file_name
+    from tests.upstream_site import Site, png_bytes
+
+    routes = {
+        "/empty.jpg": [(200, {"Content-Type": "image/jpeg"}, b"")],
+        "/notype/page": [(200, {}, b"<html>Error</html>")],
+        "/notype/ok": [(200, {}, png_bytes())],
+    }
+    with Site(routes) as site:
+        out = tmp_path / "imgs"
+        out.mkdir()
+        fetch = lambda path: fetch_one(site.url(path), out, 5, UA)  # noqa: E731
+        assert fetch("/empty.jpg") == "empty body (0 bytes, Content-Type image/jpeg)"
+        assert fetch("/notype/page") == "not an image (no Content-Type, and PIL cannot read the body as one)"
+        assert fetch("/notype/ok") is None
+        assert [p.name for p in out.iterdir()] == [file_name(site.url("/notype/ok"))]
+
+
+def test_a_url_with_non_ascii_characters_or_spaces_is_fetched_under_the_name_of_the_url_as_listed(tmp_path):
+    """urllib refuses a non-ASCII or spaced URL (UnicodeEncodeError, InvalidURL): Wikimedia file names often hold
+    such characters, and each was listed as failed for good."""
+    from retrieval.upstream.fetch_images import fetch_one, file_name
+    from tests.upstream_site import Site, ok, png_bytes
+
+    routes = {"/Caf%C3%A9_Paris.png": [ok(png_bytes())], "/A%20file%20with%20spaces.png": [ok(png_bytes())]}
+    with Site(routes) as site:
+        for listed in (site.url("/Café_Paris.png"), site.url("/A file with spaces.png")):
+            assert fetch_one(listed, tmp_path, 5, UA) is None
+            assert (tmp_path / file_name(listed)).stat().st_size > 0
+        assert sorted(site.paths()) == sorted(routes)

@@ -9,18 +9,20 @@
 The KB is streamed as downloaded (plain, gzipped or zipped; the E-VQA format's ``image_urls``, or Wiki6M's
 ``wikipedia_image_url``). Files already in the folder are not fetched again; each file is written atomically, so a
 killed run resumes where it stopped. SVG images (flags, maps, coats of arms), which PIL cannot decode, are fetched as
-Wikimedia's PNG rendering (``…/thumb/<x>/<xy>/<name>.svg/<w>px-<name>.svg.png``) and saved as ``<md5(url)>.png``; an
-SVG elsewhere is rasterised with cairosvg when it is installed, else listed as failed. URLs that fail (HTTP error,
-timeout, not an image) are appended to ``<out>/failed.jsonl`` with the reason and are not retried unless
-``--retry_failed``. As Wikimedia's policy asks, requests carry a User-Agent naming you with a contact
-(``--user_agent``, required), and an HTTP 429 / 503 makes every download thread wait (the ``Retry-After`` the server
-sends, else 1, 2, 4 … s) before the request is tried again, up to ``--max_retries`` times.
+Wikimedia's PNG rendering (``…/thumb/<x>/<xy>/<name>.svg/<w>px-<name>.svg.png``) and saved as ``<md5(url)>.png``; an SVG
+elsewhere is rasterised with cairosvg when it is installed, else listed as failed. A URL with non-ASCII characters or
+spaces is requested percent-encoded (the file is named by the URL as listed). URLs that fail (HTTP error, timeout, an
+empty body, not an image by its Content-Type or, without one, by its bytes) are appended to ``<out>/failed.jsonl`` with
+the reason and are not retried unless ``--retry_failed``. As Wikimedia's policy asks, requests carry a User-Agent naming
+you with a contact (``--user_agent``, required), and an HTTP 429 / 503 makes every download thread wait (the ``Retry-
+After`` the server sends, else 1, 2, 4 … s) before the request is tried again, up to ``--max_retries`` times.
 """
 
 from __future__ import annotations
 
 import email.utils
 import http.client
+import io
 import re
 import threading
 import time
@@ -30,7 +32,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from urllib.parse import urlparse, urlunparse
+from urllib.parse import quote, urlparse, urlunparse
 
 from tqdm.auto import tqdm
 
@@ -156,12 +158,18 @@ class Throttle:
             _sleep(delay)
 
 
+def request_url(url: str) -> str:
+    """The URL as HTTP sends it: non-ASCII characters and spaces percent-encoded (UTF-8), what is already escaped
+    kept (``Café_Paris.jpg`` → ``Caf%C3%A9_Paris.jpg``); files are still named by the URL as the dataset lists it."""
+    return quote(url, safe=":/?#[]@!$&'()*+,;=%~")
+
+
 def download(url: str, timeout: float, user_agent: str, throttle: Throttle, max_retries: int):
     """(Content-Type, bytes) of one URL, or (None, why not); 429 / 503 are waited out and tried again."""
     for attempt in range(max_retries + 1):
         throttle.wait()
         try:
-            req = urllib.request.Request(url, headers={"User-Agent": user_agent})
+            req = urllib.request.Request(request_url(url), headers={"User-Agent": user_agent})
             with urllib.request.urlopen(req, timeout=timeout) as resp:
                 return resp.headers.get("Content-Type", ""), resp.read()
         except urllib.error.HTTPError as e:
@@ -174,6 +182,18 @@ def download(url: str, timeout: float, user_agent: str, throttle: Throttle, max_
         except (OSError, http.client.HTTPException, ValueError) as e:
             return None, f"{type(e).__name__}: {e}"
     raise AssertionError("unreachable")
+
+
+def decodable(data: bytes) -> bool:
+    """Whether PIL reads ``data`` as an image (its header and structure: ``verify``, no full decode)."""
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            img.verify()
+        return True
+    except Exception:  # PIL raises many kinds for bytes that are not an image
+        return False
 
 
 def fetch_one(
@@ -193,8 +213,12 @@ def fetch_one(
     if kind is None:
         return data + (f" (Wikimedia's PNG rendering {png} of this SVG)" if png else "")
     kind = kind.split(";")[0].strip().lower()
+    if not data:
+        return f"empty body (0 bytes{f', Content-Type {kind}' if kind else ''})"
     if kind and not kind.startswith("image/"):
         return f"not an image (Content-Type {kind})"
+    if not kind and not is_svg(url) and not decodable(data):  # no Content-Type to go by: the bytes must be one
+        return "not an image (no Content-Type, and PIL cannot read the body as one)"
     if kind == "image/svg+xml" or (not kind and is_svg(url)):
         rasterise = svg_rasteriser()
         if rasterise is None:
