@@ -14,8 +14,8 @@ elsewhere is rasterised with cairosvg when it is installed, else listed as faile
 spaces is requested percent-encoded (the file is named by the URL as listed). URLs that fail (HTTP error, timeout, an
 empty body, not an image by its Content-Type or, without one, by its bytes) are appended to ``<out>/failed.jsonl`` with
 the reason and are not retried unless ``--retry_failed``. As Wikimedia's policy asks, requests carry a User-Agent naming
-you with a contact (``--user_agent``, required), and an HTTP 429 / 503 makes every download thread wait (the ``Retry-
-After`` the server sends, else 1, 2, 4 … s) before the request is tried again, up to ``--max_retries`` times.
+you with a contact (``--user_agent``, required), and an HTTP 429 / 503 makes every download thread wait (the
+``Retry-After`` the server sends, else 1, 2, 4 … s) before the request is tried again, up to ``--max_retries`` times.
 """
 
 from __future__ import annotations
