@@ -178,6 +178,16 @@ def file_fingerprint(path: str | Path) -> str:
     return "sha256:" + h.hexdigest()
 
 
+def weights_fingerprint(folder: str | Path) -> str | None:
+    """The identity of the weights in a model folder, cheap to take: each weights file's name, size and modification
+    time, hashed (a re-export replaces the files; a copy that keeps the times keeps it). None without such files."""
+    files = sorted(f for f in Path(folder).glob("*") if f.suffix in (".safetensors", ".bin", ".pt") and f.is_file())
+    if not files:
+        return None
+    stamp = [(f.name, st.st_size, st.st_mtime_ns) for f, st in ((f, f.stat()) for f in files)]
+    return hashlib.blake2b(json.dumps(stamp).encode(), digest_size=12).hexdigest()
+
+
 def pyplot():
     """matplotlib.pyplot on the non-interactive Agg backend (no screen here or on clusters)."""
     import matplotlib

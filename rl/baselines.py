@@ -30,14 +30,14 @@ from pathlib import Path
 from tqdm import tqdm
 
 from common.cli import parse, require_file
-from common.files import check_unique_ids, read_jsonl
+from common.files import check_unique_ids, read_jsonl, weights_fingerprint
 from common.job_parts import JobParts
 from common.placement import dist_timeout_field, job_device, process_state, resolve_device
 from common.prompts import json_objects, load_prompt, wording
 from retrieval.kb import check_images
 from rl.generate import vlm_generator
 from rl.model import open_vlm_image
-from rl.refine import BACKENDS, input_settings, weights_fingerprint
+from rl.refine import BACKENDS, input_settings
 
 BASELINE_PROMPT = {
     "name": "query_baselines",

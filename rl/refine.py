@@ -17,7 +17,6 @@ Python API: ``Refiner.load(path)`` and ``refiner.refine(images, questions) -> li
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +24,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from common.cli import parse, require_file
-from common.files import check_unique_ids, file_fingerprint, read_jsonl
+from common.files import check_unique_ids, file_fingerprint, read_jsonl, weights_fingerprint
 from common.job_parts import JobParts
 from common.placement import dist_timeout_field, process_state, resolve_device
 from retrieval.kb import check_images
@@ -142,16 +141,6 @@ class RefineArgs:
     backend: str = field(default="hf", metadata={"help": "hf | vllm"})
     sample: bool = field(default=False, metadata={"help": "sample with the run's sampling settings (default: greedy)"})
     dist_timeout_minutes: int = dist_timeout_field()
-
-
-def weights_fingerprint(folder: Path) -> str | None:
-    """The identity of the weights in a model folder, cheap to take: each weights file's name, size and modification
-    time, hashed (a re-export replaces the files; a copy that keeps the times keeps it). None without such files."""
-    files = sorted(f for f in folder.glob("*") if f.suffix in (".safetensors", ".bin", ".pt") and f.is_file())
-    if not files:
-        return None
-    stamp = [(f.name, st.st_size, st.st_mtime_ns) for f, st in ((f, f.stat()) for f in files)]
-    return hashlib.blake2b(json.dumps(stamp).encode(), digest_size=12).hexdigest()
 
 
 def input_settings(queries, images_root) -> dict:

@@ -253,6 +253,30 @@ def test_an_interrupted_folder_resumes_only_its_own_settings(make_args):
     assert run(make_args(gate="never"), **QUIET)["n"] == 6
 
 
+def test_a_folder_refuses_a_queries_file_or_weights_made_again_at_the_same_paths(
+    make_args, queries, tiny_gate_vlm, tmp_path
+):
+    """The settings are paths: a queries file rewritten in place (other gold answers) or a model exported again into
+    the same folder resumed, and the old predictions, judged against the old answers, stayed in the report."""
+    import os
+    import shutil
+
+    generator = tmp_path / "generator"
+    shutil.copytree(tiny_gate_vlm, generator)
+    args = make_args(gate="never", generator=str(generator), limit=2)
+    run(args, **QUIET)
+    path, rows = queries
+    write_jsonl_atomic(path, [{**r, "answers": ["London"]} for r in rows])
+    with pytest.raises(ValueError, match=r"other settings \(queries_content\)"):
+        run(make_args(gate="never", generator=str(generator)), **QUIET)
+    write_jsonl_atomic(path, rows)
+    weights = next(generator.glob("*.safetensors"))
+    stat = weights.stat()
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # exported again
+    with pytest.raises(ValueError, match=r"other settings \(weights\)"):
+        run(make_args(gate="never", generator=str(generator)), **QUIET)
+
+
 def test_the_e_vqa_metric_asks_bem_once_per_batch_about_undecided_answers(make_args, queries, tiny_bem, monkeypatch):
     """metric: evqa — exact match decides first; BEM (loaded once; a tiny BERT whose verdict the test sets) judges
     the rest, in one call per batch for both paths; the report adds single-hop / two-hop / overall accuracy."""

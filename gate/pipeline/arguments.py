@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from common.cli import check_choices, require_file
-from common.files import write_json_atomic
+from common.files import file_fingerprint, weights_fingerprint, write_json_atomic
 from common.job_parts import JobParts
 from common.placement import dist_timeout_field
 from gate.pipeline.consistency import STRATEGIES
@@ -171,8 +171,16 @@ RESUME_FREE = ("out", "batch_size", "limit", "generator_retries", "generator_bac
 
 
 def check_same_config(out: Path, args: PipelineArgs) -> None:
-    """A folder resumes only the run that started it: predictions from other settings are never mixed in."""
+    """A folder resumes only the run that started it: predictions from other settings are never mixed in. Beside the
+    settings, what they name: the queries file's content (made again at the same path, its answers are others), and
+    the weights in every model folder named (a gate, refiner or generator exported again into the same folder)."""
     current = {k: v for k, v in asdict(args).items() if k not in RESUME_FREE}
+    current["queries_content"] = file_fingerprint(args.queries)
+    current["weights"] = {
+        k: weights_fingerprint(v)
+        for k, v in sorted(current.items())
+        if isinstance(v, str) and k != "out" and Path(v).is_dir() and weights_fingerprint(v)
+    }
     path = out / "pipeline_config.json"
     if path.is_file():
         before = json.loads(path.read_text())
