@@ -417,3 +417,14 @@ def test_an_empty_answer_is_recorded_as_none_whichever_stage_gave_it(answer, fai
     from gate.pipeline.run import answered
 
     assert answered(answer, failed) == expected
+
+
+def test_a_question_written_twice_is_reported_once(make_args):
+    """predictions.jsonl with a line repeated (by hand: JobParts merges parts to one line per id) counted it twice."""
+    args = make_args(gate="never")
+    first = run(args, **QUIET)
+    path = Path(args.out) / "predictions.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(lines + lines[:1] * 3))
+    again = run(args, **QUIET)
+    assert again["n"] == first["n"] == 6 and again["accuracy"] == pytest.approx(first["accuracy"])

@@ -168,7 +168,7 @@ def test_infoseek_official_figures_count_every_question():
         rec(False, False, False, split="val_unseen_question"),
         rec(True, True, False, split="val_unseen_question"),
         rec(True, True, False, split="val_unseen_entity"),
-        rec(False, False, False, split="val_unseen_entity"),
+        rec(False, True, False, split="val_unseen_entity"),  # right with retrieval only
     ]
     for i, (r, kind) in enumerate(zip(recs, ["String", "Time", "String", "Numerical", "String"])):
         r["id"], r["question_type"] = f"q{i}", kind
@@ -181,8 +181,12 @@ def test_infoseek_official_figures_count_every_question():
     assert info["no_answer"] == {"unseen_question": 1, "unseen_entity": 0}
     assert info["per_type"]["unseen_question"] == {"time": 0.0, "numerical": 0.0, "string": 100.0}
     table = format_table(m)
-    assert (
-        "| official scorer (every question; without an answer, an empty prediction: 1) | 66.67 | 50.00 | 57.14 |"
-        in (table)
+    assert "| gated pipeline (every question; without an answer, an empty prediction: 1) | 66.67 | 50.00 | 57.14 |" in (
+        table
     )
+    # the baselines' official scores beside the system's (their pooled accuracy is not the table's figure)
+    assert m["baselines"]["All RAG"]["accuracy"] == pytest.approx(0.8)
+    assert "| No RAG | 66.67 | 50.00 | 57.14 |" in table and "| All RAG | 66.67 | 100.00 | 80.00 |" in table
+    assert "| oracle gate | 66.67 | 100.00 | 80.00 |" in table and "| random gate | " not in table.split("InfoSeek")[1]
+    assert "every question with its image" in format_table({**m, "skipped": 1})
     assert summarize([rec(True, True, False)])["infoseek"] is None  # not InfoSeek questions: no such figures

@@ -24,8 +24,8 @@ def official_correct(
     ``evqa`` (the CSV answer is ``|``.join(answers); BEM batched over the undecided ones, blank predictions included)
     or ``infoseek`` (``infoseek_correct`` when the record has an InfoSeek question type, else ``infoseek_match``).
     A None prediction is the pipeline's "no answer": scored as the empty prediction a results file holds for that
-    question, as the official scorers score one (E-VQA: exact match, then BEM; InfoSeek: String and Time never match,
-    Numerical reads it as [0, 0])."""
+    question, as the official scorers score one (E-VQA: exact match, then BEM; InfoSeek: String and Time match only an
+    alias that normalises to nothing, Numerical reads it as [0, 0])."""
     if len(records) != len(predictions):
         raise ValueError(f"{len(records)} question records but {len(predictions)} predictions")
     predictions = ["" if p is None else p for p in predictions]

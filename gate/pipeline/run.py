@@ -269,7 +269,11 @@ def run(args: PipelineArgs, log=print, stages: Stages | None = None, state=None)
     if not parts.finish(rows):
         return None
     ids = {str(r["id"]) for r in rows}
-    records = [r for r in read_jsonl(target) if str(r["id"]) in ids]
+    by_id: dict[str, dict] = {}
+    for r in read_jsonl(target):  # each question once (a line repeated by hand would count twice), the first kept
+        if str(r["id"]) in ids:
+            by_id.setdefault(str(r["id"]), r)
+    records = list(by_id.values())
     again = sum(unfinished(r) for r in records)
     if again:
         log(
