@@ -950,3 +950,30 @@ def test_a_url_with_non_ascii_characters_or_spaces_is_fetched_under_the_name_of_
             assert fetch_one(listed, tmp_path, 5, UA) is None
             assert (tmp_path / file_name(listed)).stat().st_size > 0
         assert sorted(site.paths()) == sorted(routes)
+
+
+def test_a_store_that_fails_to_finish_leaves_no_kb_rows_in_place(tmp_path, monkeypatch):
+    """kb.jsonl was renamed into place before the store's last flush, index and commit: when those failed (a full
+    disk), the KB stood without its store, and the pipeline quietly built one from the rows (a section each)."""
+    import sqlite3
+
+    from retrieval.upstream import articles
+
+    folder = image_folder(tmp_path, ["http://img/a.jpg", "http://img/b.jpg", "http://img/c.jpg", "http://img/d.jpg"])
+    (tmp_path / "kb.json").write_text(json.dumps(EVQA_KB))
+    real_exit = articles.ArticleWriter.__exit__
+
+    def disk_full(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.db.close()
+            self._atomic.__exit__(sqlite3.OperationalError, None, None)
+            raise sqlite3.OperationalError("database or disk is full")
+        return real_exit(self, exc_type, exc, tb)
+
+    monkeypatch.setattr(articles.ArticleWriter, "__exit__", disk_full)
+    args = ConvertArgs(
+        format="evqa-kb", input=str(tmp_path / "kb.json"), image_dir=str(folder), out=str(tmp_path / "o" / "kb.jsonl")
+    )
+    with pytest.raises(sqlite3.OperationalError, match="disk is full"):
+        convert(args, log=quiet)
+    assert not (tmp_path / "o" / "kb.jsonl").exists() and not store_path_for(tmp_path / "o" / "kb.jsonl").exists()

@@ -281,7 +281,9 @@ def convert_kb(args: ConvertArgs, skip) -> int:
         find = wiki6m_image_finder(args.images_root, resolve)
         pairs = (wiki6m_article(row, find, skip) for row in read_upstream_jsonl(args.input))
     n = 0
-    with ArticleWriter(articles_path) as store, atomic_path(args.out) as tmp, open(tmp, "w") as f:
+    # the store is finished (its last rows, its index, the rename) before the rows go in place: a KB JSONL is never
+    # there without its whole store, which the pipeline would otherwise rebuild from the rows alone
+    with atomic_path(args.out) as tmp, ArticleWriter(articles_path) as store, open(tmp, "w") as f:
         for article, rows in tqdm(pairs, desc=f"{args.format} articles", unit="article"):
             store.add_article(article["entity_id"], article["title"], article["url"], article["sections"])
             for row in rows:
