@@ -214,3 +214,28 @@ def test_an_empty_expansion_is_the_models_answer_not_a_request_to_retry_forever(
     assert row["target"] == "10 m" and not row["expanded"] and "no expanded_answer" in row["reason"]
     asked = len(server.requests)
     assert stage_expand(args, tmp_path, log=lambda *a: None) == 0 and len(server.requests) == asked
+
+
+def test_a_question_labelled_again_with_another_answer_is_expanded_again(tmp_path):
+    """Expansions were matched by id alone: relabelled with another short answer (London → Paris), the question kept
+    "The city shown is London." as its FAIL target, and render used it."""
+    rows = label_rows(2)  # q1 FAIL, "10 m"
+    write_jsonl_atomic(tmp_path / "labels-inspector.jsonl", rows)
+    asked = []
+
+    def expand(questions, answers):
+        asked.extend(answers)
+        return [json.dumps({"expanded_answer": f"Tower 1 is {a} tall."}) for a in answers]
+
+    args = BuildDataArgs(stage="expand", out=str(tmp_path))
+    assert stage_expand(args, tmp_path, log=lambda *a: None, expand=expand) == 1
+    relabelled = [rows[0], {**rows[1], "inspector": {"pass": "false", "answer": "12 m"}}]
+    write_jsonl_atomic(tmp_path / "labels-inspector.jsonl", relabelled)
+    render = BuildDataArgs(stage="render", out=str(tmp_path), variant="inspector", inspector_expanded=True)
+    with pytest.raises(ValueError, match=r"1 FAIL example\(s\) have no expanded answer for their short answer"):
+        stage_render(render, tmp_path, log=lambda *a: None)
+    assert stage_expand(args, tmp_path, log=lambda *a: None, expand=expand) == 1 and asked == ["10 m", "12 m"]
+    assert stage_expand(args, tmp_path, log=lambda *a: None, expand=expand) == 0
+    stage_render(render, tmp_path, log=lambda *a: None)
+    rendered = "\n".join(json.dumps(r) for r in read_jsonl(tmp_path / "inspector.train.jsonl"))
+    assert "Tower 1 is 12 m tall." in rendered and "10 m tall" not in rendered

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from common.files import append_jsonl, completed_ids, read_jsonl
+from common.files import append_jsonl, read_jsonl, repair_jsonl
 from common.job_parts import JobParts
 from common.llm import replier
 from common.prompts import json_objects, load_prompt, wording
@@ -96,8 +96,14 @@ def stage_expand(args, out: Path, log=print, expand=None) -> int:
             "max_new_tokens": args.expansion_max_new_tokens,
         }
     )
-    done = completed_ids(target)
-    todo = [r for r in read_jsonl(source) if not r["pass"] and str(r["id"]) not in done]
+    # expanded for the short answer the label holds now: a question relabelled since (another answer) is asked again,
+    # its new row read after the old one (expanded_targets keeps the last)
+    done = {str(r["id"]): r.get("answer") for r in repair_jsonl(target, key="id")}
+    todo = [
+        r
+        for r in read_jsonl(source)
+        if not r["pass"] and done.get(str(r["id"]), object()) != str(r["inspector"].get("answer", ""))
+    ]
     if todo:
         expand = expand or expander(args, prompt)
     kept_short = failed = written = 0
@@ -122,7 +128,8 @@ def stage_expand(args, out: Path, log=print, expand=None) -> int:
     return written
 
 
-def expanded_targets(out: Path) -> dict[str, str]:
-    """{example id: FAIL target} from ``expanded-inspector.jsonl``."""
+def expanded_targets(out: Path) -> dict[str, tuple[str, str]]:
+    """{example id: (the short answer it was expanded from, FAIL target)} from ``expanded-inspector.jsonl`` (a
+    question expanded again after a relabel: the last row)."""
     path = out / EXPANDED_FILE
-    return {str(r["id"]): r["target"] for r in read_jsonl(path)} if path.is_file() else {}
+    return {str(r["id"]): (r.get("answer"), r["target"]) for r in read_jsonl(path)} if path.is_file() else {}

@@ -298,10 +298,16 @@ def with_expanded_answers(recs: list[dict], out: Path) -> list[dict]:
     """Inspector label rows whose FAIL answer is the expanded sentence (``--stage expand``); every FAIL row must have
     one."""
     targets = expanded_targets(out)
-    missing = [str(r["id"]) for r in recs if not r["pass"] and str(r["id"]) not in targets]
+    missing = [  # none, or one expanded from another short answer (the question was labelled again since)
+        str(r["id"])
+        for r in recs
+        if not r["pass"] and targets.get(str(r["id"]), (None,))[0] != str(r["inspector"].get("answer", ""))
+    ]
     if missing:
         raise ValueError(
-            f"render --inspector_expanded: {len(missing)} FAIL example(s) have no expanded answer in "
-            f"{out / EXPANDED_FILE} (first: {', '.join(missing[:3])}); run --stage expand"
+            f"render --inspector_expanded: {len(missing)} FAIL example(s) have no expanded answer for their short "
+            f"answer in {out / EXPANDED_FILE} (first: {', '.join(missing[:3])}); run --stage expand"
         )
-    return [r if r["pass"] else {**r, "inspector": {**r["inspector"], "answer": targets[str(r["id"])]}} for r in recs]
+    return [
+        r if r["pass"] else {**r, "inspector": {**r["inspector"], "answer": targets[str(r["id"])][1]}} for r in recs
+    ]
