@@ -190,3 +190,39 @@ def test_infoseek_official_figures_count_every_question():
     assert "| oracle gate | 66.67 | 100.00 | 80.00 |" in table and "| random gate | " not in table.split("InfoSeek")[1]
     assert "every question with its image" in format_table({**m, "skipped": 1})
     assert summarize([rec(True, True, False)])["infoseek"] is None  # not InfoSeek questions: no such figures
+
+
+def test_a_run_without_baselines_keeps_the_benchmarks_own_figures():
+    """baselines: false (each question down its chosen path only) reported pooled accuracy alone: InfoSeek's official
+    scores and the per-split figures were gone. They are what the same choices give with baselines."""
+    from gate.pipeline.run import _summarize_chosen
+
+    recs = []
+    for i, (alone, rag, retrieve, split, kind) in enumerate(
+        [
+            (True, False, False, "val_unseen_question", "String"),
+            (False, True, True, "val_unseen_question", "Time"),
+            (False, False, True, "val_unseen_entity", "String"),
+            (True, True, False, "val_unseen_entity", "Numerical"),
+            (False, True, False, "val_unseen_entity", "String"),
+        ]
+    ):
+        r = rec(alone, rag, retrieve, split=split, id=f"q{i}")
+        r["question_type"] = kind
+        r["alone"]["answer"] = r["rag"]["answer"] = "x"
+        recs.append(r)
+    with_baselines = summarize(recs)
+    chosen = [
+        {
+            **r,
+            "alone": None if r["gate"]["retrieve"] else r["alone"],
+            "rag": r["rag"] if r["gate"]["retrieve"] else None,
+            "correct": (r["rag"] if r["gate"]["retrieve"] else r["alone"])["correct"],
+            "answer": "x",
+        }
+        for r in recs
+    ]
+    alone_only = _summarize_chosen(chosen)
+    assert alone_only["infoseek"] == with_baselines["infoseek"] and alone_only["infoseek"]["final"] > 0
+    assert alone_only["accuracy_by_split"] == with_baselines["accuracy_by_split"]
+    assert alone_only["accuracy"] == pytest.approx(with_baselines["accuracy"])

@@ -33,7 +33,16 @@ from common.llm import request_failed
 from common.placement import job_device, process_state
 from gate.pipeline.arguments import PipelineArgs, check_same_config, validate
 from gate.pipeline.context import section_text
-from gate.pipeline.end_to_end import format_table, is_gold_section, stage_latency, summarize, threshold_curve
+from gate.pipeline.end_to_end import (
+    format_table,
+    hop_accuracy,
+    infoseek_figures,
+    is_gold_section,
+    split_accuracy,
+    stage_latency,
+    summarize,
+    threshold_curve,
+)
 from gate.pipeline.stages import Stages
 from rl.model import open_vlm_image
 
@@ -322,14 +331,19 @@ def gate_name(gate: str) -> str:
 
 
 def _summarize_chosen(records: list[dict]) -> dict:
-    """Without baselines: accuracy and retrieval ratio of the chosen answers only."""
+    """Without baselines: the chosen answers' accuracy, retrieval ratio and the benchmarks' own figures (per split,
+    E-VQA's single-hop, InfoSeek's official scores), as with them."""
     done = [r for r in records if "skipped" not in r]
     if not done:
         return {"n": 0, "skipped": len(records)}
+    correct = np.array([bool(r["correct"]) for r in done])
     return {
         "n": len(done),
         "skipped": len(records) - len(done),
-        "accuracy": float(np.mean([r["correct"] for r in done])),
+        "accuracy": float(correct.mean()),
+        "accuracy_by_split": split_accuracy(done, correct),
+        "accuracy_by_hops": hop_accuracy(done, correct),
+        "infoseek": infoseek_figures(done, correct, [r.get("answer") is not None for r in done]),
         "retrieval_ratio": float(np.mean([r["gate"]["retrieve"] for r in done])),
         "baselines": {},
         "latency_s": stage_latency(done),
