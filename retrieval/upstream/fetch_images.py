@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from urllib.parse import quote, urlparse, urlunparse
 
+from PIL import Image
 from tqdm.auto import tqdm
 
 from common.cli import parse
@@ -186,8 +187,6 @@ def download(url: str, timeout: float, user_agent: str, throttle: Throttle, max_
 
 def decodable(data: bytes) -> bool:
     """Whether PIL reads ``data`` as an image (its header and structure: ``verify``, no full decode)."""
-    from PIL import Image
-
     try:
         with Image.open(io.BytesIO(data)) as img:
             img.verify()
