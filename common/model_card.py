@@ -34,6 +34,11 @@ def render_card(base_model: str | None, tags: list[str], title: str, sections: l
     return "\n".join(parts)
 
 
+def format_rate(value) -> str:
+    """A learning rate as a card shows it: in full precision (``format_value``'s four decimals make 1e-6 a 0)."""
+    return "—" if value is None else f"{float(value):g}"
+
+
 def format_value(value) -> str:
     """A figure as a card shows it: floats to at most four decimals (trailing zeros dropped), None as a dash."""
     if value is None:

@@ -273,8 +273,8 @@ def run(args: EvalArgs, log=print) -> dict:
         "results": {str(a): {f: r["metrics"] for f, r in per.items()} for a, per in results.items()},
     }
     out.mkdir(parents=True, exist_ok=True)
-    for stale in (*OUTPUT_FILES, *out.glob("rank_change*.png")):  # an earlier run's (another mode, other fields)
-        (out / stale).unlink(missing_ok=True)
+    for stale in [out / name for name in OUTPUT_FILES] + list(out.glob("rank_change*.png")):  # an earlier run's
+        stale.unlink(missing_ok=True)  # (another mode, other fields)
     if len(alphas) == 1:
         table = format_table({f: r["metrics"] for f, r in results[alphas[0]].items()}, ks)
         log(f"α = {alphas[0]}\n{table}")

@@ -14,7 +14,7 @@ import re
 import shlex
 from pathlib import Path
 
-from common.model_card import code_block, figures_table, format_value, render_card, write_card
+from common.model_card import code_block, figures_table, format_rate, format_value, render_card, write_card
 from rewards.format import INVALID_REWARD, MAX_QUERY_TOKENS, PARSER_VERSION, VALID_REWARD
 from rewards.rank import DEFAULT_MISS, DEFAULT_TIERS, max_depth, parse_tiers
 from rl.run_record import RUN_RECORD
@@ -181,10 +181,9 @@ def refiner_card(
     ]
     opt = record.get("optimisation")
     if opt:
-        lr = opt.get("learning_rate")
         model += [
             f"- GRPO: {format_value(opt.get('num_generations'))} completions per question, learning rate "
-            f"{'—' if lr is None else f'{float(lr):g}'}, β (KL) "
+            f"{format_rate(opt.get('learning_rate'))}, β (KL) "
             f"{format_value(opt.get('beta'))}, loss `{opt.get('loss_type')}`, rewards scaled by "
             f"`{opt.get('scale_rewards')}`, max steps {format_value(opt.get('max_steps'))}"
         ]

@@ -176,11 +176,8 @@ def check_same_config(out: Path, args: PipelineArgs) -> None:
     the weights in every model folder named (a gate, refiner or generator exported again into the same folder)."""
     current = {k: v for k, v in asdict(args).items() if k not in RESUME_FREE}
     current["queries_content"] = file_fingerprint(args.queries)
-    current["weights"] = {
-        k: weights_fingerprint(v)
-        for k, v in sorted(current.items())
-        if isinstance(v, str) and k != "out" and Path(v).is_dir() and weights_fingerprint(v)
-    }
+    folders = {k: v for k, v in sorted(current.items()) if isinstance(v, str) and Path(v).is_dir()}
+    current["weights"] = {k: f for k, v in folders.items() if (f := weights_fingerprint(v))}
     path = out / "pipeline_config.json"
     if path.is_file():
         before = json.loads(path.read_text())

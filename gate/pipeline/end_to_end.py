@@ -198,18 +198,17 @@ def with_official_scores(rows: dict[str, dict], done: list[dict]) -> dict[str, d
     """The baselines with InfoSeek's official scores (``infoseek``) where the data has them, as the system has its
     own: pooled accuracy is not the table's figure (the unseen-question and unseen-entity splits differ in size).
     No RAG, All RAG and the oracle gate; the random gate's is a mean over draws, left as accuracy."""
-    if infoseek_figures(done, [False] * len(done), [True] * len(done)) is None:
-        return rows
     alone_ok = np.array([bool(r["alone"]["correct"]) for r in done])
     for name, retrieve in (
         ("No RAG", np.zeros(len(done))),
         ("All RAG", np.ones(len(done))),
         ("oracle gate", ~alone_ok),
     ):
+        figures = infoseek_figures(done, system_correct(done, retrieve), chosen_answered(done, retrieve))
+        if figures is None:  # not InfoSeek questions
+            return rows
         if name in rows:
-            rows[name]["infoseek"] = infoseek_figures(
-                done, system_correct(done, retrieve), chosen_answered(done, retrieve)
-            )
+            rows[name]["infoseek"] = figures
     return rows
 
 

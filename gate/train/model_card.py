@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from common.model_card import code_block, figures_table, format_value, render_card, write_card
+from common.model_card import code_block, figures_table, format_rate, format_value, render_card, write_card
 from gate.scoring import DEFAULT_THRESHOLDS, GATE_FILE
 from gate.variants import BINARY, spec
 
@@ -158,7 +158,6 @@ def training_line(training: dict | None) -> str:
     defaults, said to be such)."""
     if not training:
         return "a LoRA adapter, when one was trained, is merged into the weights (settings not recorded)"
-    lr = training.get("learning_rate")
     tower = "vision tower frozen" if training.get("freeze_vision_tower", True) else "vision tower trained too"
     weights = (
         f"a LoRA adapter (r = {training['lora_r']}) merged into the weights"
@@ -166,7 +165,7 @@ def training_line(training: dict | None) -> str:
         else "every weight trained (full fine-tune)"
     )
     return (
-        f"{tower}; {weights}; learning rate {'—' if lr is None else f'{float(lr):g}'}, "
+        f"{tower}; {weights}; learning rate {format_rate(training.get('learning_rate'))}, "
         f"{format_value(training.get('global_step'))} steps"
     )
 
