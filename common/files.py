@@ -6,6 +6,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -102,15 +103,32 @@ def write_jsonl_atomic(path: str | Path, records: Iterable[dict]) -> int:
     return n
 
 
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def without_lone_surrogates(value):
+    """``value`` (JSON data) with every lone UTF-16 surrogate, which no UTF-8 file can hold, as U+FFFD. JSON may
+    escape half a pair (``"\\ud83d"``: a text cut mid-emoji); a whole pair decodes to one character and is kept."""
+    if isinstance(value, str):
+        return LONE_SURROGATE.sub("\ufffd", value)
+    if isinstance(value, dict):
+        return {without_lone_surrogates(k): without_lone_surrogates(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [without_lone_surrogates(v) for v in value]
+    return value
+
+
 def json_record(line: str | bytes, path, lineno: int) -> dict:
-    """One JSONL line as a dict; anything else raises ValueError naming the file and line number."""
+    """One JSONL line as a dict (a lone surrogate escape read as U+FFFD: ``without_lone_surrogates``); anything else
+    raises ValueError naming the file and line number."""
     try:
         rec = json.loads(line)
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
     if not isinstance(rec, dict):
         raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
-    return rec
+    escape = b"\\u" if isinstance(line, bytes) else "\\u"
+    return without_lone_surrogates(rec) if escape in line else rec  # a surrogate only ever comes as an escape
 
 
 def read_jsonl(path: str | Path) -> Iterator[dict]:

@@ -68,8 +68,10 @@ class ImageEncoder:
         import torch
 
         with torch.no_grad():
-            out = self.model(x.to(self.device, self.dtype)).float().cpu().numpy()
-        return l2_normalize(out)
+            out = self.model(x.to(self.device, self.dtype))
+        if isinstance(out, tuple):  # a tower that also outputs its tokens (CoCa): (pooled, tokens), as encode_image
+            out = out[0]
+        return l2_normalize(out.float().cpu().numpy())
 
     def encode(self, images) -> np.ndarray:
         """Encode a list of PIL images (preprocessed here, in this process)."""

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from common.files import read_jsonl
+from common.files import json_record, read_jsonl
 from retrieval.upstream.articles import ArticleStore, store_from_kb_rows, store_path_for
 from retrieval.upstream.convert import ConvertArgs, convert
 from retrieval.upstream.kb import canonical_url, url_hash, wiki6m_url
@@ -167,8 +167,9 @@ def wiki6m_rows():
     ]
 
 
-def write_wiki6m(tmp_path):
-    (tmp_path / "Wiki6M_ver_1_0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in wiki6m_rows()))
+def write_wiki6m(tmp_path, rows=None):
+    rows = wiki6m_rows() if rows is None else rows
+    (tmp_path / "Wiki6M_ver_1_0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     root = tmp_path / "wikipedia_images_full"
     (root / "Q90").mkdir(parents=True)
     (root / "Q90" / "Q90.jpg").write_bytes(b"x")  # UniIR's <QID[:4]>/<QID>.jpg layout
@@ -176,9 +177,9 @@ def write_wiki6m(tmp_path):
     return root, folder
 
 
-def test_wiki6m_kb_keys_entities_by_qid(tmp_path):
-    root, folder = write_wiki6m(tmp_path)
-    n = convert(
+def convert_wiki6m(tmp_path, root, folder) -> int:
+    """``write_wiki6m``'s file converted to ``tmp_path/kb.jsonl`` with its images."""
+    return convert(
         ConvertArgs(
             format="wiki6m",
             input=str(tmp_path / "Wiki6M_ver_1_0.jsonl"),
@@ -188,6 +189,11 @@ def test_wiki6m_kb_keys_entities_by_qid(tmp_path):
         ),
         log=quiet,
     )
+
+
+def test_wiki6m_kb_keys_entities_by_qid(tmp_path):
+    root, folder = write_wiki6m(tmp_path)
+    n = convert_wiki6m(tmp_path, root, folder)
     rows = {r["entity_id"]: r for r in read_jsonl(tmp_path / "kb.jsonl")}
     assert n == 2 and set(rows) == {"Q243", "Q90"}
     assert rows["Q90"]["image"] == "Q90/Q90.jpg" and rows["Q243"]["image"] == f"{url_hash('http://img/eiffel.jpg')}.jpg"
@@ -873,7 +879,7 @@ def test_a_damaged_or_ambiguous_download_is_refused_naming_it(tmp_path, damage, 
 
 def test_a_connection_dropped_mid_image_is_listed_as_failed_and_the_run_goes_on(tmp_path):
     """http.client's IncompleteRead is no OSError: one such URL among millions is listed in failed.jsonl, not the end
-    of the run (and of every rerun); a failed.jsonl whose last line a crash cut short is read on."""
+    of the run (and of every rerun); a failed.jsonl whose last line a crash cut short is read on, and rewritten."""
     from retrieval.upstream.fetch_images import FetchArgs, fetch_images
     from tests.upstream_site import Site, png_bytes
     from tests.upstream_site import ok as served
@@ -887,7 +893,9 @@ def test_a_connection_dropped_mid_image_is_listed_as_failed_and_the_run_goes_on(
         assert failed["url"] == site.url("/cut.png") and "IncompleteRead" in failed["reason"]
         with open(tmp_path / "imgs" / "failed.jsonl", "a") as fh:
             fh.write('{"url": "http://cut')  # a crash mid-append
-        assert fetch_images(args, log=quiet) == {"fetched": 0, "failed": 0, "already there": 2}
+        # a dropped connection may pass: the rerun tries it again (cut again), and failed.jsonl lists it once
+        assert fetch_images(args, log=quiet) == {"fetched": 0, "failed": 1, "already there": 1}
+        assert [r["url"] for r in read_jsonl(tmp_path / "imgs" / "failed.jsonl")] == [site.url("/cut.png")]
 
 
 def test_odd_kb_entries_convert_or_are_named():
@@ -977,3 +985,100 @@ def test_a_store_that_fails_to_finish_leaves_no_kb_rows_in_place(tmp_path, monke
     with pytest.raises(sqlite3.OperationalError, match="disk is full"):
         convert(args, log=quiet)
     assert not (tmp_path / "o" / "kb.jsonl").exists() and not store_path_for(tmp_path / "o" / "kb.jsonl").exists()
+
+
+def test_a_lone_surrogate_in_an_upstream_row_becomes_a_replacement_character(tmp_path):
+    """A JSON escape of half a UTF-16 pair (text cut mid-emoji) decodes to a lone surrogate, which no UTF-8 file can
+    hold: it is read as U+FFFD, and the conversion goes on."""
+    rows = wiki6m_rows()
+    rows[-1]["wikipedia_content"] = "Capital of France \ud83d. Big."  # json.dumps writes it as the escape \ud83d
+    rows[-1]["wikipedia_title"] = "Paris \udc00"
+    root, folder = write_wiki6m(tmp_path, rows)
+    assert "\\ud83d" in (tmp_path / "Wiki6M_ver_1_0.jsonl").read_text()
+    n = convert_wiki6m(tmp_path, root, folder)
+    rows = {r["entity_id"]: r for r in read_jsonl(tmp_path / "kb.jsonl")}
+    assert n == 2 and rows["Q90"]["title"] == "Paris \ufffd"
+    store = ArticleStore(store_path_for(tmp_path / "kb.jsonl"))
+    assert [s["text"] for s in store.sections("Q90")][-1] == "Capital of France \ufffd. Big."
+    emoji = json.loads('{"t": "\\ud83d\\ude00"}')["t"]  # a whole pair is one character, kept
+    assert json_record(json.dumps({"t": emoji}), "x", 1)["t"] == "\U0001f600"
+
+
+def test_a_lone_surrogate_in_the_evqa_kb_json_is_named_or_read_as_a_replacement_character(tmp_path, monkeypatch):
+    import ijson
+
+    from retrieval.upstream.kb import iter_evqa_kb
+
+    kb = json.loads(json.dumps(EVQA_KB))
+    kb[ZORVAK]["section_texts"][1] = "It lives in caves \udc00."  # yajl2_c reads a lone high one as "?"
+    (tmp_path / "kb.json").write_text(json.dumps(kb))
+    if ijson.backend == "yajl2_c":  # the default where its wheel installs: refuses, naming the file and the way out
+        with pytest.raises(
+            ValueError, match=r"kb\.json: text that is not UTF-8 after article 0 .*IJSON_BACKEND=python"
+        ):
+            list(iter_evqa_kb(tmp_path / "kb.json"))
+    monkeypatch.setattr(ijson, "kvitems", ijson.get_backend("python").kvitems)  # as IJSON_BACKEND=python selects
+    articles = dict(iter_evqa_kb(tmp_path / "kb.json"))
+    assert articles[ZORVAK]["section_texts"][1] == "It lives in caves \ufffd."
+    assert articles[ZORVAK]["section_texts"][0] == EVQA_KB[ZORVAK]["section_texts"][0] and len(articles) == 2
+
+
+def test_a_failure_that_may_pass_is_tried_again_by_the_next_run_and_failed_jsonl_keeps_one_line_per_url(tmp_path):
+    """A timeout or a 5xx among millions of downloads was listed like a 404, for good unless --retry_failed (which
+    retried the 404s too), and each retry appended the URL again, a fetched one included."""
+    from retrieval.upstream.fetch_images import TRANSIENT, FetchArgs, fetch_images, file_name
+    from tests.upstream_site import Site, ok, png_bytes
+
+    routes = {"/flaky.png": [(500, {}, b"busy"), ok(png_bytes())], "/a.png": [ok(png_bytes())]}  # /gone.png: 404
+    with Site(routes) as site:
+        urls = [site.url(p) for p in ("/flaky.png", "/gone.png", "/a.png")]
+        kb = kb_with_images(tmp_path, urls)
+        args = FetchArgs(kb=str(kb), out=str(tmp_path / "imgs"), user_agent=UA, workers=1, timeout=5)
+        failed_log = tmp_path / "imgs" / "failed.jsonl"
+        assert fetch_images(args, log=quiet) == {"fetched": 1, "failed": 2, "already there": 0}
+        reasons = {r["url"]: r["reason"] for r in read_jsonl(failed_log)}
+        assert reasons[urls[0]].startswith(TRANSIENT + "HTTPError") and "500" in reasons[urls[0]]
+        assert not reasons[urls[1]].startswith(TRANSIENT) and "404" in reasons[urls[1]]
+        # the next run tries the 500 again (now served), not the 404; the fetched URL leaves failed.jsonl
+        assert fetch_images(args, log=quiet) == {"fetched": 1, "failed": 0, "already there": 2}
+        assert (tmp_path / "imgs" / file_name(urls[0])).read_bytes() == png_bytes()
+        assert [r["url"] for r in read_jsonl(failed_log)] == [urls[1]]
+        assert site.paths().count("/gone.png") == 1
+        # --retry_failed tries the 404 again; failed.jsonl still holds it once
+        retry = FetchArgs(**{**vars(args), "retry_failed": True})
+        assert fetch_images(retry, log=quiet) == {"fetched": 0, "failed": 1, "already there": 2}
+        (again,) = read_jsonl(failed_log)
+        assert again["url"] == urls[1] and site.paths().count("/gone.png") == 2
+
+
+def urllib_error(kind: str) -> Exception:
+    """What urllib raises for a download that timed out, was refused, was cut mid-body, or named no valid URL."""
+    import http.client
+    import urllib.error
+
+    return {
+        "timeout": TimeoutError("The read operation timed out"),
+        "refused": urllib.error.URLError(ConnectionRefusedError(111, "Connection refused")),
+        "incomplete": http.client.IncompleteRead(b"", 10),
+        "bad url": ValueError("unknown url type: 'x'"),
+    }[kind]
+
+
+@pytest.mark.parametrize(
+    "error,passes",
+    [
+        (urllib_error("timeout"), True),
+        (urllib_error("refused"), True),
+        (urllib_error("incomplete"), True),
+        (urllib_error("bad url"), False),
+    ],
+)
+def test_which_download_errors_may_pass(error, passes, monkeypatch):
+    import retrieval.upstream.fetch_images as fi
+
+    def urlopen(*a, **k):
+        raise error
+
+    monkeypatch.setattr(fi.urllib.request, "urlopen", urlopen)  # the error urllib raises, not a server's reply
+    kind, why = fi.download("http://x/a.png", 5, UA, fi.Throttle(), 0)
+    assert kind is None and why.startswith(fi.TRANSIENT) == passes and type(error).__name__ in why

@@ -134,3 +134,41 @@ def test_a_saved_model_with_a_document_prompt_fails_to_load(tmp_path):
     )
     with pytest.raises(ValueError, match="prompt before documents"):
         text_encoder(str(tmp_path / "e5-like"), device="cpu")
+
+
+def test_a_coca_tower_embeds_as_open_clip_encode_image(tmp_path):
+    """CoCa's vision tower returns (pooled, tokens); the embedding is the pooled part, as CoCa's encode_image."""
+    import json
+
+    import open_clip
+    import torch
+
+    config = {  # open_clip's coca_ViT-B-32.json, every width cut to a few units
+        "embed_dim": 16,
+        "vision_cfg": {
+            "image_size": 32,
+            "layers": 1,
+            "width": 32,
+            "patch_size": 16,
+            "head_width": 16,
+            "attentional_pool": True,
+            "attn_pooler_heads": 2,
+            "output_tokens": True,
+        },
+        "text_cfg": {"context_length": 8, "vocab_size": 64, "width": 16, "heads": 2, "layers": 1, "embed_cls": True},
+        "multimodal_cfg": {"context_length": 8, "vocab_size": 64, "width": 16, "heads": 2, "layers": 1},
+        "custom_text": True,
+    }
+    (tmp_path / "coca_test_tiny.json").write_text(json.dumps(config))
+    open_clip.add_model_config(tmp_path / "coca_test_tiny.json")
+    encoder = image_encoder("coca_test_tiny", device="cpu", batch_size=2)
+    assert encoder.dim == 16
+    images = [Image.new("RGB", (40, 30), c) for c in ("red", "blue", "green")]
+    got = encoder.encode(images)
+
+    torch.manual_seed(0)
+    model, _, preprocess = open_clip.create_model_and_transforms("coca_test_tiny", pretrained=None)
+    model.visual.load_state_dict(encoder.model.state_dict())
+    with torch.no_grad():
+        expected = model.eval().encode_image(torch.stack([preprocess(i) for i in images]), normalize=True)
+    np.testing.assert_allclose(got, expected.numpy(), atol=1e-5)

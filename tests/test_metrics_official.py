@@ -318,16 +318,19 @@ def test_bem_scores_are_softmax_index_1_and_feed_the_official_rule(tiny_bem):
     bem = BEMScorer(str(tiny_bem), device="cpu", batch_size=2, log=lambda *a: None)
     probs = bem(["the Baker family"] * 3, ["the Menger family"] * 3, [Q] * 3)
     assert probs == pytest.approx([1 / (1 + math.exp(-1.0))] * 3, abs=1e-5)  # sigmoid(1) ≈ 0.73 ≥ 0.5
-    # the pipeline's judge loads BEM in the pipeline's dtype (auto: fp32 here, bf16 on a GPU)
+    # the pipeline's judge loads BEM in a dtype named, and fp32 under auto on every device, as the official scorer
     from types import SimpleNamespace
 
     import torch
 
+    from common.placement import resolve_dtype
+    from gate.pipeline.bem import bem_dtype
     from gate.pipeline.stages import Judge
 
     for dtype, expected in (("bf16", torch.bfloat16), ("auto", torch.float32)):
         args = SimpleNamespace(metric="evqa", bem=str(tiny_bem), bem_device=None, batch_size=2, dtype=dtype)
         assert Judge(args, "cpu").bem.model.dtype == expected
+        assert resolve_dtype(bem_dtype(dtype), "cuda:0") == expected  # on a GPU too (auto: bf16 for other models)
     assert evqa_correct("the Baker family", "the Menger family", Q, "automatic", bem=bem) is True
     import torch
 

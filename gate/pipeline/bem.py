@@ -56,6 +56,13 @@ def bem_inputs(
     return batch
 
 
+def bem_dtype(name: str | None) -> str:
+    """BEM's dtype for a pipeline's ``dtype``: fp32 under ``auto`` on every device, as the official scorer runs it (a
+    verdict is P(equivalent) ≥ 0.5, which bf16's 8-bit mantissa can flip near the threshold); a dtype named, as
+    named."""
+    return "float32" if name in (None, "auto") else name
+
+
 class BEMScorer:
     """``scorer(candidates, references, questions) -> [P(equivalent)]``, in batches, on one device."""
 
@@ -65,7 +72,7 @@ class BEMScorer:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)  # auto: bf16 on a GPU, fp32 on the CPU
+        self.dtype = resolve_dtype(bem_dtype(dtype), self.device)
         self.batch_size = batch_size
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.model = AutoModelForSequenceClassification.from_pretrained(model, dtype=self.dtype).to(self.device).eval()

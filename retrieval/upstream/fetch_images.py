@@ -13,9 +13,12 @@ Wikimedia's PNG rendering (``…/thumb/<x>/<xy>/<name>.svg/<w>px-<name>.svg.png`
 elsewhere is rasterised with cairosvg when it is installed, else listed as failed. A URL with non-ASCII characters or
 spaces is requested percent-encoded (the file is named by the URL as listed). URLs that fail (HTTP error, timeout, an
 empty body, not an image by its Content-Type or, without one, by its bytes) are appended to ``<out>/failed.jsonl`` with
-the reason and are not retried unless ``--retry_failed``. As Wikimedia's policy asks, requests carry a User-Agent naming
-you with a contact (``--user_agent``, required), and an HTTP 429 / 503 makes every download thread wait (the
-``Retry-After`` the server sends, else 1, 2, 4 … s) before the request is tried again, up to ``--max_retries`` times.
+the reason. A failure that may pass (a timeout, a dropped or refused connection, an HTTP 5xx, 408 or 429: its reason
+starts ``transient:``) is tried again by the next run; the others only with ``--retry_failed``. At the end of a run
+``failed.jsonl`` keeps one line per URL, its latest, and none for a URL fetched since. As Wikimedia's policy asks,
+requests carry a User-Agent naming you with a contact (``--user_agent``, required), and an HTTP 429 / 503 makes every
+download thread wait (the ``Retry-After`` the server sends, else 1, 2, 4 … s) before the request is tried again, up to
+``--max_retries`` times.
 """
 
 from __future__ import annotations
@@ -38,12 +41,13 @@ from PIL import Image
 from tqdm.auto import tqdm
 
 from common.cli import parse
-from common.files import append_jsonl, atomic_path, repair_jsonl
+from common.files import append_jsonl, atomic_path, repair_jsonl, write_jsonl_atomic
 from retrieval.upstream.kb import iter_evqa_kb, read_upstream_jsonl, svg_problem, url_hash
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".gif", ".webp", ".tif", ".tiff", ".bmp"}
 SVG_SUFFIXES = (".svg", ".svgz")
 RETRY_STATUSES = (429, 503)
+TRANSIENT = "transient: "  # the reason's prefix of a failure that may pass: the next run tries the URL again
 MAX_WAIT = 600.0  # seconds: the longest a Retry-After is honoured for at once
 _sleep = time.sleep
 
@@ -166,7 +170,8 @@ def request_url(url: str) -> str:
 
 
 def download(url: str, timeout: float, user_agent: str, throttle: Throttle, max_retries: int):
-    """(Content-Type, bytes) of one URL, or (None, why not); 429 / 503 are waited out and tried again."""
+    """(Content-Type, bytes) of one URL, or (None, why not); 429 / 503 are waited out and tried again. Why not starts
+    with ``TRANSIENT`` for a failure that may pass (a server error, a timeout, a connection refused or dropped)."""
     for attempt in range(max_retries + 1):
         throttle.wait()
         try:
@@ -178,9 +183,13 @@ def download(url: str, timeout: float, user_agent: str, throttle: Throttle, max_
                 throttle.hold(retry_after(e.headers.get("Retry-After"), attempt))
                 continue
             tries = f" after {attempt + 1} tries" if e.code in RETRY_STATUSES else ""
-            return None, f"HTTPError: {e}{tries}"
-        # OSError: URLError, timeouts; HTTPException: a connection dropped mid-body (IncompleteRead)
-        except (OSError, http.client.HTTPException, ValueError) as e:
+            passing = e.code >= 500 or e.code in (408, 429)
+            return None, f"{TRANSIENT if passing else ''}HTTPError: {e}{tries}"
+        # OSError: URLError, timeouts, refused connections; HTTPException: a connection dropped mid-body
+        # (IncompleteRead): each may pass. ValueError: a URL urllib cannot request, which will not
+        except (OSError, http.client.HTTPException) as e:
+            return None, f"{TRANSIENT}{type(e).__name__}: {e}"
+        except ValueError as e:
             return None, f"{type(e).__name__}: {e}"
     raise AssertionError("unreachable")
 
@@ -261,15 +270,11 @@ def fetch_images(args: FetchArgs, log=print) -> dict[str, int]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     failed_log = out / "failed.jsonl"
-    # an .svg left by an older version is not done: its PNG is fetched (the .svg is kept)
-    done = {
-        p.stem
-        for p in out.iterdir()
-        if not p.name.startswith(".") and p.name != failed_log.name and svg_problem(p.name) is None
-    }
-    if failed_log.exists() and not args.retry_failed:
-        done |= {url_hash(r["url"]) for r in repair_jsonl(failed_log, key="url")}  # a cut last line dropped
+    done = fetched_stems(out)
+    if failed_log.exists() and not args.retry_failed:  # a cut last line dropped
+        done |= {url_hash(r["url"]) for r in repair_jsonl(failed_log, key="url") if not transient(r["reason"])}
     counts = {"fetched": 0, "failed": 0, "already there": 0}
+    transients = 0
 
     def todo() -> Iterator[str]:
         n = 0
@@ -300,13 +305,43 @@ def fetch_images(args: FetchArgs, log=print) -> dict[str, int]:
             if failures:
                 append_jsonl(failed_log, failures)
             counts["failed"] += len(failures)
+            transients += sum(transient(f["reason"]) for f in failures)
             counts["fetched"] += len(chunk) - len(failures)
             bar.update(len(chunk))
+    compact_failures(failed_log, fetched_stems(out))
     log(
         f"images in {out}: {counts['fetched']} fetched, {counts['already there']} already there, "
-        f"{counts['failed']} failed" + (f" (listed in {failed_log})" if counts["failed"] else "")
+        f"{counts['failed']} failed"
+        + (
+            f" (listed in {failed_log}; {transients} transient, tried again by the next run)"
+            if counts["failed"]
+            else ""
+        )
     )
     return counts
+
+
+def transient(reason: str) -> bool:
+    """Whether a listed failure may pass (``TRANSIENT``): the next run tries its URL again."""
+    return reason.startswith(TRANSIENT)
+
+
+def fetched_stems(out: Path) -> set[str]:
+    """The url hashes of the images in ``out`` (an .svg left by an older version is not one: its PNG is fetched)."""
+    return {
+        p.stem
+        for p in out.iterdir()
+        if not p.name.startswith(".") and p.name != "failed.jsonl" and svg_problem(p.name) is None
+    }
+
+
+def compact_failures(failed_log: Path, fetched: set[str]) -> None:
+    """``failed.jsonl`` with one line per URL, its latest failure, and none for a URL fetched since (a retried URL
+    was appended again; written atomically)."""
+    if not failed_log.exists():
+        return
+    latest = {r["url"]: r for r in repair_jsonl(failed_log, key="url")}
+    write_jsonl_atomic(failed_log, [r for url, r in latest.items() if url_hash(url) not in fetched])
 
 
 def main(argv=None) -> None:

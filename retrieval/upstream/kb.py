@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from common.files import json_record
+from common.files import json_record, without_lone_surrogates
 from retrieval.kb import kb_entry
 
 # --------------------------------------------------------------------------- reading
@@ -107,7 +107,16 @@ def iter_evqa_kb(path: str | Path) -> Iterator[tuple[str, dict]]:
             raise ValueError(f"{path}: expected a JSON object keyed by Wikipedia URL (E-VQA KB format)")
         import ijson
 
-        yield from ijson.kvitems(_Prefixed(first, f), "", use_float=True)
+        count = 0
+        try:
+            for url, article in ijson.kvitems(_Prefixed(first, f), "", use_float=True):
+                yield url, without_lone_surrogates(article)
+                count += 1
+        except UnicodeDecodeError as e:  # yajl2_c on an escaped lone low surrogate (a lone high one it reads as "?")
+            raise ValueError(
+                f"{path}: text that is not UTF-8 after article {count} ({e.reason}: a lone surrogate escape?); "
+                "ijson's C parser cannot read it; IJSON_BACKEND=python reads it (slower), as U+FFFD"
+            ) from None
 
 
 class _Prefixed(io.RawIOBase):
