@@ -12,6 +12,8 @@ checkpoint files) and PEFT (``load_adapter``) read their checkpoints correctly a
 ``use_converting_loads`` replaces the two loads of such a trainer with ``load_weights``: the folder read by
 ``from_pretrained``, which applies the model's key conversion, and copied into the model with every key required.
 The read holds a second copy of the weights in CPU memory for the moment of the copy (a 3B model in fp32: ~15 GB).
+
+``seed_each_epoch``: a run resumed after its first epoch trains on the uninterrupted run's data order.
 """
 
 from __future__ import annotations
@@ -62,3 +64,21 @@ def best_weights_step(state, load_best_model_at_end: bool) -> int | None:
     ``eval_steps``), whose weights it then cannot load."""
     folder = state.best_model_checkpoint if load_best_model_at_end else None
     return int(Path(folder).name.rsplit("-", 1)[1]) if folder else None
+
+
+def seed_each_epoch(trainer) -> None:
+    """TRL's train sampler (``RepeatSampler``) seeds its own generator once and draws each epoch's permutation from it,
+    with no ``set_epoch``. A run resumed in epoch e ≥ 1 builds a new sampler, whose first permutation is epoch 0's:
+    it trained the rest of epoch e in epoch 0's order (questions the run had already seen in epoch e again, others
+    never), and no longer ended on the uninterrupted run's weights. The sampler gets a ``set_epoch`` that reseeds it
+    with seed + epoch, which transformers' loop calls at every epoch's start, resumed or not: epoch e has one order."""
+    make = trainer._get_train_sampler
+
+    def train_sampler(*args, **kwargs):
+        sampler = make(*args, **kwargs)
+        if getattr(sampler, "shuffle", False) and getattr(sampler, "seed", None) is not None:
+            if not hasattr(sampler, "set_epoch"):
+                sampler.set_epoch = lambda epoch: sampler.generator.manual_seed(sampler.seed + epoch)
+        return sampler
+
+    trainer._get_train_sampler = train_sampler

@@ -15,6 +15,7 @@ otherwise be rewarded as a permanent miss) or whose image is missing or unreadab
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -101,14 +102,27 @@ def question_dataset(
     return Dataset.from_list(rows).cast_column("image", ImageColumn())
 
 
+PNG_MODES = ("1", "L", "LA", "P", "RGB", "RGBA", "I;16")  # the modes PIL writes as PNG
+
+
 def image_column_value(path: str) -> dict:
-    """A ``datasets`` Image value: the file's path, or, for an image past PIL's pixel limit (which the column's plain
-    ``PIL.Image.open`` refuses, at any step of training), the downscaled picture ``load_image`` gives, as JPEG."""
+    """A ``datasets`` Image value: the file's path; for an image past PIL's pixel limit (which the column's plain
+    ``PIL.Image.open`` refuses, at any step of training), the downscaled picture ``load_image`` gives, as JPEG; for
+    one in a mode no PNG holds (a CMYK or YCbCr JPEG, a 32-bit TIFF), ``load_image``'s RGB picture as PNG. TRL's vLLM
+    client sends each question image to a vLLM server as a PNG (``pil_to_base64``), which fails for such a mode and
+    ends the run; the processor and colocated vLLM convert it to these same RGB pixels themselves."""
     try:
-        with Image.open(path):
-            return {"path": path, "bytes": None}
+        with Image.open(path) as image:
+            if image.mode in PNG_MODES:
+                return {"path": path, "bytes": None}
     except Image.DecompressionBombError:
         return {"path": None, "bytes": downscaled_jpeg(path)}
+    image, why = load_image(path)
+    if image is None:
+        raise ValueError(why)
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return {"path": None, "bytes": buffer.getvalue()}
 
 
 def warn_absent_entities(index, data, name: str) -> None:

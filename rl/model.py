@@ -66,6 +66,7 @@ def master_dtype(
     zero_stage: int | None,
     mixed_precision: str | None = None,
     device: str = "cpu",
+    use_vllm: bool = False,
 ) -> tuple[str | None, str]:
     """The dtype to load trainable weights in, and what the run's precision is, in one line.
 
@@ -78,7 +79,13 @@ def master_dtype(
       its own dtype — bf16 / fp16 with that mixed precision, else fp32 — whatever dtype was asked for.
     - LoRA trains adapters beside the frozen weights: PEFT upcasts them to fp32, except under ZeRO-3, where TRL 1.16
       passes ``autocast_adapter_dtype=False`` (mixed-dtype parameters break ZeRO-3's all-gather): they take the
-      weights' dtype."""
+      weights' dtype. DeepSpeed ZeRO-1/2 with mixed precision casts every parameter, adapters included, to its dtype.
+    - LoRA with vLLM (``use_vllm``): at every weight sync TRL merges the adapters into the frozen weights, reads them
+      and unmerges (PEFT's ``w += Δ`` then ``w -= Δ``), which 16-bit weights do not survive: each round trip rounds
+      some of them, and the drift builds up over the run's hundreds of syncs; the trained adapters then belong to
+      other weights than the ones export merges them into. So the frozen weights load in fp32 (16-bit compute through
+      autocast), as for full fine-tuning; under ZeRO-3 the merge is made on gathered copies and dropped; DeepSpeed
+      ZeRO-1/2 with mixed precision would cast them back to 16 bits, and is refused."""
     ds = f"DeepSpeed ZeRO-{zero_stage}" if zero_stage is not None else None
     ds_masters = ds is not None and mixed_precision is not None
     if zero_stage == 3:
@@ -96,6 +103,21 @@ def master_dtype(
     sixteen_bit = requested in ("bfloat16", "bf16", "float16", "fp16") or (
         requested in (None, "auto") and str(device).startswith("cuda")
     )
+    if use_peft and use_vllm and ds_masters:
+        raise ValueError(
+            f"LoRA (--use_peft) with vLLM under {ds} with {mixed_precision} mixed precision: at every weight sync TRL "
+            f"merges the adapters into the frozen weights and unmerges them, which {mixed_precision} weights do not "
+            "survive (each round trip rounds some of them; the drift builds up over the run). Use ZeRO-3 "
+            "(configs/accelerate/zero3.yaml: the merge is made on gathered copies and dropped) or no DeepSpeed "
+            "(ddp.yaml / 1gpu.yaml: the frozen weights load in fp32)"
+        )
+    if sixteen_bit and use_peft and use_vllm:
+        asked = requested if requested not in (None, "auto") else "auto (bfloat16 on a GPU)"
+        return "float32", (
+            f"weights in float32, frozen (dtype {asked} asked for: LoRA with vLLM merges the adapters into them and "
+            "unmerges them at every weight sync, which 16-bit weights do not survive exactly), 16-bit compute through "
+            "autocast; LoRA adapters in float32"
+        )
     if sixteen_bit and not use_peft and not ds_masters:
         where = "outside DeepSpeed" if ds is None else f"under {ds} without mixed precision"
         asked = requested if requested not in (None, "auto") else "auto (bfloat16 on a GPU)"
@@ -106,10 +128,12 @@ def master_dtype(
     name = requested or "auto"
     masters = f"; {ds} keeps fp32 master copies (mixed precision)" if ds_masters else f"; {ds}" if ds else ""
     if use_peft:
-        return (
-            requested,
-            f"weights in {name}, frozen; LoRA adapters in float32 (PEFT's autocast_adapter_dtype){masters}",
+        adapters = (
+            f"LoRA adapters cast to {mixed_precision} by DeepSpeed"
+            if ds_masters
+            else "LoRA adapters in float32 (PEFT's autocast_adapter_dtype)"
         )
+        return requested, f"weights in {name}, frozen; {adapters}{masters}"
     return requested, f"weights in {name}{masters or ' (as configured)'}"
 
 

@@ -11,7 +11,7 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 from retrieval.encoders import parameter_elements
 from rewards import FormatReward, RetrievalReward, parse_tiers
 from rl.arguments import whole_eval_rounds
-from rl.checkpoints import use_converting_loads
+from rl.checkpoints import seed_each_epoch, use_converting_loads
 from rl.image_budget import (
     apply_image_budget,
     check_budget,
@@ -41,7 +41,9 @@ def announce_rank(state, training_args, model_args, threads: int) -> tuple[str, 
     weights' precision)."""
     stage = zero_stage(training_args)
     mixed = "bf16" if training_args.bf16 else "fp16" if training_args.fp16 else None
-    load_dtype, precision = master_dtype(model_args.dtype, model_args.use_peft, stage, mixed, str(state.device))
+    load_dtype, precision = master_dtype(
+        model_args.dtype, model_args.use_peft, stage, mixed, str(state.device), use_vllm=training_args.use_vllm
+    )
     kind = f"DeepSpeed ZeRO-{stage} over {state.backend}" if stage is not None else state.distributed_type
     print(
         f"rank {state.process_index}/{state.num_processes} on {state.device} ({kind}, {threads} CPU threads); "
@@ -162,6 +164,7 @@ def ready_trainer(
                 f"{', '.join(leaked[:5])}"
             )
     say(f"trainable parameters: {trainable_parameters(trainer.model):,}")
+    seed_each_epoch(trainer)
     if use_converting_loads(trainer) and (training_args.resume_from_checkpoint or training_args.load_best_model_at_end):
         say("checkpoint weights load through from_pretrained's key conversion (rl/checkpoints.py)")
 

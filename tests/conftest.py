@@ -1,8 +1,9 @@
 """Shared fixtures: offline settings and a tiny toy world + index, built once per test session.
 
-Two markers (pyproject.toml): ``gpu`` tests need CUDA: collected everywhere, skipped with the reason where there is
-no GPU, run with ``pytest -m gpu``. ``slow`` tests (a real-width bf16 step) are skipped unless selected with
-``pytest -m slow``, so ``make test`` stays fast on the slowest machine of this kind.
+Two markers (pyproject.toml): ``gpu`` tests need CUDA: collected everywhere, skipped with the reason where there is no
+GPU, run with ``pytest -m gpu``, which fails instead of skipping when torch sees no GPU (a GPU machine whose driver is
+older than torch's CUDA would otherwise pass with every test skipped). ``slow`` tests (a real-width bf16 step) are
+skipped unless selected with ``pytest -m slow``, so ``make test`` stays fast on the slowest machine of this kind.
 """
 
 import json
@@ -30,9 +31,17 @@ from tests.upstream_site import serve_in_background  # noqa: E402
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    from tests.machine import gpu_asked
+
     chosen = config.getoption("-m") or ""
     no_gpu = pytest.mark.skip(reason="needs a CUDA GPU (none here): run `pytest -m gpu` on a machine with one")
     not_asked = pytest.mark.skip(reason="slow: run with `pytest -m slow` (docs/testing.md)")
+    if gpu_asked(chosen) and any("gpu" in item.keywords for item in items) and not torch.cuda.is_available():
+        raise pytest.UsageError(
+            f"-m gpu: torch {torch.__version__} sees no CUDA GPU (built for CUDA {torch.version.cuda or 'none'}). "
+            "On a GPU machine: nvidia-smi must list the GPU with a driver that supports that CUDA version, else "
+            "install the torch build for the driver's CUDA (docs/testing.md)"
+        )
     for item in items:
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(no_gpu)

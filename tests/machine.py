@@ -2,11 +2,13 @@
 their CPUs, and the suite's wall time with them (docs/testing.md), so a CI log names its machine itself.
 
 ``describe`` is pure: what /proc/cpuinfo says (model name, instruction-set flags), the core count and torch's own CPU
-dispatch level (``torch.backends.cpu.get_cpu_capability()``: AVX512, AVX2 or DEFAULT)."""
+dispatch level (``torch.backends.cpu.get_cpu_capability()``: AVX512, AVX2 or DEFAULT). ``gpu_asked``: whether a run
+asks for the ``gpu`` tests, which then require the GPU and the gpu extra instead of skipping without them."""
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from common.cpu import cpu_flags
@@ -42,3 +44,8 @@ def this_machine() -> str:
     except (ImportError, AttributeError):
         capability = None
     return describe(text, os.cpu_count(), capability)
+
+
+def gpu_asked(markexpr: str | None) -> bool:
+    """Whether pytest's ``-m`` expression selects the gpu tests by name (``gpu``, ``gpu or slow``; not ``not gpu``)."""
+    return re.search(r"(?<!not )\bgpu\b", markexpr or "") is not None

@@ -26,3 +26,23 @@ def test_the_run_names_its_machine(cpuinfo, cores, capability, line):
     from tests.machine import describe
 
     assert describe(cpuinfo, cores, capability) == line
+
+
+@pytest.mark.parametrize(
+    "markexpr,asked",
+    [
+        ("gpu", True),
+        ("gpu or slow", True),
+        ("slow and gpu", True),
+        ("not gpu", False),
+        ("slow", False),
+        ("", False),
+        (None, False),
+        ("gpus", False),
+    ],
+)
+def test_a_run_asks_for_the_gpu_tests_by_naming_their_marker(markexpr, asked):
+    """``pytest -m gpu`` requires a GPU (a usage error without one); ``make test`` skips the gpu tests."""
+    from tests.machine import gpu_asked
+
+    assert gpu_asked(markexpr) is asked

@@ -386,3 +386,30 @@ def test_strata_deeper_than_the_depth_are_refused_before_any_retrieval(tmp_path,
     with pytest.raises(ValueError, match="reaches rank 200, deeper than --depth 100"):
         build_rl_data(args, log=lambda *a: None)
     assert not (tmp_path / "rl.jsonl.baseline.jsonl").exists()
+
+
+@pytest.mark.parametrize("mode", ["CMYK", "F", "I"])
+def test_a_question_image_in_a_mode_no_png_holds_reaches_a_vllm_server_as_rgb(tiny_world, tmp_path, mode):
+    """TRL's vLLM client sends each question image to a server as PNG (``pil_to_base64``): a CMYK JPEG in the
+    training file ended the run at the step that sampled it. It goes in as the RGB pixels the processor, colocated
+    vLLM and the reward's image embeddings all see (``load_image``)."""
+    import numpy as np
+    from PIL import Image
+    from trl.generation.vllm_client import to_openai_messages
+
+    from retrieval.kb import load_image
+
+    rows = [json.loads(x) for x in open(tiny_world / "test.jsonl")][:2]
+    source = Image.open(tiny_world / rows[0]["image"]).convert(mode)
+    name = "odd.jpg" if mode == "CMYK" else "odd.tif"  # a CMYK JPEG; a TIFF of 32-bit floats or integers
+    source.save(tmp_path / name)
+    assert Image.open(tmp_path / name).mode == mode
+    rows[0]["image"] = str(tmp_path / name)
+    ds = question_dataset(write_rows(tmp_path / "q.jsonl", rows), images_root=tiny_world, prompt="toy")
+    odd, plain = ds["image"]  # decoded by datasets, as TRL hands them on
+    assert odd.mode == "RGB" and np.array_equal(np.asarray(odd), np.asarray(load_image(tmp_path / name)[0]))
+    assert ds["image_path"][0] == str(tmp_path / name)  # the reward still reads the file itself
+    for im in (odd, plain):  # TRL's own conversion for the server, which raised OSError for the mode
+        messages = [{"role": "user", "content": [{"type": "image", "image": im}, {"type": "text", "text": "?"}]}]
+        (sent,) = to_openai_messages(messages)
+        assert sent["content"][0]["image_url"]["url"].startswith("data:image/png;base64,")

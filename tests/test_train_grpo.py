@@ -67,22 +67,20 @@ def test_lora_trains_adapters_only(config, tiny_refiner, tmp_path):
     assert "No held-out figures" in our_card(tmp_path / "run" / "final", tiny_refiner)  # over PEFT's adapter card
 
 
-def test_resume_continues_from_the_saved_step(config, tiny_refiner, tmp_path):
-    """Resuming from checkpoint-2 runs only step 3, on the same prompts as the uninterrupted run's step 3, from
-    checkpoint-2's weights (transformers 5.24's own load matched no key of a Qwen2.5-VL checkpoint: rl/checkpoints.py),
-    and ends on the uninterrupted run's weights."""
-    full = tg.main(config(max_steps=3, save_strategy="steps", save_steps=1, output_dir=str(tmp_path / "a")))
+def test_resume_continues_from_the_saved_step(config, tiny_world, tiny_refiner, tmp_path):
+    """Six questions, two a step: epoch 0 is steps 1–3, epoch 1 steps 4–6. Resuming from checkpoint-4 runs only
+    step 5, on the same prompts as the uninterrupted run's step 5 (TRL's sampler drew epoch 0's order again in a
+    resumed epoch 1: rl.checkpoints.seed_each_epoch), from checkpoint-4's weights (transformers 5.24's own load matched
+    no key of a Qwen2.5-VL checkpoint: rl/checkpoints.py), and ends on the uninterrupted run's weights."""
+    six = tmp_path / "six.jsonl"
+    six.write_text("".join(open(tiny_world / "train.jsonl").readlines()[:6]))
+    run = dict(train_file=str(six), images_root=str(tiny_world), max_steps=5, save_strategy="steps", save_steps=4)
+    full = tg.main(config(**run, output_dir=str(tmp_path / "a")))
     resumed = tg.main(
-        config(
-            max_steps=3,
-            save_strategy="steps",
-            save_steps=1,
-            output_dir=str(tmp_path / "b"),
-            resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"),
-        )
+        config(**run, output_dir=str(tmp_path / "b"), resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-4"))
     )
-    assert [h["step"] for h in full["log_history"] if "reward" in h] == [1, 2, 3]
-    assert [h["step"] for h in resumed["log_history"] if "reward" in h][-1] == 3
+    assert [h["step"] for h in full["log_history"] if "reward" in h] == [1, 2, 3, 4, 5]
+    assert [h["step"] for h in resumed["log_history"] if "reward" in h][-1] == 5
 
     def prompts_at(folder):
         by_step = {}
@@ -91,9 +89,10 @@ def test_resume_continues_from_the_saved_step(config, tiny_refiner, tmp_path):
         return by_step
 
     a, b = prompts_at(tmp_path / "a"), prompts_at(tmp_path / "b")
-    assert set(b) == {3} and b[3] == a[3]  # only step 3 ran again, with the same data order
-    assert a[1] != a[3] or a[2] != a[3]
-    base, checkpoint = weights(tiny_refiner), weights(tmp_path / "a" / "checkpoint-2")
+    assert set(b) == {5} and b[5] == a[5]  # only step 5 ran again, with the same data order
+    assert {json.loads(x)["id"] for x in open(six)} == set(a[1] + a[2] + a[3])  # epoch 0: each question once
+    assert a[2] != a[5]  # epoch 1's second step is not epoch 0's (what the resumed run trained on)
+    base, checkpoint = weights(tiny_refiner), weights(tmp_path / "a" / "checkpoint-4")
     uninterrupted, resumed_final = weights(tmp_path / "a" / "final"), weights(tmp_path / "b" / "final")
     moved = [k for k in checkpoint if not torch.equal(checkpoint[k], base[k])]
     assert moved and all(torch.allclose(resumed_final[k], uninterrupted[k], atol=1e-6) for k in uninterrupted)
@@ -261,7 +260,7 @@ def test_the_step_of_finals_weights_is_the_checkpoint_the_trainer_loads(hits, ex
             2,
             "bf16",
             "bfloat16",
-            "LoRA adapters in float32 (PEFT's autocast_adapter_dtype); DeepSpeed ZeRO-2 keeps fp32 master copies",
+            "LoRA adapters cast to bf16 by DeepSpeed; DeepSpeed ZeRO-2 keeps fp32 master copies",
         ),
         (
             "bfloat16",
@@ -303,6 +302,40 @@ def test_master_weights_dtype_on_a_gpu(requested, peft, stage, mixed, loaded, sa
     assert dtype == loaded and said in why, why
 
 
+@pytest.mark.parametrize(
+    "requested,peft,stage,mixed,device,loaded,said",
+    [  # with vLLM, LoRA's frozen weights must survive TRL's merge / unmerge at every weight sync
+        (
+            "bfloat16",
+            True,
+            None,
+            "bf16",
+            "cpu",
+            "float32",
+            "weights in float32, frozen (dtype bfloat16 asked for: LoRA",
+        ),
+        ("auto", True, None, "bf16", "cuda:0", "float32", "dtype auto (bfloat16 on a GPU) asked for: LoRA with vLLM"),
+        ("auto", True, None, None, "cpu", "auto", "LoRA adapters in float32"),  # fp32 on the CPU already
+        ("bfloat16", True, 3, "bf16", "cuda:0", "bfloat16", "TRL: autocast_adapter_dtype=False under ZeRO-3"),
+        ("bfloat16", False, None, "bf16", "cuda:0", "float32", "full fine-tuning outside DeepSpeed"),
+        ("bfloat16", True, 2, None, "cpu", "float32", "weights in float32, frozen (dtype bfloat16 asked for: LoRA"),
+        ("bfloat16", True, 2, "bf16", "cuda:0", None, "with vLLM under DeepSpeed ZeRO-2 with bf16 mixed precision"),
+        ("auto", True, 1, "fp16", "cuda:0", None, "with vLLM under DeepSpeed ZeRO-1 with fp16 mixed precision"),
+    ],
+)
+def test_lora_with_vllm_keeps_its_frozen_weights_in_fp32_or_is_refused(
+    requested, peft, stage, mixed, device, loaded, said
+):
+    from rl.model import master_dtype
+
+    if loaded is None:
+        with pytest.raises(ValueError, match=rf"LoRA \(--use_peft\) {said}: .* Use ZeRO-3"):
+            master_dtype(requested, peft, stage, mixed, device=device, use_vllm=True)
+        return
+    dtype, why = master_dtype(requested, peft, stage, mixed, device=device, use_vllm=True)
+    assert dtype == loaded and said in why, why
+
+
 def changed_share(before, after):
     """Share of text-model weight elements that changed."""
     keys = [k for k in before if "visual" not in k]
@@ -322,7 +355,7 @@ def test_one_step_at_lr_1e6_moves_full_finetuned_weights_in_the_real_precision(
     after = weights(tmp_path / "fp32" / "final")
     assert all(v.dtype == torch.float32 for v in after.values())
     moved = changed_share(before, after)
-    monkeypatch.setattr("rl.trainer_parts.master_dtype", lambda requested, *a: (requested, "as asked"))
+    monkeypatch.setattr("rl.trainer_parts.master_dtype", lambda requested, *a, **k: (requested, "as asked"))
     tg.main(config(**run, output_dir=str(tmp_path / "bf16")))
     after_bf16 = weights(tmp_path / "bf16" / "final")
     stuck = changed_share({k: v.to(torch.bfloat16) for k, v in before.items()}, after_bf16)

@@ -45,6 +45,7 @@ class RecordingLLM:
     fixed completion per prompt (logprobs included, for TRL's importance-sampling correction)."""
 
     instances: list = []
+    variants: list = []  # completions answered in turn, prompt by prompt, when set (else ``answer`` to each)
 
     def __init__(self, **kwargs):
         self.kwargs, self.calls, self.loaded = kwargs, [], []
@@ -57,12 +58,13 @@ class RecordingLLM:
     def generate(self, prompts, sampling_params=None, use_tqdm=False):
         self.calls.append(prompts)
         logprob = SimpleNamespace(logprob=-0.5, rank=1)
+        answers = [self.variants[i % len(self.variants)] if self.variants else self.answer for i in range(len(prompts))]
         return [
             SimpleNamespace(
                 prompt_token_ids=self.expanded(p),
-                outputs=[SimpleNamespace(token_ids=list(self.answer), logprobs=[{t: logprob} for t in self.answer])],
+                outputs=[SimpleNamespace(token_ids=list(answer), logprobs=[{t: logprob} for t in answer])],
             )
-            for p in prompts
+            for p, answer in zip(prompts, answers)
         ]
 
     def expanded(self, prompt: dict) -> list[int]:
@@ -106,7 +108,7 @@ def recording_vllm(tiny_refiner, monkeypatch):
     from rewards.format import format_completion
 
     tok = AutoProcessor.from_pretrained(str(tiny_refiner)).tokenizer
-    RecordingLLM.instances = []
+    RecordingLLM.instances, RecordingLLM.variants = [], []
     RecordingLLM.answer = tok(format_completion("a red striped star"), add_special_tokens=False)["input_ids"] + [
         tok.convert_tokens_to_ids("<|im_end|>")
     ]
@@ -194,6 +196,48 @@ def test_a_lora_adapter_trained_with_vllm_names_the_real_base_model(config, reco
     assert RecordingLLM.instances[0].kwargs["model"].endswith("vllm-model")  # vLLM itself got the budget folder
     adapter = json.loads((tmp_path / "run" / "final" / "adapter_config.json").read_text())
     assert adapter["base_model_name_or_path"] == str(tiny_refiner)
+
+
+def test_lora_with_vllm_leaves_the_frozen_weights_as_they_were(
+    config, recording_vllm, tiny_refiner, monkeypatch, capsys
+):
+    """At every weight sync TRL merges the LoRA adapters into the frozen weights and unmerges them (TRL's own sync
+    code, run here up to vLLM's ``load_weights``). Frozen in bf16, each round trip rounded some of them: the adapters
+    trained against weights that drifted from the base export merges them into."""
+    import torch
+    from trl import GRPOTrainer
+
+    tok = recording_vllm
+
+    import rl.train_grpo as tg
+    from rl.model import load_model
+
+    trainers = []
+    train = GRPOTrainer.train
+    monkeypatch.setattr(GRPOTrainer, "train", lambda self, *a, **k: trainers.append(self) or train(self, *a, **k))
+    end = tok.convert_tokens_to_ids("<|im_end|>")  # completions that differ in reward: the adapters have a gradient
+    RecordingLLM.variants = [RecordingLLM.answer, tok("no query here", add_special_tokens=False)["input_ids"] + [end]]
+    lora = dict(use_peft=True, lora_r=4, lora_alpha=8, lora_target_modules=["q_proj", "v_proj"])
+    tg.main(
+        config(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=False, max_steps=3, dtype="bfloat16", **lora)
+    )
+    said = capsys.readouterr().out
+    (llm,) = RecordingLLM.instances
+    syncs = sum(name.endswith("q_proj.weight") for name, _ in llm.loaded) // 2  # two layers' q_proj a sync
+    assert syncs >= 3  # the probe's and each step's: the adapters moved before the later ones
+    base = dict(load_model(str(tiny_refiner), "float32", device="cpu")[0].named_parameters())
+    model = trainers[0].model
+    frozen = {
+        n.removeprefix("base_model.model.").replace(".base_layer", ""): p
+        for n, p in model.named_parameters()
+        if ".base_layer." in n
+    }
+    assert len(frozen) == 8 and set(frozen) <= set(base)  # q_proj and v_proj, weight and bias, of two layers
+    assert all(p.dtype == torch.float32 for p in frozen.values())
+    assert any(float(p.abs().max()) > 0 for n, p in model.named_parameters() if "lora_B" in n)  # adapters trained
+    drift = max(float((p.detach() - base[name].detach()).abs().max()) for name, p in frozen.items())
+    assert drift < 1e-6, drift
+    assert "weights in float32, frozen (dtype bfloat16 asked for: LoRA with vLLM" in said
 
 
 class StandInServer:
