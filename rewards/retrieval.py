@@ -92,8 +92,10 @@ class RetrievalReward:
         """Embeddings of query texts; the unseen ones are encoded in one batch and cached."""
         new = list(dict.fromkeys(t for t in texts if t not in self.text_cache))
         if new:
-            if len(self.text_cache) + len(new) > self.text_cache_size:
+            if len(self.text_cache) + len(new) > self.text_cache_size:  # full: keep only this call's texts
+                kept = {t: self.text_cache[t] for t in texts if t in self.text_cache}
                 self.text_cache.clear()
+                self.text_cache.update(kept)
             self.text_cache.update(zip(new, self.index.encode_texts(new)))
         return np.stack([self.text_cache[t] for t in texts])
 

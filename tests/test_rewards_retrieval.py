@@ -158,6 +158,17 @@ def test_repeated_queries_are_encoded_once(tiny_index, batch, monkeypatch):
     assert texts == [["q 0", "q 1", "q 2"]] and first == second
 
 
+def test_a_full_text_cache_keeps_the_calls_own_texts(tiny_index):
+    """A call that fills the cache while repeating a cached query: the cache was cleared before that query was read
+    back (a KeyError that ended a long single-process run)."""
+    reward = RetrievalReward(tiny_index, alpha=0.3)
+    reward.text_cache_size = 4
+    reward.text_embeddings(["a", "b", "c"])
+    got = reward.text_embeddings(["a", "d", "e"])  # 3 cached + 2 new > 4
+    assert np.allclose(got, tiny_index.encode_texts(["a", "d", "e"]), atol=1e-6)
+    assert set(reward.text_cache) == {"a", "d", "e"}  # the others went: the cache stays bounded
+
+
 def test_length_cap_and_custom_penalties(tiny_index, batch):
     rows, images = batch
     reward = RetrievalReward(tiny_index, alpha=0.3, max_query_tokens=3, unparseable=-7.0)
