@@ -25,6 +25,8 @@ from rl.model import load_model
 
 GATE_FILE = "gate.json"
 DEFAULT_THRESHOLDS = {"skb": 3.0}  # γ = 0.5 for the binary gates (KBM's τ = 0.9 labels data only)
+REPLY_MARGIN = 16  # tokens a generated reply may run past the longest the gate was trained on
+DEFAULT_REPLY_TOKENS = 160  # a gate folder without its longest target: above expand's 128-token sentences and JSON
 
 
 def verbaliser_ids(tokenizer, s: dict) -> list[int]:
@@ -66,6 +68,8 @@ def load_gate(path, device: str | None = None, dtype: str | None = None):
     model, processor = load_model(str(path), dtype=dtype, device=resolve_device(device))
     if info["variant"] in BINARY or info["variant"] == "skb":
         verbaliser_ids(processor.tokenizer, s)
+    if info.get("longest_completion_tokens"):
+        s["longest_completion_tokens"] = int(info["longest_completion_tokens"])
     return model.eval(), processor, s
 
 
@@ -108,6 +112,14 @@ def first_token_scores(model, processor, s: dict, images, questions, contexts=No
     return np.concatenate(out) if out else np.zeros(0)
 
 
+def reply_tokens(s: dict) -> int:
+    """How many tokens a gate may generate: its longest SFT target (``longest_completion_tokens`` in gate.json, which
+    ``load_gate`` puts in its spec) and ``REPLY_MARGIN`` more; ``DEFAULT_REPLY_TOKENS`` for a folder that does not
+    record it. A reply cut short is no JSON, and the answer in it is lost."""
+    longest = s.get("longest_completion_tokens")
+    return longest + REPLY_MARGIN if longest else DEFAULT_REPLY_TOKENS
+
+
 def generate_parsed(
     model,
     processor,
@@ -120,8 +132,9 @@ def generate_parsed(
     reply_prefix: str = "",
 ) -> list:
     """Greedy generation, parsed by the variant (the Inspector's {"pass", "answer"}, mct's documents and summary);
-    ``reply_prefix``: the start of every reply, written for the model and parsed with what it generates."""
-    max_new_tokens = max_new_tokens or (128 if s["name"] == "mct" else 48)  # mct writes a summary too
+    ``reply_prefix``: the start of every reply, written for the model and parsed with what it generates. Up to
+    ``max_new_tokens``, by default ``reply_tokens(s)``."""
+    max_new_tokens = max_new_tokens or reply_tokens(s)
     users = [
         m[1]["content"]
         for m in (

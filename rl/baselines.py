@@ -11,9 +11,10 @@ expanded ``query``; three baseline queries are read from it (``BASELINES``):
     query_zs_expansion+caption      the expanded query, then the caption
 
 An answer that does not parse, or lacks the field a baseline needs, falls back to the original question for that
-baseline (``baseline_fallback`` lists which). Each output record is the input record plus those fields,
-``baseline_raw`` and ``baseline_parsed``. Resumable and split over processes like rl.refine (common.job_parts).
-Then every method is a row of one table:
+baseline (``baseline_fallback`` lists which); a question whose image does not decode, or that the processor refuses,
+falls back in every baseline (``image_error`` says why; made again by the next run). Each output record is the
+input record plus those fields, ``baseline_raw`` and ``baseline_parsed``. Resumable and split over processes like
+rl.refine (common.job_parts). Then every method is a row of one table:
 
     python -m retrieval.evaluate --index DIR --alpha A --queries refined_and_baselines.jsonl \
         --text_field question --compare refined_query,query_caption,query_zs_expansion,query_zs_expansion+caption
@@ -36,8 +37,8 @@ from common.placement import dist_timeout_field, job_device, process_state, reso
 from common.prompts import json_objects, load_prompt, wording
 from retrieval.kb import check_images
 from rl.generate import vlm_generator
-from rl.model import open_vlm_image
-from rl.refine import BACKENDS, input_settings
+from rl.model import vlm_image_or_reason
+from rl.refine import BACKENDS, IMAGE_ERROR, input_settings
 
 BASELINE_PROMPT = {
     "name": "query_baselines",
@@ -114,19 +115,23 @@ def run_baselines(args: BaselineArgs, log=print, state=None, generate=None) -> i
             **input_settings(args.queries, root),
         }
     )
-    batches = parts.start(rows, args.batch_size)
+    batches = parts.start(rows, args.batch_size, redo=lambda r: IMAGE_ERROR in r)  # an image mended since: again
     log(f"query baselines ({prompt['name']}), {parts.status}")
-    fell_back = 0
+    fell_back, unreadable = 0, []
     if batches:
         generate = generate or generator(args, prompt, job_device(args.device, state))
         with tqdm(total=parts.mine, desc="query baselines", unit="q") as bar:
             for batch in batches:
-                raw = generate([open_vlm_image(root / r["image"]) for r in batch], [r["question"] for r in batch])
+                opened = [vlm_image_or_reason(root / r["image"]) for r in batch]
+                good = [(r, image) for r, (image, _) in zip(batch, opened) if image is not None]
+                raw = generate([image for _, image in good], [r["question"] for r, _ in good]) if good else []
+                texts = dict(zip((r["id"] for r, _ in good), raw))
                 done = []
-                for rec, text in zip(batch, raw):
-                    parsed = parse_baseline(text)
+                for rec, (_, why) in zip(batch, opened):
+                    text = texts.get(rec["id"])  # None: the image could not be used, every baseline falls back
+                    parsed = parse_baseline(text) if why is None else {}
                     queries, fallback = baseline_queries(parsed, rec["question"])
-                    fell_back += bool(fallback)
+                    fell_back += bool(fallback) and why is None
                     done.append(
                         {
                             **rec,
@@ -134,10 +139,19 @@ def run_baselines(args: BaselineArgs, log=print, state=None, generate=None) -> i
                             "baseline_raw": text,
                             "baseline_parsed": parsed,
                             "baseline_fallback": fallback,
+                            **({IMAGE_ERROR: why} if why else {}),
                         }
                     )
+                    if why:
+                        unreadable.append(f"{rec['id']}: {why}")
                 parts.append(done)
                 bar.update(len(batch))
+    if unreadable:
+        log(
+            f"{len(unreadable)} question(s) fell back to their question in every baseline, their image not usable "
+            f"({'; '.join(unreadable[:3])}{'; …' if len(unreadable) > 3 else ''}): {IMAGE_ERROR} in their records, "
+            "made again on the next run with the same --out"
+        )
     parts.finish(rows)
     if parts.mine:
         log(

@@ -30,7 +30,7 @@ from common.placement import Processes, decode_workers, dist_timeout_field, job_
 from retrieval.index import MultimodalIndex, require_index
 from retrieval.kb import downscaled_jpeg, load_image
 from retrieval.ranking import check_alpha
-from rl.image_budget import MAX_ASPECT_RATIO
+from rl.image_budget import aspect_problem
 from rl.image_embeddings import embed_images, image_path_of
 from rl.prompts import prompt_messages, prompt_spec
 
@@ -43,9 +43,7 @@ def verify_images(rows: list[dict], root: Path, limit: int | None = None) -> tup
     for rec in tqdm(rows, desc="verifying images", total=min(limit or len(rows), len(rows))):
         path = image_path_of(rec, root)
         image, reason = load_image(path)
-        if reason is None and max(image.size) > MAX_ASPECT_RATIO * min(image.size):
-            w, h = image.size
-            reason = f"image {w}×{h} px: the Qwen2.5-VL processor refuses an aspect ratio past {MAX_ASPECT_RATIO}:1"
+        reason = reason or aspect_problem(image.size)
         if reason:
             bad.append({"id": str(rec.get("id")), "image": rec.get("image"), "reason": reason})
         else:

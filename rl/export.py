@@ -18,6 +18,7 @@ for the tiny models, a minute or more for a 3B model on a CPU); ``--verify false
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -35,7 +36,7 @@ from rewards import parse_query
 from rewards.format import MAX_QUERY_TOKENS, PARSER_VERSION
 from rl.generate import generate_completions, sampling_settings
 from rl.image_budget import apply_image_budget
-from rl.model import open_vlm_image, quiet_checkpointing_deprecation
+from rl.model import open_vlm_image, quiet_checkpointing_deprecation, vlm_image_or_reason
 from rl.model_card import held_out, refiner_card, vllm_serve_command
 from rl.run_record import RUN_RECORD, find_run_record
 
@@ -166,19 +167,22 @@ def from_zero_shards(ckpt: Path, dtype):
     return model.to(dtype)
 
 
-def probe_question(record: dict) -> tuple[str | None, str]:
-    """(image path, question) of the run's own first held-out question (its eval file, else its train file) to verify
-    an export with; (None, a plain question) when neither file is on this machine."""
+def probe_question(record: dict, tries: int = 20) -> tuple[str | None, str]:
+    """(image path, question) of the run's own first held-out question whose image can be used (its eval file, else
+    its train file; the first ``tries`` questions of each: training left out those whose image it could not use) to
+    verify an export with; (None, a plain question) when neither file is on this machine."""
     args = record.get("refiner_args", {})
     for name in ("eval_file", "train_file"):
         path = Path(args.get(name) or "")
-        if path.is_file():
-            with path.open() as f:
-                first = json.loads(next((line for line in f if line.strip()), "null") or "null")
-            if first and first.get("image"):
-                image = Path(args.get("images_root") or path.parent) / first["image"]
-                if image.is_file():
-                    return str(image), first["question"]
+        if not path.is_file():
+            continue
+        with path.open() as f:
+            rows = (json.loads(line) for line in f if line.strip())
+            for row in itertools.islice(rows, tries):
+                if isinstance(row, dict) and row.get("image") and row.get("question"):
+                    image = Path(args.get("images_root") or path.parent) / row["image"]
+                    if vlm_image_or_reason(image)[0] is not None:
+                        return str(image), row["question"]
     return None, "What is shown in this image?"
 
 

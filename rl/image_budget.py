@@ -25,6 +25,14 @@ PAPER_MIN_PIXELS = 4 * 28 * 28
 MAX_ASPECT_RATIO = 200  # transformers' Qwen2-VL smart_resize refuses an image whose long side exceeds 200× its short
 
 
+def aspect_problem(size: tuple[int, int]) -> str | None:
+    """Why the Qwen2-VL processor refuses an image of this (width, height), or None."""
+    w, h = size
+    if max(w, h) > MAX_ASPECT_RATIO * min(w, h):
+        return f"image {w}×{h} px: the Qwen2.5-VL processor refuses an aspect ratio past {MAX_ASPECT_RATIO}:1"
+    return None
+
+
 def check_budget(min_pixels: int | None, max_pixels: int | None) -> dict | None:
     """``{"min_pixels", "max_pixels"}`` or None when neither is set; refuses nonsense, naming the setting."""
     if min_pixels is None and max_pixels is None:

@@ -14,6 +14,7 @@ from PIL import Image
 
 from common.placement import outside_zero3_init, resolve_dtype
 from retrieval.kb import downscaled_jpeg, to_rgb, upright
+from rl.image_budget import aspect_problem
 
 
 def quiet_checkpointing_deprecation() -> None:
@@ -220,6 +221,21 @@ def open_vlm_image(path):
     except Image.DecompressionBombError:  # past PIL's pixel limit: downscaled, as training's image column holds it
         with Image.open(io.BytesIO(downscaled_jpeg(path))) as opened:
             return to_rgb(opened)
+
+
+def vlm_image_or_reason(path) -> tuple[Image.Image | None, str | None]:
+    """(``open_vlm_image``'s image, None), or (None, why) for a file that is missing or does not decode, or an image
+    the Qwen2-VL processor refuses (``rl.image_budget.aspect_problem``). The jobs over question files record such a
+    question with the reason and go on (one bad image stopped them at the same batch on every run)."""
+    path = Path(path)
+    if not path.is_file():
+        return None, f"image file missing: {path}"
+    try:
+        image = open_vlm_image(path)
+    except Exception as e:  # PIL raises OSError, SyntaxError, ValueError, …
+        return None, f"image unreadable: {path} ({type(e).__name__}: {e})"
+    why = aspect_problem(image.size)
+    return (None, why) if why else (image, None)
 
 
 def lora_config(model, model_args, freeze_vision_tower: bool = True, say=print):

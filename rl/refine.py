@@ -5,7 +5,9 @@
 
 ``--model`` is an exported folder (``rl.export``) or a checkpoint; its own prompt and parser come from
 ``refiner.json`` (or the run record). Each output record is the input record plus ``refined_query``,
-``raw_output`` and ``format_ok``; a completion that does not parse falls back to the original question. Resumable:
+``raw_output`` and ``format_ok``; a completion that does not parse falls back to the original question, and so does
+a question whose image does not decode or is refused by the processor (``image_error`` says why; such
+records are made again by the next run). Resumable:
 ids already in ``--out`` are skipped, and every batch is appended and flushed, so an interrupted run loses nothing
 it wrote. ``accelerate launch -m rl.refine …`` splits the questions over processes (each on its own device, every
 N-th batch) and merges their parts into ``--out`` in input order (common.job_parts). Greedy by default; ``--sample``
@@ -31,11 +33,17 @@ from retrieval.kb import check_images
 from rewards.format import MAX_QUERY_TOKENS, parse_query
 from rl.generate import generate_completions, generate_vllm, load_vllm
 from rl.image_budget import apply_image_budget
-from rl.model import load_model, open_vlm_image
+from rl.model import load_model, vlm_image_or_reason
 from rl.prompts import prompt_spec
 from rl.run_record import find_run_record
 
 BACKENDS = ("hf", "vllm")
+IMAGE_ERROR = "image_error"  # a question whose image could not be used: why, in its output record
+
+
+def unrefined(question: str) -> dict:
+    """The output fields of a question left as it was (no refiner output)."""
+    return {"refined_query": question, "raw_output": None, "format_ok": False}
 
 
 def load_spec(path: Path) -> dict:
@@ -117,6 +125,8 @@ class Refiner:
         )
 
     def refine_with_outputs(self, images, questions, **kw) -> list[dict]:
+        if not questions:
+            return []
         raw = self.generate(images, questions, **kw)
         out = []
         for q, text in zip(questions, raw):
@@ -154,6 +164,8 @@ def refine_file(args: RefineArgs, log=print, refiner: Refiner | None = None, sta
     N-th batch and the output is merged in input order (common.job_parts). Returns the questions refined here."""
     if args.backend not in BACKENDS:
         raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {args.backend!r}")
+    if not args.model and refiner is None:
+        raise ValueError("--model is required: an exported refiner folder (python -m rl.export) or a checkpoint")
     require_file(args.queries, "queries")
     if not args.out:
         raise ValueError("--out is required")
@@ -174,20 +186,36 @@ def refine_file(args: RefineArgs, log=print, refiner: Refiner | None = None, sta
             **input_settings(args.queries, root),  # another queries file's records are not kept beside these
         }
     )
-    batches = parts.start(rows, args.batch_size)
+    batches = parts.start(rows, args.batch_size, redo=lambda r: IMAGE_ERROR in r)  # an image mended since: again
     log(f"refine, {parts.status}")
+    unreadable = []
     if batches:
         refiner = refiner or Refiner.load(
             args.model, backend=args.backend, device=str(state.device) if state is not None else None
         )
         with tqdm(total=parts.mine, desc="refining", unit="q") as bar:
             for batch in batches:
-                images = [open_vlm_image(root / r["image"]) for r in batch]
+                opened = [vlm_image_or_reason(root / r["image"]) for r in batch]
+                good = [(r, image) for r, (image, _) in zip(batch, opened) if image is not None]
                 results = refiner.refine_with_outputs(
-                    images, [r["question"] for r in batch], batch_size=args.batch_size, sample=args.sample
+                    [image for _, image in good],
+                    [r["question"] for r, _ in good],
+                    batch_size=args.batch_size,
+                    sample=args.sample,
                 )
-                parts.append([{**r, **res} for r, res in zip(batch, results)])
+                done = {r["id"]: {**r, **res} for (r, _), res in zip(good, results)}
+                for r, (_, why) in zip(batch, opened):
+                    if why:  # the question stays as it was, as for an output that does not parse
+                        done[r["id"]] = {**r, **unrefined(r["question"]), IMAGE_ERROR: why}
+                        unreadable.append(f"{r['id']}: {why}")
+                parts.append([done[r["id"]] for r in batch])
                 bar.update(len(batch))
+    if unreadable:
+        log(
+            f"{len(unreadable)} question(s) kept their question unrefined, their image not usable "
+            f"({'; '.join(unreadable[:3])}{'; …' if len(unreadable) > 3 else ''}): {IMAGE_ERROR} in their records, "
+            "refined on the next run with the same --out"
+        )
     parts.finish(rows)
     return parts.mine
 

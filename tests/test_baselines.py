@@ -154,6 +154,29 @@ def test_baselines_resume_and_make_every_method_a_row(tiny_world, tiny_index_dir
         ev.compare_fields("a,question", "question")
 
 
+def test_a_question_whose_image_cannot_be_used_falls_back_in_every_baseline(tiny_world, tmp_path):
+    from tests.test_refine import unusable_images
+
+    rows = unusable_images(tmp_path, tiny_world / next(read_jsonl(tiny_world / "test.jsonl"))["image"])
+    write_jsonl_atomic(tmp_path / "q.jsonl", rows)
+    seen = []
+
+    def vlm(images, questions):
+        seen.extend(questions)
+        return [json.dumps({"caption": "a creature", "query": q + " creature"}) for q in questions]
+
+    args = BaselineArgs(model="unused", queries=str(tmp_path / "q.jsonl"), out=str(tmp_path / "b.jsonl"), batch_size=3)
+    assert run_baselines(args, generate=vlm, **QUIET) == 3
+    out = {r["id"]: r for r in read_jsonl(tmp_path / "b.jsonl")}
+    assert seen == ["what is good?"] and out["good"]["query_caption"] == "a creature"
+    assert "image unreadable" in out["cut"]["image_error"] and "200:1" in out["strip"]["image_error"]
+    for name in ("cut", "strip"):
+        assert all(out[name][b] == f"what is {name}?" for b in BASELINES)
+        assert out[name]["baseline_fallback"] == list(BASELINES) and out[name]["baseline_raw"] is None
+    (tmp_path / "cut.png").write_bytes((tmp_path / "good.png").read_bytes())  # mended: made again next run
+    assert run_baselines(args, generate=vlm, **QUIET) == 2 and seen[1:] == ["what is cut?"]
+
+
 def test_the_toy_configs_name_every_table8_row():
     from pathlib import Path
 

@@ -194,6 +194,18 @@ def test_the_exports_check_decodes_as_rl_refine_does(config, tmp_path, monkeypat
     assert kwargs.get("do_sample", False) is False and kwargs["sampling"]["repetition_penalty"] == 1.3
 
 
+def test_the_exports_check_takes_the_first_question_whose_image_can_be_used(tiny_world, tmp_path):
+    """A truncated first image of the run's eval file refused the export, though training had left it out."""
+    from rl.export import probe_question
+    from tests.test_refine import unusable_images
+
+    rows = unusable_images(tmp_path, tiny_world / json.loads(open(tiny_world / "test.jsonl").readline())["image"])
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[::-1]))  # strip, cut, good
+    record = {"refiner_args": {"eval_file": str(tmp_path / "eval.jsonl")}}
+    assert probe_question(record) == (str(tmp_path / "good.png"), "what is good?")
+    assert probe_question(record, tries=2) == (None, "What is shown in this image?")
+
+
 def test_neutral_sampling_is_trls_default():
     """The settings every generation passes when a run recorded none are TRL's GRPOConfig defaults."""
     from dataclasses import fields

@@ -132,6 +132,33 @@ def test_a_failed_section_gets_the_inspectors_answer_after_a_written_fail(tiny_g
     assert all(p.endswith('<|im_start|>assistant\n{"pass": "false", "answer": "') for p in prompts)
 
 
+@pytest.mark.parametrize("recorded,expected", [(None, 160), (0, 160), (100, 116), (7, 23)])
+def test_the_inspector_generates_as_long_a_reply_as_it_was_trained_on(
+    tiny_gate_vlm, images, tmp_path, recorded, expected
+):
+    """Its answer sentences (expand writes up to 128 tokens) ran past a fixed 48 tokens: no closing brace, no JSON, and
+    the answer was lost. A gate folder records its longest SFT target; one that does not gets the default."""
+    import shutil
+
+    from common.files import write_json_atomic
+    from gate.pipeline.stages import Inspector
+    from gate.scoring import GATE_FILE
+
+    shutil.copytree(tiny_gate_vlm, tmp_path / "inspector")
+    info = {"variant": "inspector"} | ({"longest_completion_tokens": recorded} if recorded is not None else {})
+    write_json_atomic(tmp_path / "inspector" / GATE_FILE, info)
+    inspector = Inspector(str(tmp_path / "inspector"), threshold=1.01, device="cpu", dtype=None)
+    asked, generate = [], inspector.model.generate
+
+    def recording(**kw):
+        asked.append(kw["max_new_tokens"])
+        return generate(**{**kw, "max_new_tokens": 2})
+
+    inspector.model.generate = recording
+    inspector(images[:1], ["Where?"], ["Holhol: lives in caves"])
+    assert asked == [expected]
+
+
 def test_held_out_truth_is_read_from_the_gates_own_verbalisers():
     """A completion none of the gate's verbalisers (rows rendered for another variant, or with other --verbalisers)
     is an error naming the row, not a negative that inflates accuracy; skb's truth at ε = 3 calls the same questions

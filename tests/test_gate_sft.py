@@ -7,6 +7,7 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
+from transformers import AutoTokenizer
 
 from common.files import write_jsonl_atomic
 from common.model_card import format_value
@@ -98,7 +99,11 @@ def test_two_sft_steps_change_lora_weights_not_the_vision_tower(
     assert changed and all(any(p in k for p in targets) for k in changed)
     assert {p for p in targets if any(p in k for k in changed)} == set(targets)
     assert not any("visual" in k for k in changed)
-    assert json.loads((tmp_path / variant / "final" / "gate.json").read_text())["variant"] == variant
+    info = json.loads((tmp_path / variant / "final" / "gate.json").read_text())
+    assert info["variant"] == variant
+    tokenizer = AutoTokenizer.from_pretrained(tiny_gate_vlm)
+    lengths = [len(tokenizer(r["completion"][-1]["content"], add_special_tokens=False)["input_ids"]) for r in rows]
+    assert info["longest_completion_tokens"] == max(lengths)  # how long a reply the gate generates (gate.scoring)
     metrics = result["eval"]
     assert metrics["n"] == len(rows) and 0.0 <= metrics["accuracy"] <= 1.0
     model, processor, s = load_gate(tmp_path / variant / "final")

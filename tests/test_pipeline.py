@@ -183,7 +183,7 @@ def test_missing_image_is_skipped_and_the_run_goes_on(make_args, queries, tiny_w
     recs = {r["id"]: r for r in predictions(make_args())}
     assert "image file missing" in recs["lost"]["skipped"] and m["n"] == 6 and m["skipped"] == 1
     assert (
-        "1 question(s) skipped (image missing) are in no figure above"
+        "1 question(s) skipped (image missing or unusable) are in no figure above"
         in (tmp_path_of(make_args()) / "metrics.md").read_text()
     )
     # the image fetched afterwards: a rerun on the same --out answers that question and keeps the others
@@ -194,6 +194,17 @@ def test_missing_image_is_skipped_and_the_run_goes_on(make_args, queries, tiny_w
     recs = {r["id"]: r for r in predictions(make_args())}
     assert "skipped" not in recs["lost"] and m["n"] == 7 and m["skipped"] == 0
     assert {i: r for i, r in recs.items() if i != "lost"} == kept
+
+
+def test_an_image_that_does_not_decode_is_skipped_and_the_run_goes_on(make_args, queries, tmp_path):
+    path, rows = queries
+    cut = tmp_path / "cut.png"  # a download cut short: it stopped the run at its batch, on every run
+    cut.write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 40)
+    write_jsonl_atomic(path, rows + [{**rows[0], "id": "cut", "image": str(cut)}])
+    m = run(make_args(), **QUIET)
+    recs = {r["id"]: r for r in predictions(make_args())}
+    assert "image unreadable" in recs["cut"]["skipped"] and str(cut) in recs["cut"]["skipped"]
+    assert m["n"] == 6 and m["skipped"] == 1
 
 
 @pytest.mark.parametrize(

@@ -106,6 +106,48 @@ def test_missing_image_is_named(toy_refiner, tmp_path):
     assert not (tmp_path / "o.jsonl").exists()
 
 
+def unusable_images(folder, good):
+    """Question rows of one image that decodes (``good``), a truncated PNG and a 300:1 strip (the Qwen2-VL processor
+    refuses past 200:1)."""
+    import shutil
+
+    from PIL import Image
+
+    shutil.copy(good, folder / "good.png")
+    (folder / "cut.png").write_bytes((folder / "good.png").read_bytes()[:200])
+    Image.new("RGB", (600, 2)).save(folder / "strip.png")
+    return [{"id": n, "image": f"{n}.png", "question": f"what is {n}?"} for n in ("good", "cut", "strip")]
+
+
+def test_a_question_whose_image_cannot_be_used_keeps_its_question_and_the_run_goes_on(
+    toy_refiner, tiny_world, tmp_path
+):
+    """A truncated file or an image the processor refuses stopped rl.refine at the same batch on every run."""
+    rows = unusable_images(tmp_path, tiny_world / json.loads(open(tiny_world / "test.jsonl").readline())["image"])
+    (tmp_path / "q.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = RefineArgs(queries=str(tmp_path / "q.jsonl"), out=str(tmp_path / "o.jsonl"), batch_size=3)
+    lines = []
+    assert refine_file(args, refiner=toy_refiner, log=lines.append) == 3
+    out = {r["id"]: r for r in map(json.loads, open(tmp_path / "o.jsonl"))}
+    assert "image_error" not in out["good"] and out["good"]["raw_output"]
+    assert "image unreadable" in out["cut"]["image_error"] and "cut.png" in out["cut"]["image_error"]
+    assert "aspect ratio past 200:1" in out["strip"]["image_error"]
+    for name in ("cut", "strip"):
+        assert out[name]["refined_query"] == out[name]["question"] and out[name]["format_ok"] is False
+    assert any("2 question(s) kept their question unrefined" in line for line in lines)
+    # the image mended: the next run refines that question and keeps the rest
+    (tmp_path / "cut.png").write_bytes((tmp_path / "good.png").read_bytes())
+    assert refine_file(args, refiner=toy_refiner, log=lines.append) == 2
+    again = {r["id"]: r for r in map(json.loads, open(tmp_path / "o.jsonl"))}
+    assert "image_error" not in again["cut"] and again["good"] == out["good"] and "image_error" in again["strip"]
+
+
+def test_refine_without_a_model_is_named(tmp_path):
+    (tmp_path / "q.jsonl").write_text(json.dumps({"id": "a", "image": "a.png", "question": "?"}) + "\n")
+    with pytest.raises(ValueError, match="--model is required"):
+        refine_file(RefineArgs(queries=str(tmp_path / "q.jsonl"), out=str(tmp_path / "o.jsonl")), **QUIET)
+
+
 def test_vllm_backend_without_vllm_is_a_clear_error(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="vLLM"):

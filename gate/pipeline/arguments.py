@@ -81,7 +81,9 @@ class PipelineArgs:
             "choices": STRATEGIES,
         },
     )
-    consistency_max_new_tokens: int = field(default=128, metadata={"help": "mct gate output length (list + summary)"})
+    consistency_max_new_tokens: int = field(
+        default=None, metadata={"help": "mct gate output length (default: its longest training target + 16 tokens)"}
+    )
     inspector: str = field(default="none", metadata={"help": "none | trained inspector gate folder"})
     inspector_threshold: float = field(default=0.5, metadata={"help": "PASS when P(pass) ≥ this"})
     generator: str = field(default=None, metadata={"help": "model path/name, or endpoint (generator_url)"})

@@ -267,7 +267,7 @@ def format_table(metrics: dict, system: str = "gated pipeline") -> str:
                 s = b["infoseek"]
                 lines.append(f"| {name} | {s['unseen_question']:.2f} | {s['unseen_entity']:.2f} | {s['final']:.2f} |")
     if metrics.get("skipped"):
-        lines += ["", f"{metrics['skipped']} question(s) skipped (image missing) are in no figure above"]
+        lines += ["", f"{metrics['skipped']} question(s) skipped (image missing or unusable) are in no figure above"]
     mct = metrics.get("consistency")
     if mct:
         lines += [

@@ -44,7 +44,7 @@ from gate.pipeline.end_to_end import (
     threshold_curve,
 )
 from gate.pipeline.stages import Stages
-from rl.model import open_vlm_image
+from rl.model import vlm_image_or_reason
 
 # ---------------------------------------------------------------- one batch, in the order of WikiSeeker's Figure 2
 
@@ -265,13 +265,10 @@ def run(args: PipelineArgs, log=print, stages: Stages | None = None, state=None)
         names = stage_names(stages.consistency is not None)
         bars = {s: tqdm(total=parts.mine, desc=f"{s:>12}", position=i, unit="q") for i, s in enumerate(names)}
         for batch in batches:
-            present = [r for r in batch if (root / str(r.get("image"))).is_file()]
-            skipped = [
-                {"id": r["id"], "skipped": f"image file missing: {root / str(r.get('image'))}"}
-                for r in batch
-                if r not in present
-            ]
-            images = [open_vlm_image(root / r["image"]) for r in present]
+            opened = [vlm_image_or_reason(root / str(r.get("image"))) for r in batch]
+            present = [r for r, (image, _) in zip(batch, opened) if image is not None]
+            images = [image for image, _ in opened if image is not None]
+            skipped = [{"id": r["id"], "skipped": why} for r, (_, why) in zip(batch, opened) if why]
             parts.append(skipped + (run_batch(stages, present, images, bars) if present else []))
         for bar in bars.values():
             bar.close()
@@ -286,8 +283,8 @@ def run(args: PipelineArgs, log=print, stages: Stages | None = None, state=None)
     again = sum(unfinished(r) for r in records)
     if again:
         log(
-            f"{again} of {len(records)} question(s) unfinished (an image missing, or a request that failed after its "
-            f"retries): run again with the same --out to do those again"
+            f"{again} of {len(records)} question(s) unfinished (an image missing or unusable, or a request that "
+            f"failed after its retries): run again with the same --out to do those again"
         )
     return report(records, out, args, log)
 

@@ -199,6 +199,13 @@ def rendered_verbalisers(args: GateArguments) -> None:
     args.verbalisers = list(recorded)
 
 
+def longest_completion_tokens(tokenizer, rows: list[dict]) -> int:
+    """Tokens in the longest SFT target: how long a reply the gate learnt to write (``gate.scoring.generate_parsed``
+    generates that much, where the Inspector's expanded-answer sentences ran past a fixed 48 tokens and were lost)."""
+    texts = [r["completion"][-1]["content"] for r in rows]
+    return max((len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]), default=0)
+
+
 def save_final(final: Path, model, processor, info: dict) -> None:
     """Model + processor + gate.json into a temporary sibling, then renamed: a crash leaves no half folder."""
     with atomic_folder(final) as tmp:
@@ -224,6 +231,7 @@ def main(argv=None) -> dict:
     )
     if args.variant in BINARY or args.variant == "skb":
         verbaliser_ids(processor.tokenizer, s)  # before the model loads
+    s["longest_completion_tokens"] = longest_completion_tokens(processor.tokenizer, rows)  # gate.json; evaluation
     # CPU processes under torchrun form one gloo group only when the first state knows use_cpu; every collective
     # waits at most ddp_timeout seconds
     state = PartialState(cpu=training_args.use_cpu, timeout=training_args.ddp_timeout_delta)
@@ -281,6 +289,7 @@ def main(argv=None) -> dict:
             "verbalisers": list(s["verbalisers"]),
             "base_model": model_args.model_name_or_path,
             "prompt": {"system": s["system"], "user_template": s["user"]},
+            "longest_completion_tokens": s["longest_completion_tokens"],
             "training": {  # what the card says of how the gate was trained
                 "freeze_vision_tower": args.freeze_vision_tower,
                 "lora_r": model_args.lora_r if model_args.use_peft else None,
