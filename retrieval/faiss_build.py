@@ -9,20 +9,26 @@ from pathlib import Path
 
 import numpy as np
 
+# Widths an index build's factory is checked at before the encoders give the rows' own (a width FAISS takes there
+# would do): 1,024, and 13,440 = 2⁷·3·5·7, which the usual product-quantiser Ms divide (8, 16, 24, 32, 48, 56, 64, 96,
+# 112, 128: PQ48 cannot split 1,024 dims, and builds at the paper's 1,280 + 1,024).
+PROBE_WIDTHS = (1024, 13440)
 
-def check_factory(factory: str, dim: int = 1024) -> str:
-    """Refuse a FAISS factory string that FAISS cannot build at ``dim`` (an index build's settings are checked at a
-    1,024-dim probe before the encoders give the rows' width; the build checks again at that width)."""
+
+def check_factory(factory: str, dim: int | None = None) -> str:
+    """Refuse a FAISS factory string that FAISS cannot build at ``dim`` or, before the rows' width is known (``dim``
+    None: an index build's settings), at any of ``PROBE_WIDTHS``: a misspelt factory fails before a model loads, and
+    the assembly checks the rows' own width (its encoded shards kept for another --factory)."""
     from common.faiss_lib import faiss
 
-    try:
-        faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
-    except Exception as e:  # faiss raises RuntimeError with a C++ message
-        raise ValueError(
-            f"unknown or invalid FAISS factory string {factory!r} for dimension {dim}: "
-            f"{str(e).strip().splitlines()[-1]}"
-        ) from None
-    return factory
+    first = None
+    for width in (dim,) if dim else PROBE_WIDTHS:
+        try:
+            faiss.index_factory(width, factory, faiss.METRIC_INNER_PRODUCT)
+            return factory
+        except Exception as e:  # faiss raises RuntimeError with a C++ message
+            first = first or f"for dimension {width}: {str(e).strip().splitlines()[-1]}"
+    raise ValueError(f"unknown or invalid FAISS factory string {factory!r} {first}")
 
 
 def build_faiss_index(rows: np.ndarray, factory: str):

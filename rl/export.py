@@ -145,13 +145,16 @@ def zero_shards_only(ckpt: Path) -> bool:
 
 
 def from_zero_shards(ckpt: Path, dtype):
-    """The model of a shards-only DeepSpeed checkpoint: its config, and the fp32 weights DeepSpeed's own zero_to_fp32
-    gathers from the shards (CPU memory: the whole model in fp32)."""
+    """The model of a shards-only DeepSpeed checkpoint: its config, its generation config (the end-of-sequence ids
+    training stopped completions at: ``from_config`` derives one from config.json, which lists fewer), and the fp32
+    weights DeepSpeed's own zero_to_fp32 gathers from the shards (CPU memory: the whole model in fp32)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-    from transformers import AutoConfig, AutoModelForImageTextToText
+    from transformers import AutoConfig, AutoModelForImageTextToText, GenerationConfig
 
     state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt))
     model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(str(ckpt)))
+    if (ckpt / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(str(ckpt))
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = (
         {k for k in missing if k.endswith("lm_head.weight")}

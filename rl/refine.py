@@ -35,9 +35,10 @@ from rl.generate import generate_completions, generate_vllm, load_vllm
 from rl.image_budget import apply_image_budget
 from rl.model import load_model, vlm_image_or_reason
 from rl.prompts import prompt_spec
-from rl.run_record import find_run_record
+from rl.run_record import RUN_RECORD, find_run_record
 
 BACKENDS = ("hf", "vllm")
+FALLBACK_GENERATION = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 256}  # a model with no record of its run
 IMAGE_ERROR = "image_error"  # a question whose image could not be used: why, in its output record
 
 
@@ -46,8 +47,10 @@ def unrefined(question: str) -> dict:
     return {"refined_query": question, "raw_output": None, "format_ok": False}
 
 
-def load_spec(path: Path) -> dict:
-    """refiner.json of an exported folder, else built from the run record next to a checkpoint."""
+def load_spec(path: Path, say=print) -> dict:
+    """refiner.json of an exported folder, else built from the record of the run a checkpoint belongs to, else (a base
+    model, or a checkpoint moved out of its run folder) our wikiseeker prompt and ``FALLBACK_GENERATION``, said in one
+    line: a refiner trained on another prompt, or on longer replies, is then refined otherwise than it was trained."""
     if (path / "refiner.json").exists():
         return json.loads((path / "refiner.json").read_text())
     rec = find_run_record(path)
@@ -59,10 +62,13 @@ def load_spec(path: Path) -> dict:
             "image_budget": rec.get("image_budget"),
             "max_query_tokens": rec["refiner_args"].get("max_query_tokens", MAX_QUERY_TOKENS),
         }
-    return {
-        "prompt": prompt_spec("wikiseeker"),
-        "generation": {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 256},
-    }
+    say(
+        f"note: {path} has neither refiner.json (a folder written by python -m rl.export) nor a run record "
+        f"({RUN_RECORD}) in it or in the two folders above, so it refines with our wikiseeker prompt, up to "
+        f"{FALLBACK_GENERATION['max_new_tokens']} new tokens and a {MAX_QUERY_TOKENS}-token query cap, whatever it was "
+        "trained with: export the checkpoint (python -m rl.export) or keep it in its run folder to refine as trained"
+    )
+    return {"prompt": prompt_spec("wikiseeker"), "generation": dict(FALLBACK_GENERATION)}
 
 
 class Refiner:

@@ -1,6 +1,7 @@
 """Index build: manifest, skipped rows, duplicate ids, resume after a kill, manifest mismatch."""
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -86,6 +87,32 @@ def test_duplicate_entry_id_fails_before_encoding(tiny_world, tmp_path, monkeypa
             **QUIET,
         )
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    "factory,dim,ok",
+    [
+        ("Flat", None, True),
+        ("IVF4096,PQ48", None, True),  # 48 does not divide the 1,024-dim probe; it divides the paper's 2,304
+        ("OPQ96,IVF256,PQ96", None, True),
+        ("HNSW32,PQ56", None, True),
+        ("IVF4096,PQ48", 2304, True),
+        ("IVF4096,PQ48", 1024, False),  # the rows' own width, once known: only it counts
+        ("PQ11", None, False),  # no usual width takes it
+        ("Flatt", None, False),
+        ("IVF,PQ", None, False),
+    ],
+)
+def test_a_factory_is_refused_only_where_faiss_cannot_build_it(factory, dim, ok):
+    """Before the rows' width is known, a factory FAISS builds at some width is not refused (PQ48 was, at a 1,024-dim
+    probe, though it builds at 1,280 + 1,024)."""
+    from retrieval.faiss_build import check_factory
+
+    if ok:
+        assert check_factory(factory, dim) == factory
+    else:
+        with pytest.raises(ValueError, match=f"invalid FAISS factory string '{re.escape(factory)}' for dimension"):
+            check_factory(factory, dim)
 
 
 @pytest.mark.parametrize(

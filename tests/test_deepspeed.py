@@ -102,10 +102,15 @@ def test_export_gathers_a_checkpoint_that_holds_only_zero_shards(zero3_run, tmp_
     assert not [*shards_only.glob("*.safetensors"), *shards_only.glob("pytorch_model*.bin")]  # no weights beside it
     step = shards_only / (shards_only / "latest").read_text().strip()
     assert list(step.glob("*model_states.pt"))  # only the ZeRO shards (DeepSpeed's global_step*/), named by latest
+    # a Qwen chat checkpoint stops at two ids where its config.json names one: from_config alone lost the second
+    generation = json.loads((shards_only / "generation_config.json").read_text())
+    eos = [generation["eos_token_id"]] if isinstance(generation["eos_token_id"], int) else generation["eos_token_id"]
+    (shards_only / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": [*eos, 0]}))
     export(
         ExportArgs(checkpoint=str(shards_only), out=str(tmp_path / "exported"), dtype="fp32", verify=False),
         log=lambda *a: None,
     )  # the weights are compared below; the fresh-process check: tests/test_export.py
+    assert json.loads((tmp_path / "exported" / "generation_config.json").read_text())["eos_token_id"] == [*eos, 0]
     exported, final = reloaded(tmp_path / "exported"), reloaded(run / "final")
     assert exported.keys() == final.keys()
     for k in final:

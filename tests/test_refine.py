@@ -148,8 +148,28 @@ def test_refine_without_a_model_is_named(tmp_path):
         refine_file(RefineArgs(queries=str(tmp_path / "q.jsonl"), out=str(tmp_path / "o.jsonl")), **QUIET)
 
 
+def test_a_checkpoint_away_from_its_run_says_which_settings_it_refines_with(tiny_refiner, tmp_path, capsys):
+    """Without refiner.json or the run record, a checkpoint was refined with our wikiseeker prompt and 256 tokens,
+    whatever it was trained with, and nothing said so."""
+    import shutil
+
+    from rl.refine import FALLBACK_GENERATION
+
+    shutil.copytree(tiny_refiner, tmp_path / "moved" / "checkpoint-1")
+    refiner = Refiner.load(tmp_path / "moved" / "checkpoint-1")
+    said = capsys.readouterr().out
+    assert "neither refiner.json" in said and "wikiseeker prompt, up to 256 new tokens" in said
+    assert refiner.spec == {"prompt": prompt_spec("wikiseeker"), "generation": FALLBACK_GENERATION}
+    spec = {"prompt": prompt_spec("toy"), "generation": FALLBACK_GENERATION}
+    (tmp_path / "moved" / "checkpoint-1" / "refiner.json").write_text(json.dumps(spec))
+    Refiner.load(tmp_path / "moved" / "checkpoint-1")  # nothing to say where the settings are known
+    assert capsys.readouterr().out == ""
+
+
 def test_vllm_backend_without_vllm_is_a_clear_error(tmp_path):
     (tmp_path / "config.json").write_text("{}")
+    spec = {"prompt": prompt_spec("toy"), "generation": {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 40}}
+    (tmp_path / "refiner.json").write_text(json.dumps(spec))
     with pytest.raises(ValueError, match="vLLM"):
         Refiner.load(tmp_path, backend="vllm")
     with pytest.raises(ValueError, match="--backend"):
