@@ -141,7 +141,9 @@ def usage_section(record: dict, folder, export: dict | None) -> str:
         return (
             "Serve it with vLLM (OpenAI-compatible API; the image budget is the one it was trained with):\n\n"
             + code_block(vllm_serve_command(folder, export["dtype"], budget), "bash")
-            + "\n\nor refine a question file (JSONL of `id`, `image`, `question`; `--backend vllm` to generate "
+            + "\n\nIts `generation_config.json` holds the sampling of training, which vLLM takes as a request's "
+            "defaults: send `temperature: 0` for the greedy queries `rl.refine` writes (and its figures measure)."
+            + "\n\nOr refine a question file (JSONL of `id`, `image`, `question`; `--backend vllm` to generate "
             "with vLLM):\n\n"
             + code_block(refine_command(folder), "bash")
             + f'\n\nFrom Python: `rl.refine.Refiner.load("{folder}").refine(images, questions)`.'

@@ -184,6 +184,7 @@ EVAL = {"step": 2, "eval_reward": 2.3456789, "eval_retrieval/hit@1": 1 / 3, "eva
                 "Exported from `/runs/r/checkpoint-2` in float32",
                 "No held-out figures",
                 "python -m rl.refine --model /runs/r/final --queries",
+                "send `temperature: 0` for the greedy queries `rl.refine` writes",  # vLLM serves the run's sampling
             ],
             ["| 51–100", "python -m rl.export"],
         ),
