@@ -166,8 +166,15 @@ def text_generator(name_or_path: str, prompt: dict, max_new_tokens: int, device:
         ]
         batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
         with torch.no_grad():
-            ids = model.generate(
-                **batch, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+            ids = model.generate(  # greedy, and nothing from the folder's generation_config.json (a repetition
+                **batch,  # penalty there applies to greedy decoding too: answers would hang on an unrecorded setting)
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                temperature=None,
+                top_p=None,
+                top_k=None,
+                repetition_penalty=1.0,
+                pad_token_id=tokenizer.pad_token_id,
             )
         answers = tokenizer.batch_decode(ids[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
         return [(a.strip() or None, None if a.strip() else EMPTY_ANSWER) for a in answers]

@@ -245,6 +245,26 @@ def test_text_llm_generator(make_args, tiny_text_llm):
         )
 
 
+def test_the_text_generator_decodes_greedily_whatever_its_generation_config_says(tiny_text_llm, tmp_path):
+    """A repetition penalty in the folder's generation_config.json applied to greedy decoding too (Qwen2.5-7B-Instruct
+    ships 1.05): the answers, and the accuracy reported, hung on a setting nothing recorded."""
+    import shutil
+
+    from common.llm import text_generator
+
+    shutil.copytree(tiny_text_llm, tmp_path / "penalised")
+    config = json.loads((tmp_path / "penalised" / "generation_config.json").read_text())
+    config |= {"repetition_penalty": 3.0, "no_repeat_ngram_size": 0, "top_k": 5, "temperature": 0.3}
+    (tmp_path / "penalised" / "generation_config.json").write_text(json.dumps(config))
+    prompt = {"system": "Answer.", "user_template": "{question} {context}"}
+    questions, contexts = ["what is it", "where does it live"], ["a red star", "a blue ring"]
+    answers = [
+        text_generator(str(folder), prompt, max_new_tokens=12)(None, questions, contexts)
+        for folder in (tiny_text_llm, tmp_path / "penalised")
+    ]
+    assert answers[0] == answers[1]
+
+
 def test_a_folder_resumes_only_its_own_settings(make_args):
     run(make_args(gate="never"), **QUIET)
     with pytest.raises(ValueError, match=r"other settings \(gate\)"):
