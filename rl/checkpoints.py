@@ -19,6 +19,7 @@ The read holds a second copy of the weights in CPU memory for the moment of the 
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 log = logging.getLogger("refine_rl.checkpoints")
@@ -71,14 +72,28 @@ def seed_each_epoch(trainer) -> None:
     with no ``set_epoch``. A run resumed in epoch e ≥ 1 builds a new sampler, whose first permutation is epoch 0's:
     it trained the rest of epoch e in epoch 0's order (questions the run had already seen in epoch e again, others
     never), and no longer ended on the uninterrupted run's weights. The sampler gets a ``set_epoch`` that reseeds it
-    with seed + epoch, which transformers' loop calls at every epoch's start, resumed or not: epoch e has one order."""
+    with seed + epoch, called at every epoch's start by a callback (``on_epoch_begin``, before the epoch's loader is
+    iterated): transformers' own call does not reach the sampler in a resumed epoch with several processes
+    (accelerate's skip wrapper goes around its per-process one, and its ``set_epoch`` looks two levels down)."""
+    from transformers import TrainerCallback
+
     make = trainer._get_train_sampler
+    samplers = []
 
     def train_sampler(*args, **kwargs):
         sampler = make(*args, **kwargs)
         if getattr(sampler, "shuffle", False) and getattr(sampler, "seed", None) is not None:
             if not hasattr(sampler, "set_epoch"):
                 sampler.set_epoch = lambda epoch: sampler.generator.manual_seed(sampler.seed + epoch)
+            samplers.append(sampler)
         return sampler
 
+    class SeedEachEpoch(TrainerCallback):
+        def on_epoch_begin(self, args, state, control, **kwargs):
+            # the epoch the loop starts: state.epoch is e at the end of epoch e - 1 (e - 1 + n / n), and a resumed
+            # run's saved e + k / n (k < n) within epoch e
+            for sampler in samplers[-1:]:
+                sampler.set_epoch(math.floor(state.epoch or 0))
+
     trainer._get_train_sampler = train_sampler
+    trainer.add_callback(SeedEachEpoch())

@@ -62,15 +62,18 @@ def port_taken(stderr: str) -> bool:
     return "address already in use" in stderr.lower() or "EADDRINUSE" in stderr
 
 
-def launch_jobs(jobs: dict, folder: Path, accelerate_config: Path | None = None, timeout: int = 1200) -> dict:
+def launch_jobs(
+    jobs: dict, folder: Path, accelerate_config: Path | None = None, timeout: int = 1200, **env: str
+) -> dict:
     """Several jobs one after the other in one launch of two processes (tests/scripts/run_jobs.py), ``jobs`` being
     ``{name: (module, config)}``: each start of two processes costs ~11 s here (the launcher's and each process's
     imports of torch, transformers, TRL), whatever the job. Fails on a non-zero exit or past ``timeout`` seconds for
-    all the jobs together; returns each job's log (both processes', process 0's first) by name."""
+    all the jobs together; returns each job's log (both processes', process 0's first) by name. ``env``: as for
+    ``two_processes``."""
     argv = [str(ROOT / "tests" / "scripts" / "run_jobs.py"), str(folder)]
     for module, config in jobs.values():
         argv += [module, str(config)]
-    proc = two_processes(argv, cwd=folder, timeout=timeout, accelerate_config=accelerate_config)
+    proc = two_processes(argv, cwd=folder, timeout=timeout, accelerate_config=accelerate_config, **env)
     logs = {
         name: "".join(p.read_text() for p in sorted(folder.glob(f"{i}-{module}.rank*.log")))
         for i, (name, (module, _)) in enumerate(jobs.items())
@@ -119,18 +122,17 @@ def grpo_config(folder: Path, world: Path, index: Path, model: Path, **overrides
 
 
 @pytest.fixture(scope="module")
-def two_process_run(tiny_world, tiny_index_dir, tiny_refiner, tmp_path_factory):
+def two_process_runs(tiny_world, tiny_index_dir, tiny_refiner, tmp_path_factory):
+    """One launch under ZeRO-2: a GRPO run of 6 steps, 2 prompts a step over 4 questions (epochs of 2 steps), with
+    evaluation and checkpoints at 3 and 6; then the same run resumed from checkpoint-3, within epoch 1.
+    ``{name: (the run's folder, its log)}``."""
     tmp = tmp_path_factory.mktemp("ddp")
     rows = [json.loads(x) for x in open(tiny_world / "train.jsonl")]
     # two ordinary questions and two whose gold entity is not in the index: those can never hit, so a rank that
     # draws one has no hit at all in that step
     train = rows[:2] + [dict(r, id=f"ghost-{i}", entity_id=f"GHOST{i}") for i, r in enumerate(rows[2:4])]
     (tmp / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train))
-    argv = grpo_config(
-        tmp,
-        tiny_world,
-        tiny_index_dir,
-        tiny_refiner,
+    settings = dict(
         train_file=str(tmp / "train.jsonl"),
         images_root=str(tiny_world),
         eval_file=str(tiny_world / "val.jsonl"),
@@ -144,12 +146,25 @@ def two_process_run(tiny_world, tiny_index_dir, tiny_refiner, tmp_path_factory):
         save_steps=3,
         completions_log=True,
     )
+    world = (tiny_world, tiny_index_dir, tiny_refiner)
+    resume = str(tmp / "run" / "checkpoint-3")
+    jobs = {
+        "run": ("rl.train_grpo", grpo_config(tmp, *world, **settings)[-1]),
+        "resumed": (
+            "rl.train_grpo",
+            grpo_config(tmp / "resumed", *world, **settings, resume_from_checkpoint=resume)[-1],
+        ),
+    }
     # an empty model cache: both processes ask for the `tiny` text encoder at once and must share one build
     # (transformers' save_pretrained writes nothing on rank 1 once torch.distributed is up: process 0 builds it)
     (tmp / "cache").mkdir()
-    proc = two_processes(argv, cwd=tmp, accelerate_config=ZERO[2], REFINE_RL_CACHE=str(tmp / "cache"))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return tmp / "run", proc.stdout + proc.stderr
+    logs = launch_jobs(jobs, tmp, ZERO[2], REFINE_RL_CACHE=str(tmp / "cache"))
+    return {"run": (tmp / "run", logs["run"]), "resumed": (tmp / "resumed" / "run", logs["resumed"])}
+
+
+@pytest.fixture(scope="module")
+def two_process_run(two_process_runs):
+    return two_process_runs["run"]
 
 
 def reloaded(folder: Path) -> dict:
@@ -262,6 +277,33 @@ def test_logged_metrics_are_exact_over_both_ranks(two_process_run):
         else:
             assert "retrieval/mean_hit_rank" not in logged[step]
     assert one_rank_without_hits >= 1
+
+
+def test_a_run_resumed_within_an_epoch_trains_on_the_uninterrupted_runs_prompts(two_process_runs):
+    """Resumed from checkpoint-3 (epoch 1's first step done): with two processes transformers wraps the loader to skip
+    the trained batch, and its set_epoch no longer reached TRL's sampler, which drew epoch 0's order for the rest of
+    epoch 1 (rl.checkpoints.seed_each_epoch)."""
+    (run, _), (resumed, _) = two_process_runs["run"], two_process_runs["resumed"]
+
+    def prompts(folder, rank):
+        by_step = {}
+        for c in completions(folder, rank):
+            if c["mode"] == "train":
+                by_step.setdefault(c["step"], set()).add(c["id"])
+        return by_step
+
+    for rank in (0, 1):
+        full, again = prompts(run, rank), prompts(resumed, rank)
+        assert sorted(again) == [4, 5, 6] and all(again[s] == full[s] for s in again), (rank, full, again)
+    epochs = [set().union(*(prompts(run, r)[s] for r in (0, 1))) for s in (1, 3)]
+    assert epochs[0] != epochs[1]  # epoch 1 starts with other prompts than epoch 0: its own order
+
+    def losses(folder):
+        state = json.loads((folder / "checkpoint-6" / "trainer_state.json").read_text())
+        return {h["step"]: h["loss"] for h in state["log_history"] if "loss" in h}
+
+    full, again = losses(run), losses(resumed)
+    assert all(again[s] == pytest.approx(full[s], abs=1e-5) for s in (4, 5, 6))
 
 
 def test_a_barrier_nobody_reaches_is_an_error_naming_the_step(tmp_path):
