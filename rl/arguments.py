@@ -178,6 +178,10 @@ def validate(args: RefinerArguments, training_args, model_args, num_processes: i
             "min_p, repetition_penalty and max_completion_length: set those instead, so the exported refiner "
             "samples as it was trained"
         )
+    save_steps = training_args.save_steps
+    strategy = getattr(training_args.save_strategy, "value", training_args.save_strategy)
+    if strategy == "steps" and save_steps and save_steps >= 1:  # below 1: a share of the run's steps
+        check_generation_phase(training_args, int(save_steps), "save_steps")
     per_device, accumulation = training_args.per_device_train_batch_size, training_args.gradient_accumulation_steps
     generations, per_generation = training_args.num_generations, training_args.steps_per_generation or accumulation
     per_step = per_device * accumulation * num_processes
@@ -198,6 +202,22 @@ def validate(args: RefinerArguments, training_args, model_args, num_processes: i
         f"batch geometry: {geometry}; generated {generated // generations} prompts × {generations} generations = "
         f"{generated} completions at a time (steps_per_generation {per_generation})"
     )
+
+
+def check_generation_phase(training_args, step: int | None, what: str) -> None:
+    """Refuse a checkpoint step inside one of TRL's generations. TRL generates every steps_per_generation ×
+    num_iterations micro-batches and keeps the samples between; a resumed trainer starts with none, so from a step
+    inside a generation it generates that batch again and stays out of phase with the uninterrupted run to its end."""
+    accumulation = training_args.gradient_accumulation_steps
+    period = (training_args.steps_per_generation or accumulation) * training_args.num_iterations
+    if step is not None and (step * accumulation) % period:
+        every = period // math.gcd(period, accumulation)
+        raise ValueError(
+            f"{what}: step {step} ({step * accumulation} micro-batches at gradient_accumulation_steps {accumulation}) "
+            f"falls inside one of TRL's generations (one every {period} micro-batches: steps_per_generation × "
+            f"num_iterations), so a run resumed from it would not train as the uninterrupted one: checkpoint every "
+            f"multiple of {every} steps"
+        )
 
 
 def whole_eval_rounds(questions: int, per_device_eval_batch_size: int, processes: int, generations: int) -> int:

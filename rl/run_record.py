@@ -7,56 +7,116 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from common.files import write_json_atomic
+from common.files import file_fingerprint, write_json_atomic
 from retrieval.index import MANIFEST_FILE
 from rl.prompts import prompt_spec
 
 RUN_RECORD = "refine_rl_run.json"
 
 
-def write_run_record(
-    output_dir: Path,
+# What a resumed run must train under as its checkpoint's run did (refiner_args by name; the other sections whole):
+# the index's encoders, α and the reward, the prompt, the sampling, the update's settings but max_steps (a run may be
+# extended), the training questions' content. Paths may move between machines, and are not compared.
+RESUME_FIXED_ARGS = (
+    "alpha",
+    "depth",
+    "reward_tiers",
+    "miss_reward",
+    "unparseable_retrieval_reward",
+    "format_valid_reward",
+    "format_invalid_reward",
+    "max_query_tokens",
+    "freeze_vision_tower",
+    "min_pixels",
+    "max_pixels",
+    "completions_per_step",
+)
+RESUME_FIXED_SECTIONS = ("prompt", "generation", "optimisation", "train_content")
+
+
+def resume_differences(saved: dict, now: dict) -> list[str]:
+    """The settings a resumed run (``now``) trains under otherwise than its checkpoint's run (``saved``), as
+    ``name: saved → now``; a setting the saved record lacks (an older version) is not held against it."""
+    pairs = [(f"--{k}", saved.get("refiner_args", {}), now["refiner_args"], k) for k in RESUME_FIXED_ARGS]
+    pairs += [(f"index {k}", saved.get("index", {}), now["index"], k) for k in ("image_encoder", "text_encoder")]
+    pairs += [(k, saved, now, k) for k in RESUME_FIXED_SECTIONS]
+    out = []
+    for name, old, new, key in pairs:
+        a, b = old.get(key, new.get(key)), new.get(key)
+        if key == "optimisation" and isinstance(a, dict) and isinstance(b, dict):
+            a, b = ({k: v for k, v in d.items() if k != "max_steps"} for d in (a, b))
+        if a != b:
+            out.append(f"{name}: {a!r} → {b!r}")
+    return out
+
+
+def check_resume(checkpoint, record: dict) -> None:
+    """Refuse to resume ``checkpoint`` under other settings than its run's (``resume_differences``), naming them: its
+    weights and optimizer state were trained for those, and the run record, export and card would report only the
+    new ones. A checkpoint with no run record beside it is not checked; one that is not a folder is TRL's to name."""
+    if not Path(checkpoint).is_dir():
+        return
+    saved = find_run_record(Path(checkpoint))
+    differ = resume_differences(saved, record) if saved is not None else []
+    if differ:
+        raise ValueError(
+            f"resume_from_checkpoint {checkpoint}: its run trained under other settings ("
+            + "; ".join(differ)
+            + "): resume with those, or start a new run from its weights (model_name_or_path)"
+        )
+
+
+def checkpoint_step(checkpoint) -> int | None:
+    """The optimizer step a checkpoint folder was saved at (its trainer_state.json), None when it has none."""
+    state = Path(checkpoint) / "trainer_state.json"
+    return json.loads(state.read_text()).get("global_step") if state.is_file() else None
+
+
+def make_run_record(
     args,
     training_args,
     model_path: str,
     image_budget: dict | None = None,
     precision: str | None = None,
-) -> None:
+) -> dict:
+    """What ``write_run_record`` writes."""
     manifest = json.loads((Path(args.index) / MANIFEST_FILE).read_text())
-    write_json_atomic(
-        Path(output_dir) / RUN_RECORD,
-        {
-            "base_model": str(Path(model_path).resolve()) if Path(model_path).exists() else model_path,
-            "refiner_args": asdict(args),
-            "prompt": prompt_spec(args.prompt),
-            "index": {
-                "path": str(Path(args.index).resolve()),
-                "alpha": args.alpha,
-                "image_encoder": manifest["image_encoder"],
-                "text_encoder": manifest["text_encoder"],
-            },
-            "generation": {  # every sampling setting TRL passes to generation, so an export samples the same way
-                "temperature": training_args.temperature,
-                "top_p": training_args.top_p,
-                "top_k": training_args.top_k,
-                "min_p": training_args.min_p,
-                "repetition_penalty": training_args.repetition_penalty,
-                "max_new_tokens": training_args.max_completion_length,
-            },
-            "optimisation": {  # what GRPO trained on: how the two rewards were combined, and the update's settings
-                "reward_weights": list(training_args.reward_weights) if training_args.reward_weights else None,
-                "multi_objective_aggregation": training_args.multi_objective_aggregation,
-                "scale_rewards": training_args.scale_rewards,
-                "num_generations": training_args.num_generations,
-                "learning_rate": training_args.learning_rate,
-                "beta": training_args.beta,
-                "loss_type": training_args.loss_type,
-                "max_steps": training_args.max_steps,
-            },
-            "image_budget": image_budget,
-            "precision": precision,
+    return {
+        "base_model": str(Path(model_path).resolve()) if Path(model_path).exists() else model_path,
+        "refiner_args": asdict(args),
+        "prompt": prompt_spec(args.prompt),
+        "index": {
+            "path": str(Path(args.index).resolve()),
+            "alpha": args.alpha,
+            "image_encoder": manifest["image_encoder"],
+            "text_encoder": manifest["text_encoder"],
         },
-    )
+        "generation": {  # every sampling setting TRL passes to generation, so an export samples the same way
+            "temperature": training_args.temperature,
+            "top_p": training_args.top_p,
+            "top_k": training_args.top_k,
+            "min_p": training_args.min_p,
+            "repetition_penalty": training_args.repetition_penalty,
+            "max_new_tokens": training_args.max_completion_length,
+        },
+        "optimisation": {  # what GRPO trained on: how the two rewards were combined, and the update's settings
+            "reward_weights": list(training_args.reward_weights) if training_args.reward_weights else None,
+            "multi_objective_aggregation": training_args.multi_objective_aggregation,
+            "scale_rewards": training_args.scale_rewards,
+            "num_generations": training_args.num_generations,
+            "learning_rate": training_args.learning_rate,
+            "beta": training_args.beta,
+            "loss_type": training_args.loss_type,
+            "max_steps": training_args.max_steps,
+        },
+        "image_budget": image_budget,
+        "precision": precision,
+        "train_content": file_fingerprint(args.train_file),
+    }
+
+
+def write_run_record(output_dir: Path, record: dict) -> None:
+    write_json_atomic(Path(output_dir) / RUN_RECORD, record)
 
 
 def find_run_record(path: Path) -> dict | None:

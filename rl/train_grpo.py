@@ -23,13 +23,13 @@ from common.cli import run
 from common.files import write_json_atomic
 from common.placement import Processes, configure_threads
 from retrieval.index import MultimodalIndex
-from rl.arguments import parse_arguments, validate, validate_files
+from rl.arguments import check_generation_phase, parse_arguments, validate, validate_files
 from rl.checkpoints import best_weights_step
 from rl.data import question_dataset, warn_absent_entities
 from rl.model import lora_config, quiet_checkpointing_deprecation
 from rl.model_card import write_run_cards
 from rl.monitor import RefinerMonitor, setup_wandb
-from rl.run_record import write_run_record
+from rl.run_record import check_resume, checkpoint_step, make_run_record, write_run_record
 from rl.trainer_parts import (
     announce_rank,
     build_rewards,
@@ -72,9 +72,14 @@ def main(argv=None) -> dict:
     )
     eval_data = whole_round_eval(eval_data, training_args, state.num_processes, say)
 
+    record = make_run_record(args, training_args, model_path, precision=precision)
+    if training_args.resume_from_checkpoint:  # the same settings as its run, at a step between two generations
+        check_resume(training_args.resume_from_checkpoint, record)
+        checkpoint = training_args.resume_from_checkpoint
+        check_generation_phase(training_args, checkpoint_step(checkpoint), f"resume_from_checkpoint {checkpoint}")
     model, processor, budget = load_policy(model_path, args, training_args, model_args, state, load_dtype, say)
     if state.is_main_process:
-        write_run_record(output_dir, args, training_args, model_path, budget, precision)
+        write_run_record(output_dir, {**record, "image_budget": budget})
 
     # rewards: one replica of the index per process, exact ranks on this rank's device, FAISS top-k on the CPU
     index = MultimodalIndex.load(args.index, device=str(state.device), search_device="cpu")

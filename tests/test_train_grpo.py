@@ -96,6 +96,17 @@ def test_resume_continues_from_the_saved_step(config, tiny_world, tiny_refiner, 
     uninterrupted, resumed_final = weights(tmp_path / "a" / "final"), weights(tmp_path / "b" / "final")
     moved = [k for k in checkpoint if not torch.equal(checkpoint[k], base[k])]
     assert moved and all(torch.allclose(resumed_final[k], uninterrupted[k], atol=1e-6) for k in uninterrupted)
+    # under another α and other reward tiers: refused, naming them (it went on, and the record told only the new ones)
+    with pytest.raises(ValueError, match=r"other settings \(--alpha: 0.5 → 0.1; --reward_tiers: .*→ '1-5:1,6-200:0.5'"):
+        tg.main(
+            config(
+                **run,
+                alpha=0.1,
+                reward_tiers="1-5:1,6-200:0.5",
+                output_dir=str(tmp_path / "c"),
+                resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-4"),
+            )
+        )
 
 
 @pytest.mark.parametrize(
@@ -117,6 +128,21 @@ def test_resume_continues_from_the_saved_step(config, tiny_world, tiny_refiner, 
         (dict(model_revision="v2"), "model_revision 'v2' is not applied here"),
         (dict(chat_template_kwargs={"add_vision_id": True}), "chat_template_kwargs .* do not carry it"),  # a prompt
         (dict(vllm_structured_outputs_regex="<answer>.*"), "vllm_structured_outputs_regex .* do not carry it"),
+        # a checkpoint inside one of TRL's generations: a resume from it would generate that batch again
+        (
+            dict(steps_per_generation=2, save_strategy="steps", save_steps=3),
+            r"save_steps: step 3 \(3 micro-batches .*one every 2 micro-batches.* every multiple of 2 steps",
+        ),
+        (
+            dict(
+                num_iterations=2,
+                gradient_accumulation_steps=2,
+                per_device_train_batch_size=4,
+                save_strategy="steps",
+                save_steps=3,
+            ),
+            r"save_steps: step 3 \(6 micro-batches.*one every 4 micro-batches.* every multiple of 2 steps",
+        ),
     ],
 )
 def test_bad_settings_fail_before_any_model_loads(config, monkeypatch, overrides, match):
