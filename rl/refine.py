@@ -194,7 +194,7 @@ def refine_file(args: RefineArgs, log=print, refiner: Refiner | None = None, sta
     )
     batches = parts.start(rows, args.batch_size, redo=lambda r: IMAGE_ERROR in r)  # an image mended since: again
     log(f"refine, {parts.status}")
-    unreadable = []
+    unreadable, parsed, generated = [], 0, 0
     if batches:
         refiner = refiner or Refiner.load(
             args.model, backend=args.backend, device=str(state.device) if state is not None else None
@@ -210,12 +210,18 @@ def refine_file(args: RefineArgs, log=print, refiner: Refiner | None = None, sta
                     sample=args.sample,
                 )
                 done = {r["id"]: {**r, **res} for (r, _), res in zip(good, results)}
+                parsed, generated = parsed + sum(res["format_ok"] for res in results), generated + len(results)
                 for r, (_, why) in zip(batch, opened):
                     if why:  # the question stays as it was, as for an output that does not parse
                         done[r["id"]] = {**r, **unrefined(r["question"]), IMAGE_ERROR: why}
                         unreadable.append(f"{r['id']}: {why}")
                 parts.append([done[r["id"]] for r in batch])
                 bar.update(len(batch))
+    if generated:  # every output that does not parse falls back to its question: a refiner that never parses
+        log(  # would leave the question's own figures in every table, unannounced
+            f"refine: {parsed} of {generated} output(s) here parsed ({100 * parsed / generated:.1f} %); the other "
+            f"{generated - parsed} kept their question (format_ok false in their records)"
+        )
     if unreadable:
         log(
             f"{len(unreadable)} question(s) kept their question unrefined, their image not usable "

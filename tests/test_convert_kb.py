@@ -1082,3 +1082,30 @@ def test_which_download_errors_may_pass(error, passes, monkeypatch):
     monkeypatch.setattr(fi.urllib.request, "urlopen", urlopen)  # the error urllib raises, not a server's reply
     kind, why = fi.download("http://x/a.png", 5, UA, fi.Throttle(), 0)
     assert kind is None and why.startswith(fi.TRANSIENT) == passes and type(error).__name__ in why
+
+
+@pytest.mark.parametrize(
+    "reason,kind",
+    [
+        ("no local file for image https://upload.wikimedia.org/a/b.jpg", "no local file for image"),
+        ("no local file for image http://x.org/b.jpg", "no local file for image"),
+        (
+            "2_hop question, left out as the papers do (--include_two_hop keeps it)",
+            "2_hop question, left out as the papers do",
+        ),
+        ("no entity_id (not in the withkb file); convert with --require_entity false for inference", "no entity_id"),
+        ("fewer than 3 columns (2)", "fewer than 3 columns"),
+        ("unknown question_type 'templated'", "unknown question_type"),
+        ("SVG image /data/kb/x.svg: PIL cannot decode it", "SVG image"),
+        ("no image file under /data/images: tried a.jpg, b.jpg", "no image file under"),
+        ("image file missing: /data/q.png", "image file missing"),
+        ("article has no section text", "article has no section text"),
+        ("(odd)", "(odd)"),  # nothing before the details: the reason itself
+    ],
+)
+def test_the_skipped_summary_counts_each_reason_without_its_details(reason, kind):
+    """Counted by the reason's first 60 characters cut at a colon, skips were grouped by URL scheme ("no local file
+    for image https"), and a hint was cut mid-flag ("convert with --requir")."""
+    from retrieval.upstream.convert import reason_kind
+
+    assert reason_kind(reason) == kind

@@ -50,6 +50,15 @@ def test_refine_file_resumes_without_losing_or_repeating(toy_refiner, tiny_world
         if not r["format_ok"]:
             assert r["refined_query"] == r["question"]  # fallback to the original question
     assert sum(r["format_ok"] for r in rows) > len(rows) // 2
+    said = []
+    refine_file(
+        RefineArgs(**{**vars(args), "out": str(tmp_path / "again.jsonl")}), refiner=toy_refiner, log=said.append
+    )
+    again = [json.loads(x) for x in open(tmp_path / "again.jsonl")]
+    ok = sum(r["format_ok"] for r in again)
+    assert f"refine: {ok} of 48 output(s) here parsed ({100 * ok / 48:.1f} %); the other {48 - ok} kept" in "".join(
+        said
+    )
     assert refine_file(args, refiner=toy_refiner, **QUIET) == 0 and not part.exists()
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import glob
 import json
 import logging
+import re
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -165,6 +166,15 @@ def validate(args: ConvertArgs) -> None:
     parse_subdirs(args.image_dirs)
 
 
+# where a skip reason's own details start: a parenthesis, a colon, a quoted value, or a path or URL
+REASON_DETAILS = re.compile(r"\s\(|:\s|\s['\"]|\s\S*/")
+
+
+def reason_kind(reason: str) -> str:
+    """A skip reason without its details (the file, URL, value or hint), for the summary's counts."""
+    return REASON_DETAILS.split(reason, maxsplit=1)[0].strip() or reason
+
+
 @contextmanager
 def skip_log(out: str):
     """A ``skip(record)`` callable streaming to ``<out>.skipped.jsonl`` (written atomically; removed when empty)."""
@@ -173,7 +183,7 @@ def skip_log(out: str):
     with atomic_path(path) as tmp, open(tmp, "w") as f:
 
         def skip(rec: dict):
-            counts[rec["reason"].split(":")[0][:60]] += 1
+            counts[reason_kind(rec["reason"])] += 1
             f.write(json.dumps(rec, ensure_ascii=False) + "\n")
 
         yield skip, counts
