@@ -189,6 +189,13 @@ def test_infoseek_official_figures_count_every_question():
     assert "| No RAG | 66.67 | 50.00 | 57.14 |" in table and "| All RAG | 66.67 | 100.00 | 80.00 |" in table
     assert "| oracle gate | 66.67 | 100.00 | 80.00 |" in table and "| random gate | " not in table.split("InfoSeek")[1]
     assert "every question with its image" in format_table({**m, "skipped": 1})
+    assert "| unseen question (3 questions) | unseen entity (2 questions) | final |" in table
+    assert "A split with no question scores 0" not in table
+    # a run of the first questions only (--limit): the official val file starts with one split, the other scores 0
+    one_split = summarize(recs[:3])
+    assert (one_split["infoseek"]["unseen_entity"], one_split["infoseek"]["final"]) == (0.0, 0.0)
+    assert "unseen entity (0 questions)" in format_table(one_split)
+    assert "A split with no question scores 0" in format_table(one_split)
     assert summarize([rec(True, True, False)])["infoseek"] is None  # not InfoSeek questions: no such figures
 
 

@@ -255,9 +255,11 @@ def format_table(metrics: dict, system: str = "gated pipeline") -> str:
     if info:
         empty = sum(info["no_answer"].values())
         every = "every question with its image" if metrics.get("skipped") else "every question"
+        n = info.get("n", {})
         lines += [
             "",
-            "| InfoSeek, official scorer (%) | unseen question | unseen entity | final |",
+            f"| InfoSeek, official scorer (%) | unseen question ({n.get('unseen_question', '?')} questions) | "
+            f"unseen entity ({n.get('unseen_entity', '?')} questions) | final |",
             "|---|---|---|---|",
             f"| {system} ({every}; without an answer, an empty prediction: {empty}) | "
             f"{info['unseen_question']:.2f} | {info['unseen_entity']:.2f} | {info['final']:.2f} |",
@@ -266,6 +268,12 @@ def format_table(metrics: dict, system: str = "gated pipeline") -> str:
             if b.get("infoseek"):
                 s = b["infoseek"]
                 lines.append(f"| {name} | {s['unseen_question']:.2f} | {s['unseen_entity']:.2f} | {s['final']:.2f} |")
+    if info and 0 in info.get("n", {}).values():
+        lines += [
+            "",
+            "A split with no question scores 0, as the official scorer's safe_division gives it, and so does final "
+            "(their harmonic mean): Table 3's figures need questions of both splits",
+        ]
     if metrics.get("skipped"):
         lines += ["", f"{metrics['skipped']} question(s) skipped (image missing or unusable) are in no figure above"]
     mct = metrics.get("consistency")
