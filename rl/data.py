@@ -174,6 +174,16 @@ class RLDataArgs:
     dist_timeout_minutes: int = dist_timeout_field()
 
 
+def image_size(path) -> tuple[int, int]:
+    """An image file's (width, height) from its header; (1, 1) past PIL's pixel limit (its aspect is checked where it
+    is decoded, downscaled: ``verify_images``)."""
+    try:
+        with Image.open(path) as image:
+            return image.size
+    except Image.DecompressionBombError:
+        return 1, 1
+
+
 def held_out_sample(n: int, chosen: list[int], count: int, seed: int, images: list | None = None) -> list[int]:
     """``count`` of the indices ``range(n)`` that are not ``chosen`` (seeded, in file order; all of them if fewer).
     With ``images`` (each index's image), none whose image a chosen question has: a question about a training
@@ -263,7 +273,13 @@ def baseline_ranks(
     workers = decode_workers(args.workers)
     with tqdm(total=parts.mine, desc="baseline retrieval", unit="q", disable=not parts.mine) as bar:
         for batch in batches:
-            emb, failed = index.encode_image_files([root / str(r.get("image")) for r in batch], workers)
+            paths = [root / str(r.get("image")) for r in batch]
+            emb, failed = index.encode_image_files(paths, workers)
+            encoded = [j for j in range(len(batch)) if j not in failed]  # emb's rows, in order
+            # the index's encoder reads an image past 200:1, the refiner's processor does not: training drops it
+            thin = {j: why for j in encoded if (why := aspect_problem(image_size(paths[j])))}
+            if thin:
+                emb, failed = emb[[k for k, j in enumerate(encoded) if j not in thin]], {**failed, **thin}
             ok = [r for j, r in enumerate(batch) if j not in failed]
             ranks = (
                 index.entity_ranks(
@@ -364,7 +380,11 @@ def build_rl_data(args: RLDataArgs, log=print, state=None) -> dict:
         log(f"wrote {len(chosen)} questions to {args.out}")
         if args.eval_out:
             write_jsonl_atomic(args.eval_out, ({**kept[i], "baseline_rank": ranks[i]} for i in held_out))
-            log(f"wrote {len(held_out)} held-out questions, none of them in {args.out}, to {args.eval_out}")
+            short = "" if len(held_out) == args.eval_questions else f" (of {args.eval_questions} asked: no more left)"
+            log(
+                f"wrote {len(held_out)} held-out questions{short}, none of them in {args.out} nor about an image "
+                f"it holds (their gold entities may be trained on), to {args.eval_out}"
+            )
         write_json_atomic(f"{args.out}.buckets.json", summary)
         _plot(report, f"{args.out}.buckets.png")
     if args.embed_images:

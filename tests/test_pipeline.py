@@ -233,6 +233,13 @@ def test_a_stage_that_fails_to_load_is_named(make_args, tiny_gate_vlm):
         run(make_args(inspector=str(tiny_gate_vlm)), **QUIET)  # a model folder, but not a trained gate
 
 
+def test_a_vlm_as_text_generator_is_named_with_the_setting_it_needs(make_args, tiny_gate_vlm):
+    from gate.pipeline.stages import load_generator
+
+    with pytest.raises(ValueError, match=r"not a text-only causal LM .*generator_image: true"):
+        load_generator(make_args(generator=str(tiny_gate_vlm), generator_image=False), "cpu", None)
+
+
 def test_text_llm_generator(make_args, tiny_text_llm):
     args = make_args(generator=str(tiny_text_llm), generator_image=False, generator_prompt="infoseek")
     m = run(args, **QUIET)

@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 from common.files import check_unique_ids
 from rl.data import (
@@ -66,6 +67,8 @@ def test_build_rl_data_skips_unknown_entities_and_bad_images(tiny_world, tiny_in
     rows[2]["image"] = "images/gone.png"
     (tmp_path / "broken.png").write_bytes(b"not a png")
     rows[3]["image"] = str(tmp_path / "broken.png")
+    Image.new("RGB", (1000, 4), "red").save(tmp_path / "strip.png")  # the index reads it; the refiner's processor not
+    rows[4]["image"] = str(tmp_path / "strip.png")
     out = tmp_path / "o.jsonl"
     lines = []
     summary = build_rl_data(
@@ -81,7 +84,7 @@ def test_build_rl_data_skips_unknown_entities_and_bad_images(tiny_world, tiny_in
         log=lines.append,
     )
     skipped = {r["id"]: r for r in map(json.loads, open(f"{out}.skipped.jsonl"))}
-    assert set(skipped) == {rows[i]["id"] for i in (1, 2, 3)}
+    assert set(skipped) == {rows[i]["id"] for i in (1, 2, 3, 4)}
     assert skipped[rows[1]["id"]] == {
         "id": rows[1]["id"],
         "entity_id": "E9999",
@@ -93,11 +96,12 @@ def test_build_rl_data_skips_unknown_entities_and_bad_images(tiny_world, tiny_in
         and "gone.png" in skipped[rows[2]["id"]]["reason"]
     )
     assert skipped[rows[3]["id"]]["reason"].startswith("image unreadable: ")
+    assert "aspect ratio past 200:1" in skipped[rows[4]["id"]]["reason"]  # it was sampled, then dropped in training
     written = [json.loads(x) for x in open(out)]
-    assert [r["id"] for r in written] == [rows[i]["id"] for i in (0, 4, 5)]
+    assert [r["id"] for r in written] == [rows[i]["id"] for i in (0, 5)]
     assert all(isinstance(r["baseline_rank"], int) for r in written)
-    assert summary["skipped"] == 3 and summary["sampled"] == 3 and summary["questions"] == 6
-    assert any("left out 3 of 6" in line and "1 with the gold entity not in the index" in line for line in lines)
+    assert summary["skipped"] == 4 and summary["sampled"] == 2 and summary["questions"] == 6
+    assert any("left out 4 of 6" in line and "1 with the gold entity not in the index" in line for line in lines)
 
 
 def test_build_rl_data_writes_an_empty_skip_list_and_refuses_when_nothing_is_usable(
@@ -373,6 +377,10 @@ def test_held_out_questions_are_never_in_the_rl_sample(tiny_world, tiny_index_di
     assert held_out_sample(7, [0, 3], 20, 0) == [1, 2, 4, 5, 6]
     train_images = {r["image"] for r in map(json.loads, open(out))}
     assert not train_images & {r["image"] for r in rows}
+    said = []  # fewer left than asked for: said, not only counted
+    more = dict(strata="1-5:5,6-24:5,miss:5", out=str(tmp_path / "rl2.jsonl"), eval_out=str(held), eval_questions=999)
+    left = build_rl_data(RLDataArgs(**args, **more), log=said.append)["held_out"]
+    assert f"wrote {left} held-out questions (of 999 asked: no more left), none of them in" in "\n".join(said)
     with pytest.raises(ValueError, match="--eval_out needs"):
         build_rl_data(RLDataArgs(**args, out=str(out), eval_out=str(out)), log=lambda *a: None)
 

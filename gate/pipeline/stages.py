@@ -203,7 +203,15 @@ def load_generator(args, device: str, dtype: str | None):
             return [(a.strip() or None, None if a.strip() else "empty answer") for a in vlm(images, texts, False)]
 
         return generate
-    return text_generator(args.generator, prompt, args.max_new_tokens, device=device, dtype=dtype)
+    try:
+        return text_generator(args.generator, prompt, args.max_new_tokens, device=device, dtype=dtype)
+    except ValueError as e:
+        if "Unrecognized configuration class" not in str(e):
+            raise
+        raise ValueError(
+            f"generator {args.generator}: not a text-only causal LM ({str(e).splitlines()[0][:160]}); a "
+            "vision-language model answers with generator_image: true"
+        ) from None
 
 
 class Judge:

@@ -121,8 +121,9 @@ def stage_expand(args, out: Path, log=print, expand=None) -> int:
         written += len(rows)
         append_jsonl(target, rows)
     log(
-        f"expand: {written} FAIL answers expanded now ({len(done)} before); {kept_short} kept the short answer "
-        f"(no parsable sentence, or one without the short answer: the reason is in {target.name})"
+        f"expand: {written} FAIL answers done now ({len(done)} before): {written - kept_short} expanded into a "
+        f"sentence, {kept_short} kept the short answer (no parsable sentence, or one without the short answer: the "
+        f"reason is in {target.name})"
         + (f"; {failed} requests failed and were not written: run --stage expand again to retry them" if failed else "")
     )
     return written
