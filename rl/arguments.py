@@ -178,6 +178,7 @@ def validate(args: RefinerArguments, training_args, model_args, num_processes: i
             "min_p, repetition_penalty and max_completion_length: set those instead, so the exported refiner "
             "samples as it was trained"
         )
+    check_best_metric(training_args)
     save_steps = training_args.save_steps
     strategy = getattr(training_args.save_strategy, "value", training_args.save_strategy)
     if strategy == "steps" and save_steps and save_steps >= 1:  # below 1: a share of the run's steps
@@ -202,6 +203,30 @@ def validate(args: RefinerArguments, training_args, model_args, num_processes: i
         f"batch geometry: {geometry}; generated {generated // generations} prompts × {generations} generations = "
         f"{generated} completions at a time (steps_per_generation {per_generation})"
     )
+
+
+LOWER_IS_BETTER = ("loss", "miss_rate", "mean_hit_rank")  # metrics a checkpoint is better for having less of
+
+
+def check_best_metric(training_args) -> None:
+    """Refuse a best-checkpoint choice that picks the wrong one: by GRPO's eval loss (transformers' default when
+    ``metric_for_best_model`` is unset), which does not measure retrieval, or in the wrong direction
+    (``greater_is_better`` defaults to True for every metric whose name does not end in loss: the most misses)."""
+    metric = training_args.metric_for_best_model
+    if not training_args.load_best_model_at_end and metric is None:
+        return
+    if metric is None or metric.removeprefix("eval_") == "loss":
+        raise ValueError(
+            "load_best_model_at_end would keep the checkpoint with the lowest GRPO eval loss, which does not measure "
+            "the queries: set metric_for_best_model (the configs: retrieval/hit@1, greater_is_better true)"
+        )
+    lower = metric.removeprefix("eval_").split("/")[-1] in LOWER_IS_BETTER
+    if training_args.greater_is_better == lower:
+        raise ValueError(
+            f"metric_for_best_model {metric} with greater_is_better {training_args.greater_is_better}: the best "
+            f"checkpoint would be the one with the {'most' if lower else 'least'} of it; set greater_is_better "
+            f"{str(not lower).lower()}"
+        )
 
 
 def check_generation_phase(training_args, step: int | None, what: str) -> None:

@@ -128,6 +128,13 @@ def test_resume_continues_from_the_saved_step(config, tiny_world, tiny_refiner, 
         (dict(model_revision="v2"), "model_revision 'v2' is not applied here"),
         (dict(chat_template_kwargs={"add_vision_id": True}), "chat_template_kwargs .* do not carry it"),  # a prompt
         (dict(vllm_structured_outputs_regex="<answer>.*"), "vllm_structured_outputs_regex .* do not carry it"),
+        # the best checkpoint by GRPO's eval loss, or by a miss rate in the direction transformers guesses
+        (dict(load_best_model_at_end=True, eval_strategy="steps", save_strategy="steps"), "lowest GRPO eval loss"),
+        (
+            dict(metric_for_best_model="retrieval/miss_rate"),
+            "retrieval/miss_rate with greater_is_better True: .* the most of it; set greater_is_better false",
+        ),
+        (dict(metric_for_best_model="retrieval/hit@1", greater_is_better=False), "the least of it"),
         # a checkpoint inside one of TRL's generations: a resume from it would generate that batch again
         (
             dict(steps_per_generation=2, save_strategy="steps", save_steps=3),
