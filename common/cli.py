@@ -4,7 +4,9 @@ clean one-line error for bad input instead of a traceback."""
 from __future__ import annotations
 
 import gc
+import os
 import sys
+import traceback
 from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
@@ -79,15 +81,28 @@ def check_text_fields(obj) -> None:
                 )
 
 
+TRACEBACK_VARIABLE = "REFINE_RL_TRACEBACK"  # set (to anything): a bad-input error prints its whole traceback
+
+
 def run(main: Callable[[], object]) -> None:
     """An entry point's last call (``if __name__ == "__main__": run(main)``): call ``main``; a
-    ValueError/FileNotFoundError (bad input) becomes ``error: …`` and exit status 2.
+    ValueError/FileNotFoundError (bad input) becomes ``error: …`` and exit status 2, with the line that raised it (a
+    ValueError from a defect deep in a job is one too: the whole traceback with ``REFINE_RL_TRACEBACK`` set).
 
     Either way, the process then skips the interpreter's last garbage collections (``freeze_for_exit``)."""
     try:
         main()
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
+        if os.environ.get(TRACEBACK_VARIABLE):
+            traceback.print_exc()
+        else:
+            where = traceback.extract_tb(e.__traceback__)[-1]
+            print(
+                f"(raised at {where.filename}:{where.lineno}, in {where.name}; {TRACEBACK_VARIABLE}=1 prints the whole "
+                "traceback)",
+                file=sys.stderr,
+            )
         sys.exit(2)
     finally:
         freeze_for_exit()

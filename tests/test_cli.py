@@ -45,6 +45,29 @@ def test_an_entry_point_with_triton_loaded_exits_without_leak_reports():
     assert "leaked" not in proc.stderr, proc.stderr[-2000:]
 
 
+def test_a_bad_input_error_says_where_it_was_raised_and_the_whole_traceback_on_request(capsys, monkeypatch):
+    """Every ValueError became one line and exit 2, a defect's deep in a job too: nothing to debug from."""
+    import numpy as np
+
+    from common import cli
+
+    def job():
+        return np.zeros(3) + np.zeros(4)  # not bad input: a shape error in a job
+
+    monkeypatch.setattr(cli, "freeze_for_exit", lambda: None)  # this process goes on: nothing frozen out of the gc
+    for traceback_on in (False, True):
+        if traceback_on:
+            monkeypatch.setenv("REFINE_RL_TRACEBACK", "1")
+        else:
+            monkeypatch.delenv("REFINE_RL_TRACEBACK", raising=False)
+        with pytest.raises(SystemExit) as done:
+            cli.run(job)
+        said = capsys.readouterr().err
+        assert done.value.code == 2 and said.startswith("error: operands could not be broadcast together")
+        assert ("Traceback (most recent call last)" in said) == traceback_on
+        assert (f"raised at {__file__}:" in said and ", in job;" in said) != traceback_on
+
+
 def test_config_with_an_equals_sign_is_read_as_with_a_space(tmp_path):
     from common.cli import parse
     from gate.train.build_data import BuildDataArgs
