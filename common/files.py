@@ -10,6 +10,7 @@ import re
 import shutil
 import tempfile
 import time
+import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -53,14 +54,15 @@ def _fsync(path) -> None:
 
 @contextmanager
 def atomic_folder(folder: str | Path, replace: bool = True):
-    """Yield a fresh temporary folder next to ``folder`` (``.<name>.tmp-<pid>``); when the block succeeds, rename it
-    onto ``folder``: over an existing one with ``replace`` (moved aside first, deleted after), else keeping the one
-    another process renamed there first. A crash leaves no half-written or half-deleted folder at ``folder``."""
+    """Yield a fresh temporary folder next to ``folder`` (``.<name>.tmp-<unique>``); when the block succeeds, rename
+    it onto ``folder``: over an existing one with ``replace`` (moved aside first, deleted after), else keeping the one
+    another process renamed there first. A crash leaves no half-written or half-deleted folder at ``folder``. The
+    names are unique, not the process id: a crashed run's leftover under a reused id made the rename aside fail after
+    the work was done, and the new folder was deleted."""
     folder = Path(folder)
-    tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
-    old = folder.with_name(f".{folder.name}.old-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    unique = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp, old = (folder.with_name(f".{folder.name}.{kind}-{unique}") for kind in ("tmp", "old"))
+    tmp.mkdir(parents=True)  # the usual permissions (tempfile.mkdtemp's are the owner's only)
     try:
         yield tmp
         if replace and folder.exists():

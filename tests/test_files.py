@@ -45,6 +45,31 @@ def test_a_failed_block_leaves_the_old_folder_as_it_was(tmp_path):
     assert (tmp_path / "model" / "config.json").read_text() == "old"
 
 
+def test_a_crashed_runs_leftovers_under_this_process_id_do_not_cost_the_new_folder(tmp_path):
+    """A crash leaves its temporary and set-aside folders; with names from the process id, a later process with the
+    same id (containers reuse them) could not set the old folder aside after its work was done, and deleted its own
+    new folder."""
+    import os
+
+    for kind in ("tmp", "old"):
+        (tmp_path / f".model.{kind}-{os.getpid()}").mkdir()
+        (tmp_path / f".model.{kind}-{os.getpid()}" / "config.json").write_text("crashed run's")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("old")
+    with atomic_folder(tmp_path / "model") as tmp:
+        (tmp / "config.json").write_text("new")
+    assert (tmp_path / "model" / "config.json").read_text() == "new"
+    assert oct((tmp_path / "model").stat().st_mode & 0o777) == oct(0o777 & ~current_umask())  # not the owner's only
+
+
+def current_umask() -> int:
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def test_waiting_for_a_path_returns_it_once_there_and_names_what_it_waited_for_if_not(tmp_path):
     (tmp_path / "done").write_text("")
     assert wait_for_path(tmp_path / "done", 0, "x") == tmp_path / "done"
