@@ -457,12 +457,15 @@ def test_fetch_images_names_files_by_url_hash_resumes_and_lists_failures(tmp_pat
         (tmp_path / "kb.json").write_text(json.dumps(kb))
         args = FetchArgs(kb=str(tmp_path / "kb.json"), out=str(tmp_path / "imgs"), workers=2, timeout=5, user_agent=UA)
         first = fetch_images(args, log=quiet)
-        assert first == {"fetched": 2, "failed": 2, "already there": 0}
+        assert first == {"fetched": 2, "failed": 2, "already there": 0, "failed before": 0}
         assert (tmp_path / "imgs" / file_name(urls[0])).read_bytes() == b"\xff\xd8 jpeg bytes"
         assert file_name(urls[1]) == f"{url_hash(urls[1])}.png"
         failed = {r["url"]: r["reason"] for r in read_jsonl(tmp_path / "imgs" / "failed.jsonl")}
         assert set(failed) == {urls[2], urls[3]} and "404" in failed[urls[2]] and "text/html" in failed[urls[3]]
-        assert fetch_images(args, log=quiet) == {"fetched": 0, "failed": 0, "already there": 4}  # resumed: nothing new
+        resumed = fetch_images(
+            args, log=quiet
+        )  # nothing new: the two fetched are there, the two failures for good listed
+        assert resumed == {"fetched": 0, "failed": 0, "already there": 2, "failed before": 2}
         # the folder is what the KB converter's --image_dir reads
         n = convert(
             ConvertArgs(
@@ -888,13 +891,13 @@ def test_a_connection_dropped_mid_image_is_listed_as_failed_and_the_run_goes_on(
     with Site({"/a.png": [served(png_bytes())], "/cut.png": [cut]}) as site:
         kb = kb_with_images(tmp_path, [site.url("/cut.png"), site.url("/a.png")])
         args = FetchArgs(kb=str(kb), out=str(tmp_path / "imgs"), user_agent=UA, workers=1, timeout=5)
-        assert fetch_images(args, log=quiet) == {"fetched": 1, "failed": 1, "already there": 0}
+        assert fetch_images(args, log=quiet) == {"fetched": 1, "failed": 1, "already there": 0, "failed before": 0}
         (failed,) = read_jsonl(tmp_path / "imgs" / "failed.jsonl")
         assert failed["url"] == site.url("/cut.png") and "IncompleteRead" in failed["reason"]
         with open(tmp_path / "imgs" / "failed.jsonl", "a") as fh:
             fh.write('{"url": "http://cut')  # a crash mid-append
         # a dropped connection may pass: the rerun tries it again (cut again), and failed.jsonl lists it once
-        assert fetch_images(args, log=quiet) == {"fetched": 0, "failed": 1, "already there": 1}
+        assert fetch_images(args, log=quiet) == {"fetched": 0, "failed": 1, "already there": 1, "failed before": 0}
         assert [r["url"] for r in read_jsonl(tmp_path / "imgs" / "failed.jsonl")] == [site.url("/cut.png")]
 
 
@@ -1035,18 +1038,25 @@ def test_a_failure_that_may_pass_is_tried_again_by_the_next_run_and_failed_jsonl
         kb = kb_with_images(tmp_path, urls)
         args = FetchArgs(kb=str(kb), out=str(tmp_path / "imgs"), user_agent=UA, workers=1, timeout=5)
         failed_log = tmp_path / "imgs" / "failed.jsonl"
-        assert fetch_images(args, log=quiet) == {"fetched": 1, "failed": 2, "already there": 0}
+        assert fetch_images(args, log=quiet) == {"fetched": 1, "failed": 2, "already there": 0, "failed before": 0}
         reasons = {r["url"]: r["reason"] for r in read_jsonl(failed_log)}
         assert reasons[urls[0]].startswith(TRANSIENT + "HTTPError") and "500" in reasons[urls[0]]
         assert not reasons[urls[1]].startswith(TRANSIENT) and "404" in reasons[urls[1]]
         # the next run tries the 500 again (now served), not the 404; the fetched URL leaves failed.jsonl
-        assert fetch_images(args, log=quiet) == {"fetched": 1, "failed": 0, "already there": 2}
+        said = []  # the 404 is not "already there": it is a failure for good, said as one
+        assert fetch_images(args, log=said.append) == {
+            "fetched": 1,
+            "failed": 0,
+            "already there": 1,
+            "failed before": 1,
+        }
+        assert "1 failed for good in an earlier run (--retry_failed tries them again)" in said[-1]
         assert (tmp_path / "imgs" / file_name(urls[0])).read_bytes() == png_bytes()
         assert [r["url"] for r in read_jsonl(failed_log)] == [urls[1]]
         assert site.paths().count("/gone.png") == 1
         # --retry_failed tries the 404 again; failed.jsonl still holds it once
         retry = FetchArgs(**{**vars(args), "retry_failed": True})
-        assert fetch_images(retry, log=quiet) == {"fetched": 0, "failed": 1, "already there": 2}
+        assert fetch_images(retry, log=quiet) == {"fetched": 0, "failed": 1, "already there": 2, "failed before": 0}
         (again,) = read_jsonl(failed_log)
         assert again["url"] == urls[1] and site.paths().count("/gone.png") == 2
 

@@ -271,9 +271,10 @@ def fetch_images(args: FetchArgs, log=print) -> dict[str, int]:
     out.mkdir(parents=True, exist_ok=True)
     failed_log = out / "failed.jsonl"
     done = fetched_stems(out)
+    failed_before = set()  # failures for good that an earlier run listed: not tried again without --retry_failed
     if failed_log.exists() and not args.retry_failed:  # a cut last line dropped
-        done |= {url_hash(r["url"]) for r in repair_jsonl(failed_log, key="url") if not transient(r["reason"])}
-    counts = {"fetched": 0, "failed": 0, "already there": 0}
+        failed_before = {url_hash(r["url"]) for r in repair_jsonl(failed_log, key="url") if not transient(r["reason"])}
+    counts = {"fetched": 0, "failed": 0, "already there": 0, "failed before": 0}
     transients = 0
 
     def todo() -> Iterator[str]:
@@ -283,8 +284,8 @@ def fetch_images(args: FetchArgs, log=print) -> dict[str, int]:
                 return
             n += 1
             key = url_hash(url)
-            if key in done:
-                counts["already there"] += 1
+            if key in done or key in failed_before:
+                counts["already there" if key in done else "failed before"] += 1
                 continue
             done.add(key)
             yield url
@@ -312,6 +313,11 @@ def fetch_images(args: FetchArgs, log=print) -> dict[str, int]:
     log(
         f"images in {out}: {counts['fetched']} fetched, {counts['already there']} already there, "
         f"{counts['failed']} failed"
+        + (
+            f", {counts['failed before']} failed for good in an earlier run (--retry_failed tries them again)"
+            if counts["failed before"]
+            else ""
+        )
         + (
             f" (listed in {failed_log}; {transients} transient, tried again by the next run)"
             if counts["failed"]
