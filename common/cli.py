@@ -33,7 +33,25 @@ def parse(dataclass_types, argv=None, description: str | None = None, known_only
     for obj in parsed:
         if type(obj).__module__.split(".")[0] in OUR_PACKAGES:
             check_text_fields(obj)
+        if hasattr(obj, "__dataclass_fields__"):
+            convert_number_lists(obj)
     return parsed
+
+
+def convert_number_lists(obj) -> None:
+    """A YAML list of numbers into a ``list[float]`` / ``list[int]`` setting (TRL's ``reward_weights``) as numbers: YAML
+    reads ``5e-1`` (no dot) as text, and argparse converts only what the command line gives, so ``[1.0, 5e-1]``
+    reached TRL as ``[1.0, '5e-1']`` and failed deep in the trainer. An item that is no number is named."""
+    for f in fields(obj):
+        declared = f.type if isinstance(f.type, str) else str(f.type)
+        kind = float if "list[float]" in declared else int if "list[int]" in declared else None
+        value = getattr(obj, f.name)
+        if kind is None or not isinstance(value, (list, tuple)):
+            continue
+        try:
+            setattr(obj, f.name, [kind(v) if isinstance(v, str) else v for v in value])
+        except ValueError:
+            raise ValueError(f"--{f.name}: {list(value)!r} holds an item that is not a number") from None
 
 
 def config_flag(argv: list[str]) -> list[str]:

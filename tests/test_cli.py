@@ -68,6 +68,22 @@ def test_a_bad_input_error_says_where_it_was_raised_and_the_whole_traceback_on_r
         assert (f"raised at {__file__}:" in said and ", in job;" in said) != traceback_on
 
 
+def test_a_yaml_list_of_numbers_reaches_trl_as_numbers(tmp_path):
+    """YAML reads 5e-1 (no dot) as text; argparse converts only what the command line gives."""
+    from trl import GRPOConfig
+
+    from common.cli import parse
+
+    config = tmp_path / "c.yaml"
+    cpu = "output_dir: out\nuse_cpu: true\nbf16: false\nactivation_checkpointing: false\n"
+    config.write_text(cpu + "reward_weights: [1.0, 5e-1]\n")
+    (args,) = parse((GRPOConfig,), ["--config", str(config)])
+    assert args.reward_weights == [1.0, 0.5]
+    config.write_text(cpu + "reward_weights: [1.0, half]\n")
+    with pytest.raises(ValueError, match=r"--reward_weights: \[1.0, 'half'\] holds an item that is not a number"):
+        parse((GRPOConfig,), ["--config", str(config)])
+
+
 def test_config_with_an_equals_sign_is_read_as_with_a_space(tmp_path):
     from common.cli import parse
     from gate.train.build_data import BuildDataArgs
