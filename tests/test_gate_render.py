@@ -252,8 +252,14 @@ def test_caps_and_balance_shape_the_train_split_only(tmp_path):
     assert test and len(train) + len(test) == 20 and not {r["id"] for r in train} & {r["id"] for r in test}
     # rendered again without --holdout: every question is train, and the held-out file of before is gone (it would
     # hold train questions, and the SFT configs read it as eval_file)
-    stage_render(BuildDataArgs(stage="render", out=str(tmp_path), variant="hkb"), tmp_path, log=lambda *a: None)
+    said = []
+    stage_render(BuildDataArgs(stage="render", out=str(tmp_path), variant="hkb"), tmp_path, log=said.append)
     assert len(list(read_jsonl(tmp_path / "hkb.train.jsonl"))) == 20 and not (tmp_path / "hkb.test.jsonl").exists()
+    assert not any("one class only" in line for line in said)
+    # every question labelled alike: said at render, not first at SFT, which refuses it
+    write_jsonl_atomic(tmp_path / "labels-hkb.jsonl", [record(i, True, split="train") for i in range(5)])
+    stage_render(BuildDataArgs(stage="render", out=str(tmp_path), variant="hkb"), tmp_path, log=said.append)
+    assert any("note: one class only" in line and "allow_single_class" in line for line in said)
 
 
 def test_holdout_moves_whole_questions_the_same_in_every_variant():

@@ -26,7 +26,7 @@ from gate.train.labels import (
     srt_label,
 )
 from gate.train.render import class_balance, format_balance, hold_out, parse_class_targets, render_rows
-from gate.variants import load_gate_prompt, numbered_documents, prompt_file_for, spec
+from gate.variants import BINARY, load_gate_prompt, numbered_documents, prompt_file_for, spec
 
 LABEL_SOURCES = {
     "hkb": "judged",
@@ -281,10 +281,16 @@ def stage_render(args, out: Path, log=print) -> int:
             prompt=prompt,
         )
         write_jsonl_atomic(out / f"{args.variant}.{split}.jsonl", rows)
+        balance = class_balance(rows)
         log(
             f"render ({args.variant}, {split}): {len(rows)} rows → {out / f'{args.variant}.{split}.jsonl'}; "
-            f"classes {format_balance(class_balance(rows))}"
+            f"classes {format_balance(balance)}"
         )
+        if split == "train" and args.variant in BINARY and len(balance) < 2:
+            log(
+                "  note: one class only: a gate trained on it learns one answer, and gate SFT refuses it unless "
+                "allow_single_class (label more questions, or another threshold)"
+            )
         for cls, rep in report.items():
             short = (
                 "" if rep["taken"] >= rep["wanted"] or rep["wanted"] <= 1 else f"   (only {rep['available']} available)"
