@@ -96,7 +96,8 @@ def load_vllm(path: str, flag: str = "--backend", image_budget: dict | None = No
             f"{flag} vllm needs vLLM, which is not installed (pip install vllm); or use {flag} hf"
         ) from None
     kwargs = {"mm_processor_kwargs": dict(image_budget)} if image_budget else {}
-    return LLM(model=str(path), limit_mm_per_prompt={"image": 1}, **kwargs)
+    # one image a prompt, no video (vLLM's default allows 999 videos, which its start-up memory profiling counts)
+    return LLM(model=str(path), limit_mm_per_prompt={"image": 1, "video": 0}, **kwargs)
 
 
 def generate_vllm(
