@@ -408,6 +408,41 @@ def test_a_failed_judgement_and_answers_sampled_since_are_judged_again(tmp_path,
     assert stage_judge(args, tmp_path, **QUIET) == 1 and judged()["q1"]["scores"] == [5.0, 5.0]
 
 
+@pytest.mark.parametrize("variant", ["hkb", "skb", "kbm-acc", "ret"])
+def test_a_question_with_an_unjudged_sample_gets_no_label(tmp_path, variant):
+    """A reply the judge's parser cannot read is the same on every retry at temperature 0: labelled from the scores
+    that survived (3 right of 10), the question read as known; its true mean, 2.2, says search."""
+    from common.files import write_jsonl_atomic
+
+    write_jsonl_atomic(
+        tmp_path / "judged.jsonl",
+        [
+            {
+                "id": "q0",
+                "question": "Which river?",
+                "answers": ["Rhine"],
+                "samples": ["Rhine"] * 3 + ["Danube"] * 7,
+                "scores": [5.0] * 3 + [None] * 7,
+                "greedy": "Rhine",
+                "greedy_score": 5.0,
+            },
+            {
+                "id": "q1",
+                "question": "Which tree?",
+                "answers": ["oak"],
+                "samples": ["oak", "elm"],
+                "scores": [5, 1],
+                "greedy": "oak",
+                "greedy_score": 5.0,
+            },
+        ],
+    )
+    said = []
+    build(BuildDataArgs(stage="label", out=str(tmp_path), variant=variant), log=said.append)
+    assert [r["question_id"] for r in map(json.loads, open(tmp_path / f"labels-{variant}.jsonl"))] == ["q1"]
+    assert "1 questions without a label (1 with a sampled answer the judge gave no score for" in said[-1]
+
+
 def test_labels_follow_the_settings_of_the_latest_run(tmp_path):
     """The label stage relabels every question on every run: a rerun with another ε (or τ, or rule) changes the
     labels it should, never keeping those of the run before."""

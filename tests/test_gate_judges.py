@@ -37,6 +37,8 @@ from gate.pipeline.judges import LLMJudge, judge_all, make_judge, parse_score
         ("Score: 3 out of 10", None),
         ("Score: 4,5", None),
         ("Score: 4 out of 5", 4.0),
+        ("I would give this answer a score of 1.", 1.0),  # unread, the same on every retry at temperature 0
+        ("Reference answer score: 5\nGenerated answer score: 2", 2.0),  # the last verdict line, not the first score
     ],
 )
 def test_parse_score(reply, score):

@@ -41,7 +41,16 @@ LABEL_SOURCES = {
 
 
 def _scores(rec: dict) -> list[float]:
-    return [s for s in rec.get("scores", []) if s is not None]
+    """A question's judged scores, every one or none: a judgement that failed (a reply the judge's parser could not
+    read, the same on every retry at temperature 0) leaves the question without a label, not labelled from the samples
+    whose judgements survived (wrong answers draw the explanatory replies most: the label leaned to "knows")."""
+    scores = rec.get("scores", [])
+    return [] if any(s is None for s in scores) else list(scores)
+
+
+def unjudged(rec: dict) -> bool:
+    """Whether some of a question's sampled answers have no judgement."""
+    return any(s is None for s in rec.get("scores", []))
 
 
 def has_gold(rec: dict) -> bool:
@@ -218,11 +227,12 @@ def stage_label(args, out: Path, log=print) -> int:
                 "context again"
             )
     target = out / f"labels-{args.variant}.jsonl"
-    rows, skipped, no_gold = [], 0, 0
+    rows, skipped, no_gold, partly_judged = [], 0, 0, 0
     for rec in read_jsonl(source):  # every question, every run (a label costs no model call)
         labelled = label_records(args.variant, rec, args, contexts)
         if not labelled:
             no_gold += not has_gold(rec) and not mct_from_consistency(args)
+            partly_judged += unjudged(rec) and has_gold(rec)
             skipped += 1
             continue
         base = {k: rec[k] for k in KEEP if k in rec} | {"variant": args.variant, "question_id": str(rec["id"])}
@@ -231,6 +241,12 @@ def stage_label(args, out: Path, log=print) -> int:
     log(
         f"label ({args.variant}): {len(rows)} examples, {skipped} questions without a label"
         + (f" ({no_gold} have no gold answer: usable by kbm-cert only)" if no_gold else "")
+        + (
+            f" ({partly_judged} with a sampled answer the judge gave no score for: see judged.jsonl's scores, and "
+            "judge again, or with another judge)"
+            if partly_judged
+            else ""
+        )
     )
     return len(rows)
 
