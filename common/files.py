@@ -198,6 +198,12 @@ def file_fingerprint(path: str | Path) -> str:
     return "sha256:" + h.hexdigest()
 
 
+def input_settings(queries, images_root) -> dict:
+    """What a resumable job over a queries file records of its input: the file's content (a file made again, by
+    another refiner or another draw, is another input) and the folder its images resolve against."""
+    return {"queries": file_fingerprint(queries), "images_root": str(Path(images_root).resolve())}
+
+
 def weights_fingerprint(folder: str | Path) -> str | None:
     """The identity of the weights in a model folder, cheap to take: each weights file's name, size and modification
     time, hashed (a re-export replaces the files; a copy that keeps the times keeps it). None without such files."""

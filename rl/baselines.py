@@ -31,14 +31,14 @@ from pathlib import Path
 from tqdm import tqdm
 
 from common.cli import parse, require_file
-from common.files import check_unique_ids, read_jsonl, weights_fingerprint
+from common.files import check_unique_ids, input_settings, read_jsonl, weights_fingerprint
 from common.job_parts import JobParts
 from common.placement import dist_timeout_field, job_device, process_state, resolve_device
 from common.prompts import json_objects, load_prompt, wording
 from retrieval.kb import check_images
 from rl.generate import vlm_generator
 from rl.model import vlm_image_or_reason
-from rl.refine import BACKENDS, IMAGE_ERROR, input_settings
+from rl.refine import BACKENDS, IMAGE_ERROR
 
 BASELINE_PROMPT = {
     "name": "query_baselines",

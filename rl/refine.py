@@ -26,7 +26,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from common.cli import parse, require_file
-from common.files import check_unique_ids, file_fingerprint, read_jsonl, weights_fingerprint
+from common.files import check_unique_ids, input_settings, read_jsonl, weights_fingerprint
 from common.job_parts import JobParts
 from common.placement import dist_timeout_field, process_state, resolve_device
 from retrieval.kb import check_images
@@ -157,12 +157,6 @@ class RefineArgs:
     backend: str = field(default="hf", metadata={"help": "hf | vllm"})
     sample: bool = field(default=False, metadata={"help": "sample with the run's sampling settings (default: greedy)"})
     dist_timeout_minutes: int = dist_timeout_field()
-
-
-def input_settings(queries, images_root) -> dict:
-    """What a resumable job over a queries file records of its input: the file's content (a file made again, by
-    another refiner say, is another input) and the folder its images resolve against."""
-    return {"queries": file_fingerprint(queries), "images_root": str(Path(images_root).resolve())}
 
 
 def refine_file(args: RefineArgs, log=print, refiner: Refiner | None = None, state=None) -> int:

@@ -46,6 +46,15 @@ def test_sample_judge_label_pipeline(questions, tiny_world, tmp_path):
     assert stage_sample(BuildDataArgs(stage="sample", **args), tmp_path / "d", generate=gen, **QUIET) == 0  # resumed
     with pytest.raises(ValueError, match=r"other settings \(samples: 4 then, 5 now\)"):  # R = 5 is not mixed in
         stage_sample(BuildDataArgs(stage="sample", **{**args, "samples": 5}), tmp_path / "d", generate=gen, **QUIET)
+    # another batch size draws other samples; a question file made again (a corrected gold, another draw) is another
+    # input: neither is mixed in (the new file's questions joined the old ones' samples)
+    with pytest.raises(ValueError, match=r"other settings \(batch_size: 1 then, 2 now\)"):
+        stage_sample(BuildDataArgs(stage="sample", **{**args, "batch_size": 2}), tmp_path / "d", generate=gen, **QUIET)
+    original = path.read_text()
+    path.write_text(original.replace(json.dumps(known["answers"][0]), json.dumps("corrected")))
+    with pytest.raises(ValueError, match=r"other settings \(queries: 'sha256:"):
+        stage_sample(BuildDataArgs(stage="sample", **args), tmp_path / "d", generate=gen, **QUIET)
+    path.write_text(original)
     samples = [json.loads(x) for x in open(tmp_path / "d" / "samples.jsonl")]
     assert [len(s["samples"]) for s in samples] == [4, 4]
 

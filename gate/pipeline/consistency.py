@@ -20,7 +20,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from common.files import read_jsonl
+from common.files import read_jsonl, weights_fingerprint
 from common.job_parts import JobParts
 from common.placement import job_device
 from gate.pipeline.context import answered_other_sections, hits_digest, section_text, vlm_answerer
@@ -95,9 +95,11 @@ def stage_consistency(args, out: Path, log=print, relevance=None, summarise=None
     parts.same_settings(
         {
             "srt_gate": args.srt_gate,
+            "srt_gate_weights": args.srt_gate and weights_fingerprint(args.srt_gate),
             "mct_gamma": args.mct_gamma,
             "correct_score": None if args.srt_gate else args.correct_score,
             "model": args.model,
+            "weights": args.model and weights_fingerprint(args.model),
             "summary_max_new_tokens": args.summary_max_new_tokens,
         }
     )

@@ -16,7 +16,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from common.cli import require_file
-from common.files import append_jsonl, completed_ids, read_jsonl
+from common.files import append_jsonl, completed_ids, input_settings, read_jsonl, weights_fingerprint
 from common.job_parts import JobParts
 from common.placement import job_device
 from gate.pipeline.judges import judge_from_args, judge_settings
@@ -52,11 +52,18 @@ def stage_retrieve(args, out: Path, log=print, index=None, refiner=None) -> int:
     manifest = require_index(args.index) if index is None else index.manifest
     if args.refiner and refiner is None and not (Path(args.refiner) / "config.json").exists():
         raise ValueError(f"--refiner: {args.refiner} has no config.json (an exported refiner folder)")
-    rows, _ = load_questions(args.queries, args.images_root)
+    rows, root = load_questions(args.queries, args.images_root)
     kb_path = require_file(args.kb or manifest.get("kb_path"), "kb")
     target = out / "retrieved.jsonl"
-    JobParts(target).same_settings(  # hits of another index, refiner, α or k are not mixed in
-        {"index": str(args.index), "refiner": args.refiner and str(args.refiner), "alpha": args.alpha, "k": args.k}
+    JobParts(target).same_settings(  # hits of another index, refiner (or its weights), α, k or input are not mixed in
+        {
+            "index": str(args.index),
+            "refiner": args.refiner and str(args.refiner),
+            "refiner_weights": args.refiner and weights_fingerprint(args.refiner),
+            "alpha": args.alpha,
+            "k": args.k,
+            **input_settings(args.queries, root),
+        }
     )
     done = completed_ids(target)
     todo = [r for r in rows if str(r["id"]) not in done]
@@ -139,9 +146,10 @@ def stage_context(args, out: Path, log=print, generate=None, state=None) -> int:
     judge = judge_from_args(args)
     rows = list(read_jsonl(source))
     parts = JobParts(out / "contexts.jsonl", state)
-    parts.same_settings(  # answers of another model or length, or scores of another judge, are not mixed in
+    parts.same_settings(  # answers of another model (or its weights) or length, or another judge's, are not mixed in
         {
             "model": args.model,
+            "weights": args.model and weights_fingerprint(args.model),
             "max_new_tokens": args.max_new_tokens,
             **judge_settings(args),
         }

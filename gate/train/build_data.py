@@ -34,7 +34,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from common.cli import check_choices, parse
-from common.files import read_jsonl
+from common.files import input_settings, read_jsonl, weights_fingerprint
 from common.job_parts import JobParts
 from common.placement import dist_timeout_field, job_device, process_state
 from gate.pipeline.consistency import stage_consistency
@@ -182,17 +182,20 @@ class BuildDataArgs:
 def stage_sample(args: BuildDataArgs, out: Path, log=print, generate=None, state=None) -> int:
     import torch
 
-    rows, _ = load_questions(args.queries, args.images_root)
+    rows, root = load_questions(args.queries, args.images_root)
     if not args.model and generate is None:
         raise ValueError("--model is required for the sample stage")
     parts = JobParts(out / "samples.jsonl", state)
-    parts.same_settings(  # samples of another model, R, temperature, length or seed are not mixed in
-        {
+    parts.same_settings(  # samples of another model or its weights, R, temperature, length, seed or input are not
+        {  # mixed in; the batch size too: each batch's samples are drawn together
             "model": args.model,
+            "weights": args.model and weights_fingerprint(args.model),
             "samples": args.samples,
             "temperature": args.temperature,
             "max_new_tokens": args.max_new_tokens,
             "seed": args.seed,
+            "batch_size": args.batch_size,
+            **input_settings(args.queries, root),
         }
     )
     batches = parts.start(rows, args.batch_size)
