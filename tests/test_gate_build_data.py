@@ -59,7 +59,8 @@ def test_sample_judge_label_pipeline(questions, tiny_world, tmp_path):
     assert [len(s["samples"]) for s in samples] == [4, 4]
 
     assert build(BuildDataArgs(stage="judge", out=str(tmp_path / "d"), judge="exact"), **QUIET) == 2
-    with pytest.raises(ValueError, match=r"other settings \(judge: 'exact' then, 'token' now\)"):
+    another_judge = r"other settings \(exact_rule: 2 then, None now; judge: 'exact' then, 'token' now\)"
+    with pytest.raises(ValueError, match=another_judge):
         build(BuildDataArgs(stage="judge", out=str(tmp_path / "d"), judge="token"), **QUIET)
     judged = {r["id"]: r["scores"] for r in map(json.loads, open(tmp_path / "d" / "judged.jsonl"))}
     assert judged[known["id"]] == [5.0] * 4 and judged[unknown["id"]] == [1.0] * 4
@@ -368,7 +369,7 @@ def test_questions_without_gold_answers_are_not_judged(questions, tiny_world, tm
     asked = []
 
     class Judge:
-        def score(self, question, answer, golds, answer_eval=None):
+        def score(self, question, answer, golds, answer_eval=None, question_type=None):
             asked.append(question)
             return 1.0
 
@@ -400,7 +401,7 @@ def test_a_failed_judgement_and_answers_sampled_since_are_judged_again(tmp_path,
     class Judge:
         failures = 0
 
-        def score(self, question, answer, golds, answer_eval=None):
+        def score(self, question, answer, golds, answer_eval=None, question_type=None):
             if down["on"] and question == "Which bird?":
                 return None  # its requests failed after their retries
             return 5.0 if answer in golds else 1.0
@@ -550,7 +551,7 @@ def test_context_answers_are_made_again_for_failed_judgements_and_sections_retri
     down, asked = {"on": True}, []
 
     class Judge:
-        def score(self, question, answer, golds, answer_eval=None):
+        def score(self, question, answer, golds, answer_eval=None, question_type=None):
             return None if down["on"] else 5.0
 
     monkeypatch.setattr("gate.pipeline.context.judge_from_args", lambda a: Judge())

@@ -206,3 +206,24 @@ def test_a_reply_trickled_past_the_timeout_is_given_up(tmp_path):
         chat(url, "m", [{"role": "user", "content": "q"}], timeout=1.0)
     listener.close()
     assert len(sent) < len(body)  # given up before the server finished its reply
+
+
+@pytest.mark.parametrize(
+    "answer,golds,question_type,answer_eval,score",
+    [
+        # E-VQA's own exact step, as its official scorer's first: multi-answer by overlap, number words as digits
+        ("Ottawa and Toronto", ["Ottawa && Toronto"], "multi_answer", None, 5.0),
+        ("Toronto, Ottawa", ["Ottawa && Toronto"], "multi_answer", None, 5.0),
+        ("Ottawa", ["Ottawa && Toronto && Calgary"], "multi_answer", None, 1.0),  # 1 of 3: below one half
+        ("three", ["3"], "templated", None, 5.0),
+        ("The Rhine.", ["rhine", "Rhein"], "automatic", None, 5.0),
+        ("Danube", ["Rhine"], "templated", None, 1.0),
+        # InfoSeek (answer_eval) and untyped records keep InfoSeek's rule
+        ("three", ["3"], None, None, 1.0),
+        ("1990", [], "Numerical", [{"range": [1989, 1991]}], 5.0),
+    ],
+)
+def test_the_exact_judge_scores_evqa_by_evqas_exact_rule(answer, golds, question_type, answer_eval, score):
+    """E-VQA's gate data was judged by InfoSeek's rule: answers its official scorer accepts ("three" for 3, both parts
+    of a multi-answer in another order) were wrong, and the labels leaned to "search"."""
+    assert make_judge("exact").score("Q?", answer, golds, answer_eval, question_type) == score

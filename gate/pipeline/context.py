@@ -179,7 +179,10 @@ def stage_context(args, out: Path, log=print, generate=None, state=None) -> int:
         for r in batch:
             answers = [t.strip() for t in texts[i : i + len(r["hits"])]]
             i += len(r["hits"])
-            scores = [judge.score(r["question"], a, r.get("answers") or [], r.get("answer_eval")) for a in answers]
+            scores = [
+                judge.score(r["question"], a, r.get("answers") or [], r.get("answer_eval"), r.get("question_type"))
+                for a in answers
+            ]
             records.append(
                 {"id": r["id"], "doc_answers": answers, "doc_scores": scores, "hits_digest": hits_digest(r["hits"])}
             )

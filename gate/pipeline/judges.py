@@ -1,9 +1,10 @@
 """Judges that score a sampled answer against the gold answers on the paper's 1–5 scale (5 = correct).
 
-Factories keyed by plain strings: ``exact`` (InfoSeek normalisation and numeric ranges: 5 or 1), ``token`` (token
-recall r of the gold answer in the prediction: 1 + 4r), ``llm`` (an OpenAI-compatible chat endpoint, a 1–5
-correctness prompt in the style of LlamaIndex's CorrectnessEvaluator; the API key is read from an environment
-variable and never logged; an unparseable reply is retried, then recorded as a failure — ``None`` — never a score).
+Factories keyed by plain strings: ``exact`` (5 or 1: E-VQA questions by E-VQA's exact step, others by InfoSeek's
+normalisation and numeric ranges), ``token`` (token recall r of the gold answer in the prediction: 1 + 4r), ``llm``
+(an OpenAI-compatible chat endpoint, a 1–5 correctness prompt in the style of LlamaIndex's CorrectnessEvaluator; the
+API key is read from an environment variable and never logged; an unparseable reply is retried, then recorded as a
+failure — ``None`` — never a score).
 ``judge_all`` judges each distinct (question, answer as written) once, through a cache.
 """
 
@@ -13,6 +14,7 @@ import re
 
 from common.llm import ask_with_retries, chat, chat_url
 from gate.pipeline.metrics import token_accuracy
+from gate.pipeline.metrics_evqa import EVQA_QUESTION_TYPES, evqa_exact_match
 from gate.pipeline.metrics_infoseek import infoseek_match
 
 CORRECTNESS_SYSTEM = (
@@ -60,16 +62,21 @@ def parse_score(reply: str) -> float | None:
 
 
 class ExactJudge:
+    """5 or 1: an E-VQA question (its question type, no ``answer_eval``) by E-VQA's own exact step (number words as
+    digits, a multi-answer by its parts' overlap), else InfoSeek's normalisation and numeric ranges."""
+
     name = "exact"
 
-    def score(self, question: str, answer: str, golds, answer_eval=None) -> float:
+    def score(self, question: str, answer: str, golds, answer_eval=None, question_type=None) -> float:
+        if answer_eval is None and question_type in EVQA_QUESTION_TYPES:
+            return 5.0 if evqa_exact_match(answer, golds, question_type) else 1.0
         return 5.0 if infoseek_match(answer, answer_eval if answer_eval is not None else golds) else 1.0
 
 
 class TokenJudge:
     name = "token"
 
-    def score(self, question: str, answer: str, golds, answer_eval=None) -> float:
+    def score(self, question: str, answer: str, golds, answer_eval=None, question_type=None) -> float:
         return 1.0 + 4.0 * token_accuracy(answer, golds)
 
 
@@ -104,7 +111,7 @@ class LLMJudge:
         ]
         return chat(self.url, self.model, messages, self.api_key_env, self.timeout)
 
-    def score(self, question: str, answer: str, golds, answer_eval=None) -> float | None:
+    def score(self, question: str, answer: str, golds, answer_eval=None, question_type=None) -> float | None:
         value, reason = ask_with_retries(
             lambda: self._ask(question, answer, golds), parse_score, self.retries, self.backoff, "unparseable reply"
         )
@@ -130,8 +137,13 @@ def judge_from_args(args):
 
 
 def judge_settings(args) -> dict:
-    """The judge a stage's resume must match (``judge_from_args``'s choice; the URL may change, the model not)."""
-    return {"judge": args.judge, "judge_model": args.judge_model if args.judge == "llm" else None}
+    """The judge a stage's resume must match (``judge_from_args``'s choice; the URL may change, the model not). The
+    exact judge's version: since 2, E-VQA questions by E-VQA's exact step (scores of version 1 are not mixed in)."""
+    return {
+        "judge": args.judge,
+        "judge_model": args.judge_model if args.judge == "llm" else None,
+        **({"exact_rule": 2} if args.judge == "exact" else {}),
+    }
 
 
 def judge_all(records: list[dict], judge, cache: dict | None = None) -> list[list[float | None]]:
@@ -150,7 +162,9 @@ def judge_all(records: list[dict], judge, cache: dict | None = None) -> list[lis
             key = (str(rec["id"]), " ".join(str(sample).split()))
             score = cache.get(key)
             if score is None:  # a failure (None) is not cached: the next sample with this answer asks again
-                score = judge.score(rec["question"], sample, rec.get("answers") or [], rec.get("answer_eval"))
+                score = judge.score(
+                    rec["question"], sample, rec.get("answers") or [], rec.get("answer_eval"), rec.get("question_type")
+                )
                 if score is not None:
                     cache[key] = score
             scores.append(score)

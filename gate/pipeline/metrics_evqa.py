@@ -98,6 +98,16 @@ def _evqa_exact(prediction: str, reference: str, question_type: str) -> bool:
     return len(ref & cand) / len(ref | cand) >= 0.5
 
 
+def evqa_exact_match(prediction: str, references, question_type: str) -> bool:
+    """E-VQA's exact step alone (the official scorer's first; BEM decides what it leaves): ``prediction`` matches one
+    of ``references`` (the ``|`` alternatives) by ``singleanswer_exact_match`` / ``multianswer_exact_match``. A
+    reference that normalises to nothing matches nothing."""
+    if not isinstance(prediction, str):
+        return False
+    parts = (lambda r: r.split("&&")) if question_type == "multi_answer" else (lambda r: [r])
+    return any(_evqa_exact(prediction, r, question_type) for r in references if _evqa_parts(parts(str(r))))
+
+
 def _evqa_references(answer, question_type: str, qid) -> list[str]:
     """The ``|`` alternatives of a CSV answer, each refused (as the official code refuses it) when empty or when it
     normalises to empty (for ``multi_answer``: when every ``&&`` part does)."""
