@@ -33,3 +33,16 @@ def test_inspector_label_by_evidence_section(top_section, text_ok, expected):
     label = inspector_label(URL, URL, "Europe", text_ok, top_section=top_section, gold_section=3)
     assert label["pass"] == expected
     assert ("answer" in label) == (expected == "false") and label.get("answer", "Europe") == "Europe"
+
+
+@pytest.mark.parametrize(
+    "gold,written", [("Ottawa && Toronto", "Ottawa, Toronto"), ("Rhine", "Rhine"), ("a &&  b && ", "a, b")]
+)
+def test_the_inspectors_fail_answer_is_a_multi_answer_as_evqas_scorer_reads_one(gold, written):
+    """The literal "Ottawa && Toronto" became the pipeline's answer on a FAIL, which E-VQA's scorer does not accept."""
+    from gate.pipeline.metrics_evqa import evqa_exact_match
+    from gate.train.labelling import answer_as_written
+
+    assert answer_as_written(gold) == written
+    if "&&" in gold and gold.strip(" &"):
+        assert evqa_exact_match(written, [gold], "multi_answer")

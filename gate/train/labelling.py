@@ -48,6 +48,12 @@ def _scores(rec: dict) -> list[float]:
     return [] if any(s is None for s in scores) else list(scores)
 
 
+def answer_as_written(gold: str) -> str:
+    """A gold answer as the Inspector writes it for a FAIL: E-VQA's multi-answer "A && B" as "A, B" (its answer becomes
+    the pipeline's, and E-VQA's scorer splits an answer at commas and "and", not at "&&")."""
+    return ", ".join(p.strip() for p in gold.split("&&") if p.strip()) if "&&" in gold else gold
+
+
 def unjudged(rec: dict) -> bool:
     """Whether some of a question's sampled answers have no judgement."""
     return any(s is None for s in rec.get("scores", []))
@@ -120,7 +126,7 @@ def label_records(variant: str, rec: dict, args, contexts: dict | None = None) -
         label = inspector_label(
             hits[0]["entity_id"],
             gold,
-            str((rec.get("answers") or [""])[0]),
+            answer_as_written(str((rec.get("answers") or [""])[0])),
             text_ok,
             top_section=hits[0].get("section"),
             gold_section=rec.get("evidence_section_id"),
