@@ -315,6 +315,19 @@ def test_a_folder_refuses_a_queries_file_or_weights_made_again_at_the_same_paths
         run(make_args(gate="never", generator=str(generator)), **QUIET)
 
 
+def test_a_folder_refuses_an_index_built_again_at_the_same_path(make_args, tiny_index_dir, tmp_path):
+    """An index folder holds no weights file: rebuilt at the same path, it resumed and mixed its hits with the old."""
+    import shutil
+
+    index = tmp_path / "index"  # a copy: the shared index stays as it is
+    shutil.copytree(tiny_index_dir, index)
+    run(make_args(gate="always", index=str(index), limit=2), **QUIET)
+    manifest = json.loads((index / "manifest.json").read_text())
+    (index / "manifest.json").write_text(json.dumps({**manifest, "built_again": True}))
+    with pytest.raises(ValueError, match=r"other settings \(index_files\)"):
+        run(make_args(gate="always", index=str(index), limit=2), **QUIET)
+
+
 def test_the_e_vqa_metric_asks_bem_once_per_batch_about_undecided_answers(make_args, queries, tiny_bem, monkeypatch):
     """metric: evqa — exact match decides first; BEM (loaded once; a tiny BERT whose verdict the test sets) judges
     the rest, in one call per batch for both paths; the report adds single-hop / two-hop / overall accuracy."""

@@ -197,6 +197,11 @@ def test_infoseek_official_figures_count_every_question():
     assert "unseen entity (0 questions)" in format_table(one_split)
     assert "A split with no question scores 0" in format_table(one_split)
     assert summarize([rec(True, True, False)])["infoseek"] is None  # not InfoSeek questions: no such figures
+    # one question converted without its type: the official scorer cannot score it, and every figure went, unsaid
+    untyped = [*recs[:4], {**recs[4], "question_type": None}]
+    m = summarize(untyped)
+    assert m["infoseek"] is None and m["infoseek_untyped"] == ["q4"]
+    assert "InfoSeek's official scores are left out: 1 question(s) have no InfoSeek question type" in format_table(m)
 
 
 def test_a_run_without_baselines_keeps_the_benchmarks_own_figures():

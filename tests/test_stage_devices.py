@@ -117,3 +117,53 @@ def test_every_pipeline_stage_loads_on_the_device_and_dtype_asked(
     lines = []
     metrics = run(args, stages=stages, log=lines.append)
     assert metrics["n"] == 2 and any(x.startswith("placement: gate: cpu bfloat16") for x in lines)
+    assert metrics["placement"] == stages.placement  # in metrics.json: runs on other devices can be told apart
+
+
+@pytest.mark.parametrize(
+    "gpus,stage_gpus,device,rank,visible,expected",
+    [
+        (1, None, "cpu", 0, 0, dict.fromkeys(("gate", "inspector", "bem"), "cpu")),  # one device a process: as before
+        (1, None, "cuda:3", 3, 8, dict.fromkeys(("gate", "inspector", "bem"), "cuda:3")),
+        (2, "inspector:1,generator:1", "cuda:0", 0, 8, {"gate": "cuda:0", "inspector": "cuda:1", "bem": "cuda:0"}),
+        (
+            2,
+            "inspector:1,generator:1",
+            "cuda:3",
+            3,
+            8,
+            {"gate": "cuda:6", "inspector": "cuda:7", "generator": "cuda:7"},
+        ),
+        (4, "gate:0,answerer:1,inspector:2,generator:3", "cuda:1", 1, 8, {"answerer": "cuda:5", "bem": "cuda:4"}),
+    ],
+)
+def test_each_stage_goes_to_its_gpu_of_the_process(gpus, stage_gpus, device, rank, visible, expected):
+    """The paper's pipeline on one 80 GB GPU a process (~107 GB of bf16 weights: docs/scaling.md) cannot load: with
+    gpus_per_process k, process r spreads its stages over GPUs r·k … r·k + k − 1 as stage_gpus says."""
+    from types import SimpleNamespace
+
+    from gate.pipeline.stages import PLACED_STAGES, stage_devices
+
+    on = stage_devices(SimpleNamespace(gpus_per_process=gpus, stage_gpus=stage_gpus), device, rank, visible)
+    assert set(on) == set(PLACED_STAGES) and {s: on[s] for s in expected} == expected
+
+
+@pytest.mark.parametrize(
+    "gpus,stage_gpus,device,rank,visible,match",
+    [
+        (2, None, "cpu", 0, 0, r"spread the stages over GPUs; this process runs on cpu"),
+        (1, "gate:1", "cuda:0", 0, 8, r"gate on GPU 1 of the process's 1 \(--gpus_per_process\)"),
+        (2, "gates:1", "cuda:0", 0, 8, r"unknown stage 'gates' \(stages: gate, answerer"),
+        (2, "gate=1", "cuda:0", 0, 8, r"unknown stage 'gate=1'"),
+        (2, "gate:x", "cuda:0", 0, 8, r"'gate:x' is not stage:GPU"),
+        (0, None, "cuda:0", 0, 8, r"--gpus_per_process must be a positive integer, got 0"),
+        (4, None, "cuda:2", 2, 8, r"process 2 takes GPUs 8–11 \(--gpus_per_process 4\), but 8 are visible: launch 2"),
+    ],
+)
+def test_a_placement_the_processes_cannot_take_is_named(gpus, stage_gpus, device, rank, visible, match):
+    from types import SimpleNamespace
+
+    from gate.pipeline.stages import stage_devices
+
+    with pytest.raises(ValueError, match=match):
+        stage_devices(SimpleNamespace(gpus_per_process=gpus, stage_gpus=stage_gpus), device, rank, visible)

@@ -14,7 +14,7 @@ from common.job_parts import JobParts
 from common.placement import dist_timeout_field
 from gate.pipeline.consistency import STRATEGIES
 from gate.pipeline.metrics import METRICS
-from gate.pipeline.stages import generator_prompt
+from gate.pipeline.stages import generator_prompt, parse_stage_gpus
 from retrieval.index import require_index
 
 
@@ -121,6 +121,20 @@ class PipelineArgs:
         default="auto",
         metadata={"help": "weights of every stage's model: auto (bf16 on a GPU, fp32 on the CPU), bf16, fp16, fp32"},
     )
+    gpus_per_process: int = field(
+        default=1,
+        metadata={
+            "help": "GPUs each process spreads its stages over: process r takes cuda:r×k … r×k+k−1 (launch "
+            "GPUs ÷ k processes); the paper's stages do not fit one 80 GB GPU"
+        },
+    )
+    stage_gpus: str = field(
+        default=None,
+        metadata={
+            "help": "stage:GPU offset within the process's GPUs, comma-separated (stages: gate, answerer, refiner, "
+            "index, reranker, consistency, inspector, generator, bem; unnamed: 0), e.g. gate:0,inspector:1"
+        },
+    )
     baselines: bool = field(default=True, metadata={"help": "run both paths for every question (baselines)"})
     limit: int = field(default=None, metadata={"help": "only the first N questions"})
     dist_timeout_minutes: int = dist_timeout_field()
@@ -138,6 +152,7 @@ def validate(args: PipelineArgs) -> None:
         if not 0.0 <= getattr(args, name) <= 1.0:
             raise ValueError(f"--{name} must lie in [0, 1], got {getattr(args, name)}")
     generator_prompt(args.generator_prompt)  # a name, or a prompt file that exists and holds its placeholders
+    parse_stage_gpus(args.stage_gpus, args.gpus_per_process)
     needs_rag = args.gate != "never" or args.baselines
     needs_alone = args.gate != "always" or args.baselines
     if needs_alone and not args.answerer:
@@ -169,7 +184,16 @@ def _looks_local(value: str) -> bool:
     return value.startswith((".", "/", "~")) or Path(value).exists() or value.count("/") != 1
 
 
-RESUME_FREE = ("out", "batch_size", "limit", "generator_retries", "generator_backoff", "dist_timeout_minutes")
+RESUME_FREE = (  # how the run goes, not what it answers: a resume may change them
+    "out",
+    "batch_size",
+    "limit",
+    "generator_retries",
+    "generator_backoff",
+    "dist_timeout_minutes",
+    "gpus_per_process",
+    "stage_gpus",
+)
 
 
 def check_same_config(out: Path, args: PipelineArgs) -> None:
@@ -178,8 +202,19 @@ def check_same_config(out: Path, args: PipelineArgs) -> None:
     the weights in every model folder named (a gate, refiner or generator exported again into the same folder)."""
     current = {k: v for k, v in asdict(args).items() if k not in RESUME_FREE}
     current["queries_content"] = file_fingerprint(args.queries)
-    folders = {k: v for k, v in sorted(current.items()) if isinstance(v, str) and Path(v).is_dir()}
+    named = {
+        k: v.split(":", 1)[1] if k.endswith("reranker") and isinstance(v, str) and ":" in v else v
+        for k, v in current.items()
+    }
+    folders = {k: v for k, v in sorted(named.items()) if isinstance(v, str) and Path(v).is_dir()}  # gate:DIR too
     current["weights"] = {k: f for k, v in folders.items() if (f := weights_fingerprint(v))}
+    if args.index and Path(args.index).is_dir():  # an index built again at the same path: its manifest and vectors
+        files = [Path(args.index) / n for n in ("manifest.json", "index.faiss") if (Path(args.index) / n).is_file()]
+        current["index_files"] = {
+            f.name: file_fingerprint(f) if f.suffix == ".json" else f.stat().st_size for f in files
+        }
+    if args.generator_prompt and Path(args.generator_prompt).is_file():  # a prompt file edited at the same path
+        current["generator_prompt_content"] = file_fingerprint(args.generator_prompt)
     path = out / "pipeline_config.json"
     if path.is_file():
         before = json.loads(path.read_text())

@@ -103,6 +103,14 @@ def infoseek_figures(records: list[dict], correct, answered) -> dict | None:
     return out
 
 
+def infoseek_untyped(records: list[dict]) -> list[str]:
+    """The ids of InfoSeek questions (some record has an InfoSeek type) without a type or split: the official scorer
+    cannot score them (its ``qid2qtype[qid]``), so ``infoseek_figures`` leaves out every official figure."""
+    if not any(is_infoseek_type(r.get("question_type")) for r in records):
+        return []
+    return [str(r.get("id")) for r in records if not (is_infoseek_type(r.get("question_type")) and r.get("split"))]
+
+
 def hop_accuracy(records: list[dict], correct: np.ndarray) -> dict[str, float] | None:
     """E-VQA's report: single-hop (every question type but 2_hop), two-hop and overall accuracy; None without types."""
     if not any(r.get("question_type") in EVQA_QUESTION_TYPES for r in records):
@@ -185,6 +193,7 @@ def summarize(records: list[dict], threshold_name: str = "threshold") -> dict:
         "accuracy_by_split": split_accuracy(done, correct),
         "accuracy_by_hops": hop_accuracy(done, correct),
         "infoseek": infoseek_figures(done, correct, chosen_answered(done, retrieve)),
+        "infoseek_untyped": infoseek_untyped(done),
         "section_right": float(np.mean(section_right)) if section_right else None,
         "inspector_confusion": inspector_confusion(done),
         "without_inspector": without_inspector(done, retrieve),
@@ -268,6 +277,14 @@ def format_table(metrics: dict, system: str = "gated pipeline") -> str:
             if b.get("infoseek"):
                 s = b["infoseek"]
                 lines.append(f"| {name} | {s['unseen_question']:.2f} | {s['unseen_entity']:.2f} | {s['final']:.2f} |")
+    untyped = metrics.get("infoseek_untyped")
+    if untyped:
+        lines += [
+            "",
+            f"InfoSeek's official scores are left out: {len(untyped)} question(s) have no InfoSeek question type or "
+            f"split (first: {', '.join(untyped[:3])}), which its scorer cannot score: convert the questions with "
+            "--qtype (retrieval.upstream.convert)",
+        ]
     if info and 0 in info.get("n", {}).values():
         lines += [
             "",

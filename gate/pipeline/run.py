@@ -37,6 +37,7 @@ from gate.pipeline.end_to_end import (
     format_table,
     hop_accuracy,
     infoseek_figures,
+    infoseek_untyped,
     is_gold_section,
     split_accuracy,
     stage_latency,
@@ -262,6 +263,8 @@ def run(args: PipelineArgs, log=print, stages: Stages | None = None, state=None)
     if batches:
         stages = stages or Stages(args, job_device(args.device, state))  # every model loads (or fails) first
         log("placement: " + "; ".join(f"{k}: {v}" for k, v in stages.placement.items()))
+        if parts.rank == 0:  # where the stages of the latest run that answered ran: metrics.json reports it
+            write_json_atomic(out / PLACEMENT_FILE, stages.placement)
         names = stage_names(stages.consistency is not None)
         bars = {s: tqdm(total=parts.mine, desc=f"{s:>12}", position=i, unit="q") for i, s in enumerate(names)}
         for batch in batches:
@@ -289,6 +292,9 @@ def run(args: PipelineArgs, log=print, stages: Stages | None = None, state=None)
     return report(records, out, args, log)
 
 
+PLACEMENT_FILE = "placement.json"  # each stage's device and dtype, as the latest run that answered placed them
+
+
 def report(records: list[dict], out: Path, args: PipelineArgs, log=print) -> dict:
     complete = [r for r in records if "skipped" not in r]
     both = bool(complete) and all(r["alone"] is not None and r["rag"] is not None for r in complete)
@@ -297,6 +303,8 @@ def report(records: list[dict], out: Path, args: PipelineArgs, log=print) -> dic
     if both and gate_scores:
         grid = np.linspace(1, 5, 21) if max(gate_scores) > 1 else np.linspace(0, 1, 21)
         metrics["threshold_curve"] = threshold_curve(records, grid)
+    if (out / PLACEMENT_FILE).is_file():
+        metrics["placement"] = json.loads((out / PLACEMENT_FILE).read_text())
     write_json_atomic(out / "metrics.json", metrics)
     system = f"pipeline (gate: {gate_name(args.gate)})"
     table = format_table(metrics, system) if "accuracy" in metrics else "no answered questions"
@@ -341,6 +349,7 @@ def _summarize_chosen(records: list[dict]) -> dict:
         "accuracy_by_split": split_accuracy(done, correct),
         "accuracy_by_hops": hop_accuracy(done, correct),
         "infoseek": infoseek_figures(done, correct, [r.get("answer") is not None for r in done]),
+        "infoseek_untyped": infoseek_untyped(done),
         "retrieval_ratio": float(np.mean([r["gate"]["retrieve"] for r in done])),
         "baselines": {},
         "latency_s": stage_latency(done),

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from common.llm import endpoint_generator, text_generator
-from common.placement import resolve_device, resolve_dtype
+from common.placement import local_rank, resolve_device, resolve_dtype
 from common.prompts import load_prompt
 from gate.pipeline.bem import BEMScorer
 from gate.pipeline.consistency import ConsistencyChecker
@@ -238,29 +238,81 @@ class Judge:
             )
 
 
+# the stages `stage_gpus` places, and the order placement names them in
+PLACED_STAGES = ("gate", "answerer", "refiner", "index", "reranker", "consistency", "inspector", "generator", "bem")
+
+
+def parse_stage_gpus(text: str | None, gpus_per_process: int) -> dict[str, int]:
+    """``"gate:0,inspector:1"`` → {stage: GPU offset within a process's ``gpus_per_process`` GPUs}; a ValueError
+    names an unknown stage, a malformed part or an offset the process does not have."""
+    if not isinstance(gpus_per_process, int) or gpus_per_process < 1:
+        raise ValueError(f"--gpus_per_process must be a positive integer, got {gpus_per_process!r}")
+    out = {}
+    for part in str(text or "").split(","):
+        if not part.strip():
+            continue
+        name, _, offset = (x.strip() for x in part.partition(":"))
+        if name not in PLACED_STAGES:
+            raise ValueError(f"--stage_gpus: unknown stage {name!r} (stages: {', '.join(PLACED_STAGES)})")
+        if not offset.isdigit():
+            raise ValueError(f"--stage_gpus: {part.strip()!r} is not stage:GPU (a GPU offset such as gate:0)")
+        if int(offset) >= gpus_per_process:
+            raise ValueError(
+                f"--stage_gpus: {name} on GPU {offset} of the process's {gpus_per_process} (--gpus_per_process): "
+                f"offsets run from 0 to {gpus_per_process - 1}"
+            )
+        out[name] = int(offset)
+    return out
+
+
+def stage_devices(args, device: str, rank: int, visible_gpus: int) -> dict[str, str]:
+    """Each stage's device. One GPU a process (the default): every stage on ``device``. With ``gpus_per_process`` k,
+    process ``rank`` (its local rank) holds GPUs rank·k … rank·k + k − 1 and each stage goes to the one
+    ``stage_gpus`` names (the first when unnamed): the paper's stages do not fit one 80 GB GPU (docs/scaling.md)."""
+    k, offsets = args.gpus_per_process, parse_stage_gpus(args.stage_gpus, args.gpus_per_process)
+    if k == 1 and not offsets:
+        return dict.fromkeys(PLACED_STAGES, device)
+    if not device.startswith("cuda"):
+        raise ValueError(
+            f"--gpus_per_process {k} / --stage_gpus {args.stage_gpus!r} spread the stages over GPUs; this process "
+            f"runs on {device}"
+        )
+    if (rank + 1) * k > visible_gpus:
+        raise ValueError(
+            f"process {rank} takes GPUs {rank * k}–{rank * k + k - 1} (--gpus_per_process {k}), but {visible_gpus} "
+            f"are visible: launch {visible_gpus // k or 1} process(es) per node"
+        )
+    return {s: f"cuda:{rank * k + offsets.get(s, 0)}" for s in PLACED_STAGES}
+
+
 class Stages:
-    """Every stage the configuration names, loaded before the first question on this process's device and dtype;
-    ``placement`` says where each runs (printed, and in metrics.json)."""
+    """Every stage the configuration names, loaded before the first question on this process's device and dtype (or
+    spread over its GPUs: ``stage_devices``); ``placement`` says where each runs (printed, and in metrics.json)."""
 
     def __init__(self, args, device: str | None = None):
+        import torch
+
         self.args = args
         device, dtype = device or resolve_device(args.device), args.dtype
         self.device, self.dtype = device, dtype
+        on = stage_devices(args, device, local_rank(), torch.cuda.device_count())
         load = _load
         self.gate = (
-            load("gate", BoundaryGate, args.gate, args.gate_threshold, device, dtype)
+            load("gate", BoundaryGate, args.gate, args.gate_threshold, on["gate"], dtype)
             if args.gate not in ("always", "never")
             else None
         )
         self.answer = (
-            load("answerer", Answerer, args.answerer, args.max_new_tokens, device, dtype) if args.answerer else None
+            load("answerer", Answerer, args.answerer, args.max_new_tokens, on["answerer"], dtype)
+            if args.answerer
+            else None
         )
         self.refiner = self.retrieve = self.rerank = None
         if args.index:
             if args.refiner != "none":
-                self.refiner = load("refiner", lambda: Refiner.load(args.refiner, device=device, dtype=dtype))
-            self.retrieve = load("index", Retriever, args, self.refiner, device)
-            self.rerank = load("reranker", SectionRanker, args, self.retrieve.index, device, dtype)
+                self.refiner = load("refiner", lambda: Refiner.load(args.refiner, device=on["refiner"], dtype=dtype))
+            self.retrieve = load("index", Retriever, args, self.refiner, on["index"])
+            self.rerank = load("reranker", SectionRanker, args, self.retrieve.index, on["reranker"], dtype)
         self.consistency = None
         if args.index and args.consistency != "none":
             self.consistency = load(
@@ -269,29 +321,31 @@ class Stages:
                 args.consistency,
                 args.consistency_strategy,
                 args.consistency_max_new_tokens,
-                device,
+                on["consistency"],
                 dtype,
             )
         self.inspect = (
-            load("inspector", Inspector, args.inspector, args.inspector_threshold, device, dtype)
+            load("inspector", Inspector, args.inspector, args.inspector_threshold, on["inspector"], dtype)
             if args.inspector != "none"
             else None
         )
-        self.generate = load("generator", load_generator, args, device, dtype) if args.generator else None
-        self.judge = load("BEM", Judge, args, device)
+        self.generate = load("generator", load_generator, args, on["generator"], dtype) if args.generator else None
+        self.judge = load("BEM", Judge, args, on["bem"])
 
-        where = f"{device} {str(resolve_dtype(dtype, device)).replace('torch.', '')}"
+        def where(stage: str) -> str:
+            return f"{on[stage]} {str(resolve_dtype(dtype, on[stage])).replace('torch.', '')}"
+
         self.placement = {
-            name: where
-            for name, present in (
-                ("gate", self.gate),
-                ("answerer", self.answer),
-                ("refiner", self.refiner),
-                ("reranker", self.rerank and self.rerank.reranker),
-                ("text reranker", self.rerank and self.rerank.text_reranker),
-                ("consistency", self.consistency),
-                ("inspector", self.inspect),
-                ("generator", self.generate),
+            name: where(stage)
+            for name, stage, present in (
+                ("gate", "gate", self.gate),
+                ("answerer", "answerer", self.answer),
+                ("refiner", "refiner", self.refiner),
+                ("reranker", "reranker", self.rerank and self.rerank.reranker),
+                ("text reranker", "reranker", self.rerank and self.rerank.text_reranker),
+                ("consistency", "consistency", self.consistency),
+                ("inspector", "inspector", self.inspect),
+                ("generator", "generator", self.generate),
             )
             if present is not None
         }
