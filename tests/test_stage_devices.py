@@ -138,8 +138,9 @@ def test_every_pipeline_stage_loads_on_the_device_and_dtype_asked(
     ],
 )
 def test_each_stage_goes_to_its_gpu_of_the_process(gpus, stage_gpus, device, rank, visible, expected):
-    """The paper's pipeline on one 80 GB GPU a process (~107 GB of bf16 weights: docs/scaling.md) cannot load: with
-    gpus_per_process k, process r spreads its stages over GPUs r·k … r·k + k − 1 as stage_gpus says."""
+    """The paper's pipeline on one 80 GB GPU a process (~117 GB of bf16 weights and FAISS replica: docs/scaling.md)
+    cannot load: with gpus_per_process k, process r spreads its stages over GPUs r·k … r·k + k − 1 as stage_gpus
+    says."""
     from types import SimpleNamespace
 
     from gate.pipeline.stages import PLACED_STAGES, stage_devices
