@@ -37,7 +37,7 @@ from common.placement import dist_timeout_field, job_device, process_state, reso
 from common.prompts import json_objects, load_prompt, wording
 from retrieval.kb import check_images
 from rl.generate import vlm_generator
-from rl.model import vlm_image_or_reason
+from rl.model import usable_batch
 from rl.refine import BACKENDS, IMAGE_ERROR
 
 BASELINE_PROMPT = {
@@ -122,12 +122,12 @@ def run_baselines(args: BaselineArgs, log=print, state=None, generate=None) -> i
         generate = generate or generator(args, prompt, job_device(args.device, state))
         with tqdm(total=parts.mine, desc="query baselines", unit="q") as bar:
             for batch in batches:
-                opened = [vlm_image_or_reason(root / r["image"]) for r in batch]
-                good = [(r, image) for r, (image, _) in zip(batch, opened) if image is not None]
-                raw = generate([image for _, image in good], [r["question"] for r, _ in good]) if good else []
-                texts = dict(zip((r["id"] for r, _ in good), raw))
+                good, images, problems = usable_batch(batch, root)
+                raw = generate(images, [r["question"] for r in good]) if good else []
+                texts = dict(zip((r["id"] for r in good), raw))
                 done = []
-                for rec, (_, why) in zip(batch, opened):
+                for rec in batch:
+                    why = problems.get(rec["id"])
                     text = texts.get(rec["id"])  # None: the image could not be used, every baseline falls back
                     parsed = parse_baseline(text) if why is None else {}
                     queries, fallback = baseline_queries(parsed, rec["question"])

@@ -238,6 +238,20 @@ def vlm_image_or_reason(path) -> tuple[Image.Image | None, str | None]:
     return (None, why) if why else (image, None)
 
 
+def usable_batch(rows: list[dict], root: Path) -> tuple[list[dict], list, dict]:
+    """A batch of question rows split by their images (``vlm_image_or_reason``, each ``root / row["image"]``): the
+    rows whose image a VLM can take, those images in order, and {row id: why} for the others."""
+    good, images, problems = [], [], {}
+    for r in rows:
+        image, why = vlm_image_or_reason(Path(root) / str(r.get("image")))
+        if why:
+            problems[r["id"]] = why
+        else:
+            good.append(r)
+            images.append(image)
+    return good, images, problems
+
+
 def lora_config(model, model_args, freeze_vision_tower: bool = True, say=print):
     """TRL's LoRA config from ``model_args`` (None without ``use_peft``) for a VLM. With no ``lora_target_modules``
     and no PEFT default for the model's type (Qwen2.5-VL has none in PEFT 0.21, which then refuses the config inside

@@ -33,7 +33,7 @@ from retrieval.kb import check_images
 from rewards.format import MAX_QUERY_TOKENS, parse_query
 from rl.generate import generate_completions, generate_vllm, load_vllm
 from rl.image_budget import apply_image_budget
-from rl.model import load_model, vlm_image_or_reason
+from rl.model import load_model, usable_batch
 from rl.prompts import prompt_spec
 from rl.run_record import RUN_RECORD, find_run_record
 
@@ -195,20 +195,16 @@ def refine_file(args: RefineArgs, log=print, refiner: Refiner | None = None, sta
         )
         with tqdm(total=parts.mine, desc="refining", unit="q") as bar:
             for batch in batches:
-                opened = [vlm_image_or_reason(root / r["image"]) for r in batch]
-                good = [(r, image) for r, (image, _) in zip(batch, opened) if image is not None]
+                good, images, problems = usable_batch(batch, root)
                 results = refiner.refine_with_outputs(
-                    [image for _, image in good],
-                    [r["question"] for r, _ in good],
-                    batch_size=args.batch_size,
-                    sample=args.sample,
+                    images, [r["question"] for r in good], batch_size=args.batch_size, sample=args.sample
                 )
-                done = {r["id"]: {**r, **res} for (r, _), res in zip(good, results)}
+                done = {r["id"]: {**r, **res} for r, res in zip(good, results)}
                 parsed, generated = parsed + sum(res["format_ok"] for res in results), generated + len(results)
-                for r, (_, why) in zip(batch, opened):
-                    if why:  # the question stays as it was, as for an output that does not parse
-                        done[r["id"]] = {**r, **unrefined(r["question"]), IMAGE_ERROR: why}
-                        unreadable.append(f"{r['id']}: {why}")
+                for r in batch:
+                    if r["id"] in problems:  # the question stays as it was, as for an output that does not parse
+                        done[r["id"]] = {**r, **unrefined(r["question"]), IMAGE_ERROR: problems[r["id"]]}
+                        unreadable.append(f"{r['id']}: {problems[r['id']]}")
                 parts.append([done[r["id"]] for r in batch])
                 bar.update(len(batch))
     if generated:  # every output that does not parse falls back to its question: a refiner that never parses

@@ -73,9 +73,9 @@ def main(argv=None) -> dict:
     eval_data = whole_round_eval(eval_data, training_args, state.num_processes, say)
 
     record = make_run_record(args, training_args, model_path, precision=precision)
-    if training_args.resume_from_checkpoint:  # the same settings as its run, at a step between two generations
-        check_resume(training_args.resume_from_checkpoint, record)
-        checkpoint = training_args.resume_from_checkpoint
+    checkpoint = training_args.resume_from_checkpoint
+    if checkpoint:  # the same settings as its run, at a step between two generations
+        check_resume(checkpoint, record)
         check_generation_phase(training_args, checkpoint_step(checkpoint), f"resume_from_checkpoint {checkpoint}")
     model, processor, budget = load_policy(model_path, args, training_args, model_args, state, load_dtype, say)
     if state.is_main_process:

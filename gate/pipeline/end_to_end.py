@@ -92,7 +92,7 @@ def infoseek_figures(records: list[dict], correct, answered) -> dict | None:
     InfoSeek question type and a split, over every question: one the system gave no answer for is in the results file
     as an empty prediction, which the official scorer scores like any other (``official_correct`` decided it so);
     ``no_answer`` counts those per split. None otherwise."""
-    if not records or not all(is_infoseek_type(r.get("question_type")) and r.get("split") for r in records):
+    if not records or not all(map(scorable_by_infoseek, records)):
         return None
     rows = [{"id": r.get("id"), "data_split": r["split"], "question_type": r["question_type"]} for r in records]
     out = infoseek_report(rows, [bool(ok) for ok in correct])
@@ -103,12 +103,17 @@ def infoseek_figures(records: list[dict], correct, answered) -> dict | None:
     return out
 
 
+def scorable_by_infoseek(record: dict) -> bool:
+    """Whether InfoSeek's official scorer can score a question: it has an InfoSeek question type and a split."""
+    return is_infoseek_type(record.get("question_type")) and bool(record.get("split"))
+
+
 def infoseek_untyped(records: list[dict]) -> list[str]:
-    """The ids of InfoSeek questions (some record has an InfoSeek type) without a type or split: the official scorer
-    cannot score them (its ``qid2qtype[qid]``), so ``infoseek_figures`` leaves out every official figure."""
+    """The ids of InfoSeek questions (some record has an InfoSeek type) the official scorer cannot score (its
+    ``qid2qtype[qid]``), for which ``infoseek_figures`` leaves out every official figure."""
     if not any(is_infoseek_type(r.get("question_type")) for r in records):
         return []
-    return [str(r.get("id")) for r in records if not (is_infoseek_type(r.get("question_type")) and r.get("split"))]
+    return [str(r.get("id")) for r in records if not scorable_by_infoseek(r)]
 
 
 def hop_accuracy(records: list[dict], correct: np.ndarray) -> dict[str, float] | None:

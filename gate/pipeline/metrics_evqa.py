@@ -104,8 +104,17 @@ def evqa_exact_match(prediction: str, references, question_type: str) -> bool:
     reference that normalises to nothing matches nothing."""
     if not isinstance(prediction, str):
         return False
-    parts = (lambda r: r.split("&&")) if question_type == "multi_answer" else (lambda r: [r])
-    return any(_evqa_exact(prediction, r, question_type) for r in references if _evqa_parts(parts(str(r))))
+    return any(
+        _evqa_exact(prediction, str(r), question_type) for r in references if _scorable_reference(str(r), question_type)
+    )
+
+
+def _scorable_reference(reference: str, question_type: str) -> bool:
+    """Whether a reference answer normalises to something (for ``multi_answer``: one of its ``&&`` parts does); the
+    official scorer refuses one that does not."""
+    return bool(reference) and bool(
+        _evqa_parts(reference.split("&&") if question_type == "multi_answer" else [reference])
+    )
 
 
 def _evqa_references(answer, question_type: str, qid) -> list[str]:
@@ -115,8 +124,7 @@ def _evqa_references(answer, question_type: str, qid) -> list[str]:
         raise ValueError(f"E-VQA {who(qid)}: the reference answer must be a string, got {answer!r}")
     alternatives = [a.strip() for a in answer.split("|")]
     for ref in alternatives:
-        parts = ref.split("&&") if question_type == "multi_answer" else [ref]
-        if not ref or not _evqa_parts(parts):
+        if not _scorable_reference(ref, question_type):
             raise ValueError(
                 f"E-VQA {who(qid)}: a reference answer in {answer!r} is empty after normalisation "
                 "(the official scorer refuses it)"

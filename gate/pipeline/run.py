@@ -45,7 +45,7 @@ from gate.pipeline.end_to_end import (
     threshold_curve,
 )
 from gate.pipeline.stages import Stages
-from rl.model import vlm_image_or_reason
+from rl.model import usable_batch
 
 # ---------------------------------------------------------------- one batch, in the order of WikiSeeker's Figure 2
 
@@ -268,10 +268,8 @@ def run(args: PipelineArgs, log=print, stages: Stages | None = None, state=None)
         names = stage_names(stages.consistency is not None)
         bars = {s: tqdm(total=parts.mine, desc=f"{s:>12}", position=i, unit="q") for i, s in enumerate(names)}
         for batch in batches:
-            opened = [vlm_image_or_reason(root / str(r.get("image"))) for r in batch]
-            present = [r for r, (image, _) in zip(batch, opened) if image is not None]
-            images = [image for image, _ in opened if image is not None]
-            skipped = [{"id": r["id"], "skipped": why} for r, (_, why) in zip(batch, opened) if why]
+            present, images, problems = usable_batch(batch, root)
+            skipped = [{"id": r["id"], "skipped": problems[r["id"]]} for r in batch if r["id"] in problems]
             parts.append(skipped + (run_batch(stages, present, images, bars) if present else []))
         for bar in bars.values():
             bar.close()

@@ -44,8 +44,7 @@ def _scores(rec: dict) -> list[float]:
     """A question's judged scores, every one or none: a judgement that failed (a reply the judge's parser could not
     read, the same on every retry at temperature 0) leaves the question without a label, not labelled from the samples
     whose judgements survived (wrong answers draw the explanatory replies most: the label leaned to "knows")."""
-    scores = rec.get("scores", [])
-    return [] if any(s is None for s in scores) else list(scores)
+    return [] if unjudged(rec) else list(rec.get("scores", []))
 
 
 def answer_as_written(gold: str) -> str:
