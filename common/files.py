@@ -92,20 +92,28 @@ def write_text_atomic(path: str | Path, text: str) -> None:
         tmp.write_text(text, encoding="utf-8")
 
 
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def json_text(obj, indent: int | None = None) -> str:
+    """``obj`` as JSON, non-ASCII characters as they are; a string holding a lone UTF-16 surrogate (JSON read from
+    elsewhere can hold half a pair), which no UTF-8 file can hold, makes it all escaped instead. Readers
+    (``json_record``) take such an escape back as U+FFFD."""
+    text = json.dumps(obj, indent=indent, ensure_ascii=False)
+    return json.dumps(obj, indent=indent) if LONE_SURROGATE.search(text) else text
+
+
 def write_json_atomic(path: str | Path, obj) -> None:
-    write_text_atomic(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+    write_text_atomic(path, json_text(obj, indent=2) + "\n")
 
 
 def write_jsonl_atomic(path: str | Path, records: Iterable[dict]) -> int:
     n = 0
     with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         for rec in records:
-            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            f.write(json_text(rec) + "\n")
             n += 1
     return n
-
-
-LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def without_lone_surrogates(value):
@@ -146,7 +154,7 @@ def append_jsonl(path: str | Path, records: list[dict]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a", encoding="utf-8") as fh:
-        fh.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+        fh.writelines(json_text(r) + "\n" for r in records)
         fh.flush()
 
 

@@ -2,7 +2,8 @@
 
 Valid output: ``<think>…</think>`` (content may be empty) then ``<answer>…</answer>``, each tag exactly once and
 in that order, optional whitespace around them and nothing but whitespace after ``</answer>``. The answer holds a
-JSON object (optionally inside a ```json fence) with a non-empty string ``query``. Nothing here ever raises.
+JSON object (optionally inside a ```json fence) with a non-empty string ``query`` that holds no lone UTF-16 surrogate
+(an escaped half of a pair, which no tokenizer encodes). Nothing here ever raises.
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ from __future__ import annotations
 import json
 import re
 
-PARSER_VERSION = "1"
+from common.files import LONE_SURROGATE
+
+PARSER_VERSION = "2"  # 2: a query holding a lone surrogate escape is invalid
 TAGS = ("<think>", "</think>", "<answer>", "</answer>")
 _LAYOUT = re.compile(r"\A\s*<think>(.*?)</think>\s*<answer>(.*?)</answer>\s*\Z", re.S)
 _FENCE = re.compile(r"\A```(?:json)?\s*(.*?)\s*```\Z", re.S | re.I)
@@ -72,6 +75,8 @@ def parse_completion(text, max_tokens: int | None = None) -> tuple[str | None, s
         query = query.strip()
         if not query:
             return None, "query is empty"
+        if LONE_SURROGATE.search(query):  # an escaped half of a pair: no text encoder or UTF-8 file takes it
+            return None, "query holds a lone UTF-16 surrogate escape"
         if max_tokens is not None and query_tokens(query) > max_tokens:
             return None, f"query longer than {max_tokens} tokens"
         return query, "ok"

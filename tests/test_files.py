@@ -7,7 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from common.files import append_jsonl, atomic_folder, completed_ids, wait_for_path, write_text_atomic
+from common.files import (
+    append_jsonl,
+    atomic_folder,
+    completed_ids,
+    read_jsonl,
+    wait_for_path,
+    write_json_atomic,
+    write_jsonl_atomic,
+    write_text_atomic,
+)
 
 
 @pytest.mark.parametrize("replace", [True, False])
@@ -180,3 +189,17 @@ def test_jsonl_files_are_utf8_whatever_the_locale(tmp_path):
     assert done.returncode == 0, done.stderr.decode()[-800:]
     assert done.stdout.decode().strip() == ascii(["Zürich", "Zürich"])
     assert (tmp_path / "a.txt").read_bytes() == "Zürich".encode()
+
+
+def test_a_record_holding_a_lone_surrogate_is_written_escaped_and_read_back_as_a_replacement(tmp_path):
+    """JSON read from elsewhere (a server's reply) can hold half a surrogate pair: writing it raised
+    UnicodeEncodeError, ending the job; it is escaped, and read back as U+FFFD; other text stays unescaped."""
+    rec = {"id": "q1", "text": "cut \ud83d", "city": "Zürich"}
+    append_jsonl(tmp_path / "a.jsonl", [rec])
+    write_jsonl_atomic(tmp_path / "b.jsonl", [rec, {"id": "q2", "city": "Zürich"}])
+    write_json_atomic(tmp_path / "c.json", rec)
+    for name in ("a.jsonl", "b.jsonl"):
+        first = next(read_jsonl(tmp_path / name))
+        assert first == {"id": "q1", "text": "cut \ufffd", "city": "Zürich"}
+    assert "Zürich" in (tmp_path / "b.jsonl").read_text(encoding="utf-8").splitlines()[1]  # only that line escaped
+    assert "\\ud83d" in (tmp_path / "c.json").read_text(encoding="utf-8")

@@ -33,6 +33,8 @@ CASES = [
     ("<think>x</think><answer>red star</answer>", None),  # not JSON
     ("", None),
     ("<think></think><answer></answer>", None),
+    ('<think>x</think><answer>{"query": "red circle \\ud83d"}</answer>', None),  # half an emoji, escaped
+    ('<think>x</think><answer>{"query": "red \\ud83d\\ude00"}</answer>', "red \U0001f600"),  # a whole pair is kept
 ]
 
 

@@ -176,6 +176,17 @@ def test_length_cap_and_custom_penalties(tiny_index, batch):
     assert out == [-7.0] * (len(rows) * G)
 
 
+def test_a_query_holding_half_an_emoji_is_unparseable_not_a_crash(tiny_index, batch, tmp_path):
+    """The answer's JSON escapes a lone surrogate (a sampled emoji cut in half): it parsed, and then the text
+    encoder's tokenizer raised a TypeError that ended the training step."""
+    rows, images = batch
+    reward = RetrievalReward(tiny_index, alpha=0.3, unparseable=-7.0)
+    bad = '<think>x</think><answer>{"query": "red circle \\ud83d"}</answer>'
+    completions = [bad] + [format_completion("red circle")] * (len(rows) * G - 1)
+    out, _ = trl_call(reward, rows, completions, images)
+    assert out[0] == -7.0 and all(x != -7.0 for x in out[1:])
+
+
 def test_bad_settings_are_refused(tiny_index):
     with pytest.raises(ValueError, match="alpha"):
         RetrievalReward(tiny_index, alpha=1.5)
