@@ -65,12 +65,13 @@ def wording(prompt: dict) -> dict:
 
 def json_objects(text):
     """Every JSON object (dict) that parses at a ``{`` of a model's reply, in order: how the stages that answer in
-    JSON (query baselines, answer expansion) find theirs amid other text or code fences."""
+    JSON (query baselines, answer expansion, the Inspector and mct gates) find theirs amid other text, code fences or a
+    reply that repeats itself. Nesting deeper than the decoder's recursion limit is no object."""
     text, decoder = str(text or ""), json.JSONDecoder()
     for match in re.finditer(r"\{", text):
         try:
             obj = decoder.raw_decode(text, match.start())[0]
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             continue
         if isinstance(obj, dict):
             yield obj

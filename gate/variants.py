@@ -15,7 +15,7 @@ import math
 import re
 from pathlib import Path
 
-from common.prompts import load_prompt
+from common.prompts import json_objects, load_prompt
 
 BOUNDARY_SYSTEM = (
     "You are given an image and a question about it. Decide whether you need to search an external knowledge base "
@@ -97,8 +97,12 @@ def spec(name: str, verbalisers=None, prompt: dict | None = None) -> dict:
         s["system"], s["user"] = prompt["system"], prompt["user_template"]
     if verbalisers:
         verbalisers = tuple(verbalisers)
-        if len(verbalisers) != len(s["verbalisers"]) or len(set(verbalisers)) != len(verbalisers):
-            raise ValueError(f"variant {name} needs {len(s['verbalisers'])} distinct verbalisers, got {verbalisers}")
+        words = {tuple(str(v).split()) for v in verbalisers}  # how a completion is read back: word by word
+        if len(verbalisers) != len(s["verbalisers"]) or len(words) != len(verbalisers) or () in words:
+            raise ValueError(
+                f"variant {name} needs {len(s['verbalisers'])} verbalisers, each with a non-space character and "
+                f"distinct once spaces are left aside, got {verbalisers}"
+            )
         s["verbalisers"] = verbalisers
     return s
 
@@ -151,6 +155,17 @@ def completion(s: dict, label) -> str:
     return verbs[0] if label else verbs[1]
 
 
+def verbaliser_index(verbs, text: str) -> int | None:
+    """Which verbaliser ``text`` starts with, word by word (a multi-word one such as "no search", or one given with
+    a tokenizer's leading space, reads back as written); the longest when several do; None when none does."""
+    words, best = text.split(), None
+    for i, v in enumerate(verbs):
+        vw = str(v).split()
+        if vw and words[: len(vw)] == vw and (best is None or len(vw) > len(str(verbs[best]).split())):
+            best = i
+    return best
+
+
 def parse_completion(s: dict, text: str):
     """The decision in a generated completion: bool for binary variants (True = the positive verbaliser), a float for
     skb, {"pass": bool, "answer": str|None} for the Inspector, {"consistent": list[int], "summary": str|None} for mct,
@@ -161,26 +176,19 @@ def parse_completion(s: dict, text: str):
         return text
     if name == "skb":
         if tuple(verbs) != VARIANTS["skb"]["verbalisers"]:  # --verbalisers: the word's place, 1–5
-            first = text.split()[0] if text else ""
-            return float(verbs.index(first) + 1) if first in verbs else None
+            i = verbaliser_index(verbs, text)
+            return None if i is None else float(i + 1)
         m = re.match(r"\s*([1-5](?:\.\d+)?)", text)
         return float(m.group(1)) if m else None
-    if name in ("inspector", "mct"):
-        m = re.search(r"\{.*\}", text, re.S)
-        try:
-            obj = json.loads(m.group(0)) if m else None
-        except json.JSONDecodeError:
-            obj = None
-        if not isinstance(obj, dict):
-            return None
-        if name == "mct":
-            ids, summary = obj.get("consistent"), obj.get("summary")
-            if not (isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
-                return None
-            return {"consistent": ids, "summary": summary if isinstance(summary, str) else None}
-        if obj.get("pass") not in verbs:
-            return None
-        answer = obj.get("answer")
-        return {"pass": obj["pass"] == verbs[0], "answer": answer if isinstance(answer, str) else None}
-    first = text.split()[0] if text else ""
-    return True if first == verbs[0] else False if first == verbs[1] else None
+    if name in ("inspector", "mct"):  # the first object in the reply that reads as the variant's answer
+        for obj in json_objects(text):
+            if name == "mct":
+                ids, summary = obj.get("consistent"), obj.get("summary")
+                if isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+                    return {"consistent": ids, "summary": summary if isinstance(summary, str) else None}
+            elif obj.get("pass") in verbs:
+                answer = obj.get("answer")
+                return {"pass": obj["pass"] == verbs[0], "answer": answer if isinstance(answer, str) else None}
+        return None
+    i = verbaliser_index(verbs, text)
+    return None if i is None else i == 0

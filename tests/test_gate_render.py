@@ -63,6 +63,12 @@ def test_binary_completion_parses_back(variant, label):
         ("mct", '{"consistent": [true]}', None),
         ("mct", '{"consistent": [2, 1], "summary": 3}', {"consistent": [2, 1], "summary": None}),
         ("mct", 'ok {"consistent": [3], "summary": "caves"}', {"consistent": [3], "summary": "caves"}),
+        # a brace after the object (the greedy span from the first { to the last } was no JSON), a repeated reply
+        ("inspector", '{"pass": "true"}\n}', {"pass": True, "answer": None}),
+        ("inspector", '{"pass": "false", "answer": "Paris"}{"pass": "false", "answer": "Paris"}', {"pass": False, "answer": "Paris"}),
+        ("mct", '{"consistent": [2]} and {"consistent": [5]}', {"consistent": [2], "summary": None}),
+        ("inspector", '{"pass": "false", "answer": ' + "[" * 5000 + "}", None),  # past the recursion limit: None
+        ("mct", '{"consistent": ' + "[" * 5000, None),
     ],
 )
 def test_parse_completion_tables(variant, text, expected):
@@ -79,10 +85,33 @@ def test_skb_with_its_own_verbalisers_parses_back(score):
     assert parse_completion(words, "3") is None and parse_completion(words, "often sure") == 4.0
 
 
+@pytest.mark.parametrize(
+    "variant,verbalisers",
+    [
+        ("hkb", ("search", "no search")),  # a multi-word verbaliser was read by its first word alone: None
+        ("hkb", ("no search", "search")),
+        ("kbm-acc", (" unknown", " known")),  # a tokenizer's word with its leading space
+        ("srt", ("not relevant", "not relevant at all")),  # one a word-prefix of the other: the longest wins
+        ("skb", ("very low", "low", "mid", "high", "very high")),
+    ],
+)
+def test_verbalisers_of_several_words_or_with_spaces_parse_back(variant, verbalisers):
+    s = spec(variant, verbalisers)
+    labels = [1.0, 2.0, 3.0, 4.0, 5.0] if variant == "skb" else [True, False]
+    for label in labels:
+        assert parse_completion(s, completion(s, label)) == label
+        assert parse_completion(s, completion(s, label) + " because the image shows it") == label
+    assert parse_completion(s, "maybe") is None
+
+
 def test_verbalisers_can_be_replaced_but_not_to_duplicates():
     assert completion(spec("hkb", ["Y", "N"]), True) == "Y"
     with pytest.raises(ValueError, match="distinct"):
         spec("hkb", ["Y", "Y"])
+    with pytest.raises(ValueError, match="distinct once spaces are left aside"):
+        spec("hkb", ["known", " known"])  # read back alike
+    with pytest.raises(ValueError, match="non-space character"):
+        spec("hkb", ["known", " "])
     with pytest.raises(ValueError, match="unknown gate variant"):
         spec("vibes")
 
