@@ -52,8 +52,8 @@ def validate_tiers(tiers, miss: float = DEFAULT_MISS) -> tuple[tuple[int, int, f
     return table
 
 
-def parse_tiers(text: str) -> tuple[tuple[int, int, float], ...]:
-    """``"1-5:4,6-10:3.5,…"`` → a tier table (validated)."""
+def parse_tiers(text: str, miss: float = DEFAULT_MISS) -> tuple[tuple[int, int, float], ...]:
+    """``"1-5:4,6-10:3.5,…"`` → a tier table, validated with the miss reward it is paid beside."""
     tiers = []
     for part in str(text).split(","):
         try:
@@ -62,7 +62,7 @@ def parse_tiers(text: str) -> tuple[tuple[int, int, float], ...]:
             tiers.append((int(lo), int(hi), float(reward)))
         except ValueError:
             raise ValueError(f"reward tier {part.strip()!r} must look like lo-hi:reward (e.g. 1-5:4)") from None
-    return validate_tiers(tiers)
+    return validate_tiers(tiers, miss)
 
 
 def max_depth(tiers=None) -> int:

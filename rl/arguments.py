@@ -21,7 +21,7 @@ from retrieval.encoder_names import check_image_encoder_name, check_text_encoder
 from retrieval.index import require_index
 from retrieval.ranking import check_alpha, check_k
 from rewards.format import INVALID_REWARD, MAX_QUERY_TOKENS, VALID_REWARD
-from rewards.rank import DEFAULT_MISS, DEFAULT_TIERS, max_depth, parse_tiers, validate_tiers
+from rewards.rank import DEFAULT_MISS, DEFAULT_TIERS, max_depth, parse_tiers
 from rl.image_budget import PAPER_MAX_PIXELS, PAPER_MIN_PIXELS, check_budget
 from rl.model import check_model_flags
 from rl.prompts import check_prompt
@@ -143,8 +143,7 @@ def validate(args: RefinerArguments, training_args, model_args, num_processes: i
     check_budget(args.min_pixels, args.max_pixels)
     check_k(args.depth, "depth")
     check_prompt(args.prompt)
-    tiers = parse_tiers(args.reward_tiers)
-    validate_tiers(tiers, args.miss_reward)
+    tiers = parse_tiers(args.reward_tiers, args.miss_reward)
     if args.depth < max_depth(tiers):  # ranks past depth come back as misses: the table's deep tiers would pay none
         raise ValueError(
             f"--reward_tiers reaches rank {max_depth(tiers)}, deeper than --depth {args.depth}: ranks between would "

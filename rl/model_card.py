@@ -74,7 +74,8 @@ def ordered_figures(metrics: dict) -> dict:
 
 
 def _tiers(args: dict) -> tuple:
-    return parse_tiers(args["reward_tiers"]) if args.get("reward_tiers") else DEFAULT_TIERS
+    miss = args.get("miss_reward", DEFAULT_MISS)
+    return parse_tiers(args["reward_tiers"], miss) if args.get("reward_tiers") else DEFAULT_TIERS
 
 
 def combination(optimisation: dict) -> str:

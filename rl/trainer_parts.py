@@ -94,7 +94,7 @@ def build_rewards(
         index,
         args.alpha,
         depth=args.depth,
-        tiers=parse_tiers(args.reward_tiers),
+        tiers=parse_tiers(args.reward_tiers, args.miss_reward),
         miss=args.miss_reward,
         unparseable=args.unparseable_retrieval_reward,
         max_query_tokens=args.max_query_tokens,

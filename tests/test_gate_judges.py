@@ -39,6 +39,10 @@ from gate.pipeline.judges import LLMJudge, judge_all, make_judge, parse_score
         ("Score: 4 out of 5", 4.0),
         ("I would give this answer a score of 1.", 1.0),  # unread, the same on every retry at temperature 0
         ("Reference answer score: 5\nGenerated answer score: 2", 2.0),  # the last verdict line, not the first score
+        ('{"score": 1}', 1.0),  # JSON: unread, so retried and then a failed judgement
+        ('{"score": 4, "reasoning": "right"}', 4.0),
+        ("**Score:**\n\n4\nright", 4.0),  # a heading, the number below it
+        ("Score:\n\nN/A", None),
     ],
 )
 def test_parse_score(reply, score):

@@ -57,6 +57,13 @@ def test_miss_above_last_tier_is_refused():
         validate_tiers(DEFAULT_TIERS, miss=1.0)
 
 
+def test_parse_tiers_checks_the_miss_reward_it_is_given():
+    """Negative tiers below the default miss (-2.5) with a miss below them: refused naming a miss never set."""
+    assert parse_tiers("1-5:-1,6-200:-3", miss=-5) == ((1, 5, -1.0), (6, 200, -3.0))
+    with pytest.raises(ValueError, match="the miss reward -2 must be .* not above the deepest tier.s -3.0"):
+        parse_tiers("1-5:-1,6-200:-3", miss=-2)
+
+
 def test_parse_tiers_bad_text():
     with pytest.raises(ValueError, match="lo-hi:reward"):
         parse_tiers("1-5=4")

@@ -28,15 +28,16 @@ CORRECTNESS_SYSTEM = (
     "If the generated answer is relevant and fully correct, give a score between 4 and 5."
 )
 CORRECTNESS_USER = "## User Query\n{question}\n\n## Reference Answer\n{reference}\n\n## Generated Answer\n{answer}"
-# "Score: 4", "**Score:** 4", "The score is 4.5", "a score of 1", "score=2", "Score: 4/5": the whole number is read
+# "Score: 4", "**Score:** 4", "The score is 4.5", "a score of 1", "score=2", "Score: 4/5", JSON's "score": 4: the
+# whole number is read
 # ("45", "10/10" are out of range, not 4 and 1); a reply whose first line is only the number counts too, a list marker
 # does not
-_SCORE = re.compile(r"score[*_\s]*(?:is\s*|of\s*)?[:=]?[*_\s]*(\d+(?:\.\d+)?)(?!\d)", re.I)
+_SCORE = re.compile(r"score\"?[*_\s]*(?:is\s*|of\s*)?[:=]?[*_\s]*(\d+(?:\.\d+)?)(?!\d)", re.I)
 _ALONE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(?:/\s*5)?\s*(?:\n|$)")
 # the verdict line the prompt asks for: "Score: N" at the start of a line ("**Final Score (1-5):** 4", "Overall score
 # = 3", "Generated answer score: 2" too: up to three words before it), the last one read before any "score" in the
 # reasoning ("a fully right answer would score 5, but … Score: 2"); a number on another scale ("4/10", "3 out of 10",
-# "4,5") is not a 1–5 score
+# "4,5") is not a 1–5 score; a verdict line with nothing after its colon takes the next line that holds something
 _VERDICT = re.compile(r"^[\s*_#>-]*(?:[A-Za-z]+\s+){0,3}score\b[*_\s]*(?:\([^)\n]*\))?[*_\s]*[:=](.*)$", re.I | re.M)
 _NUMBER = re.compile(r"[*_\s]*(\d+(?:\.\d+)?)(?![.,]\d)(?!\d)(?!\s*(?:/|out\s+of)\s*(?!5(?:\.0)?\b)\d)", re.I)
 _THINKING = re.compile(r"<think>.*?(?:</think>|$)", re.S | re.I)
@@ -50,9 +51,12 @@ def parse_score(reply: str) -> float | None:
     if not isinstance(reply, str):
         return None
     reply = _THINKING.sub("", re.split(r"</think>", reply, flags=re.I)[-1])  # after the last closing tag
-    verdicts = _VERDICT.findall(reply)
+    verdicts = list(_VERDICT.finditer(reply))
     if verdicts:
-        m = _NUMBER.match(verdicts[-1])
+        verdict = verdicts[-1].group(1)
+        if not verdict.strip("*_ \t"):  # "**Score:**" with the number on a line of its own below
+            verdict = next((line for line in reply[verdicts[-1].end() :].splitlines() if line.strip()), "")
+        m = _NUMBER.match(verdict)
     else:
         m = _SCORE.search(reply) or _ALONE.match(reply)
     if not m:
