@@ -98,27 +98,37 @@ def use_phase_progress(trainer, progress: PhaseProgress) -> None:
     trainer.add_callback(progress)
 
 
-def use_exact_metric_means(trainer, reward) -> None:
-    """At each log, the reward's metrics as exact means over every completion since the last log, on all processes.
+def use_exact_metric_means(trainer, sources) -> None:
+    """At each log, the rewards' means and the retrieval metrics as exact means over every completion since the last
+    log, on all processes.
 
-    TRL 1.16 pools (sum, count) over processes per generation batch but then averages those batch figures at each
-    log: for a per-hit metric (mean hit rank) or a partial last batch that is a mean of batch means, not the mean
-    over completions (evaluation scores many batches per log). Before TRL's ``log`` averages, each such metric's
-    batch figures are replaced by the one exact figure: this process's (sum, count) from the reward, summed over
-    every process (a collective: ``log`` runs on every process)."""
+    TRL 1.16 pools each generation batch over processes but then averages the batch figures at each log: for a
+    per-hit metric (mean hit rank), or a short last batch (evaluation scores many batches per log; one process takes
+    a short last one as it is), that is a mean of batch means, not the mean over completions. Before TRL's ``log``
+    averages, each such metric's batch figures are replaced by the one exact figure: each source's (sum, count) on
+    this process (``take_totals``: the retrieval reward's metrics, each ``TimedReward``'s ``rewards/<name>/mean``),
+    summed over every process (a collective: ``log`` runs on every process); ``reward``, TRL's weighted sum of the
+    reward functions, from those exact means with TRL's own weights. (The std figures stay TRL's per-batch ones.)"""
     import torch
     from accelerate.utils import gather_object
 
     log = trainer.log
+    for source in sources:
+        source.follow(trainer)
 
     def log_with_exact_means(logs, *args, **kwargs):
         mode = "train" if trainer.model.training else "eval"
-        totals = reward.take_totals(mode)
+        totals = {name: total for source in sources for name, total in source.take_totals(mode).items()}
+        means = {}
         for name in sorted(set(gather_object(list(totals)))):
             local = torch.tensor(totals.get(name, [0.0, 0]), dtype=torch.float64, device=trainer.accelerator.device)
             total, count = trainer.accelerator.gather(local).view(-1, 2).sum(dim=0).tolist()
             if count:
-                trainer._metrics[mode][name] = [total / count]
+                means[name] = trainer._metrics[mode][name] = [total / count]
+        per_function = [means.get(f"rewards/{name}/mean") for name in trainer.reward_func_names]
+        if None not in per_function:  # every function scores every completion: the weighted sum of their means
+            weights = trainer.reward_weights.tolist()
+            trainer._metrics[mode]["reward"] = [sum(w * m[0] for w, m in zip(weights, per_function))]
         return log(logs, *args, **kwargs)
 
     trainer.log = log_with_exact_means
@@ -126,8 +136,10 @@ def use_exact_metric_means(trainer, reward) -> None:
 
 class TimedReward:
     """Wraps a TRL reward function, adding up the seconds spent in it inside training steps (``seconds``) and outside
-    them (``seconds_outside_steps``: evaluation, which the Trainer runs after ``on_step_end``); keeps the name TRL
-    logs it under. ``RefinerMonitor`` says when a step runs (``in_step``)."""
+    them (``seconds_outside_steps``: evaluation, which the Trainer runs after ``on_step_end``) and the (sum, count)
+    of its rewards per mode since the last log (``take_totals``); keeps the name TRL logs it under.
+    ``RefinerMonitor`` says when a step runs (``in_step``); ``follow`` gives the trainer whose model's training flag
+    tells evaluation calls apart."""
 
     def __init__(self, func):
         self.func = func
@@ -136,6 +148,11 @@ class TimedReward:
         self.seconds_outside_steps = 0.0
         self.in_step = False
         self.last: list[float] = []  # the latest training step's rewards (the table's; not an evaluation's)
+        self.trainer = None
+        self.totals: dict[str, list[float]] = {}  # mode → [sum, count] of the rewards returned since the last take
+
+    def follow(self, trainer) -> None:
+        self.trainer = trainer
 
     def __call__(self, *args, **kwargs):
         t0 = time.perf_counter()
@@ -146,7 +163,16 @@ class TimedReward:
             self.last = rewards
         else:
             self.seconds_outside_steps += elapsed
+        mode = "eval" if self.trainer is not None and not self.trainer.model.training else "train"
+        scored = [r for r in rewards if r is not None]  # TRL's None: not scored (a NaN it leaves out of the mean)
+        total = self.totals.setdefault(mode, [0.0, 0])
+        total[0], total[1] = total[0] + sum(scored), total[1] + len(scored)
         return rewards
+
+    def take_totals(self, mode: str) -> dict[str, list[float]]:
+        """{"rewards/<name>/mean": [sum, count]} over this process's calls in ``mode`` since the last take."""
+        total = self.totals.pop(mode, None)
+        return {f"rewards/{self.__name__}/mean": total} if total else {}
 
 
 def image_label(key: str) -> str:

@@ -141,8 +141,7 @@ def ready_trainer(
             },
         ),
     )
-    retrieval.follow(trainer)
-    use_exact_metric_means(trainer, retrieval)
+    use_exact_metric_means(trainer, [retrieval, *trainer.reward_funcs])
     if training_args.use_vllm:  # vLLM has read name_or_path: saved configs and adapters name the real base again
         restore_base_path(trainer.model, model, model_path)
     if fix_colocated_vllm_prompts(trainer, model.config.image_token_id):

@@ -189,6 +189,13 @@ def test_held_out_eval_selects_the_best_checkpoint(config, tiny_world, tiny_refi
         assert logged["eval_retrieval/miss_rate"] == pytest.approx(1 - len(hits) / 20)
         if hits:
             assert logged["eval_retrieval/mean_hit_rank"] == pytest.approx(sum(hits) / len(hits))
+        # TRL's own reward figures too (each was a mean of the three batches' means): a parsed query paid the
+        # format reward's +1, an unparsed one -4 (the completions log's query is None where the cap refused it)
+        retrieval = [r["reward"] for r in scored if r["step"] == logged["step"]]
+        fmt = [1.0 if r["query"] is not None else -4.0 for r in scored if r["step"] == logged["step"]]
+        assert logged["eval_rewards/retrieval_reward/mean"] == pytest.approx(sum(retrieval) / 20)
+        assert logged["eval_rewards/format_reward/mean"] == pytest.approx(sum(fmt) / 20)
+        assert logged["eval_reward"] == pytest.approx((sum(retrieval) + sum(fmt)) / 20)
     state = json.loads((tmp_path / "run" / "checkpoint-2" / "trainer_state.json").read_text())
     assert state["best_metric"] == pytest.approx(max(h["eval_retrieval/hit@1"] for h in evals))
     assert state["best_model_checkpoint"].endswith(("checkpoint-1", "checkpoint-2"))
