@@ -7,11 +7,12 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from common.files import file_fingerprint, write_json_atomic
+from common.files import file_fingerprint, repair_jsonl, write_json_atomic, write_jsonl_atomic
 from retrieval.index import MANIFEST_FILE
 from rl.prompts import prompt_spec
 
 RUN_RECORD = "refine_rl_run.json"
+RUN_LOGS = ("completions.rank*.jsonl", "samples.jsonl")  # appended to step by step, each record with its "step"
 
 
 # What a resumed run must train under as its checkpoint's run did (refiner_args by name; the other sections whole):
@@ -66,6 +67,44 @@ def check_resume(checkpoint, record: dict) -> None:
         )
 
 
+def check_output_dir(output_dir: Path, record: dict) -> None:
+    """Refuse a new run (no resume) into a folder whose run record says another run trained there (other settings,
+    another seed or max_steps): its checkpoints, ``final/``, metrics and logs would be replaced without a word. The
+    same run again (the same command) may replace them."""
+    path = Path(output_dir) / RUN_RECORD
+    if not path.is_file():
+        return
+    saved = json.loads(path.read_text())
+    differ = resume_differences(saved, record)
+    for name, key in (("--seed", "seed"), ("--max_steps", "max_steps")):
+        a = saved.get(key, saved.get("optimisation", {}).get(key))
+        b = record.get(key, record["optimisation"].get(key))
+        if a is not None and a != b:
+            differ.append(f"{name}: {a!r} → {b!r}")
+    if differ:
+        raise ValueError(
+            f"--output_dir {output_dir} holds another run (" + "; ".join(differ) + "): a new run would replace its "
+            "checkpoints, final/ and metrics. Choose another --output_dir, delete it, or resume it "
+            "(--resume_from_checkpoint)"
+        )
+
+
+def trim_run_logs(output_dir: Path, checkpoint=None) -> None:
+    """The logs a run appends to step by step (``RUN_LOGS``), as the run starts: a resume keeps the records up to its
+    checkpoint's step (the steps after it are done again: they were appended twice), a new run none of them. A
+    checkpoint without its step (no trainer_state.json) leaves them as they are."""
+    step = checkpoint_step(checkpoint) if checkpoint else None
+    if checkpoint and step is None:
+        return
+    for pattern in RUN_LOGS:
+        for path in sorted(Path(output_dir).glob(pattern)):
+            if step is None:
+                path.unlink()
+            else:
+                kept = [r for r in repair_jsonl(path) if not isinstance(r.get("step"), int) or r["step"] <= step]
+                write_jsonl_atomic(path, kept)
+
+
 def checkpoint_step(checkpoint) -> int | None:
     """The optimizer step a checkpoint folder was saved at (its trainer_state.json), None when it has none."""
     state = Path(checkpoint) / "trainer_state.json"
@@ -111,6 +150,7 @@ def make_run_record(
         },
         "image_budget": image_budget,
         "precision": precision,
+        "seed": training_args.seed,
         "train_content": file_fingerprint(args.train_file),
     }
 

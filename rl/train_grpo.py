@@ -29,7 +29,14 @@ from rl.data import question_dataset, warn_absent_entities
 from rl.model import lora_config, quiet_checkpointing_deprecation
 from rl.model_card import write_run_cards
 from rl.monitor import RefinerMonitor, setup_wandb
-from rl.run_record import check_resume, checkpoint_step, make_run_record, write_run_record
+from rl.run_record import (
+    check_output_dir,
+    check_resume,
+    checkpoint_step,
+    make_run_record,
+    trim_run_logs,
+    write_run_record,
+)
 from rl.trainer_parts import (
     announce_rank,
     build_rewards,
@@ -77,6 +84,10 @@ def main(argv=None) -> dict:
     if checkpoint:  # the same settings as its run, at a step between two generations
         check_resume(checkpoint, record)
         check_generation_phase(training_args, checkpoint_step(checkpoint), f"resume_from_checkpoint {checkpoint}")
+    else:
+        check_output_dir(output_dir, record)
+    if state.is_main_process:  # before any process scores a completion: that needs every process in a step
+        trim_run_logs(output_dir, checkpoint)
     model, processor, budget = load_policy(model_path, args, training_args, model_args, state, load_dtype, say)
     if state.is_main_process:
         write_run_record(output_dir, {**record, "image_budget": budget})

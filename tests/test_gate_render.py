@@ -65,7 +65,11 @@ def test_binary_completion_parses_back(variant, label):
         ("mct", 'ok {"consistent": [3], "summary": "caves"}', {"consistent": [3], "summary": "caves"}),
         # a brace after the object (the greedy span from the first { to the last } was no JSON), a repeated reply
         ("inspector", '{"pass": "true"}\n}', {"pass": True, "answer": None}),
-        ("inspector", '{"pass": "false", "answer": "Paris"}{"pass": "false", "answer": "Paris"}', {"pass": False, "answer": "Paris"}),
+        (
+            "inspector",
+            '{"pass": "false", "answer": "Paris"}{"pass": "false", "answer": "Paris"}',
+            {"pass": False, "answer": "Paris"},
+        ),
         ("mct", '{"consistent": [2]} and {"consistent": [5]}', {"consistent": [2], "summary": None}),
         ("inspector", '{"pass": "false", "answer": ' + "[" * 5000 + "}", None),  # past the recursion limit: None
         ("mct", '{"consistent": ' + "[" * 5000, None),

@@ -2,6 +2,7 @@
 metrics, resumes from a checkpoint, and refuses bad settings before loading any model."""
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -107,6 +108,30 @@ def test_resume_continues_from_the_saved_step(config, tiny_world, tiny_refiner, 
                 resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-4"),
             )
         )
+
+
+def test_a_run_resumed_in_place_logs_each_step_once_and_another_run_there_is_refused(config, tmp_path):
+    """Resumed from its own checkpoint-2, a run redoes step 3: its completions were appended beside the interrupted
+    run's (16 records for step 3 in the completions log and samples.jsonl). A new run into a folder holding another
+    run's record replaced its checkpoints, final/ and metrics without a word; the same run again starts its logs
+    afresh."""
+    out = tmp_path / "a"
+    run = dict(output_dir=str(out), max_steps=3, save_strategy="steps", save_steps=2, completions_log=True)
+
+    def steps(name):
+        return Counter(json.loads(x)["step"] for x in open(out / name))
+
+    tg.main(config(**run))
+    first = steps("completions.rank0.jsonl"), steps("samples.jsonl")
+    assert first[0] == {1: 8, 2: 8, 3: 8} and set(first[1]) == {1, 2, 3}
+    tg.main(config(**run, resume_from_checkpoint=str(out / "checkpoint-2")))
+    assert (steps("completions.rank0.jsonl"), steps("samples.jsonl")) == first
+    for other, named in ((dict(alpha=0.1), "--alpha: 0.5 → 0.1"), (dict(seed=1), "--seed: 0 → 1")):
+        with pytest.raises(ValueError, match=f"--output_dir {out} holds another run \\({named}\\)"):
+            tg.main(config(**run, **other))
+    assert (out / "checkpoint-3").is_dir() and (steps("completions.rank0.jsonl"), steps("samples.jsonl")) == first
+    tg.main(config(**run))  # the same run again
+    assert (steps("completions.rank0.jsonl"), steps("samples.jsonl")) == first
 
 
 @pytest.mark.parametrize(
