@@ -1,5 +1,5 @@
 # Two jobs: `make demo` (the embedded default, two CPU processes) and `make test`. Each creates .venv and
-# installs into it. `make demo ARGS="--seed 1"` passes flags on to rl/train_grpo.py.
+# installs into it. `make demo ARGS="--seed 1 --output_dir outputs/demo-seed1"` passes flags on to rl/train_grpo.py.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 export HF_HUB_OFFLINE := 1
