@@ -21,7 +21,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from retrieval import MultimodalIndex  # noqa: E402
+from retrieval.index import MultimodalIndex  # noqa: E402
 from rewards import RetrievalReward, format_completion, parse_query, rank_reward  # noqa: E402
 from rewards.retrieval import image_keys  # noqa: E402
 from toy.drawing import ATTRIBUTE_VALUES  # noqa: E402

@@ -1,6 +1,3 @@
-"""Multimodal retrieval: encoders, KB records, the FAISS index, evaluation and the toy world."""
-
-from retrieval.index import MultimodalIndex
-from retrieval.ranking import Hit
-
-__all__ = ["Hit", "MultimodalIndex"]
+"""Multimodal retrieval: encoders, KB records, the FAISS index, evaluation and the toy world. Import the modules
+(``retrieval.index.MultimodalIndex``, ``retrieval.ranking.Hit``): the package imports nothing itself, so the upstream
+converters (``retrieval.upstream``) run without torch."""

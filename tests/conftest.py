@@ -151,7 +151,7 @@ def tiny_index_dir(tiny_world, encoders):
 
 @pytest.fixture(scope="session")
 def tiny_index(tiny_index_dir, encoders):
-    from retrieval import MultimodalIndex
+    from retrieval.index import MultimodalIndex
 
     return MultimodalIndex.load(tiny_index_dir, image_encoder=encoders[0], text_encoder=encoders[1])
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import retrieval.build_index as bi
-from retrieval import MultimodalIndex
 from retrieval.build_index import BuildArgs, build_index
+from retrieval.index import MultimodalIndex
 
 QUIET = dict(log=lambda *a: None)
 

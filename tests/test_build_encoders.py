@@ -9,8 +9,8 @@ import pytest
 from PIL import Image
 
 import retrieval.build_index as bi
-from retrieval import MultimodalIndex
 from retrieval.build_index import BuildArgs, build_index
+from retrieval.index import MultimodalIndex
 from retrieval.kb import entry_text
 from retrieval.kb_scan import scan_kb
 

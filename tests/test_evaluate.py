@@ -224,8 +224,8 @@ def test_an_approximate_index_is_reported_against_flat(
 ):
     """The Flat reference of an approximate index is an exact search over the same vectors: its ranks equal the
     exact ranks of the Flat index built from the same KB, and evaluate prints both with their agreement."""
-    from retrieval import MultimodalIndex
     from retrieval.build_index import BuildArgs, build_index
+    from retrieval.index import MultimodalIndex
 
     out = tmp_path / "idx"
     build_index(

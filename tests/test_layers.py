@@ -4,6 +4,8 @@ each other in a cycle (imports inside functions count too)."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -122,3 +124,13 @@ def test_imports_inside_functions_are_heavy_libraries_only(module):
     names = [(ast.unparse(n), (n.module if isinstance(n, ast.ImportFrom) else n.names[0].name) or "") for n in inner]
     light = [text for text, name in names if name not in HEAVY and name.split(".")[0] not in HEAVY]
     assert not light, f"{module}: imports inside functions that belong at the top: {light}"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("retrieval.upstream.")))
+def test_upstream_converters_run_without_torch(module):
+    """The converters read and write files only: importing one must not pull in torch or FAISS (half a GB of memory
+    each, the whole of ``benchmarks/convert.py``'s peak RSS), e.g. through a package ``__init__``."""
+    code = f"import sys, {module}; print(sorted({{'torch', 'faiss'}} & set(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", f"importing {module} imports {done.stdout.strip()}"

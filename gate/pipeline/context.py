@@ -21,8 +21,7 @@ from common.job_parts import JobParts
 from common.placement import job_device
 from gate.pipeline.judges import judge_from_args, judge_settings
 from gate.variants import spec, user_text
-from retrieval import MultimodalIndex
-from retrieval.index import require_index
+from retrieval.index import MultimodalIndex, require_index
 from retrieval.kb import check_images
 from retrieval.upstream.articles import open_store
 from rl.generate import vlm_generator

@@ -17,7 +17,7 @@ from gate.pipeline.metrics import official_correct, token_accuracy
 from gate.pipeline.rerank import combine, load_reranker, load_text_reranker, within_article
 from gate.scoring import DEFAULT_THRESHOLDS, first_token_scores, gate_of, generate_parsed
 from gate.variants import completion
-from retrieval import MultimodalIndex
+from retrieval.index import MultimodalIndex
 from retrieval.upstream.articles import open_store
 from rl.refine import Refiner
 
