@@ -49,6 +49,7 @@ parser.add_argument("--threads", type=int, default=None)
 parser.add_argument("--child", nargs=3, metavar=("INDEX", "N", "OUT"), help=argparse.SUPPRESS)
 args = parser.parse_args()
 D, Q, ALPHA = args.dim, args.queries, 0.63
+CHILD_TIMEOUT_S = 1800  # a memory-measuring child ranks one step: minutes at 1 M rows on a slow machine
 HALF = D // 2
 
 
@@ -125,8 +126,13 @@ if args.child:
     idx, _ = load_index(path, n, "exact")
     img, txt, gold = step_queries(path, n)
     idx.entity_ranks(img, txt, gold, alpha=ALPHA, depth=args.depth)
-    out.write_text(json.dumps({**smaps(), "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+    part = out.with_suffix(".part")  # renamed when whole: the benchmark reads it once it exists
+    part.write_text(json.dumps({**smaps(), "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+    part.replace(out)
+    deadline = time.monotonic() + CHILD_TIMEOUT_S
     while not out.with_suffix(".release").exists():  # hold the index while the sibling measures too
+        if time.monotonic() > deadline:
+            sys.exit(f"{out.name}: no release from the benchmark in {CHILD_TIMEOUT_S} s")
         time.sleep(0.2)
     sys.exit(0)
 
@@ -211,7 +217,17 @@ for n in [int(s) for s in args.sizes.split(",")]:
             )
             for o in outs
         ]
+        deadline = time.monotonic() + CHILD_TIMEOUT_S
         while not all(o.exists() for o in outs):
+            ended = [c.returncode for c, o in zip(children, outs) if c.poll() is not None and not o.exists()]
+            if ended or time.monotonic() > deadline:
+                for c in children:
+                    c.kill()
+                    c.wait()
+                shutil.rmtree(work, ignore_errors=True)
+                killed = " (killed: out of memory?)" if ended and ended[0] in (-9, 137) else ""
+                why = f"ended with return code {ended[0]}{killed}" if ended else f"wrote nothing in {CHILD_TIMEOUT_S} s"
+                sys.exit(f"N = {n:,}, {procs} process(es): a memory-measuring child {why} before writing its figures")
             time.sleep(0.2)
         stats = [json.loads(o.read_text()) for o in outs]
         for o in outs:
