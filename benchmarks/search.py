@@ -41,6 +41,8 @@ parser.add_argument("--nprobe", type=int, default=32)
 args = parser.parse_args()
 sizes = [int(s) for s in args.sizes.split(",")]
 d, nq, k = args.dim, args.queries, args.k
+if not 1 <= k <= min(sizes):
+    parser.error(f"--k {k}: the top-k search needs 1 ≤ k ≤ the smallest of --sizes ({min(sizes):,})")
 
 
 def random_unit(n, seed, chunk=65536):

@@ -1,5 +1,5 @@
 """The benchmark scripts' own failures (their figures are not asserted: benchmarks/ prints them): a child process that
-dies is reported, not waited on forever."""
+dies is reported, not waited on forever; arguments no run can use are refused before any work."""
 
 import os
 import subprocess
@@ -32,3 +32,9 @@ def test_reward_scale_reports_a_child_that_died(tmp_path):
     assert done.returncode == 1
     assert "N = 2,000, 1 process(es): a memory-measuring child ended with return code 137" in done.stderr
     assert not (tmp_path / "work").exists()
+
+
+def test_search_refuses_a_k_past_the_smallest_size():
+    done = run_script("search.py", "--sizes", "1000,100", "--dim", "8", "--repeats", "1")
+    assert done.returncode == 2  # argparse's refusal, before any index is built
+    assert "--k 200: the top-k search needs 1 ≤ k ≤ the smallest of --sizes (100)" in done.stderr
