@@ -46,7 +46,7 @@ for label, gate in (("with the gate", config["gate"]), ("without (always retriev
     placement = placement if rows[1:] else stages.placement  # the gated run's, which has every stage
 
 print(
-    f"pipeline {args.config} on {args.questions} toy-world test questions, CPU ({os.cpu_count()} cores), "
+    f"pipeline {args.config} on {rows[0][1]['n']} toy-world test questions, CPU ({os.cpu_count()} cores), "
     "models loaded beforehand\n"
 )
 print("| run | questions/s | accuracy | retrieval ratio | " + " | ".join(f"{s} %" for s in STAGES) + " |")

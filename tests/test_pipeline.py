@@ -1,12 +1,16 @@
 """gate.pipeline on the toy world with tiny models for every stage: stages on and off, baselines, resume after an
 interruption, missing images, failing endpoints, and models that are missing."""
 
+import dataclasses
 import json
 import re
+import runpy
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from common.files import read_jsonl, write_json_atomic, write_jsonl_atomic
 from gate.pipeline.arguments import PipelineArgs
@@ -479,3 +483,13 @@ def test_a_question_written_twice_is_reported_once(make_args):
     path.write_text("".join(lines + lines[:1] * 3))
     again = run(args, **QUIET)
     assert again["n"] == first["n"] == 6 and again["accuracy"] == pytest.approx(first["accuracy"])
+
+
+def test_the_pipeline_benchmark_names_the_questions_it_ran(make_args, gates, tmp_path, monkeypatch, capsys):
+    """benchmarks/pipeline.py's header counts the questions both runs took (6 here), not the --questions asked for."""
+    config = tmp_path / "pipeline.yaml"
+    config.write_text(yaml.safe_dump(dataclasses.asdict(make_args(gate=gates["hkb"]))))
+    monkeypatch.setattr(sys, "argv", ["pipeline.py", "--config", str(config), "--questions", "480"])
+    runpy.run_path(str(Path(__file__).resolve().parents[1] / "benchmarks" / "pipeline.py"), run_name="__main__")
+    header = capsys.readouterr().out.splitlines()[0]
+    assert header.startswith(f"pipeline {config} on 6 toy-world test questions"), header
