@@ -106,8 +106,34 @@ def test_every_stage_on(make_args, gates, tiny_refiner, queries):
             assert r["rag"]["without_inspector"]["answer"] == r["rag"]["answer"]
     out = args.out
     assert json.load(open(f"{out}/metrics.json"))["accuracy"] == pytest.approx(metrics["accuracy"])
+    assert json.load(open(f"{out}/metrics.json"))["placement"]["index α"] == "0.5"  # the α it ran with, recorded
     assert open(f"{out}/metrics.md").read().startswith("| system | accuracy | retrieval ratio |")
     assert (tmp_path_of(args) / "accuracy_vs_retrieval.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    "alpha,trained_on,expected",
+    [
+        (0.3, ("EVA", "Qwen3"), 0.3),  # --alpha given: used, whatever the refiner's
+        (None, ("tiny", "tiny"), 0.9),  # the refiner's α, on the encoders it was trained on
+        (None, (None, None), 0.9),  # a refiner.json that does not say: taken as before
+        (None, ("EVA", "Qwen3"), "--alpha is required: the refiner's α 0.9 weighs an index of EVA ⊕ Qwen3"),
+    ],
+)
+def test_the_refiners_alpha_holds_only_for_an_index_of_its_encoders(alpha, trained_on, expected):
+    """A refiner's α, chosen for its index's encoders, was applied silently to an index of other encoders."""
+    from types import SimpleNamespace
+
+    from gate.pipeline.context import resolve_alpha
+
+    index = {"alpha": 0.9, **dict(zip(("image_encoder", "text_encoder"), trained_on))}
+    refiner = SimpleNamespace(spec={"index": {k: v for k, v in index.items() if v is not None}})
+    manifest = {"image_encoder": "tiny", "text_encoder": "tiny"}
+    if isinstance(expected, str):
+        with pytest.raises(ValueError, match=expected + ", and --index holds tiny ⊕ tiny"):
+            resolve_alpha(alpha, refiner, manifest)
+    else:
+        assert resolve_alpha(alpha, refiner, manifest) == expected
 
 
 @pytest.mark.parametrize("gate,baseline", [("always", "All RAG"), ("never", "No RAG")])

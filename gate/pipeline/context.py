@@ -38,12 +38,21 @@ def load_questions(queries, images_root) -> tuple[list[dict], Path]:
     return [{**r, "image_path": str((root / r["image"]).resolve())} for r in rows], root
 
 
-def resolve_alpha(alpha, refiner) -> float:
+def resolve_alpha(alpha, refiner, manifest: dict) -> float:
+    """--alpha, else the α the refiner was trained with (its refiner.json), which holds only for an index of the
+    encoders it was trained on (``manifest``: the index's)."""
     if alpha is not None:
         return float(alpha)
     index_spec = (refiner.spec.get("index") or {}) if refiner is not None else {}
     if index_spec.get("alpha") is None:
         raise ValueError("--alpha is required (no refiner with an index α was given)")
+    trained = [index_spec.get(k) for k in ("image_encoder", "text_encoder")]
+    here = [manifest.get(k) for k in ("image_encoder", "text_encoder")]
+    if None not in trained and trained != here:
+        raise ValueError(
+            f"--alpha is required: the refiner's α {index_spec['alpha']} weighs an index of {' ⊕ '.join(trained)}, "
+            f"and --index holds {' ⊕ '.join(map(str, here))}"
+        )
     return float(index_spec["alpha"])
 
 
@@ -71,7 +80,7 @@ def stage_retrieve(args, out: Path, log=print, index=None, refiner=None) -> int:
         return 0
     if refiner is None and args.refiner:
         refiner = Refiner.load(args.refiner)
-    alpha = resolve_alpha(args.alpha, refiner)
+    alpha = resolve_alpha(args.alpha, refiner, manifest)
     if index is None:
         index = MultimodalIndex.load(args.index)
 

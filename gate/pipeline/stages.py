@@ -77,9 +77,9 @@ class Retriever:
     """The index: top-k entities (their best sections) and the gold entity's rank for each query."""
 
     def __init__(self, args, refiner, device: str):
-        self.alpha = resolve_alpha(args.alpha, refiner)
         self.k = args.k
         self.index = MultimodalIndex.load(args.index, device=device)
+        self.alpha = resolve_alpha(args.alpha, refiner, self.index.manifest)
         self.encoders = (self.index.image_encoder, self.index.text_encoder)  # loaded now, not mid-run
 
     def __call__(self, images, queries, entity_ids):
@@ -354,6 +354,7 @@ class Stages:
         if self.retrieve is not None:
             index = self.retrieve.index
             self.placement["index"] = f"encoders {index.device}, FAISS {index.search_device}"
+            self.placement["index α"] = f"{self.retrieve.alpha:g}" + (" (the refiner's)" if args.alpha is None else "")
         if self.judge.bem is not None:
             self.placement["BEM"] = f"{self.judge.bem.device} {str(self.judge.bem.dtype).replace('torch.', '')}"
 
