@@ -258,6 +258,12 @@ def test_bad_input_is_named_before_models_load(make_args, override, match):
         run(make_args(**override), **QUIET)
 
 
+def test_an_alpha_outside_0_1_is_refused_before_any_model_loads(make_args, monkeypatch):
+    monkeypatch.setattr("gate.pipeline.run.Stages", lambda *a, **k: pytest.fail("the models loaded first"))
+    with pytest.raises(ValueError, match=r"alpha must be in \[0, 1\], got 1.5"):
+        run(make_args(alpha=1.5), **QUIET)
+
+
 def test_a_stage_that_fails_to_load_is_named(make_args, tiny_gate_vlm):
     with pytest.raises(ValueError, match="inspector: could not load"):
         run(make_args(inspector=str(tiny_gate_vlm)), **QUIET)  # a model folder, but not a trained gate

@@ -16,6 +16,7 @@ from gate.pipeline.consistency import STRATEGIES
 from gate.pipeline.metrics import METRICS
 from gate.pipeline.stages import generator_prompt, parse_stage_gpus
 from retrieval.index import require_index
+from retrieval.ranking import check_alpha
 
 
 @dataclass
@@ -148,6 +149,8 @@ def validate(args: PipelineArgs) -> None:
         raise ValueError("--out is required")
     if args.batch_size <= 0 or args.k <= 0:
         raise ValueError("--batch_size and --k must be positive")
+    if args.alpha is not None:  # it was checked when the index first ranked, after every model had loaded
+        check_alpha(args.alpha)
     for name in ("beta1", "beta2"):  # weights of a convex combination (docs/gates-and-pipeline.md)
         if not 0.0 <= getattr(args, name) <= 1.0:
             raise ValueError(f"--{name} must lie in [0, 1], got {getattr(args, name)}")
