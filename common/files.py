@@ -11,7 +11,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -141,12 +141,23 @@ def json_record(line: str | bytes, path, lineno: int) -> dict:
     return without_lone_surrogates(rec) if escape in line else rec  # a surrogate only ever comes as an escape
 
 
-def read_jsonl(path: str | Path) -> Iterator[dict]:
-    """Stream records; a malformed line raises ValueError naming the file and line number."""
+def read_jsonl(path: str | Path, required: Sequence[str] = (), what: str | None = None) -> Iterator[dict]:
+    """Stream records; a malformed line, or a record without one of the ``required`` fields (absent or null), raises
+    ValueError naming the file, the line number and the field (``what``, when given, is said after it: what the file
+    should have been)."""
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if line.strip():
-                yield json_record(line, path, lineno)
+                yield require_fields(json_record(line, path, lineno), required, f"{path}:{lineno}", what)
+
+
+def require_fields(rec: dict, required: Sequence[str], where: str, what: str | None = None) -> dict:
+    """``rec`` when it holds every ``required`` field, none null; else a ValueError ``<where> lacks "<field>"``."""
+    for key in required:
+        if rec.get(key) is None:
+            said = "lacks" if key not in rec else "has null for"
+            raise ValueError(f'{where} {said} "{key}"' + (f": {what}" if what else ""))
+    return rec
 
 
 def append_jsonl(path: str | Path, records: list[dict]) -> None:

@@ -14,17 +14,21 @@ with a histogram of how far the gold entity moved per question (``rank_change*.p
 metrics.json): from the original ``question`` to the other field when one of the two is ``question``, else from
 ``--text_field`` to the compared field. ``--alpha_sweep lo:hi:step`` evaluates many α from one set of embeddings and
 writes a CSV and a plot of R@K against α. A run removes what an earlier run left in ``--out`` (the other mode's files,
-other fields' histograms). Question rows whose image is missing or unreadable, whose text field is empty, or that are
-2-hop are reported and excluded, with the counts shown. A question whose gold entity has no row in the index (its
-article had no usable image, …) stays in and counts as a miss, as in the reference evaluation; the count is logged
-and written as ``gold_not_in_index``.
+other fields' histograms) once its own files are written. A question row without ``id`` or ``entity_id`` is an error
+naming its line, before the index loads; a question without answers counts as a PR@K miss, and their number is
+logged (``without_answers`` in metrics.json; no PR@K when none has answers). Question rows whose image is missing
+or unreadable, whose text field is empty, or that are 2-hop are reported and excluded, with the counts shown. A
+question whose gold entity has no row in the index (its article had no usable image, …) stays in and counts as a
+miss, as in the reference evaluation; the count is logged and written as ``gold_not_in_index``.
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import os
 import re
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -129,16 +133,20 @@ def pseudo_recall_at(hit_texts: list[list[str]], answers: list[list[str]], ks: l
 # --------------------------------------------------------------------------- data
 
 
+REQUIRED = ("id", "entity_id")  # ranks.jsonl is keyed by id; R@K ranks the gold entity
+
+
 def load_questions(path: Path, fields: list[str], images_root: Path):
-    """Keep the rows we can evaluate; return (rows, excluded): excluded = {reason: count}. A row whose gold entity has
-    no index row stays in: such an entity is never retrieved, so it counts as a miss in every R@K, as in the reference
-    evaluation (EchoSight's ``eval_recall`` over every question), rather than being left out of the denominator."""
+    """Keep the rows we can evaluate; return (rows, excluded): excluded = {reason: count}. A row without an ``id`` or
+    a gold ``entity_id`` is an error naming its line. A row whose gold entity has no index row stays in: such an
+    entity is never retrieved, so it counts as a miss in every R@K, as in the reference evaluation (EchoSight's
+    ``eval_recall`` over every question), rather than being left out of the denominator."""
     rows, excluded = [], {}
 
     def drop(reason):
         excluded[reason] = excluded.get(reason, 0) + 1
 
-    for rec in read_jsonl(path):
+    for rec in read_jsonl(path, REQUIRED, "retrieval.evaluate needs each question's id and gold entity"):
         if not rec.get("image") or not (images_root / rec["image"]).is_file():
             drop("image missing")
         elif isinstance(rec.get("entity_id"), list):
@@ -213,13 +221,13 @@ def run(args: EvalArgs, log=print) -> dict:
     if not images_root.is_dir():
         raise ValueError(f"--images_root: folder {images_root} does not exist")
     out = Path(args.out or Path("outputs/eval") / queries.stem)
-
-    index = MultimodalIndex.load(args.index, device=args.device)
     rows, excluded = load_questions(queries, fields, images_root)
     for reason, count in excluded.items():
         log(f"excluded {count} question(s): {reason}")
     if not rows:
         raise ValueError(f"no question in {queries} can be evaluated ({excluded})")
+
+    index = MultimodalIndex.load(args.index, device=args.device)
     kb_path = Path(args.kb or index.manifest.get("kb_path", ""))
     workers = decode_workers(args.workers)
     image_emb, unreadable = index.encode_image_files([images_root / r["image"] for r in rows], workers, log=log)
@@ -236,7 +244,14 @@ def run(args: EvalArgs, log=print) -> dict:
     text_embs = {f: index.encode_texts([r[f] for r in rows]) for f in fields}
     ranked = {a: {f: index.rank(image_emb, text_embs[f], a, args.depth) for f in fields} for a in alphas}
     entry_texts = None
-    if kb_path.is_file():  # pseudo-recall reads the sections ranked in the top max(K)
+    unanswered = sum(not r.get("answers") for r in rows)
+    if unanswered == len(rows):
+        log(f"pseudo-recall skipped: no question in {queries} has answers")
+    elif kb_path.is_file():  # pseudo-recall reads the sections ranked in the top max(K)
+        if unanswered:
+            log(
+                f"pseudo-recall: {unanswered} of {len(rows)} question(s) have no answers: each counts as a miss in PR@K"
+            )
         needed = {
             index.entry_ids[r] for per in ranked.values() for rk in per.values() for x in rk for r in x.rows[: max(ks)]
         }
@@ -269,35 +284,52 @@ def run(args: EvalArgs, log=print) -> dict:
         "queries": str(queries),
         "excluded": excluded,
         "gold_not_in_index": absent,
+        "without_answers": unanswered,
         "ks": ks,
         "results": {str(a): {f: r["metrics"] for f, r in per.items()} for a, per in results.items()},
     }
     out.mkdir(parents=True, exist_ok=True)
-    for stale in [out / name for name in OUTPUT_FILES] + list(out.glob("rank_change*.png")):  # an earlier run's
-        stale.unlink(missing_ok=True)  # (another mode, other fields)
-    if len(alphas) == 1:
-        table = format_table({f: r["metrics"] for f, r in results[alphas[0]].items()}, ks)
-        log(f"α = {alphas[0]}\n{table}")
-        write_text_atomic(out / "metrics.md", f"α = {alphas[0]}\n\n{table}\n")
-        per_question = [
-            {"id": row["id"], **{f"rank_{f}": results[alphas[0]][f]["ranks"][i] for f in fields}}
-            for i, row in enumerate(rows)
-        ]
-        with atomic_path(out / "ranks.jsonl") as tmp, open(tmp, "w") as fh:
-            fh.writelines(json.dumps(p) + "\n" for p in per_question)
-        _write_csv(out / "metrics.csv", {f: r["metrics"] for f, r in results[alphas[0]].items()})
-        per = results[alphas[0]]
-        for f in compared:  # one histogram per compared field: rank_change.png, or rank_change_<field>.png
-            name = "rank_change.png" if len(compared) == 1 else f"rank_change_{re.sub(r'[^A-Za-z0-9_.+-]', '_', f)}.png"
-            before, after = (f, args.text_field) if f == ORIGINAL else (args.text_field, f)
-            summary.setdefault("rank_change", {})[f] = _write_rank_change(
-                out / name, per[before]["ranks"], per[after]["ranks"], args.depth, before, after
-            )
-    else:
-        _write_sweep(out, alphas, list(results[alphas[0]]), ks, results, log)
-    write_json_atomic(out / "metrics.json", summary)
+    with tempfile.TemporaryDirectory(prefix=".evaluate-", dir=out) as staging:  # out is left as it was on a failure
+        new = Path(staging)
+        if len(alphas) == 1:
+            table = format_table({f: r["metrics"] for f, r in results[alphas[0]].items()}, ks)
+            log(f"α = {alphas[0]}\n{table}")
+            write_text_atomic(new / "metrics.md", f"α = {alphas[0]}\n\n{table}\n")
+            per_question = [
+                {"id": row["id"], **{f"rank_{f}": results[alphas[0]][f]["ranks"][i] for f in fields}}
+                for i, row in enumerate(rows)
+            ]
+            with atomic_path(new / "ranks.jsonl") as tmp, open(tmp, "w") as fh:
+                fh.writelines(json.dumps(p) + "\n" for p in per_question)
+            _write_csv(new / "metrics.csv", {f: r["metrics"] for f, r in results[alphas[0]].items()})
+            per = results[alphas[0]]
+            for f in compared:  # one histogram per compared field: rank_change.png, or rank_change_<field>.png
+                name = (
+                    "rank_change.png"
+                    if len(compared) == 1
+                    else f"rank_change_{re.sub(r'[^A-Za-z0-9_.+-]', '_', f)}.png"
+                )
+                before, after = (f, args.text_field) if f == ORIGINAL else (args.text_field, f)
+                summary.setdefault("rank_change", {})[f] = _write_rank_change(
+                    new / name, per[before]["ranks"], per[after]["ranks"], args.depth, before, after
+                )
+        else:
+            _write_sweep(new, alphas, list(results[alphas[0]]), ks, results, log)
+        write_json_atomic(new / "metrics.json", summary)
+        replace_outputs(new, out)
     log(f"wrote {out}/metrics.json")
     return summary
+
+
+def replace_outputs(new: Path, out: Path) -> None:
+    """This run's files (in ``new``) moved into ``out``; then what an earlier run left there and this one did not
+    write (another mode's files, other fields' histograms) is removed."""
+    written = {p.name for p in new.iterdir()}
+    for name in sorted(written - {"metrics.json"}) + ["metrics.json"]:  # the summary last
+        os.replace(new / name, out / name)
+    for stale in [out / name for name in OUTPUT_FILES] + list(out.glob("rank_change*.png")):
+        if stale.name not in written:
+            stale.unlink(missing_ok=True)
 
 
 def rank_changes(before: list[int | None], after: list[int | None], depth: int) -> list[int]:

@@ -191,6 +191,74 @@ def test_invalid_settings_fail_before_loading(tiny_index_dir, tiny_world, tmp_pa
         run(tiny_index_dir, tiny_world / "test.jsonl", tmp_path, **kw)
 
 
+def write_rows(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.parametrize(
+    "key,null,said", [("id", False, "lacks"), ("entity_id", False, "lacks"), ("id", True, "has null for")]
+)
+def test_a_question_without_id_or_gold_entity_is_named_before_loading(
+    tiny_index_dir, tiny_world, tmp_path, monkeypatch, key, null, said
+):
+    """A row without an id (or gold entity) was a KeyError after every image was encoded, and the earlier run's
+    metrics.json, metrics.csv and ranks.jsonl in the same --out were deleted first."""
+    rows = [json.loads(x) for x in open(tiny_world / "test.jsonl")][:4]
+    rows[2][key] = None
+    if not null:
+        del rows[2][key]
+    q = write_rows(tmp_path / "q.jsonl", rows)
+    earlier = tmp_path / "ev" / "metrics.json"
+    earlier.parent.mkdir()
+    earlier.write_text("{}")
+    monkeypatch.setattr(ev.MultimodalIndex, "load", lambda *a, **k: pytest.fail("the index was loaded"))
+    with pytest.raises(ValueError, match=re.escape(f'{q}:3 {said} "{key}"')):
+        run(tiny_index_dir, q, tmp_path, alpha=0.5, images_root=str(tiny_world))
+    assert earlier.read_text() == "{}"
+
+
+def test_an_earlier_run_is_removed_only_once_the_new_results_are_written(
+    tiny_index_dir, tiny_world, tmp_path, monkeypatch, encoders
+):
+    real_load = ev.MultimodalIndex.load
+    monkeypatch.setattr(ev.MultimodalIndex, "load", lambda p, **k: real_load(p, *encoders))
+    q = tiny_world / "test.jsonl"
+    run(tiny_index_dir, q, tmp_path, alpha=0.5)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "ev").iterdir() if p.name != "metrics.md"}
+
+    def disk_full(*a):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(ev, "_write_csv", disk_full)
+    with pytest.raises(OSError):
+        run(tiny_index_dir, q, tmp_path, alpha=0.25)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "ev").iterdir() if p.name in before} == before
+
+
+def test_questions_without_answers_are_counted_for_pseudo_recall(
+    tiny_index_dir, tiny_world, tmp_path, monkeypatch, encoders
+):
+    """Without answers PR@K was 0 without a word."""
+    real_load = ev.MultimodalIndex.load
+    monkeypatch.setattr(ev.MultimodalIndex, "load", lambda p, **k: real_load(p, *encoders))
+    rows = [json.loads(x) for x in open(tiny_world / "test.jsonl")][:6]
+    for r in rows[:2]:
+        del r["answers"]
+    lines = []
+    q = write_rows(tmp_path / "q.jsonl", rows)
+    args = dict(index=str(tiny_index_dir), queries=str(q), images_root=str(tiny_world), alpha=0.5)
+    res = ev.run(EvalArgs(**args, out=str(tmp_path / "some")), log=lines.append)
+    assert res["without_answers"] == 2 and "PR@1" in res["results"]["0.5"]["question"]
+    assert "pseudo-recall: 2 of 6 question(s) have no answers: each counts as a miss in PR@K" in lines
+    for r in rows:
+        r.pop("answers", None)
+    write_rows(q, rows)
+    res = ev.run(EvalArgs(**args, out=str(tmp_path / "none")), log=lines.append)
+    assert res["without_answers"] == 6 and not any(k.startswith("PR@") for k in res["results"]["0.5"]["question"])
+    assert f"pseudo-recall skipped: no question in {q} has answers" in lines
+
+
 def test_missing_index_or_queries_named(tiny_index_dir, tmp_path):
     with pytest.raises(ValueError, match="--index"):
         ev.run(EvalArgs(index=str(tmp_path), queries="x", alpha=0.5))

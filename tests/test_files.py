@@ -2,6 +2,7 @@
 another process renamed first), a bounded wait for a path another process writes, atomic files' permissions, and the
 resume of a JSONL file an interrupted job appended to."""
 
+import re
 import stat
 from pathlib import Path
 
@@ -203,3 +204,24 @@ def test_a_record_holding_a_lone_surrogate_is_written_escaped_and_read_back_as_a
         assert first == {"id": "q1", "text": "cut \ufffd", "city": "Zürich"}
     assert "Zürich" in (tmp_path / "b.jsonl").read_text(encoding="utf-8").splitlines()[1]  # only that line escaped
     assert "\\ud83d" in (tmp_path / "c.json").read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize(
+    "lines,required,what,error",
+    [
+        (['{"id": 1, "question": "q"}'], ("id", "question"), None, None),
+        (['{"id": 1}', "", '{"question": "q"}'], ("id",), None, ':3 lacks "id"'),  # a blank line still counts
+        (['{"id": 1, "question": null}'], ("id", "question"), None, ':1 has null for "question"'),
+        (['{"id": 1, "question": ""}'], ("question",), None, None),  # empty is the reader's to judge, not missing
+        (['{"id": 1}'], ("prompt",), "not a rendered file", ':1 lacks "prompt": not a rendered file'),
+        (['{"id": 1}'], (), None, None),
+    ],
+)
+def test_read_jsonl_names_the_line_and_field_a_record_lacks(tmp_path, lines, required, what, error):
+    path = tmp_path / "q.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    if error is None:
+        assert len(list(read_jsonl(path, required, what))) == sum(bool(x) for x in lines)
+    else:
+        with pytest.raises(ValueError, match=f"^{re.escape(str(path) + error)}$"):
+            list(read_jsonl(path, required, what))
