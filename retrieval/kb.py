@@ -21,6 +21,7 @@ from PIL import ExifTags, Image, ImageOps
 
 KB_FIELDS = ("entry_id", "entity_id", "title", "section_title", "text", "image")
 QUESTION_FIELDS = ("id", "image", "question", "entity_id", "answers")
+QUESTION_KEYS = ("id", "question")  # what every job over a question file reads: the id its results go by, the question
 
 
 def kb_entry(entry_id, entity_id, title, section_title, text, image, section: int | None = None) -> dict:
@@ -44,6 +45,11 @@ def question_record(id, image, question, entity_id, answers, **extra) -> dict:
     rec = dict(id=str(id), image=image, question=question, entity_id=entity_id, answers=list(answers))
     rec.update({k: v for k, v in extra.items() if v is not None})
     return rec
+
+
+def has_gold(rec: dict) -> bool:
+    """Whether a question has anything to judge its answers against (gold answers, or InfoSeek's answer_eval)."""
+    return bool(rec.get("answers")) or rec.get("answer_eval") is not None
 
 
 def entry_text(entry: dict, template: str = "{title}. {section_title}. {text}") -> str:

@@ -35,7 +35,7 @@ from common.files import check_unique_ids, input_settings, read_jsonl, weights_f
 from common.job_parts import JobParts
 from common.placement import dist_timeout_field, job_device, process_state, resolve_device
 from common.prompts import json_objects, load_prompt, wording
-from retrieval.kb import check_images
+from retrieval.kb import QUESTION_KEYS, check_images
 from rl.generate import vlm_generator
 from rl.model import usable_batch
 from rl.refine import BACKENDS, IMAGE_ERROR
@@ -101,7 +101,7 @@ def run_baselines(args: BaselineArgs, log=print, state=None, generate=None) -> i
         raise ValueError("--out is required")
     prompt = load_prompt(args.prompt_file, {}, flag="--prompt_file") if args.prompt_file else BASELINE_PROMPT
     root = Path(args.images_root or Path(args.queries).parent)
-    rows = list(read_jsonl(args.queries))
+    rows = list(read_jsonl(args.queries, QUESTION_KEYS))
     check_images(rows, root, args.queries)
     check_unique_ids(rows, args.queries)
     parts = JobParts(Path(args.out), state)

@@ -28,13 +28,14 @@ from common.files import check_unique_ids, pyplot, read_jsonl, save_figure, writ
 from common.job_parts import JobParts
 from common.placement import Processes, decode_workers, dist_timeout_field, job_device, process_state
 from retrieval.index import MultimodalIndex, require_index
-from retrieval.kb import downscaled_jpeg, load_image
+from retrieval.kb import QUESTION_KEYS, downscaled_jpeg, load_image
 from retrieval.ranking import check_alpha
 from rl.image_budget import aspect_problem
 from rl.image_embeddings import embed_images, image_path_of
 from rl.prompts import prompt_messages, prompt_spec
 
 NOT_IN_INDEX = "gold entity not in the index"
+GOLD_KEYS = (*QUESTION_KEYS, "entity_id")  # the reward ranks each question's gold entity
 
 
 def verify_images(rows: list[dict], root: Path, limit: int | None = None) -> tuple[list[dict], list[dict]]:
@@ -75,7 +76,7 @@ def question_dataset(
 
     path = Path(path)
     root = Path(images_root or path.parent)
-    records = list(read_jsonl(path))
+    records = list(read_jsonl(path, GOLD_KEYS))
     check_unique_ids(records, path)
     good, bad = verify_images(records, root, limit)
     if bad_images_dir is not None:
@@ -334,7 +335,7 @@ def build_rl_data(args: RLDataArgs, log=print, state=None) -> dict:
     if deepest > args.depth:  # ranks past depth come back as misses: that bucket would be filled from misses' place
         raise ValueError(f"--strata: a bucket reaches rank {deepest}, deeper than --depth {args.depth}")
     root = Path(args.images_root or Path(args.queries).parent)
-    rows = list(read_jsonl(args.queries))
+    rows = list(read_jsonl(args.queries, GOLD_KEYS))
     check_unique_ids(rows, args.queries)
     index = MultimodalIndex.load(args.index, device=job_device(args.device, state))
     known, skipped = [], []

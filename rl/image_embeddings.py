@@ -233,10 +233,10 @@ def main(argv=None) -> None:
     (args,) = parse((EmbedArgs,), argv, description=__doc__)
     require_file(args.queries, "queries")
     require_index(args.index)
+    rows = list(read_jsonl(args.queries, ("image",)))
     state = process_state(args.device, args.dist_timeout_minutes)
     # the image encoder on this process's device; the FAISS index itself is never searched here: memory-mapped
     index = MultimodalIndex.load(args.index, device=job_device(args.device, state), search_device="cpu")
-    rows = list(read_jsonl(args.queries))
     embed_images(
         args.queries,
         [r["image"] for r in rows],

@@ -29,7 +29,7 @@ from common.cli import parse, require_file
 from common.files import check_unique_ids, input_settings, read_jsonl, weights_fingerprint
 from common.job_parts import JobParts
 from common.placement import dist_timeout_field, process_state, resolve_device
-from retrieval.kb import check_images
+from retrieval.kb import QUESTION_KEYS, check_images
 from rewards.format import MAX_QUERY_TOKENS, parse_query
 from rl.generate import generate_completions, generate_vllm, load_vllm
 from rl.image_budget import apply_image_budget
@@ -172,7 +172,7 @@ def refine_file(args: RefineArgs, log=print, refiner: Refiner | None = None, sta
     if args.batch_size <= 0:
         raise ValueError(f"--batch_size must be positive, got {args.batch_size}")
     root = Path(args.images_root or Path(args.queries).parent)
-    rows = list(read_jsonl(args.queries))
+    rows = list(read_jsonl(args.queries, QUESTION_KEYS))
     check_images(rows, root, args.queries)
     check_unique_ids(rows, args.queries)
     out = Path(args.out)

@@ -53,6 +53,13 @@ def official_correct(
     raise ValueError(f"unknown metric {metric!r} (expected one of {', '.join(METRICS)})")
 
 
+def refuses_unanswered(metric: str, record: dict) -> bool:
+    """Whether ``official_correct`` under ``metric`` refuses a question record that has no answers (nor
+    ``answer_eval``): E-VQA's rule always (its reference is then empty), InfoSeek's for a question of an InfoSeek type;
+    an untyped question without answers is a miss (``infoseek_match``)."""
+    return metric == "evqa" or is_infoseek_type(record.get("question_type"))
+
+
 # --------------------------------------------------------------------------- small helpers used by the gates
 
 

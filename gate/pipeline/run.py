@@ -14,7 +14,10 @@ the gate chose. Every stage is batched with its own progress bar; each finished 
 already done are skipped). ``accelerate launch -m gate.pipeline …`` splits the questions over processes, every model
 of a process on its own device, and merges their parts into ``predictions.jsonl`` in input order. Writes
 ``metrics.json``, ``metrics.md`` and ``accuracy_vs_retrieval.png`` (the gate's threshold swept over one scoring
-pass, with the baselines). Its arguments and their checks: gate/pipeline/arguments.py.
+pass, with the baselines). Its arguments and their checks: gate/pipeline/arguments.py. A question row without ``id``
+or ``question`` is an error naming its line; a question without answers (nor ``answer_eval``: an InfoSeek test file
+converted for inference) is scored wrong and their number is said first (``without_answers`` in metrics.json), except
+where the benchmark's rule cannot score one (E-VQA's; InfoSeek's for a typed question): refused before any model loads.
 """
 
 from __future__ import annotations
@@ -44,7 +47,9 @@ from gate.pipeline.end_to_end import (
     summarize,
     threshold_curve,
 )
+from gate.pipeline.metrics import refuses_unanswered
 from gate.pipeline.stages import Stages
+from retrieval.kb import QUESTION_KEYS, has_gold
 from rl.model import usable_batch
 
 # ---------------------------------------------------------------- one batch, in the order of WikiSeeker's Figure 2
@@ -245,13 +250,33 @@ def unfinished(record: dict) -> bool:
     return "skipped" in record or any(request_failed((p or {}).get("failed")) for p in paths)
 
 
+def count_unanswered(rows: list[dict], metric: str, source, log=print) -> int:
+    """How many questions have nothing to score an answer against, said in one line: each is a miss in accuracy
+    (an InfoSeek test file, converted for inference, has no answers; its predictions are still wanted). Where the
+    benchmark's rule would refuse such a question once the models had answered it, a ValueError naming them now."""
+    lacking = [r for r in rows if not has_gold(r)]
+    refused = [str(r["id"]) for r in lacking if refuses_unanswered(metric, r)]
+    if refused:
+        raise ValueError(
+            f"{source}: {len(refused)} question(s) have no answers (nor answer_eval), which the {metric} rule cannot "
+            f"score (first: {', '.join(refused[:3])}{' …' if len(refused) > 3 else ''})"
+        )
+    if lacking:
+        log(
+            f"{len(lacking)} of {len(rows)} question(s) in {source} have no answers (nor answer_eval): every answer to "
+            "them is scored wrong, a miss in accuracy"
+        )
+    return len(lacking)
+
+
 def run(args: PipelineArgs, log=print, stages: Stages | None = None, state=None) -> dict | None:
     """Answer every question not yet in ``predictions.jsonl`` and report. With an accelerate ``state`` of N processes
     each answers every N-th batch on its own device and process 0 merges the parts in input order and reports (the
     others return None): the same predictions as one process (common.job_parts)."""
     validate(args)
-    rows = list(read_jsonl(args.queries))[: args.limit]
+    rows = list(read_jsonl(args.queries, QUESTION_KEYS))[: args.limit]
     check_unique_ids(rows, args.queries)
+    unanswered = count_unanswered(rows, args.metric, args.queries, log)
     root = Path(args.images_root or Path(args.queries).parent)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -287,16 +312,17 @@ def run(args: PipelineArgs, log=print, stages: Stages | None = None, state=None)
             f"{again} of {len(records)} question(s) unfinished (an image missing or unusable, or a request that "
             f"failed after its retries): run again with the same --out to do those again"
         )
-    return report(records, out, args, log)
+    return report(records, out, args, log, without_answers=unanswered)
 
 
 PLACEMENT_FILE = "placement.json"  # each stage's device and dtype, as the latest run that answered placed them
 
 
-def report(records: list[dict], out: Path, args: PipelineArgs, log=print) -> dict:
+def report(records: list[dict], out: Path, args: PipelineArgs, log=print, without_answers: int = 0) -> dict:
     complete = [r for r in records if "skipped" not in r]
     both = bool(complete) and all(r["alone"] is not None and r["rag"] is not None for r in complete)
     metrics = summarize(records) if both else _summarize_chosen(records)
+    metrics["without_answers"] = without_answers  # questions scored wrong for want of answers (run's first line)
     gate_scores = [r["gate"]["score"] for r in complete if r["gate"]["score"] is not None]
     if both and gate_scores:
         grid = np.linspace(1, 5, 21) if max(gate_scores) > 1 else np.linspace(0, 1, 21)

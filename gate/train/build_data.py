@@ -41,7 +41,8 @@ from gate.pipeline.consistency import stage_consistency
 from gate.pipeline.context import load_questions, stage_context, stage_retrieve, vlm_answerer
 from gate.pipeline.judges import judge_all, judge_from_args, judge_settings
 from gate.train.answer_expansion import stage_expand
-from gate.train.labelling import LABEL_SOURCES, has_gold, stage_label, stage_render
+from gate.train.labelling import LABEL_SOURCES, stage_label, stage_render
+from retrieval.kb import has_gold
 from rl.model import open_vlm_image
 
 STAGES = ("sample", "judge", "retrieve", "context", "consistency", "label", "expand", "render")

@@ -27,6 +27,7 @@ from gate.train.labels import (
 )
 from gate.train.render import class_balance, format_balance, hold_out, parse_class_targets, render_rows
 from gate.variants import BINARY, load_gate_prompt, numbered_documents, prompt_file_for, spec
+from retrieval.kb import has_gold
 
 LABEL_SOURCES = {
     "hkb": "judged",
@@ -56,11 +57,6 @@ def answer_as_written(gold: str) -> str:
 def unjudged(rec: dict) -> bool:
     """Whether some of a question's sampled answers have no judgement."""
     return any(s is None for s in rec.get("scores", []))
-
-
-def has_gold(rec: dict) -> bool:
-    """Whether a question has anything to judge its answers against (gold answers, or InfoSeek's answer_eval)."""
-    return bool(rec.get("answers")) or rec.get("answer_eval") is not None
 
 
 def correct_alone(rec: dict, correct_score: float, rule: str = "sampled-majority") -> bool | None:
