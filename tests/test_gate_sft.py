@@ -2,6 +2,7 @@
 not), the saved gate loads for scoring, and bad configs fail before any model loads."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -147,6 +148,7 @@ def test_two_sft_steps_change_lora_weights_not_the_vision_tower(
         ("hkb", {"completion_only_loss": False}, "hkb", "loss on the prompt and its image tokens too"),
         ("hkb", {"load_in_4bit": True}, "hkb", "quantised loading .* is not supported"),  # was parsed, then ignored
         ("hkb", {"model_revision": "abc123"}, "hkb", "model_revision 'abc123' is not applied here"),
+        ("hkb", {}, "labels", ':1 lacks "prompt": not a rendered file'),  # was "no image file", naming a row
     ],
 )
 def test_bad_configs_fail_before_a_model_loads(variant, overrides, rows_of, match, tiny_world, tmp_path):
@@ -155,9 +157,38 @@ def test_bad_configs_fail_before_a_model_loads(variant, overrides, rows_of, matc
     recs = gate_records(tiny_world)
     if rows_of == "one-class":
         recs = [{**r, "search": True} for r in recs]
-    argv = sft_config(tmp_path, "/no/such/model", variant, render_rows("hkb", recs), **overrides)
+    rows = recs if rows_of == "labels" else render_rows("hkb", recs)
+    argv = sft_config(tmp_path, "/no/such/model", variant, rows, **overrides)
     with pytest.raises(ValueError, match=match):
         main(argv)
+
+
+@pytest.mark.parametrize(
+    "rows_of,said",
+    [
+        ("empty", "{data} has no rows"),  # its metrics were NaN, written over an earlier run's
+        ("labels", '{data}:1 lacks "prompt": not a rendered file (python -m gate.train.build_data --stage render'),
+        ("rendered, an image gone", "{data}: 1 row(s) have no image file (first: ['q0'])"),
+    ],
+)
+def test_held_out_scoring_refuses_rows_it_cannot_score_before_the_gate_loads(
+    rows_of, said, tiny_world, tmp_path, monkeypatch
+):
+    import gate.train.evaluation as evaluation
+
+    monkeypatch.setattr(evaluation, "load_gate", lambda *a, **k: pytest.fail("the gate was loaded"))
+    recs = gate_records(tiny_world)
+    rows = {"empty": [], "labels": recs, "rendered, an image gone": render_rows("hkb", recs)}[rows_of]
+    if rows_of.endswith("gone"):
+        rows[0]["image"] = str(tmp_path / "gone.png")
+    data = tmp_path / "hkb.test.jsonl"
+    write_jsonl_atomic(data, rows)
+    earlier = tmp_path / "scored" / "metrics.json"
+    earlier.parent.mkdir()
+    earlier.write_text('{"accuracy": 0.8}')
+    with pytest.raises(ValueError, match=re.escape(said.format(data=data))):
+        evaluation.score_file(evaluation.ScoringArgs(model="gate", data=str(data), out=str(earlier.parent)))
+    assert earlier.read_text() == '{"accuracy": 0.8}'
 
 
 def test_verbalisers_that_start_with_one_token_are_refused(tiny_world, tiny_refiner, tmp_path):

@@ -13,8 +13,9 @@ from pathlib import Path
 import numpy as np
 
 from common.cli import parse, require_file, run
-from common.files import pyplot, read_jsonl, save_figure, write_json_atomic, write_jsonl_atomic, write_text_atomic
+from common.files import pyplot, save_figure, write_json_atomic, write_jsonl_atomic, write_text_atomic
 from gate.scoring import DEFAULT_THRESHOLDS, decisions, first_token_scores, generate_parsed, load_gate
+from gate.train.render import read_rows
 from gate.variants import BINARY, parse_completion
 from retrieval.answers import normalize_answer
 from rl.model import open_vlm_image
@@ -154,10 +155,10 @@ def score_file(args: ScoringArgs, log=print) -> dict:
     require_file(args.data, "data")
     if not args.out:
         raise ValueError("--out is required")
+    rows = read_rows(args.data)  # an empty file wrote NaN metrics over an earlier run's
     model, processor, s = load_gate(args.model, device=args.device, dtype=args.dtype)
     if s["name"] not in BINARY and s["name"] != "skb":
         raise ValueError(f"variant {s['name']} has no first-token score (generate-and-parse only)")
-    rows = list(read_jsonl(args.data))
     result = evaluate_gate(model, processor, s, rows, args.threshold, args.batch_size)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

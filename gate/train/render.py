@@ -1,12 +1,15 @@
-"""Labelled gate examples → TRL conversational prompt–completion rows with an image; class balance. Pure."""
+"""Labelled gate examples → TRL conversational prompt–completion rows with an image; class balance (pure); the rows
+read back from a rendered file (``read_rows``)."""
 
 from __future__ import annotations
 
 import zlib
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 
+from common.files import read_jsonl
 from gate.train.labels import stochastic_digit
 from gate.variants import completion, messages, spec
 
@@ -176,3 +179,19 @@ def hold_out(by_split: dict[str, list[dict]], fraction: float, seed: int) -> dic
             f"--holdout {fraction}: the train split's {len(held) + len(kept)} examples would leave a split empty"
         )
     return {**by_split, "train": kept, "test": [{**r, "split": "test"} for r in held]}
+
+
+RENDERED_FIELDS = ("id", "prompt", "completion", "image", "question")  # what render_row writes in every row
+NOT_RENDERED = "not a rendered file (python -m gate.train.build_data --stage render writes one)"
+
+
+def read_rows(path) -> list[dict]:
+    """A rendered file's rows: a file without rows, a row without a rendered field (a labels file passed instead) or
+    an image file that is not there is an error naming it."""
+    rows = list(read_jsonl(path, RENDERED_FIELDS, NOT_RENDERED))
+    if not rows:
+        raise ValueError(f"{path} has no rows")
+    missing = [r.get("id") for r in rows if not Path(r.get("image") or "").is_file()]
+    if missing:
+        raise ValueError(f"{path}: {len(missing)} row(s) have no image file (first: {missing[:3]})")
+    return rows

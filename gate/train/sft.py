@@ -26,12 +26,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.cli import check_choices, parse, require_file
-from common.files import atomic_folder, read_jsonl, write_json_atomic
+from common.files import atomic_folder, write_json_atomic
 from common.placement import Processes, outside_zero3_init
 from gate.scoring import GATE_FILE, verbaliser_ids
 from gate.train.evaluation import evaluate_gate, evaluate_generated
 from gate.train.model_card import write_gate_cards
-from gate.train.render import class_balance, format_balance
+from gate.train.render import class_balance, format_balance, read_rows
 from gate.variants import BINARY, VARIANTS, completion, prompt_file_for, spec
 from rl.checkpoints import use_converting_loads
 from rl.model import (
@@ -111,16 +111,6 @@ def parse_args(argv=None):
     args, training_args, model_args = parse((GateArguments, SFTConfig, ModelConfig), argv, description=__doc__)
     fill_placeholders(args, training_args)
     return args, training_args, model_args
-
-
-def read_rows(path) -> list[dict]:
-    rows = list(read_jsonl(path))
-    if not rows:
-        raise ValueError(f"{path} has no rows")
-    missing = [r.get("id") for r in rows if not Path(r.get("image") or "").is_file()]
-    if missing:
-        raise ValueError(f"{path}: {len(missing)} row(s) have no image file (first: {missing[:3]})")
-    return rows
 
 
 def check_balance(args: GateArguments, rows: list[dict], log=print) -> dict:
