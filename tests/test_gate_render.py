@@ -147,6 +147,39 @@ def test_render_and_class_caps():
     assert render_rows("hkb", recs, max_per_class=3, seed=0) != render_rows("hkb", recs, max_per_class=3, seed=5)
 
 
+@pytest.mark.parametrize(
+    "cap,balance,expected",
+    [
+        (None, False, {"false": 5, "true": 15}),
+        (3, False, {"false": 3, "true": 3}),
+        (10, True, {"false": 5, "true": 5}),
+        (0, False, "got 0"),  # emptied the data without a word
+        (-2, False, "got -2"),  # took all but the last two of each class
+        (True, False, "got True"),
+    ],
+)
+def test_max_per_class_caps_each_class_or_is_refused(cap, balance, expected):
+    rows = render_rows("hkb", [record(i, i % 4 != 0) for i in range(20)])  # 15 search, 5 not
+    if isinstance(expected, str):
+        with pytest.raises(ValueError, match=f"--max_per_class must be a positive integer .*{expected}"):
+            cap_classes(rows, cap, balance, seed=0)
+    else:
+        assert class_balance(cap_classes(rows, cap, balance, seed=0)) == expected
+
+
+def test_a_cap_below_one_is_refused_before_render_touches_the_folder(tmp_path):
+    from common.files import write_jsonl_atomic
+    from gate.train.build_data import build
+
+    write_jsonl_atomic(tmp_path / "labels-hkb.jsonl", [record(i, i % 5 != 0, split="train") for i in range(10)])
+    (tmp_path / "hkb.test.jsonl").write_text("an earlier render's held-out split\n")
+    for cap in (0, -1):
+        with pytest.raises(ValueError, match=f"--max_per_class must be a positive integer .*got {cap}"):
+            build(BuildDataArgs(stage="render", out=str(tmp_path), variant="hkb", max_per_class=cap), log=print)
+    assert (tmp_path / "hkb.test.jsonl").read_text() == "an earlier render's held-out split\n"
+    assert not (tmp_path / "hkb.train.jsonl").exists()
+
+
 ARGS = BuildDataArgs(epsilon=3.0, tau=0.9, correct_score=4.0, alone_rule="sampled-majority")  # rules from R samples
 HITS = [
     {"entity_id": "E1", "title": "Holhol", "section_title": "Habitat", "text": "lives in caves"},

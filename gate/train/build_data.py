@@ -42,6 +42,7 @@ from gate.pipeline.context import load_questions, stage_context, stage_retrieve,
 from gate.pipeline.judges import judge_all, judge_from_args, judge_settings
 from gate.train.answer_expansion import stage_expand
 from gate.train.labelling import LABEL_SOURCES, stage_label, stage_render
+from gate.train.render import check_max_per_class
 from retrieval.kb import has_gold
 from rl.model import open_vlm_image
 
@@ -294,6 +295,7 @@ def build(args: BuildDataArgs, log=print, state=None) -> int:
         raise ValueError("--samples, --batch_size and --k must be positive")
     if not 0.0 <= args.mct_negative_ratio <= 1.0:
         raise ValueError(f"--mct_negative_ratio (τ) must lie in [0, 1], got {args.mct_negative_ratio}")
+    check_max_per_class(args.max_per_class)  # before render removes an earlier render's other splits
     if args.stage in ("label", "render") and not args.variant:
         raise ValueError(f"--stage {args.stage} needs --variant ({', '.join(LABEL_SOURCES)})")
     if args.stage in ("judge", "context"):

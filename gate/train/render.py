@@ -64,9 +64,17 @@ def render_row(
     }
 
 
+def check_max_per_class(value) -> int | None:
+    """``--max_per_class``: None (no cap) or a positive integer; 0 or less emptied or shrank the data without a word."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"--max_per_class must be a positive integer (or unset: no cap), got {value!r}")
+    return value
+
+
 def cap_classes(rows: list[dict], max_per_class: int | None, balance: bool, seed: int | None) -> list[dict]:
     """At most ``max_per_class`` rows per class (``balance``: the smallest class's size), chosen with ``seed``;
     input order is kept."""
+    check_max_per_class(max_per_class)
     counts = Counter(r["class"] for r in rows)
     cap = min(counts.values()) if balance and counts else None
     if max_per_class is not None:
