@@ -24,7 +24,8 @@ class Hit(NamedTuple):
 
 
 def check_alpha(alpha: float) -> float:
-    if not isinstance(alpha, (int, float)) or not (0.0 <= float(alpha) <= 1.0):
+    """α as a float in [0, 1]; a boolean (YAML's ``alpha: true``) is refused, as ``check_k`` refuses one."""
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not (0.0 <= float(alpha) <= 1.0):
         raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
     return float(alpha)
 

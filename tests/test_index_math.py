@@ -104,10 +104,15 @@ def test_query_vector_is_normalised_and_weighted():
     np.testing.assert_allclose(ratio, 0.25 / 0.75, rtol=1e-5)
 
 
-@pytest.mark.parametrize("bad", [-0.1, 1.01, float("nan"), "0.5", None])
+@pytest.mark.parametrize("bad", [-0.1, 1.01, float("nan"), "0.5", None, True, False])  # YAML's alpha: true was α 1
 def test_alpha_out_of_range_is_refused(bad):
-    with pytest.raises(ValueError, match="alpha"):
+    with pytest.raises(ValueError, match=f"alpha must be in \\[0, 1\\], got {bad!r}"):
         check_alpha(bad)
+
+
+@pytest.mark.parametrize("good,expected", [(0, 0.0), (1, 1.0), (0.3, 0.3)])
+def test_alpha_in_range_is_a_float(good, expected):
+    assert check_alpha(good) == expected and type(check_alpha(good)) is float
 
 
 def test_bad_k_and_shapes_are_refused():
