@@ -155,6 +155,15 @@ def require_file(value, flag: str) -> Path:
     return Path(value)
 
 
+def require_other_file(value, source, flag: str, source_flag: str) -> Path:
+    """``value`` as a Path if it names another file than ``source`` (a job's input), else a ValueError naming both
+    flags: a job appending to its own input would count every input row as done."""
+    same = Path(value).resolve() == Path(source).resolve()
+    if same or (Path(value).exists() and os.path.samefile(value, source)):  # a hard link too
+        raise ValueError(f"--{flag} {value} is the --{source_flag} file: give another --{flag} (its input is kept)")
+    return Path(value)
+
+
 def check_choices(obj) -> None:
     """Every field of the dataclass ``obj`` whose metadata lists ``choices`` holds one of them (None, unset, passes;
     a list, each item), else a ValueError naming the flag. argparse checks a flag's choices, but not a value from a

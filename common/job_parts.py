@@ -9,7 +9,7 @@ the end, after one barrier — so the output equals a one-process run's, and the
 With one process (or none: ``state`` None) nothing changes but the file names in between. Every process must see the
 same output folder (a shared file system across nodes): process 0 checks at the end that every input record has its
 output record. ``same_settings`` records the settings that make a job's results (``<out stem>.settings.json``) and
-refuses to resume results made with others.
+refuses to resume results made with others, or records no settings file vouches for (another file at that path).
 """
 
 from __future__ import annotations
@@ -52,10 +52,20 @@ class JobParts(Processes):
         are two outputs, with two records)."""
         return self.out.with_name(self.out.name.removesuffix(".jsonl") + ".settings.json")
 
+    def holds_records(self) -> bool:
+        """Whether ``out`` holds a line, or a part file is there."""
+        return bool(self._parts()) or (self.out.is_file() and any(line.strip() for line in jsonl_lines(self.out)))
+
     def same_settings(self, settings: dict) -> None:
         """Refuse to go on from results an earlier run made with other ``settings`` (a ValueError naming each one
-        that changed); else record these (process 0). Call before ``start``."""
+        that changed), or from records with no settings recorded beside them (no run of this job wrote them: its ids
+        would count as done); else record these (process 0). Call before ``start``."""
         recorded = self.settings_file
+        if not recorded.exists() and self.holds_records():
+            raise ValueError(
+                f"{self.out} holds records but no {recorded.name}: it was not written by this job (which records its "
+                "settings before its first record); use another output, or move that file away"
+            )
         if self.started() and recorded.exists():
             before = json.loads(recorded.read_text())
             changed = sorted(k for k in set(before) | set(settings) if before.get(k) != settings.get(k))

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from common.cli import parse, require_file
+from common.cli import parse, require_file, require_other_file
 from common.files import check_unique_ids, input_settings, read_jsonl, weights_fingerprint
 from common.job_parts import JobParts
 from common.placement import dist_timeout_field, job_device, process_state, resolve_device
@@ -99,6 +99,7 @@ def run_baselines(args: BaselineArgs, log=print, state=None, generate=None) -> i
     require_file(args.queries, "queries")
     if not args.out:
         raise ValueError("--out is required")
+    require_other_file(args.out, args.queries, "out", "queries")
     prompt = load_prompt(args.prompt_file, {}, flag="--prompt_file") if args.prompt_file else BASELINE_PROMPT
     root = Path(args.images_root or Path(args.queries).parent)
     rows = list(read_jsonl(args.queries, QUESTION_KEYS))

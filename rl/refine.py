@@ -25,7 +25,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from common.cli import parse, require_file
+from common.cli import parse, require_file, require_other_file
 from common.files import check_unique_ids, input_settings, read_jsonl, weights_fingerprint
 from common.job_parts import JobParts
 from common.placement import dist_timeout_field, process_state, resolve_device
@@ -169,6 +169,7 @@ def refine_file(args: RefineArgs, log=print, refiner: Refiner | None = None, sta
     require_file(args.queries, "queries")
     if not args.out:
         raise ValueError("--out is required")
+    require_other_file(args.out, args.queries, "out", "queries")
     if args.batch_size <= 0:
         raise ValueError(f"--batch_size must be positive, got {args.batch_size}")
     root = Path(args.images_root or Path(args.queries).parent)

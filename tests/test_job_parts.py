@@ -79,6 +79,31 @@ def test_results_made_with_other_settings_are_not_resumed(tmp_path):
     fresh.same_settings({"model": "b"})
 
 
+@pytest.mark.parametrize(
+    "found,refused",
+    [
+        ({"out.jsonl": '{"id": "q0", "question": "?"}\n'}, True),  # another file at the path (the queries themselves)
+        ({"out.jsonl": '{"id": "q0"}\n', "out.settings.json": '{"model": "a"}'}, False),  # this job's: resumed
+        ({"out.jsonl.part0": '{"id": "q0"}\n'}, True),
+        ({"out.jsonl": "\n"}, False),  # no record: nothing to count as done
+        ({}, False),
+    ],
+)
+def test_records_without_settings_beside_them_are_not_resumed(tmp_path, found, refused):
+    """Settings were compared only when a settings file existed: any JSONL at the output path had its ids counted as
+    done (rl.refine --out naming its --queries file said "4 of 4 done" and refined nothing)."""
+    for name, text in found.items():
+        (tmp_path / name).write_text(text)
+    (job,) = processes(tmp_path / "out.jsonl", 1)
+    if refused:
+        with pytest.raises(ValueError, match=r"out.jsonl holds records but no out.settings.json: it was not written"):
+            job.same_settings({"model": "a"})
+        assert {p.name: p.read_text() for p in tmp_path.iterdir()} == found  # nothing written or removed
+    else:
+        job.same_settings({"model": "a"})
+        assert len(job.start(ROWS, 7)[0]) == 7 - ("out.settings.json" in found)
+
+
 @pytest.mark.parametrize("name", ["out.jsonl", "refined[v2].jsonl"])
 def test_records_with_unicode_line_separators_merge_and_resume(tmp_path, name):
     """JSON writes U+2028, U+2029 and U+0085 raw (ensure_ascii=False), and str.splitlines splits on them: a section

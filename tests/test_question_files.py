@@ -14,18 +14,18 @@ def not_loaded(*a, **k):
     pytest.fail("a model was loaded")
 
 
-def refine(q, tmp_path, tiny_world, tiny_index_dir, monkeypatch):
+def refine(q, tmp_path, tiny_world, tiny_index_dir, monkeypatch, out=None):
     from rl.refine import RefineArgs, Refiner, refine_file
 
     monkeypatch.setattr(Refiner, "load", not_loaded)
-    args = RefineArgs(model="m", queries=str(q), out=str(tmp_path / "o.jsonl"), images_root=str(tiny_world))
+    args = RefineArgs(model="m", queries=str(q), out=str(out or tmp_path / "o.jsonl"), images_root=str(tiny_world))
     refine_file(args, **QUIET)
 
 
-def baselines(q, tmp_path, tiny_world, tiny_index_dir, monkeypatch):
+def baselines(q, tmp_path, tiny_world, tiny_index_dir, monkeypatch, out=None):
     from rl.baselines import BaselineArgs, run_baselines
 
-    args = BaselineArgs(model="m", queries=str(q), out=str(tmp_path / "o.jsonl"), images_root=str(tiny_world))
+    args = BaselineArgs(model="m", queries=str(q), out=str(out or tmp_path / "o.jsonl"), images_root=str(tiny_world))
     run_baselines(args, generate=not_loaded, **QUIET)
 
 
@@ -159,3 +159,23 @@ def test_the_pipeline_says_how_many_questions_lack_answers_before_models_load(
     with pytest.raises(pytest.fail.Exception if goes_on else ValueError) as raised:
         pipeline_run(q, tmp_path, tiny_world, tiny_index_dir, monkeypatch, metric=metric, log=lines.append)
     assert said.format(q=q) in (" ".join(lines) if goes_on else str(raised.value))
+
+
+@pytest.mark.parametrize("job", [refine, baselines])
+@pytest.mark.parametrize("link", [False, True])
+def test_a_job_never_takes_its_queries_file_for_its_output(
+    job, link, tiny_world, tiny_index_dir, tmp_path, monkeypatch
+):
+    """rl.refine --out naming its --queries file said "4 of 4 done" (every id was in the output) and refined
+    nothing; a later run would have appended to the question file."""
+    import os
+
+    q = tmp_path / "q.jsonl"
+    write_jsonl_atomic(q, list(read_jsonl(tiny_world / "test.jsonl"))[:4])
+    out = tmp_path / "link.jsonl" if link else q
+    if link:
+        os.link(q, out)
+    before = q.read_bytes()
+    with pytest.raises(ValueError, match=f"^--out {re.escape(str(out))} is the --queries file"):
+        job(q, tmp_path, tiny_world, tiny_index_dir, monkeypatch, out=out)
+    assert q.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == sorted({"q.jsonl", out.name})
