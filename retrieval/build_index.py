@@ -49,7 +49,7 @@ from retrieval.build_shards import encode_image_shards, encode_text_shard, shard
 from retrieval.encoder_names import check_image_encoder_name, check_text_encoder_name
 from retrieval.encoders import image_encoder, query_instruction_of, resolve_query_prompt, text_encoder
 from retrieval.faiss_build import check_factory
-from retrieval.index import MANIFEST_FILE
+from retrieval.index import INDEX_FILE, MANIFEST_FILE, ROWS_FILE
 from retrieval.kb import entry_text
 from retrieval.kb_scan import scan_kb
 from retrieval.ranking import check_k
@@ -201,6 +201,31 @@ def validate(args: BuildArgs) -> None:
     root = Path(args.images_root or Path(args.kb).parent)
     if not root.is_dir():
         raise ValueError(f"--images_root: folder {root} does not exist")
+    if args.overwrite:
+        check_overwritable(Path(args.out), {"kb": args.kb, "images_root": root, "summaries": args.summaries})
+
+
+def index_files(out: Path) -> tuple[Path, Path]:
+    """An index folder's manifest, and the settings record of a partial build in it."""
+    return out / MANIFEST_FILE, out / "build" / "state.json"
+
+
+def check_overwritable(out: Path, inputs: dict) -> None:
+    """``--overwrite`` deletes ``out`` whole: a ValueError naming it unless it is absent, empty or an index folder
+    (a manifest, a partial build's state, the FAISS index or its rows), and holds none of the build's ``inputs``
+    ({flag: path})."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ValueError(f"--out {out} is a file, not an index folder: --overwrite would delete it")
+    for flag, value in inputs.items():
+        if value and out.resolve() in (Path(value).resolve(), *Path(value).resolve().parents):
+            raise ValueError(f"--out {out} holds --{flag} {value}: --overwrite would delete it; give another --out")
+    if any(out.iterdir()) and not any(f.is_file() for f in (*index_files(out), out / INDEX_FILE, out / ROWS_FILE)):
+        raise ValueError(
+            f"--out {out} holds files but no index ({MANIFEST_FILE}, build/state.json, {INDEX_FILE} or {ROWS_FILE}): "
+            "--overwrite would delete the whole folder; give an index folder, or a new or empty one"
+        )
 
 
 # --------------------------------------------------------------------------- the build
@@ -226,7 +251,7 @@ def build_index(args: BuildArgs, log=print, encoders=None, state=None) -> dict |
     device = job_device(args.device, state)
     settings = _settings(args, file_fingerprint(kb), device)
     build_dir = out / "build"
-    manifest_path, state_path = out / MANIFEST_FILE, build_dir / "state.json"
+    manifest_path, state_path = index_files(out)
     if manifest_path.exists():
         manifest = json.loads(manifest_path.read_text())
         built = manifest.get("build", manifest)

@@ -135,6 +135,58 @@ def test_invalid_settings_fail_before_models_load(tiny_world, tmp_path, monkeypa
         build_index(args_for(tiny_world, tmp_path / "o", **{field: value}), **QUIET)
 
 
+@pytest.mark.parametrize(
+    "layout,said",
+    [
+        ("the world", "--out {out} holds --kb {out}/kb.jsonl: --overwrite would delete it"),  # KB, images, questions
+        ("images inside", "--out {out} holds --images_root {out}/images: --overwrite would delete it"),
+        (
+            "notes",
+            "--out {out} holds files but no index (manifest.json, build/state.json, index.faiss or rows.parquet)",
+        ),
+        ("a file", "--out {out} is a file, not an index folder"),
+        ("absent", None),
+        ("empty", None),
+        ("an index", None),
+        ("a partial build", None),
+    ],
+)
+def test_overwrite_deletes_only_an_index_folder(tiny_world, tmp_path, monkeypatch, layout, said):
+    """--overwrite deleted whatever folder --out named: the toy world's folder as --out took its KB, images and
+    questions with it."""
+    monkeypatch.setattr(bi, "image_encoder", lambda *a, **k: pytest.fail("an encoder was loaded"))
+    out, kb, images_root = tmp_path / "out", tiny_world / "kb.jsonl", None
+    if layout == "the world":
+        shutil.copytree(tiny_world, out, ignore=shutil.ignore_patterns("images", "index"))
+        (out / "images").mkdir()
+        kb = out / "kb.jsonl"
+    elif layout == "images inside":
+        (out / "images").mkdir(parents=True)
+        images_root = out / "images"
+    elif layout == "a file":
+        out.write_text("a report\n")
+    elif layout != "absent":
+        out.mkdir()
+        written = {"notes": "notes.txt", "an index": "manifest.json", "a partial build": "build/state.json"}
+        if layout in written:
+            (out / written[layout]).parent.mkdir(exist_ok=True)
+            (out / written[layout]).write_text("{}")
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    args = BuildArgs(
+        **{
+            **vars(args_for(tiny_world, out, overwrite=True)),
+            "kb": str(kb),
+            "images_root": images_root and str(images_root),
+        }
+    )
+    if said is None:
+        bi.validate(args)
+    else:
+        with pytest.raises(ValueError, match=f"^{re.escape(said.format(out=out))}"):
+            build_index(args, **QUIET)
+        assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before  # nothing deleted
+
+
 def rows_table(index_dir):
     import pyarrow.parquet as pq
 
