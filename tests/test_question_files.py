@@ -77,6 +77,19 @@ def pipeline_run(q, tmp_path, tiny_world, tiny_index_dir, monkeypatch, log=QUIET
     gate.pipeline.run.run(args, log=log)
 
 
+def gate_retrieve(q, tmp_path, tiny_world, tiny_index_dir, monkeypatch):
+    """The gate data's (and the noise study's) retrieval stage: gate.pipeline.context."""
+    from types import SimpleNamespace
+
+    import gate.pipeline.context as context
+
+    monkeypatch.setattr(context.MultimodalIndex, "load", not_loaded)
+    args = SimpleNamespace(
+        index=str(tiny_index_dir), refiner=None, queries=str(q), images_root=str(tiny_world), kb=None, alpha=0.5, k=3
+    )
+    context.stage_retrieve(args, tmp_path, **QUIET)
+
+
 def image_embeddings(q, tmp_path, tiny_world, tiny_index_dir, monkeypatch):
     import rl.image_embeddings
 
@@ -98,6 +111,8 @@ def image_embeddings(q, tmp_path, tiny_world, tiny_index_dir, monkeypatch):
         (training_questions, "entity_id"),
         (pipeline, "id"),
         (pipeline, "question"),
+        (gate_retrieve, "id"),
+        (gate_retrieve, "entity_id"),
         (image_embeddings, "image"),
     ],
 )

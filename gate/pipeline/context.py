@@ -29,11 +29,12 @@ from rl.model import open_vlm_image
 from rl.refine import Refiner
 
 
-def load_questions(queries, images_root) -> tuple[list[dict], Path]:
-    """Question rows with ``image_path`` (absolute) added; every image must exist."""
+def load_questions(queries, images_root, required=("id", "question")) -> tuple[list[dict], Path]:
+    """Question rows with ``image_path`` (absolute) added; every row must hold the ``required`` fields and every image
+    must exist."""
     require_file(queries, "queries")
     root = Path(images_root or Path(queries).parent)
-    rows = list(read_jsonl(queries))
+    rows = list(read_jsonl(queries, required))
     check_images(rows, root, queries)
     return [{**r, "image_path": str((root / r["image"]).resolve())} for r in rows], root
 
@@ -60,7 +61,7 @@ def stage_retrieve(args, out: Path, log=print, index=None, refiner=None) -> int:
     manifest = require_index(args.index) if index is None else index.manifest
     if args.refiner and refiner is None and not (Path(args.refiner) / "config.json").exists():
         raise ValueError(f"--refiner: {args.refiner} has no config.json (an exported refiner folder)")
-    rows, root = load_questions(args.queries, args.images_root)
+    rows, root = load_questions(args.queries, args.images_root, ("id", "question", "entity_id"))
     kb_path = require_file(args.kb or manifest.get("kb_path"), "kb")
     target = out / "retrieved.jsonl"
     JobParts(target).same_settings(  # hits of another index, refiner (or its weights), α, k or input are not mixed in

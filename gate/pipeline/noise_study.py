@@ -179,7 +179,7 @@ def load_generator(kind: str, target: str, args: NoiseArgs, prompt: dict, device
 def study_rows(args: NoiseArgs, log) -> tuple[list[dict], list[tuple[str, str]], int]:
     """(questions with their relevant sections, the distractor pool of (entity, section text) — a seeded reservoir
     of at most 20,000 KB sections, shared by every question — and how many questions were left out)."""
-    questions, _ = load_questions(args.queries, args.images_root)
+    questions, _ = load_questions(args.queries, args.images_root, ("id", "question", "entity_id"))
     gold = {str(q["entity_id"]) for q in questions}
     by_entity: dict[str, list[dict]] = {}
     reservoir: list[dict] = []
