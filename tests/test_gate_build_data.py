@@ -119,6 +119,12 @@ def test_sample_with_a_real_tiny_vlm(questions, tiny_world, tiny_refiner, tmp_pa
         (dict(stage="label", out="X", variant="srt"), "run the earlier stages first"),
         (dict(stage="render", out="X", variant="hkb"), "--stage label --variant hkb"),
         (dict(stage="sample", out="X", k=0), "must be positive"),
+        # off their scales, every question got one label (an ε of 30 on the judge's 1–5 scores: all "search")
+        (dict(stage="label", out="X", variant="hkb", epsilon=30), r"--epsilon must lie in \[1, 5\], got 30"),
+        (dict(stage="label", out="X", variant="ret", correct_score=9), r"--correct_score must lie in \[1, 5\]"),
+        (dict(stage="label", out="X", variant="kbm-acc", tau=5), r"--tau must lie in \[0, 1\], got 5"),
+        (dict(stage="consistency", out="X", mct_gamma=-0.5), r"--mct_gamma must lie in \[0, 1\]"),
+        (dict(stage="label", out="X", variant="mct", mct_negative_ratio=2), r"--mct_negative_ratio must lie in"),
     ],
 )
 def test_bad_input(kw, match, tmp_path):

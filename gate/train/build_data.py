@@ -293,8 +293,15 @@ def build(args: BuildDataArgs, log=print, state=None) -> int:
         raise ValueError("--out is required")
     if args.samples <= 0 or args.batch_size <= 0 or args.k <= 0:
         raise ValueError("--samples, --batch_size and --k must be positive")
-    if not 0.0 <= args.mct_negative_ratio <= 1.0:
-        raise ValueError(f"--mct_negative_ratio (τ) must lie in [0, 1], got {args.mct_negative_ratio}")
+    for name, lo, hi in (  # the judge's 1–5 scale; shares and probabilities: a setting off its scale labels alike
+        ("epsilon", 1.0, 5.0),
+        ("correct_score", 1.0, 5.0),
+        ("tau", 0.0, 1.0),
+        ("mct_gamma", 0.0, 1.0),
+        ("mct_negative_ratio", 0.0, 1.0),
+    ):
+        if not lo <= getattr(args, name) <= hi:
+            raise ValueError(f"--{name} must lie in [{lo:g}, {hi:g}], got {getattr(args, name)}")
     check_max_per_class(args.max_per_class)  # before render removes an earlier render's other splits
     if args.stage in ("label", "render") and not args.variant:
         raise ValueError(f"--stage {args.stage} needs --variant ({', '.join(LABEL_SOURCES)})")
