@@ -63,8 +63,9 @@ class JobParts(Processes):
         recorded = self.settings_file
         if not recorded.exists() and self.holds_records():
             raise ValueError(
-                f"{self.out} holds records but no {recorded.name}: it was not written by this job (which records its "
-                "settings before its first record); use another output, or move that file away"
+                f"{self.out} holds records but no {recorded.name}: another tool's file, or one written before this "
+                "job recorded its settings (it does before its first record); use another output, or move that file "
+                "away"
             )
         if self.started() and recorded.exists():
             before = json.loads(recorded.read_text())

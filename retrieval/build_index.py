@@ -212,8 +212,8 @@ def index_files(out: Path) -> tuple[Path, Path]:
 
 def check_overwritable(out: Path, inputs: dict) -> None:
     """``--overwrite`` deletes ``out`` whole: a ValueError naming it unless it is absent, empty or an index folder
-    (a manifest, a partial build's state, the FAISS index or its rows), and holds none of the build's ``inputs``
-    ({flag: path})."""
+    (a manifest, a partial build's folder, the FAISS index or its rows: what a delete cut short leaves is one too),
+    and holds none of the build's ``inputs`` ({flag: path})."""
     if not out.exists():
         return
     if not out.is_dir():
@@ -221,9 +221,10 @@ def check_overwritable(out: Path, inputs: dict) -> None:
     for flag, value in inputs.items():
         if value and out.resolve() in (Path(value).resolve(), *Path(value).resolve().parents):
             raise ValueError(f"--out {out} holds --{flag} {value}: --overwrite would delete it; give another --out")
-    if any(out.iterdir()) and not any(f.is_file() for f in (*index_files(out), out / INDEX_FILE, out / ROWS_FILE)):
+    marks = (*index_files(out), out / INDEX_FILE, out / ROWS_FILE)
+    if any(out.iterdir()) and not (any(f.is_file() for f in marks) or (out / "build").is_dir()):
         raise ValueError(
-            f"--out {out} holds files but no index ({MANIFEST_FILE}, build/state.json, {INDEX_FILE} or {ROWS_FILE}): "
+            f"--out {out} holds files but no index ({MANIFEST_FILE}, build/, {INDEX_FILE} or {ROWS_FILE}): "
             "--overwrite would delete the whole folder; give an index folder, or a new or empty one"
         )
 
@@ -241,6 +242,8 @@ def build_index(args: BuildArgs, log=print, encoders=None, state=None) -> dict |
     procs = Processes(state)
     validate(args)
     out, kb = Path(args.out), Path(args.kb)
+    if args.overwrite:  # every process has checked the folder (validate) before process 0 deletes it
+        procs.barrier()
     if args.overwrite and out.exists() and procs.rank == 0:
         shutil.rmtree(out)
     procs.barrier()

@@ -142,13 +142,14 @@ def test_invalid_settings_fail_before_models_load(tiny_world, tmp_path, monkeypa
         ("images inside", "--out {out} holds --images_root {out}/images: --overwrite would delete it"),
         (
             "notes",
-            "--out {out} holds files but no index (manifest.json, build/state.json, index.faiss or rows.parquet)",
+            "--out {out} holds files but no index (manifest.json, build/, index.faiss or rows.parquet)",
         ),
         ("a file", "--out {out} is a file, not an index folder"),
         ("absent", None),
         ("empty", None),
         ("an index", None),
         ("a partial build", None),
+        ("a delete cut short", None),  # only a shard left: an index folder still, not one refused for good
     ],
 )
 def test_overwrite_deletes_only_an_index_folder(tiny_world, tmp_path, monkeypatch, layout, said):
@@ -167,7 +168,12 @@ def test_overwrite_deletes_only_an_index_folder(tiny_world, tmp_path, monkeypatc
         out.write_text("a report\n")
     elif layout != "absent":
         out.mkdir()
-        written = {"notes": "notes.txt", "an index": "manifest.json", "a partial build": "build/state.json"}
+        written = {
+            "notes": "notes.txt",
+            "an index": "manifest.json",
+            "a partial build": "build/state.json",
+            "a delete cut short": "build/text-00007.npy",
+        }
         if layout in written:
             (out / written[layout]).parent.mkdir(exist_ok=True)
             (out / written[layout]).write_text("{}")
