@@ -7,7 +7,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from common.files import file_fingerprint, repair_jsonl, write_json_atomic, write_jsonl_atomic
+from common.files import file_fingerprint, jsonl_lines, write_json_atomic, write_jsonl_atomic
 from retrieval.index import MANIFEST_FILE
 from rl.prompts import prompt_spec
 
@@ -68,24 +68,28 @@ def check_resume(checkpoint, record: dict) -> None:
 
 
 def check_output_dir(output_dir: Path, record: dict) -> None:
-    """Refuse a new run (no resume) into a folder whose run record says another run trained there (other settings,
-    another seed or max_steps): its checkpoints, ``final/``, metrics and logs would be replaced without a word. The
-    same run again (the same command) may replace them."""
-    path = Path(output_dir) / RUN_RECORD
-    if not path.is_file():
+    """Refuse a new run (no resume) into a folder holding what another run trained (checkpoints, ``final/``,
+    metrics) under other settings, another base model, seed or max_steps: they would be replaced without a word. The
+    same run again (the same command) may replace them, and a run that stopped before its first checkpoint (out of
+    memory in step 1) may be tried again under other settings."""
+    output_dir = Path(output_dir)
+    path = output_dir / RUN_RECORD
+    checkpoints = sorted(output_dir.glob("checkpoint-*"), key=lambda p: checkpoint_step(p) or 0)
+    trained = [p.name for p in (*checkpoints, output_dir / "final", output_dir / "metrics.json") if p.exists()]
+    if not path.is_file() or not trained:
         return
     saved = json.loads(path.read_text())
     differ = resume_differences(saved, record)
-    for name, key in (("--seed", "seed"), ("--max_steps", "max_steps")):
+    for name, key in (("base model", "base_model"), ("--seed", "seed"), ("--max_steps", "max_steps")):
         a = saved.get(key, saved.get("optimisation", {}).get(key))
         b = record.get(key, record["optimisation"].get(key))
         if a is not None and a != b:
             differ.append(f"{name}: {a!r} → {b!r}")
     if differ:
+        resume = f", or resume it (--resume_from_checkpoint {checkpoints[-1]})" if checkpoints else ""
         raise ValueError(
-            f"--output_dir {output_dir} holds another run (" + "; ".join(differ) + "): a new run would replace its "
-            "checkpoints, final/ and metrics. Choose another --output_dir, delete it, or resume it "
-            "(--resume_from_checkpoint)"
+            f"--output_dir {output_dir} holds another run ({'; '.join(differ)}): a new run would replace its "
+            f"{', '.join(trained[-3:])}. Choose another --output_dir, delete it{resume}"
         )
 
 
@@ -100,9 +104,18 @@ def trim_run_logs(output_dir: Path, checkpoint=None) -> None:
         for path in sorted(Path(output_dir).glob(pattern)):
             if step is None:
                 path.unlink()
-            else:
-                kept = [r for r in repair_jsonl(path) if not isinstance(r.get("step"), int) or r["step"] <= step]
+            else:  # a line a killed run cut short is left out: these are logs, not anyone's input
+                kept = [r for r in map(readable, jsonl_lines(path)) if r is not None and r.get("step", 0) <= step]
                 write_jsonl_atomic(path, kept)
+
+
+def readable(line: bytes) -> dict | None:
+    """A log line's record with an int step, or None."""
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        return None
+    return rec if isinstance(rec, dict) and isinstance(rec.get("step", 0), int) else None
 
 
 def checkpoint_step(checkpoint) -> int | None:

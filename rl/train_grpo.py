@@ -67,6 +67,16 @@ def main(argv=None) -> dict:
         world.prepare(args, world_args, model_args, training_args, procs) if world else model_args.model_name_or_path
     )
     validate_files(args)
+    # the folder: a resume goes on as its checkpoint's run trained; a new run replaces nothing of another
+    record = make_run_record(args, training_args, model_path, precision=precision)
+    checkpoint = training_args.resume_from_checkpoint
+    if checkpoint:  # the same settings as its run, at a step between two generations
+        check_resume(checkpoint, record)
+        check_generation_phase(training_args, checkpoint_step(checkpoint), f"resume_from_checkpoint {checkpoint}")
+    else:
+        check_output_dir(output_dir, record)
+    if state.is_main_process:  # before any process scores a completion: that needs every process in a step
+        trim_run_logs(output_dir, checkpoint)
 
     # data, before any model loads: the questions whose images are readable, in whole batches
     bad_images = output_dir if state.is_main_process else None
@@ -79,15 +89,6 @@ def main(argv=None) -> dict:
     )
     eval_data = whole_round_eval(eval_data, training_args, state.num_processes, say)
 
-    record = make_run_record(args, training_args, model_path, precision=precision)
-    checkpoint = training_args.resume_from_checkpoint
-    if checkpoint:  # the same settings as its run, at a step between two generations
-        check_resume(checkpoint, record)
-        check_generation_phase(training_args, checkpoint_step(checkpoint), f"resume_from_checkpoint {checkpoint}")
-    else:
-        check_output_dir(output_dir, record)
-    if state.is_main_process:  # before any process scores a completion: that needs every process in a step
-        trim_run_logs(output_dir, checkpoint)
     model, processor, budget = load_policy(model_path, args, training_args, model_args, state, load_dtype, say)
     if state.is_main_process:
         write_run_record(output_dir, {**record, "image_budget": budget})

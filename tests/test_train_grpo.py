@@ -2,6 +2,7 @@
 metrics, resumes from a checkpoint, and refuses bad settings before loading any model."""
 
 import json
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -111,27 +112,52 @@ def test_resume_continues_from_the_saved_step(config, tiny_world, tiny_refiner, 
 
 
 def test_a_run_resumed_in_place_logs_each_step_once_and_another_run_there_is_refused(config, tmp_path):
-    """Resumed from its own checkpoint-2, a run redoes step 3: its completions were appended beside the interrupted
-    run's (16 records for step 3 in the completions log and samples.jsonl). A new run into a folder holding another
-    run's record replaced its checkpoints, final/ and metrics without a word; the same run again starts its logs
-    afresh."""
+    """Resumed from its own checkpoint-1, a run redoes step 2: its completions were appended beside the interrupted
+    run's (16 records for step 2 in the completions log and samples.jsonl). A new run into a folder holding another
+    run's checkpoints replaced them, final/ and its metrics without a word."""
     out = tmp_path / "a"
-    run = dict(output_dir=str(out), max_steps=3, save_strategy="steps", save_steps=2, completions_log=True)
+    run = dict(output_dir=str(out), max_steps=2, save_strategy="steps", save_steps=1, completions_log=True)
 
     def steps(name):
         return Counter(json.loads(x)["step"] for x in open(out / name))
 
     tg.main(config(**run))
     first = steps("completions.rank0.jsonl"), steps("samples.jsonl")
-    assert first[0] == {1: 8, 2: 8, 3: 8} and set(first[1]) == {1, 2, 3}
-    tg.main(config(**run, resume_from_checkpoint=str(out / "checkpoint-2")))
+    assert first[0] == {1: 8, 2: 8} and set(first[1]) == {1, 2}
+    tg.main(config(**run, resume_from_checkpoint=str(out / "checkpoint-1")))
     assert (steps("completions.rank0.jsonl"), steps("samples.jsonl")) == first
     for other, named in ((dict(alpha=0.1), "--alpha: 0.5 → 0.1"), (dict(seed=1), "--seed: 0 → 1")):
-        with pytest.raises(ValueError, match=f"--output_dir {out} holds another run \\({named}\\)"):
+        said = f"--output_dir {out} holds another run ({named}): a new run would replace its checkpoint-2, final, "
+        with pytest.raises(ValueError, match=re.escape(said) + f".*resume it .*{out / 'checkpoint-2'}"):
             tg.main(config(**run, **other))
-    assert (out / "checkpoint-3").is_dir() and (steps("completions.rank0.jsonl"), steps("samples.jsonl")) == first
-    tg.main(config(**run))  # the same run again
-    assert (steps("completions.rank0.jsonl"), steps("samples.jsonl")) == first
+    assert (out / "checkpoint-2").is_dir() and (steps("completions.rank0.jsonl"), steps("samples.jsonl")) == first
+
+
+def test_what_a_new_run_may_replace_and_what_a_resume_keeps_of_the_logs(tmp_path):
+    """A run that stopped before its first checkpoint (out of memory in step 1) left only its record: trying again
+    under other settings was refused. A resume reads past a line a killed run cut short."""
+    from rl.run_record import RUN_RECORD, check_output_dir, trim_run_logs
+
+    record = {
+        "refiner_args": {"alpha": 0.5},
+        "index": {},
+        "optimisation": {"max_steps": 2},
+        "seed": 0,
+        "base_model": "/m/3B",
+    }
+    (tmp_path / RUN_RECORD).write_text(json.dumps(record))
+    check_output_dir(tmp_path, {**record, "refiner_args": {"alpha": 0.1}})  # nothing trained there yet
+    (tmp_path / "checkpoint-1").mkdir()
+    (tmp_path / "checkpoint-1" / "trainer_state.json").write_text('{"global_step": 1}')
+    check_output_dir(tmp_path, record)  # the same run again
+    with pytest.raises(ValueError, match=r"another run \(base model: '/m/3B' → '/m/7B'\)"):
+        check_output_dir(tmp_path, {**record, "base_model": "/m/7B"})
+    log = tmp_path / "completions.rank0.jsonl"
+    log.write_text('{"step": 1, "q": "a"}\n{"step": 2, "q": "b"\n{"step": 1, "q": "c"}\n{"step": 2, "q": "d"}\n')
+    trim_run_logs(tmp_path, tmp_path / "checkpoint-1")
+    assert [r["q"] for r in read_jsonl(log)] == ["a", "c"]
+    trim_run_logs(tmp_path)  # a new run: its logs start afresh
+    assert not log.exists()
 
 
 @pytest.mark.parametrize(
