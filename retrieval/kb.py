@@ -49,7 +49,7 @@ def question_record(id, image, question, entity_id, answers, **extra) -> dict:
 
 def has_gold(rec: dict) -> bool:
     """Whether a question has anything to judge its answers against (gold answers, or InfoSeek's answer_eval)."""
-    return bool(rec.get("answers")) or rec.get("answer_eval") is not None
+    return bool(rec.get("answers")) or bool(rec.get("answer_eval"))  # an empty answer_eval holds nothing
 
 
 def entry_text(entry: dict, template: str = "{title}. {section_title}. {text}") -> str:

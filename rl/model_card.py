@@ -220,7 +220,8 @@ def refiner_card(
     limit = args.get("eval_limit")
     evaluation = (
         (
-            f"Held-out questions: `{where}`{f' (the first {limit})' if limit else ''}, scored with the "
+            f"Held-out questions: {f'`{where}`' if where else '(file not recorded)'}"
+            f"{f' (the first {limit})' if limit else ''}, scored with the "
             f"training reward; figures from the evaluation at step {format_value((metrics or {}).get('step'))}"
             " (hit@k: share of completions whose gold entity ranks in the top k).\n\n"
             + figures_table(figures, NO_FIGURES)

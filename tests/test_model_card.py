@@ -411,3 +411,12 @@ def test_card_commands_keep_a_folder_with_a_space_as_one_argument():
     assert shlex.split(vllm_serve_command(folder, "bfloat16", None))[2] == folder
     assert shlex.split(refine_command(folder))[4] == folder
     assert vllm_serve_command("$SERVE_DIR", "bfloat16", None).startswith("vllm serve $SERVE_DIR ")  # expands in a shell
+
+
+def test_held_out_figures_of_a_record_without_its_eval_file_say_so():
+    """A record without refiner_args.eval_file (an older or another tool's) put "`None`" in the card."""
+    from rl.model_card import refiner_card
+
+    card = refiner_card({}, {"step": 3, "eval_reward": 0.0}, name="r", step=3, folder="/x")
+    assert "Held-out questions: (file not recorded)" in card
+    assert_no_placeholder(card)

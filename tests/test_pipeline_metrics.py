@@ -147,6 +147,36 @@ def test_threshold_curve_sweeps_one_scoring_pass():
     assert [c["accuracy"] for c in curve] == pytest.approx([0.6, 0.8, 0.6, 0.4])
 
 
+@pytest.mark.parametrize(
+    "scores",
+    [
+        [1.0, 0.2],  # a float32 softmax gives 1.0 exactly: the curve stopped at retrieval ratio 0.5, not No RAG's 0
+        [5.0, 2.5],  # skb with all its probability on "5"
+        [0.99999994, 3.0],  # skb's probabilities summing to just under 1: the curve never reached All RAG
+        [0.3, 0.7],
+    ],
+)
+def test_the_threshold_curve_runs_from_all_rag_to_no_rag(scores, tmp_path):
+    from types import SimpleNamespace
+
+    from gate.pipeline.run import report
+
+    records = [rec(True, False, s >= 0.5, s, id=f"q{i}") for i, s in enumerate(scores)]
+    curve = report(records, tmp_path, SimpleNamespace(gate="always"), log=lambda *a: None)["threshold_curve"]
+    assert (curve[0]["retrieval_ratio"], curve[-1]["retrieval_ratio"]) == (1.0, 0.0)
+    assert [c["threshold"] for c in curve] == sorted(c["threshold"] for c in curve) and len(curve) == 22
+
+
+def test_without_answers_counts_the_questions_scored_not_the_skipped(tmp_path):
+    from types import SimpleNamespace
+
+    from gate.pipeline.run import report
+
+    records = [rec(True, True, True, 0.9, id="a"), rec(False, False, True, 0.9, id="b"), {"id": "c", "skipped": "x"}]
+    metrics = report(records, tmp_path, SimpleNamespace(gate="always"), lambda *a: None, without_answers={"b", "c"})
+    assert (metrics["n"], metrics["skipped"], metrics["without_answers"]) == (2, 1, 1)
+
+
 def test_rerank_score_is_the_beta_mix():
     import numpy as np
 

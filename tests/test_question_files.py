@@ -176,6 +176,28 @@ def test_the_pipeline_says_how_many_questions_lack_answers_before_models_load(
     assert said.format(q=q) in (" ".join(lines) if goes_on else str(raised.value))
 
 
+@pytest.mark.parametrize(
+    "record,gold",
+    [
+        ({"answers": ["Paris"]}, True),
+        ({"answers": [], "answer_eval": ["Paris"]}, True),
+        ({"answers": [], "answer_eval": []}, False),  # an empty answer_eval counted as gold: scored, then refused
+        ({"answers": ["Paris"], "answer_eval": []}, True),
+        ({"answers": None}, False),
+    ],
+)
+def test_an_empty_answer_eval_holds_no_answer(record, gold):
+    from gate.pipeline.judges import ExactJudge
+    from gate.pipeline.metrics import official_correct
+    from retrieval.kb import has_gold
+
+    assert has_gold(record) is gold
+    if gold:  # scored by what the record holds: ["Paris"], taken from answers where answer_eval is empty
+        row = {"id": "q", "question": "?", **record}
+        assert official_correct("infoseek", [row], ["Paris"]) == [True]
+        assert ExactJudge().score("?", "Paris", record["answers"], record.get("answer_eval")) == 5.0
+
+
 @pytest.mark.parametrize("job", [refine, baselines])
 @pytest.mark.parametrize("link", [False, True])
 def test_a_job_never_takes_its_queries_file_for_its_output(

@@ -72,9 +72,9 @@ class ExactJudge:
     name = "exact"
 
     def score(self, question: str, answer: str, golds, answer_eval=None, question_type=None) -> float:
-        if answer_eval is None and question_type in EVQA_QUESTION_TYPES:
+        if not answer_eval and question_type in EVQA_QUESTION_TYPES:
             return 5.0 if evqa_exact_match(answer, golds, question_type) else 1.0
-        return 5.0 if infoseek_match(answer, answer_eval if answer_eval is not None else golds) else 1.0
+        return 5.0 if infoseek_match(answer, answer_eval if answer_eval else golds) else 1.0
 
 
 class TokenJudge:

@@ -44,7 +44,7 @@ def official_correct(
     if metric == "infoseek":
         out = []
         for i, (r, p) in enumerate(zip(records, predictions)):
-            golds = r["answer_eval"] if r.get("answer_eval") is not None else (r.get("answers") or [])
+            golds = r["answer_eval"] if r.get("answer_eval") else (r.get("answers") or [])  # [] holds no answer
             if is_infoseek_type(r.get("question_type")):
                 out.append(infoseek_correct(p, golds, r["question_type"], qid=r.get("id", f"#{i}")))
             else:

@@ -250,10 +250,11 @@ def unfinished(record: dict) -> bool:
     return "skipped" in record or any(request_failed((p or {}).get("failed")) for p in paths)
 
 
-def count_unanswered(rows: list[dict], metric: str, source, log=print) -> int:
-    """How many questions have nothing to score an answer against, said in one line: each is a miss in accuracy
-    (an InfoSeek test file, converted for inference, has no answers; its predictions are still wanted). Where the
-    benchmark's rule would refuse such a question once the models had answered it, a ValueError naming them now."""
+def count_unanswered(rows: list[dict], metric: str, source, log=print) -> set[str]:
+    """The ids of the questions that have nothing to score an answer against, said in one line: each is a miss in
+    accuracy (an InfoSeek test file, converted for inference, has no answers; its predictions are still wanted).
+    Where the benchmark's rule would refuse such a question once the models had answered it, a ValueError naming them
+    now."""
     lacking = [r for r in rows if not has_gold(r)]
     refused = [str(r["id"]) for r in lacking if refuses_unanswered(metric, r)]
     if refused:
@@ -264,9 +265,9 @@ def count_unanswered(rows: list[dict], metric: str, source, log=print) -> int:
     if lacking:
         log(
             f"{len(lacking)} of {len(rows)} question(s) in {source} have no answers (nor answer_eval): every answer to "
-            "them is scored wrong, a miss in accuracy"
+            "them is scored wrong, a miss in accuracy (unless it is skipped)"
         )
-    return len(lacking)
+    return {str(r["id"]) for r in lacking}
 
 
 def run(args: PipelineArgs, log=print, stages: Stages | None = None, state=None) -> dict | None:
@@ -315,18 +316,27 @@ def run(args: PipelineArgs, log=print, stages: Stages | None = None, state=None)
     return report(records, out, args, log, without_answers=unanswered)
 
 
+def threshold_grid(scores) -> np.ndarray:
+    """21 thresholds over the gate's scale (skb's 1–5, else 0–1), the first lowered to the lowest score and one past
+    the highest added: the curve starts at All RAG and ends at No RAG exactly (a float32 softmax gives 1.0 exactly,
+    and skb's probabilities may sum to just under 1)."""
+    grid = np.linspace(1, 5, 21) if max(scores) > 1 else np.linspace(0, 1, 21)
+    grid[0] = min(grid[0], min(scores))
+    return np.append(grid, np.nextafter(max(grid[-1], max(scores)), np.inf))
+
+
 PLACEMENT_FILE = "placement.json"  # each stage's device and dtype, as the latest run that answered placed them
 
 
-def report(records: list[dict], out: Path, args: PipelineArgs, log=print, without_answers: int = 0) -> dict:
+def report(records: list[dict], out: Path, args: PipelineArgs, log=print, without_answers=frozenset()) -> dict:
     complete = [r for r in records if "skipped" not in r]
     both = bool(complete) and all(r["alone"] is not None and r["rag"] is not None for r in complete)
     metrics = summarize(records) if both else _summarize_chosen(records)
-    metrics["without_answers"] = without_answers  # questions scored wrong for want of answers (run's first line)
+    # the scored questions that were scored wrong for want of answers (``without_answers``: their ids)
+    metrics["without_answers"] = sum(str(r["id"]) in without_answers for r in complete)
     gate_scores = [r["gate"]["score"] for r in complete if r["gate"]["score"] is not None]
     if both and gate_scores:
-        grid = np.linspace(1, 5, 21) if max(gate_scores) > 1 else np.linspace(0, 1, 21)
-        metrics["threshold_curve"] = threshold_curve(records, grid)
+        metrics["threshold_curve"] = threshold_curve(records, threshold_grid(gate_scores))
     if (out / PLACEMENT_FILE).is_file():
         metrics["placement"] = json.loads((out / PLACEMENT_FILE).read_text())
     write_json_atomic(out / "metrics.json", metrics)
