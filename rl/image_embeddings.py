@@ -148,6 +148,9 @@ def embed_images(
     wanted = list(dict.fromkeys(str(i) for i in images))
     todo = [{"id": i} for i in wanted if i not in have and (retry_unreadable or i not in listed)]
     if not todo:
+        if state is None or state.is_main_process:  # a run killed after the store was written left its work file
+            for leftover in (folder / WORK_FILE, *folder.glob(f"{WORK_FILE}.part*")):
+                leftover.unlink(missing_ok=True)
         skipped = sum(i in listed for i in wanted)
         log(
             f"question-image embeddings: all {len(wanted) - skipped} readable images already in {folder}"

@@ -102,6 +102,21 @@ def test_a_crash_while_the_store_is_rewritten_leaves_the_old_store_whole(tiny_wo
     assert seen == [] and set(load_store(queries, index.manifest)) == set(images)  # the new image from the work file
 
 
+def test_a_work_file_a_crash_left_beside_a_whole_store_is_removed(tiny_world, index, tmp_path, monkeypatch):
+    """Killed after the store's manifest was written, before the work file went: every later run found nothing to
+    do and returned, leaving the work file (every embedding again, in base64) for good."""
+    rows = list(read_jsonl(tiny_world / "train.jsonl"))[:4]
+    queries = tmp_path / "q.jsonl"
+    write_jsonl_atomic(queries, rows)
+    folder = embed_images(queries, [r["image"] for r in rows], tiny_world, index, **QUIET)
+    (folder / "work.jsonl").write_text('{"id": "x", "problem": "left by a crash"}\n')
+    (folder / "work.jsonl.part0").write_text("")
+    interrupt_after(index, monkeypatch, 0)  # nothing to encode
+    embed_images(queries, [r["image"] for r in rows], tiny_world, index, **QUIET)
+    assert not (folder / "work.jsonl").exists() and not list(folder.glob("work.jsonl.part*"))
+    assert set(load_store(queries, index.manifest)) == {r["image"] for r in rows}
+
+
 def test_the_job_loads_the_index_for_its_image_encoder_only(tiny_world, tiny_index_dir, index, tmp_path, monkeypatch):
     """``python -m rl.image_embeddings`` never searches: the FAISS index stays memory-mapped on the CPU (no fp16
     replica beside the image encoder on each GPU), whatever device the encoder runs on."""
