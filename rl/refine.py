@@ -1,7 +1,7 @@
 """Batched refiner inference: questions in, refined queries out.
 
     python -m rl.refine --model DIR --queries q.jsonl --out refined.jsonl [--batch_size N] [--backend hf|vllm]
-        [--sample] [--images_root DIR]
+        [--sample [--seed S]] [--images_root DIR]
 
 ``--model`` is an exported folder (``rl.export``) or a checkpoint; its own prompt and parser come from
 ``refiner.json`` (or the run record). Each output record is the input record plus ``refined_query``,
@@ -12,7 +12,7 @@ ids already in ``--out`` are skipped, and every batch is appended and flushed, s
 it wrote. ``accelerate launch -m rl.refine …`` splits the questions over processes (each on its own device, every
 N-th batch) and merges their parts into ``--out`` in input order (common.job_parts). Greedy by default; ``--sample``
 samples with the run's settings (``refiner.json``, the same as its ``generation_config.json``), on either backend,
-every setting passed explicitly (rl.generate.sampling_settings).
+every setting passed explicitly (rl.generate.sampling_settings); ``--seed`` makes its draws repeatable (per batch).
 
 Python API: ``Refiner.load(path)`` and ``refiner.refine(images, questions) -> list[str]``.
 """
@@ -23,6 +23,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from common.cli import parse, require_file, require_other_file
@@ -156,6 +157,13 @@ class RefineArgs:
     batch_size: int = field(default=16, metadata={"help": "questions per generation batch"})
     backend: str = field(default="hf", metadata={"help": "hf | vllm"})
     sample: bool = field(default=False, metadata={"help": "sample with the run's sampling settings (default: greedy)"})
+    seed: int = field(
+        default=None,
+        metadata={
+            "help": "--sample: each batch draws from seed + the position of its first question in --queries, so a "
+            "rerun with the same --batch_size samples the same queries, on any number of processes"
+        },
+    )
     dist_timeout_minutes: int = dist_timeout_field()
 
 
@@ -183,11 +191,13 @@ def refine_file(args: RefineArgs, log=print, refiner: Refiner | None = None, sta
             "model": str(args.model),
             "weights": args.model and weights_fingerprint(Path(args.model)),
             "sample": args.sample,
+            "seed": args.seed if args.sample else None,
             "backend": args.backend,  # vLLM and transformers decode alike only up to their numerics
             **input_settings(args.queries, root),  # another queries file's records are not kept beside these
         }
     )
     batches = parts.start(rows, args.batch_size, redo=lambda r: IMAGE_ERROR in r)  # an image mended since: again
+    position = {r["id"]: i for i, r in enumerate(rows)}
     log(f"refine, {parts.status}")
     unreadable, parsed, generated = [], 0, 0
     if batches:
@@ -197,6 +207,8 @@ def refine_file(args: RefineArgs, log=print, refiner: Refiner | None = None, sta
         with tqdm(total=parts.mine, desc="refining", unit="q") as bar:
             for batch in batches:
                 good, images, problems = usable_batch(batch, root)
+                if args.sample and args.seed is not None:  # both backends draw from torch's generator
+                    torch.manual_seed(args.seed + position[batch[0]["id"]])
                 results = refiner.refine_with_outputs(
                     images, [r["question"] for r in good], batch_size=args.batch_size, sample=args.sample
                 )

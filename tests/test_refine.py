@@ -87,6 +87,33 @@ def test_a_resume_with_another_model_is_refused_naming_it(toy_refiner, tiny_worl
     assert refine_file(args, refiner=toy_refiner, **QUIET) == 48 - 16
 
 
+def test_sampled_refinements_repeat_under_a_seed(toy_refiner, tiny_world, tmp_path):
+    """rl.refine --sample had no seed of its own: each batch now draws from --seed + its first question's position in
+    the file, whatever the generator drew before it (another batch, on another process or before a resume)."""
+    rows = [json.loads(x) for x in open(tiny_world / "test.jsonl")][:16]
+    queries = tmp_path / "q.jsonl"
+    queries.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    back = tmp_path / "back.jsonl"  # the same questions at other positions draw otherwise
+    back.write_text("".join(json.dumps(r) + "\n" for r in rows[8:] + rows[:8]))
+
+    def refined(q, name, seed=3):
+        out = tmp_path / name
+        args = RefineArgs(
+            queries=str(q), out=str(out), batch_size=8, sample=True, seed=seed, images_root=str(tiny_world)
+        )
+        torch.manual_seed(1234 + len(name))  # whatever state the generator was left in
+        refine_file(args, refiner=toy_refiner, **QUIET)
+        return {r["id"]: r["raw_output"] for r in map(json.loads, open(out))}
+
+    first, again = refined(queries, "a.jsonl"), refined(queries, "bb.jsonl")
+    assert first == again
+    reordered = refined(back, "ccc.jsonl")
+    assert {k: reordered[k] for k in list(first)[8:]} != {k: first[k] for k in list(first)[8:]}  # other positions
+    assert refined(back, "dddd.jsonl") == reordered
+    with pytest.raises(ValueError, match=r"seed: 3 then, 4 now"):
+        refined(queries, "a.jsonl", seed=4)
+
+
 def test_a_refiner_exported_again_into_the_same_folder_is_not_resumed_over(toy_refiner, tiny_world, tmp_path):
     """`rl.export --force` replaces the folder's weights (a new run, the same --out): its queries are another model's,
     so a resume from the old ones is refused, although the path is the same."""
