@@ -176,6 +176,20 @@ def jsonl_lines(path: str | Path) -> list[bytes]:
     return Path(path).read_bytes().splitlines(keepends=True)
 
 
+def readable_records(path: str | Path) -> list[dict]:
+    """The records of a JSONL file whose lines are JSON objects; any other line (one a kill cut short) is passed over:
+    for logs and work files, which nobody takes as input."""
+    records = []
+    for line in jsonl_lines(path):
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict):
+            records.append(rec)
+    return records
+
+
 def repair_jsonl(path: str | Path, key: str | None = None) -> list[dict]:
     """The records of a JSONL file an interrupted job appended to: a last line cut short by a crash is dropped
     (atomically), and a whole last record without its newline gets one, so the next append starts a line of its own.

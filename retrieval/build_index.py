@@ -45,7 +45,7 @@ from common.placement import (
     process_state,
 )
 from retrieval.assemble_index import assemble
-from retrieval.build_shards import encode_image_shards, encode_text_shard, shard_paths, work_items
+from retrieval.build_shards import encode_image_shards, encode_text_shard, is_build_folder, shard_paths, work_items
 from retrieval.encoder_names import check_image_encoder_name, check_text_encoder_name
 from retrieval.encoders import image_encoder, query_instruction_of, resolve_query_prompt, text_encoder
 from retrieval.faiss_build import check_factory
@@ -212,7 +212,8 @@ def index_files(out: Path) -> tuple[Path, Path]:
 
 def check_overwritable(out: Path, inputs: dict) -> None:
     """``--overwrite`` deletes ``out`` whole: a ValueError naming it unless it is absent, empty or an index folder
-    (a manifest, a partial build's folder, the FAISS index or its rows: what a delete cut short leaves is one too),
+    (a manifest, a partial build's folder of shards, the FAISS index or its rows: what a delete cut short leaves is
+    one too),
     and holds none of the build's ``inputs`` ({flag: path})."""
     if not out.exists():
         return
@@ -222,7 +223,7 @@ def check_overwritable(out: Path, inputs: dict) -> None:
         if value and out.resolve() in (Path(value).resolve(), *Path(value).resolve().parents):
             raise ValueError(f"--out {out} holds --{flag} {value}: --overwrite would delete it; give another --out")
     marks = (*index_files(out), out / INDEX_FILE, out / ROWS_FILE)
-    if any(out.iterdir()) and not (any(f.is_file() for f in marks) or (out / "build").is_dir()):
+    if any(out.iterdir()) and not (any(f.is_file() for f in marks) or is_build_folder(out / "build")):
         raise ValueError(
             f"--out {out} holds files but no index ({MANIFEST_FILE}, build/, {INDEX_FILE} or {ROWS_FILE}): "
             "--overwrite would delete the whole folder; give an index folder, or a new or empty one"

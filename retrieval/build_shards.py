@@ -4,6 +4,7 @@ first, then its ``.json``, whose presence means the shard is complete."""
 
 from __future__ import annotations
 
+import re
 from functools import lru_cache
 from pathlib import Path
 
@@ -19,6 +20,16 @@ from retrieval.summarize import load_summaries, summarized
 
 def shard_paths(build_dir: Path, kind: str, i: int) -> tuple[Path, Path]:
     return build_dir / f"{kind}-{i:06d}.npy", build_dir / f"{kind}-{i:06d}.json"
+
+
+SHARD_NAME = re.compile(r"(text|image)-\d{6}\.(npy|json)")
+
+
+def is_build_folder(build_dir: Path) -> bool:
+    """Whether ``build_dir`` holds a partial build and nothing else: its state, shards (``shard_paths``) and dot-named
+    temporaries (a project's own ``build/`` folder is not one)."""
+    names = [p.name for p in build_dir.iterdir()] if build_dir.is_dir() else []
+    return bool(names) and all(n == "state.json" or SHARD_NAME.fullmatch(n) or n.startswith(".") for n in names)
 
 
 def work_items(scan: KBScan, shard_size: int) -> list[tuple[str, int]]:

@@ -32,7 +32,7 @@ import numpy as np
 from tqdm import tqdm
 
 from common.cli import parse, require_file
-from common.files import atomic_path, read_jsonl, write_json_atomic, write_text_atomic
+from common.files import atomic_path, read_jsonl, readable_records, write_json_atomic, write_text_atomic
 from common.job_parts import JobParts
 from common.placement import decode_workers, dist_timeout_field, job_device, process_state
 from retrieval.index import MultimodalIndex, require_index
@@ -148,8 +148,10 @@ def embed_images(
     wanted = list(dict.fromkeys(str(i) for i in images))
     todo = [{"id": i} for i in wanted if i not in have and (retry_unreadable or i not in listed)]
     if not todo:
-        if state is None or state.is_main_process:  # a run killed after the store was written left its work file
-            for leftover in (folder / WORK_FILE, *folder.glob(f"{WORK_FILE}.part*")):
+        work = [p for p in (folder / WORK_FILE, *folder.glob(f"{WORK_FILE}.part*")) if p.is_file()]
+        stored = all(r.get("id") in have or r.get("id") in listed for p in work for r in readable_records(p))
+        if work and stored and (state is None or state.is_main_process):  # a run killed after writing the store
+            for leftover in work:  # left them; one that wanted other images too is resumed from them instead
                 leftover.unlink(missing_ok=True)
         skipped = sum(i in listed for i in wanted)
         log(

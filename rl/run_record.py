@@ -7,7 +7,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from common.files import file_fingerprint, jsonl_lines, write_json_atomic, write_jsonl_atomic
+from common.files import file_fingerprint, readable_records, write_json_atomic, write_jsonl_atomic
 from retrieval.index import MANIFEST_FILE
 from rl.prompts import prompt_spec
 
@@ -74,9 +74,12 @@ def check_output_dir(output_dir: Path, record: dict) -> None:
     memory in step 1) may be tried again under other settings."""
     output_dir = Path(output_dir)
     path = output_dir / RUN_RECORD
-    checkpoints = sorted(output_dir.glob("checkpoint-*"), key=lambda p: checkpoint_step(p) or 0)
+    if not path.is_file():
+        return
+    steps = {p: saved_step(p) for p in output_dir.glob("checkpoint-*") if p.is_dir()}
+    checkpoints = sorted(steps, key=lambda p: int(p.name[11:]) if p.name[11:].isdigit() else -1)  # as transformers
     trained = [p.name for p in (*checkpoints, output_dir / "final", output_dir / "metrics.json") if p.exists()]
-    if not path.is_file() or not trained:
+    if not trained:
         return
     saved = json.loads(path.read_text())
     differ = resume_differences(saved, record)
@@ -86,7 +89,8 @@ def check_output_dir(output_dir: Path, record: dict) -> None:
         if a is not None and a != b:
             differ.append(f"{name}: {a!r} → {b!r}")
     if differ:
-        resume = f", or resume it (--resume_from_checkpoint {checkpoints[-1]})" if checkpoints else ""
+        resumable = [p for p in checkpoints if steps[p] is not None]
+        resume = f", or resume it (--resume_from_checkpoint {resumable[-1]})" if resumable else ""
         raise ValueError(
             f"--output_dir {output_dir} holds another run ({'; '.join(differ)}): a new run would replace its "
             f"{', '.join(trained[-3:])}. Choose another --output_dir, delete it{resume}"
@@ -105,17 +109,16 @@ def trim_run_logs(output_dir: Path, checkpoint=None) -> None:
             if step is None:
                 path.unlink()
             else:  # a line a killed run cut short is left out: these are logs, not anyone's input
-                kept = [r for r in map(readable, jsonl_lines(path)) if r is not None and r.get("step", 0) <= step]
-                write_jsonl_atomic(path, kept)
+                steps = ((r, r.get("step", 0)) for r in readable_records(path))
+                write_jsonl_atomic(path, [r for r, s in steps if isinstance(s, int) and s <= step])
 
 
-def readable(line: bytes) -> dict | None:
-    """A log line's record with an int step, or None."""
+def saved_step(checkpoint) -> int | None:
+    """``checkpoint_step``, None for a trainer_state.json a run killed mid-save left unreadable too."""
     try:
-        rec = json.loads(line)
+        return checkpoint_step(checkpoint)
     except ValueError:
         return None
-    return rec if isinstance(rec, dict) and isinstance(rec.get("step", 0), int) else None
 
 
 def checkpoint_step(checkpoint) -> int | None:

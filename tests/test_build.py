@@ -150,6 +150,10 @@ def test_invalid_settings_fail_before_models_load(tiny_world, tmp_path, monkeypa
         ("an index", None),
         ("a partial build", None),
         ("a delete cut short", None),  # only a shard left: an index folder still, not one refused for good
+        (
+            "a project",  # a build/ folder of its own: not a partial build
+            "--out {out} holds files but no index (manifest.json, build/, index.faiss or rows.parquet)",
+        ),
     ],
 )
 def test_overwrite_deletes_only_an_index_folder(tiny_world, tmp_path, monkeypatch, layout, said):
@@ -172,10 +176,11 @@ def test_overwrite_deletes_only_an_index_folder(tiny_world, tmp_path, monkeypatc
             "notes": "notes.txt",
             "an index": "manifest.json",
             "a partial build": "build/state.json",
-            "a delete cut short": "build/text-00007.npy",
+            "a delete cut short": "build/text-000007.npy",
+            "a project": "build/lib/setup.py",
         }
         if layout in written:
-            (out / written[layout]).parent.mkdir(exist_ok=True)
+            (out / written[layout]).parent.mkdir(parents=True, exist_ok=True)
             (out / written[layout]).write_text("{}")
     before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
     args = BuildArgs(

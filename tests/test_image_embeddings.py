@@ -109,12 +109,19 @@ def test_a_work_file_a_crash_left_beside_a_whole_store_is_removed(tiny_world, in
     queries = tmp_path / "q.jsonl"
     write_jsonl_atomic(queries, rows)
     folder = embed_images(queries, [r["image"] for r in rows], tiny_world, index, **QUIET)
-    (folder / "work.jsonl").write_text('{"id": "x", "problem": "left by a crash"}\n')
+    (folder / "work.jsonl").write_text('{"id": "' + rows[1]["image"] + '", "problem": "left by a crash"}\n{"id": "cu')
     (folder / "work.jsonl.part0").write_text("")
     interrupt_after(index, monkeypatch, 0)  # nothing to encode
     embed_images(queries, [r["image"] for r in rows], tiny_world, index, **QUIET)
     assert not (folder / "work.jsonl").exists() and not list(folder.glob("work.jsonl.part*"))
     assert set(load_store(queries, index.manifest)) == {r["image"] for r in rows}
+    # an interrupted run that wanted other images too: its work is kept for it to go on from
+    (folder / "work.jsonl.part0").write_text(
+        '{"id": "' + rows[0]["image"] + '", "problem": "x"}\n{"id": "new.png", "pr'
+    )
+    (folder / "work.jsonl.part1").write_text('{"id": "another.png", "problem": "not read"}\n')
+    embed_images(queries, [r["image"] for r in rows], tiny_world, index, **QUIET)
+    assert (folder / "work.jsonl.part1").exists() and (folder / "work.jsonl.part0").exists()
 
 
 def test_the_job_loads_the_index_for_its_image_encoder_only(tiny_world, tiny_index_dir, index, tmp_path, monkeypatch):

@@ -152,6 +152,11 @@ def test_what_a_new_run_may_replace_and_what_a_resume_keeps_of_the_logs(tmp_path
     check_output_dir(tmp_path, record)  # the same run again
     with pytest.raises(ValueError, match=r"another run \(base model: '/m/3B' → '/m/7B'\)"):
         check_output_dir(tmp_path, {**record, "base_model": "/m/7B"})
+    (tmp_path / "checkpoint-notes.txt").write_text("not a checkpoint")
+    (tmp_path / "checkpoint-2").mkdir()
+    (tmp_path / "checkpoint-2" / "trainer_state.json").write_text('{"glo')  # a save a kill cut short
+    with pytest.raises(ValueError, match=r"checkpoint-1, checkpoint-2\. .*resume it .*checkpoint-1\)$"):
+        check_output_dir(tmp_path, {**record, "seed": 1})
     log = tmp_path / "completions.rank0.jsonl"
     log.write_text('{"step": 1, "q": "a"}\n{"step": 2, "q": "b"\n{"step": 1, "q": "c"}\n{"step": 2, "q": "d"}\n')
     trim_run_logs(tmp_path, tmp_path / "checkpoint-1")
