@@ -154,6 +154,7 @@ def test_threshold_curve_sweeps_one_scoring_pass():
         [5.0, 2.5],  # skb with all its probability on "5"
         [0.99999994, 3.0],  # skb's probabilities summing to just under 1: the curve never reached All RAG
         [0.3, 0.7],
+        [float("nan"), 3.0],  # a NaN made the scale depend on the order of the scores (it never retrieves itself)
     ],
 )
 def test_the_threshold_curve_runs_from_all_rag_to_no_rag(scores, tmp_path):
@@ -163,7 +164,8 @@ def test_the_threshold_curve_runs_from_all_rag_to_no_rag(scores, tmp_path):
 
     records = [rec(True, False, s >= 0.5, s, id=f"q{i}") for i, s in enumerate(scores)]
     curve = report(records, tmp_path, SimpleNamespace(gate="always"), log=lambda *a: None)["threshold_curve"]
-    assert (curve[0]["retrieval_ratio"], curve[-1]["retrieval_ratio"]) == (1.0, 0.0)
+    all_rag = sum(s == s for s in scores) / len(scores)  # a NaN score retrieves at no threshold
+    assert (curve[0]["retrieval_ratio"], curve[-1]["retrieval_ratio"]) == (all_rag, 0.0)
     assert [c["threshold"] for c in curve] == sorted(c["threshold"] for c in curve) and len(curve) == 22
 
 

@@ -334,7 +334,7 @@ def report(records: list[dict], out: Path, args: PipelineArgs, log=print, withou
     metrics = summarize(records) if both else _summarize_chosen(records)
     # the scored questions that were scored wrong for want of answers (``without_answers``: their ids)
     metrics["without_answers"] = sum(str(r["id"]) in without_answers for r in complete)
-    gate_scores = [r["gate"]["score"] for r in complete if r["gate"]["score"] is not None]
+    gate_scores = [s for r in complete if (s := r["gate"]["score"]) is not None and np.isfinite(s)]
     if both and gate_scores:
         metrics["threshold_curve"] = threshold_curve(records, threshold_grid(gate_scores))
     if (out / PLACEMENT_FILE).is_file():
