@@ -347,7 +347,7 @@ def test_a_folder_refuses_a_queries_file_or_weights_made_again_at_the_same_paths
     weights = next(generator.glob("*.safetensors"))
     stat = weights.stat()
     os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # exported again
-    with pytest.raises(ValueError, match=r"other settings \(weights\)"):
+    with pytest.raises(ValueError, match=r"other settings \(weights of generator\)"):
         run(make_args(gate="never", generator=str(generator)), **QUIET)
 
 

@@ -102,7 +102,8 @@ def run_warm_start(
                 + "; ".join(f"{k}: {previous.get(k)!r} there, {settings[k]!r} now" for k in differ)
                 + "): delete it or choose another --output_dir"
             )
-        log(f"warm start: reusing {out} ({steps} steps, seed {seed})")
+        if procs.rank == 0:  # said once, not once per process
+            log(f"warm start: reusing {out} ({steps} steps, seed {seed})")
         return out
     from datasets import Dataset, Image
     from trl import SFTConfig, SFTTrainer

@@ -222,6 +222,10 @@ def check_same_config(out: Path, args: PipelineArgs) -> None:
     if path.is_file():
         before = json.loads(path.read_text())
         changed = sorted(k for k in set(before) | set(current) if before.get(k) != current.get(k))
+        if "weights" in changed:  # which model folder's weights: a model exported again into the same folder
+            old, new = before.get("weights") or {}, current["weights"]
+            models = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+            changed = [f"weights of {', '.join(models)}" if k == "weights" else k for k in changed]
         if changed and JobParts(out / "predictions.jsonl").started():  # merged, or parts an interruption left
             raise ValueError(
                 f"--out {out} holds predictions made with other settings ({', '.join(changed)}); "
