@@ -213,8 +213,7 @@ def index_files(out: Path) -> tuple[Path, Path]:
 def check_overwritable(out: Path, inputs: dict) -> None:
     """``--overwrite`` deletes ``out`` whole: a ValueError naming it unless it is absent, empty or an index folder
     (a manifest, a partial build's folder of shards, the FAISS index or its rows: what a delete cut short leaves is
-    one too),
-    and holds none of the build's ``inputs`` ({flag: path})."""
+    one too), and holds none of the build's ``inputs`` ({flag: path})."""
     if not out.exists():
         return
     if not out.is_dir():

@@ -38,7 +38,7 @@ from rl.generate import generate_completions, sampling_settings
 from rl.image_budget import apply_image_budget
 from rl.model import open_vlm_image, quiet_checkpointing_deprecation, vlm_image_or_reason
 from rl.model_card import held_out, refiner_card, vllm_serve_command
-from rl.run_record import RUN_RECORD, find_run_record
+from rl.run_record import RUN_RECORD, checkpoint_folders, find_run_record
 
 VERIFY_MODE = "--verify_folder"  # python -m rl.export --verify_folder DIR [IMAGE QUESTION]: the fresh process's check
 VERIFY_TIMEOUT_S = 3600  # a 3B model loaded and run once on a slow CPU stays far below this
@@ -69,7 +69,7 @@ def resolve_checkpoint(path: Path) -> Path:
     """A folder with weights or an adapter; a run dir resolves to its best (else latest) checkpoint, else final."""
     if (path / "config.json").exists() or (path / "adapter_config.json").exists():
         return path
-    checkpoints = sorted(path.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]))
+    checkpoints = checkpoint_folders(path)
     saved = [c for c in checkpoints if (c / "trainer_state.json").exists()]  # transformers writes it last
     for cut in (c for c in checkpoints if c not in saved):
         print(f"{cut} has no trainer_state.json (its save was cut short): not exported")

@@ -98,6 +98,12 @@ def use_phase_progress(trainer, progress: PhaseProgress) -> None:
     trainer.add_callback(progress)
 
 
+def mode_of(trainer) -> str:
+    """What TRL files a call's metrics under: "eval" while the trainer's model is in eval mode, else "train" (no
+    trainer yet: training)."""
+    return "eval" if trainer is not None and not trainer.model.training else "train"
+
+
 def use_exact_metric_means(trainer, sources) -> None:
     """At each log, the rewards' means and the retrieval metrics as exact means over every completion since the last
     log, on all processes.
@@ -117,7 +123,7 @@ def use_exact_metric_means(trainer, sources) -> None:
         source.follow(trainer)
 
     def log_with_exact_means(logs, *args, **kwargs):
-        mode = "train" if trainer.model.training else "eval"
+        mode = mode_of(trainer)
         totals = {name: total for source in sources for name, total in source.take_totals(mode).items()}
         means = {}
         for name in sorted(set(gather_object(list(totals)))):
@@ -163,7 +169,7 @@ class TimedReward:
             self.last = rewards
         else:
             self.seconds_outside_steps += elapsed
-        mode = "eval" if self.trainer is not None and not self.trainer.model.training else "train"
+        mode = mode_of(self.trainer)
         scored = [r for r in rewards if r is not None]  # TRL's None: not scored (a NaN it leaves out of the mean)
         total = self.totals.setdefault(mode, [0.0, 0])
         total[0], total[1] = total[0] + sum(scored), total[1] + len(scored)

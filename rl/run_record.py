@@ -76,8 +76,7 @@ def check_output_dir(output_dir: Path, record: dict) -> None:
     path = output_dir / RUN_RECORD
     if not path.is_file():
         return
-    steps = {p: saved_step(p) for p in output_dir.glob("checkpoint-*") if p.is_dir()}
-    checkpoints = sorted(steps, key=lambda p: int(p.name[11:]) if p.name[11:].isdigit() else -1)  # as transformers
+    checkpoints = checkpoint_folders(output_dir)
     trained = [p.name for p in (*checkpoints, output_dir / "final", output_dir / "metrics.json") if p.exists()]
     if not trained:
         return
@@ -89,7 +88,7 @@ def check_output_dir(output_dir: Path, record: dict) -> None:
         if a is not None and a != b:
             differ.append(f"{name}: {a!r} → {b!r}")
     if differ:
-        resumable = [p for p in checkpoints if steps[p] is not None]
+        resumable = [p for p in checkpoints if saved_step(p) is not None]
         resume = f", or resume it (--resume_from_checkpoint {resumable[-1]})" if resumable else ""
         raise ValueError(
             f"--output_dir {output_dir} holds another run ({'; '.join(differ)}): a new run would replace its "
@@ -111,6 +110,12 @@ def trim_run_logs(output_dir: Path, checkpoint=None) -> None:
             else:  # a line a killed run cut short is left out: these are logs, not anyone's input
                 steps = ((r, r.get("step", 0)) for r in readable_records(path))
                 write_jsonl_atomic(path, [r for r, s in steps if isinstance(s, int) and s <= step])
+
+
+def checkpoint_folders(run_dir) -> list[Path]:
+    """A run folder's ``checkpoint-N`` folders, oldest first (by N, as transformers orders them)."""
+    found = [p for p in Path(run_dir).glob("checkpoint-*") if p.is_dir() and p.name.split("-", 1)[1].isdigit()]
+    return sorted(found, key=lambda p: int(p.name.split("-", 1)[1]))
 
 
 def saved_step(checkpoint) -> int | None:
