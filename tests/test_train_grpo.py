@@ -580,9 +580,9 @@ def test_vllm_model_folder_links_only_config_and_weights(tiny_refiner, tmp_path)
 
 def test_full_fine_tuning_of_3b_without_deepspeed_is_refused_on_an_80_gb_gpu():
     """The arithmetic (docs/scaling.md) for configs/accelerate/ddp.yaml at Qwen2.5-VL-3B (3.75 B parameters, 3.09 B
-    trained),
-    colocated vLLM at 0.25 of 80 GB, a 2 M × 2,304 fp16 index replica and the text encoder: ~96 GB before
-    activations, refused; LoRA-sized training (a few million trained) fits."""
+    trained), colocated vLLM at 0.25 of a nominal 80 GB, a 2 M × 2,304 fp16 index replica and the text encoder:
+    94.9 GB before activations (96.1 GB at an H100's 85.0 GB), refused; LoRA-sized training (a few million trained)
+    fits."""
     from rl.model import check_fits, ddp_full_finetune_bytes
 
     gpu = 80e9
