@@ -180,6 +180,7 @@ def generate(args: ToyWorldArgs, log=print) -> dict:
 
     t0 = time.perf_counter()
     entities = make_entities(args.entities, args.seed)
+    world_file.unlink(missing_ok=True)  # an older world's mark goes first: a run killed below leaves no world done
     (out / "images").mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(args.seed + 1)
     kb, questions = [], {"train": [], "val": [], "test": []}
