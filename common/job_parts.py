@@ -118,7 +118,7 @@ class JobParts(Processes):
                         write_jsonl_atomic(self.out, kept)
             except Exception as e:  # raised on every process below, not left for the others to wait on
                 error = e
-        self.barrier()  # everyone reads the merged output; no part is written before
+        self.barrier(f"process 0 merged what an earlier run left in {self.out}")  # no part is written before
         self.raise_everywhere(error)
         done = _ids(self.out)
         todo = [r for r in rows if str(r["id"]) not in done]
@@ -136,7 +136,7 @@ class JobParts(Processes):
     def finish(self, rows: Sequence[dict]) -> bool:
         """Barrier, then process 0 merges every part into ``out`` and checks that every row has its record; True on
         the process holding the whole output."""
-        self.barrier()
+        self.barrier(f"each process finished its batches of {self.out}")
         order = [str(r["id"]) for r in rows]
         error = None
         if self.rank == 0:

@@ -117,9 +117,10 @@ class Processes:
         self.rank = state.process_index if state is not None else 0
         self.count = state.num_processes if state is not None else 1
 
-    def barrier(self, what: str = "") -> None:
+    def barrier(self, what: str) -> None:
         """Wait for every process; past the process group's timeout (``ddp_timeout`` / ``timeout_minutes``), an error
-        naming ``what`` was awaited instead of a wait without end."""
+        naming ``what`` was awaited instead of a wait without end (``what``: the step the others finish before it,
+        said after "after")."""
         if self.state is None or self.count < 2:
             return
         try:
@@ -129,7 +130,7 @@ class Processes:
                 raise
             raise TimeoutError(
                 f"process {self.rank}/{self.count}: the other processes did not arrive at the barrier "
-                f"after {what or 'this step'} within the collective timeout: {str(e).strip()[:300]}"
+                f"after {what} within the collective timeout: {str(e).strip()[:300]}"
             ) from e
 
     def raise_everywhere(self, error: Exception | None) -> None:

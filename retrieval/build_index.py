@@ -243,10 +243,10 @@ def build_index(args: BuildArgs, log=print, encoders=None, state=None) -> dict |
     validate(args)
     out, kb = Path(args.out), Path(args.kb)
     if args.overwrite:  # every process has checked the folder (validate) before process 0 deletes it
-        procs.barrier()
+        procs.barrier(f"each process checked --out {out} before process 0 deletes it")
     if args.overwrite and out.exists() and procs.rank == 0:
         shutil.rmtree(out)
-    procs.barrier()
+    procs.barrier(f"process 0 deleted --out {out}" if args.overwrite else f"each process started the build of {out}")
     root = Path(args.images_root or kb.parent)
     scan = scan_kb(kb, args.text_template)
     if scan.rows == 0:
@@ -283,7 +283,7 @@ def build_index(args: BuildArgs, log=print, encoders=None, state=None) -> dict |
         write_json_atomic(state_path, settings)
     items = work_items(scan, args.shard_size)
     pending = [(kind, i) for kind, i in items if not shard_paths(build_dir, kind, i)[1].exists()]
-    procs.barrier()  # every process has listed the same pending shards before any is written
+    procs.barrier(f"each process listed the shards to do in {build_dir}")  # the same list, before any is written
     if len(pending) < len(items) and procs.rank == 0:
         log(f"resuming the partial build in {build_dir}: {len(items) - len(pending)} of {len(items)} shards done")
     mine = pending[procs.rank :: procs.count]
@@ -339,7 +339,7 @@ def build_index(args: BuildArgs, log=print, encoders=None, state=None) -> dict |
             f"images {100 * waits.share:.0f}% of it "
             f"({workers} decoding workers)"
         )
-    procs.barrier()
+    procs.barrier(f"each process encoded its shards into {build_dir}")
     if procs.rank != 0:
         log(f"process {procs.rank}: my shards are done; process 0 assembles the index")
         return None

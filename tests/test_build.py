@@ -356,3 +356,24 @@ def test_search_finds_the_entity_of_a_kb_image(tiny_index, tiny_world):
         hits = tiny_index.search([img], [entry_text(rec)], alpha=alpha, k=5)[0]
         assert hits[0].entity_id == rec["entity_id"]
         assert hits[0].score == pytest.approx(1.0, abs=1e-4) or alpha == 1.0
+
+
+@pytest.mark.parametrize(
+    "late,step",
+    [
+        (1, "each process checked --out {out} before process 0 deletes it"),
+        (2, "process 0 deleted --out {out}"),
+        (3, r"each process listed the shards to do in {out}/build"),
+        (4, r"each process encoded its shards into {out}/build"),
+    ],
+)
+def test_an_expired_barrier_of_the_build_names_its_step(tiny_world, tmp_path, encoders, late, step):
+    """Each barrier of a multi-process build, past the process group's timeout, says what this process waited for
+    and in which folder (process 1 of 2 here, a stand-in state whose ``late``-th barrier expires); each said "after
+    this step"."""
+    from tests.test_job_parts import OthersLate
+
+    out = tmp_path / "idx"
+    args = args_for(tiny_world, out, overwrite=True)
+    with pytest.raises(TimeoutError, match=f"after {step.format(out=out)} within the collective timeout"):
+        build_index(args, encoders=encoders, state=OthersLate(late), **QUIET)

@@ -156,3 +156,29 @@ def test_outputs_that_differ_after_a_dot_keep_their_own_settings(tmp_path):
     with pytest.raises(ValueError, match=r"model: 'A' then, 'B' now"):
         processes(tmp_path / "refined_v1.5", 1)[0].same_settings({"model": "B"})
     assert processes(tmp_path / "out.jsonl", 1)[0].settings_file.name == "out.settings.json"  # .jsonl taken off
+
+
+class OthersLate(SimpleNamespace):
+    """Process 1 of 2 whose ``late``-th barrier expires as gloo reports it (the others never arrive)."""
+
+    def __init__(self, late: int):
+        super().__init__(process_index=1, num_processes=2, device="cpu", late=late, waits=0)
+
+    def wait_for_everyone(self):
+        self.waits += 1
+        if self.waits == self.late:
+            raise RuntimeError("[../gloo/transport/tcp/pair.cc:534] Timed out waiting 3000ms for recv operation")
+
+
+def test_an_expired_barrier_names_the_step_and_the_output(tmp_path):
+    """A barrier past the process group's timeout says what the process waited for: the job's start (process 0's
+    merge of an earlier run's parts) or its end (every process's batches), and the output; both said "after this
+    step"."""
+    out = tmp_path / "out.jsonl"
+    with pytest.raises(TimeoutError, match=f"after process 0 merged what an earlier run left in {out} within"):
+        JobParts(out, OthersLate(1)).start(ROWS, 2)
+    parts = JobParts(out, OthersLate(2))
+    for batch in parts.start(ROWS, 2):
+        parts.append(batch)
+    with pytest.raises(TimeoutError, match=f"after each process finished its batches of {out} within"):
+        parts.finish(ROWS)

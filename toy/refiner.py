@@ -87,7 +87,7 @@ def run_warm_start(
         "seed": seed,
     }
     done = out / "warm_start.json"
-    procs.barrier()  # every process sees the same folder
+    procs.barrier(f"each process reached the warm start in {out}")  # every process sees the same folder
     if done.exists():
         previous = json.loads(done.read_text()).get("settings")
         if previous is None:
