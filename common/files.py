@@ -60,20 +60,37 @@ def atomic_folder(folder: str | Path, replace: bool = True):
     names are unique, not the process id: a crashed run's leftover under a reused id made the rename aside fail after
     the work was done, and the new folder was deleted."""
     folder = Path(folder)
-    unique = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp, old = (folder.with_name(f".{folder.name}.{kind}-{unique}") for kind in ("tmp", "old"))
+    tmp = folder.with_name(f".{folder.name}.tmp-{_unique()}")
     tmp.mkdir(parents=True)  # the usual permissions (tempfile.mkdtemp's are the owner's only)
     try:
         yield tmp
-        if replace and folder.exists():
-            os.replace(folder, old)
-        try:
-            os.replace(tmp, folder)
-        except OSError:  # a non-empty folder is there: another process finished first
-            if replace or not folder.is_dir():
-                raise
+        if replace:
+            replace_folder(tmp, folder)
+        else:
+            try:
+                os.replace(tmp, folder)
+            except OSError:  # a non-empty folder is there: another process finished first
+                if not folder.is_dir():
+                    raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _unique() -> str:
+    return f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def replace_folder(new: str | Path, folder: str | Path) -> None:
+    """Rename the finished folder ``new`` onto ``folder``, its sibling: an existing ``folder`` is moved aside first
+    and deleted after, so ``folder`` is never half the one and half the other (``atomic_folder``'s last step, for a
+    folder several processes wrote into under one name)."""
+    folder = Path(folder)
+    old = folder.with_name(f".{folder.name}.old-{_unique()}")
+    try:
+        if folder.exists():
+            os.replace(folder, old)
+        os.replace(new, folder)
+    finally:
         shutil.rmtree(old, ignore_errors=True)
 
 

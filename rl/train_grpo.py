@@ -12,7 +12,6 @@ GRPO, and prints a table of test-set retrieval for the original question, the wa
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from pathlib import Path
 
@@ -20,11 +19,9 @@ from transformers.utils import logging as hf_logging
 from trl import GRPOTrainer
 
 from common.cli import run
-from common.files import write_json_atomic
 from common.placement import Processes, configure_threads
 from retrieval.index import MultimodalIndex
 from rl.arguments import check_generation_phase, parse_arguments, validate, validate_files
-from rl.checkpoints import best_weights_step
 from rl.data import question_dataset, warn_absent_entities
 from rl.model import lora_config, quiet_checkpointing_deprecation
 from rl.model_card import write_run_cards
@@ -44,6 +41,7 @@ from rl.trainer_parts import (
     check_train_fills_a_generation,
     load_policy,
     ready_trainer,
+    save_final,
     whole_round_eval,
 )
 
@@ -115,14 +113,8 @@ def main(argv=None) -> dict:
     ready_trainer(trainer, model, processor, retrieval, model_path, budget, args, training_args, say)
     check_full_finetune_fits(model, index, encoders, training_args, model_args, state.device, state.num_processes, say)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    trainer.save_model(str(output_dir / "final"))  # gathers ZeRO-3 shards (zero3_save_16bit_model) on rank 0
+    best = save_final(trainer, processor, output_dir, procs, training_args.load_best_model_at_end)
     if state.is_main_process:
-        processor.save_pretrained(str(output_dir / "final"))
-        best = best_weights_step(trainer.state, training_args.load_best_model_at_end)
-        write_json_atomic(  # the step of final's weights and the run's log, which rl.export reads
-            output_dir / "final" / "trainer_state.json",
-            {**dataclasses.asdict(trainer.state), "global_step": best or trainer.state.global_step},
-        )
         write_run_cards(output_dir, trainer.state.log_history, best)  # over TRL's placeholder cards
     result = {"reward_time": getattr(monitor, "summary", {}), "log_history": trainer.state.log_history}
     if world and state.is_main_process:

@@ -4,14 +4,17 @@ first step (progress, exact metric means, the vLLM prompt fix and probe, the fro
 
 from __future__ import annotations
 
+import dataclasses
+import shutil
 from pathlib import Path
 
 from transformers.integrations import is_deepspeed_zero3_enabled
 
+from common.files import replace_folder, write_json_atomic
 from retrieval.encoders import parameter_elements
 from rewards import FormatReward, RetrievalReward, parse_tiers
 from rl.arguments import whole_eval_rounds
-from rl.checkpoints import seed_each_epoch, use_converting_loads
+from rl.checkpoints import best_weights_step, seed_each_epoch, use_converting_loads
 from rl.image_budget import (
     apply_image_budget,
     check_budget,
@@ -34,6 +37,8 @@ from rl.model import (
 )
 from rl.monitor import PhaseProgress, TimedReward, use_exact_metric_means, use_phase_progress
 from rl.vllm_prompts import fix_colocated_vllm_prompts, probe_vllm_prompt
+
+FINAL_STAGING = ".final.saving"  # beside final/: dot-named, as no reader takes it for a model
 
 
 def announce_rank(state, training_args, model_args, threads: int) -> tuple[str, str]:
@@ -233,3 +238,28 @@ def check_full_finetune_fits(model, index, encoders, training_args, model_args, 
         f"full fine-tuning without DeepSpeed: at least {need / 1e9:.1f} GB per GPU before activations, of "
         f"{total / 1e9:.1f}"
     )
+
+
+def save_final(trainer, processor, output_dir: Path, procs, load_best_model_at_end: bool) -> int | None:
+    """The trained model, its processor and ``trainer_state.json`` (the step of its weights and the run's log, which
+    rl.export reads) in ``output_dir/final``, whole or not at all: every process saves into one staging folder beside
+    it (under DeepSpeed every process takes part: ZeRO-3 gathers, or writes its own shards), then process 0 completes
+    it and renames it onto ``final`` (``replace_folder``). Saved in place, a run killed mid-save over an earlier
+    ``final/`` left new weights files beside old ones under the old ``trainer_state.json``. Returns, on process 0, the
+    step of the checkpoint the Trainer loaded at the end, if it loaded one (``best_weights_step``)."""
+    staging = Path(output_dir) / FINAL_STAGING
+    if procs.rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)  # what a save killed before left
+    procs.barrier(f"process 0 cleared {staging}")
+    trainer.save_model(str(staging))  # gathers ZeRO-3 shards (zero3_save_16bit_model) on rank 0
+    procs.barrier(f"each process saved its part of the final model into {staging}")
+    if procs.rank != 0:
+        return None
+    processor.save_pretrained(str(staging))
+    best = best_weights_step(trainer.state, load_best_model_at_end)
+    write_json_atomic(
+        staging / "trainer_state.json",
+        {**dataclasses.asdict(trainer.state), "global_step": best or trainer.state.global_step},
+    )
+    replace_folder(staging, Path(output_dir) / "final")
+    return best

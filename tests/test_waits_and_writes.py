@@ -2,6 +2,8 @@
 takes for finished work, and a wait on another process or a server ends, naming what it waited for."""
 
 import hashlib
+import json
+from pathlib import Path
 
 import pytest
 
@@ -39,3 +41,52 @@ def test_a_world_regenerated_and_killed_midway_is_not_taken_for_the_old_one(tmp_
     world = generate(ToyWorldArgs(out=str(out), **small), log=said.append)
     assert world.get("generated_now") and said[-1] != f"toy world in {out} already generated"
     assert world_digest(out) == world_digest(tmp_path / "fresh")
+
+
+class SavingTrainer:
+    """A trainer's final save as the Trainer makes it, file by file into the folder given; ``cut``: killed after
+    the first file (the weights of a model in two shards)."""
+
+    def __init__(self, step: int, cut: bool = False):
+        from transformers import TrainerState
+
+        self.state, self.cut = TrainerState(global_step=step), cut
+
+    def save_model(self, folder):
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "model-00001-of-00002.safetensors").write_text(f"step {self.state.global_step}")
+        if self.cut:
+            raise KeyboardInterrupt
+        (folder / "model-00002-of-00002.safetensors").write_text(f"step {self.state.global_step}")
+
+
+class Processor:
+    def save_pretrained(self, folder):
+        (Path(folder) / "preprocessor_config.json").write_text("{}")
+
+
+def folder_files(folder):
+    return {p.name: p.read_text() for p in sorted(folder.iterdir())}
+
+
+def test_a_final_save_cut_short_leaves_the_earlier_final_whole(tmp_path):
+    """GRPO's ``final/`` was saved in place: a run killed mid-save over an earlier run's ``final/`` (the same run
+    again) left the new first weights shard beside the old second one and the old ``trainer_state.json``, which
+    rl.export takes for the step of those weights. It is saved beside ``final/`` and renamed onto it whole."""
+    from common.placement import Processes
+    from rl.trainer_parts import save_final
+
+    save_final(SavingTrainer(4), Processor(), tmp_path, Processes(), False)
+    before = folder_files(tmp_path / "final")
+    assert json.loads(before["trainer_state.json"])["global_step"] == 4
+    with pytest.raises(KeyboardInterrupt):
+        save_final(SavingTrainer(8, cut=True), Processor(), tmp_path, Processes(), False)
+    assert folder_files(tmp_path / "final") == before
+    save_final(SavingTrainer(8), Processor(), tmp_path, Processes(), False)  # the rerun
+    after = folder_files(tmp_path / "final")
+    assert json.loads(after["trainer_state.json"])["global_step"] == 8
+    assert {k: v for k, v in after.items() if k.endswith(".safetensors")} == {
+        f"model-0000{i}-of-00002.safetensors": "step 8" for i in (1, 2)
+    }
+    assert [p.name for p in tmp_path.iterdir()] == ["final"]  # no staging folder left by the rerun
