@@ -14,6 +14,7 @@ import time
 import urllib.error
 import urllib.request
 
+from common.http import read_reply
 from common.placement import resolve_dtype
 
 REQUEST_FAILED = "generator failed after"  # the reason of an answer no request got: gate.pipeline redoes it
@@ -49,14 +50,8 @@ def chat(
     if key:
         headers["Authorization"] = f"Bearer {key}"
     request = urllib.request.Request(chat_url(url), data=json.dumps(body).encode(), headers=headers, method="POST")
-    deadline = time.monotonic() + timeout  # for the whole reply: urlopen's timeout bounds each read only
     with urllib.request.urlopen(request, timeout=timeout) as response:
-        chunks = []
-        while chunk := response.read1(1 << 16):
-            chunks.append(chunk)
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no whole reply within {timeout} s")
-        content = json.loads(b"".join(chunks))["choices"][0]["message"]["content"]
+        content = json.loads(read_reply(response, timeout))["choices"][0]["message"]["content"]
     if content is None:  # a reasoning model that spent its tokens thinking: no answer, as an empty one
         return ""
     if not isinstance(content, str):

@@ -181,34 +181,13 @@ def test_a_refused_request_waits_what_the_server_asks(headers, waited, monkeypat
 def test_a_reply_trickled_past_the_timeout_is_given_up(tmp_path):
     """urlopen's timeout bounds each read: a server sending a byte every 0.2 s held a request with a 1 s timeout
     for as long as it liked. The whole reply now has the timeout, and the request ends long before the reply would."""
-    import socket
-    import threading
-
     from common.llm import chat
+    from tests.test_waits_and_writes import trickling_server
 
     body = b'{"choices": [{"message": {"content": "Score: 5"}}]}' + b" " * 200
-    listener = socket.create_server(("127.0.0.1", 0))
-    sent = []
-
-    def trickle():
-        conn, _ = listener.accept()
-        with conn:
-            conn.recv(65536)
-            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body))
-            try:
-                for i in range(len(body)):
-                    conn.sendall(body[i : i + 1])
-                    sent.append(i)
-                    threading.Event().wait(0.2)
-            except OSError:  # the client gave up and closed the connection
-                pass
-
-    server = threading.Thread(target=trickle, daemon=True)
-    server.start()
-    url = f"http://127.0.0.1:{listener.getsockname()[1]}/v1"
-    with pytest.raises(TimeoutError, match="no whole reply within 1.0 s"):
-        chat(url, "m", [{"role": "user", "content": "q"}], timeout=1.0)
-    listener.close()
+    with trickling_server(body, "application/json") as (site, sent):
+        with pytest.raises(TimeoutError, match="no whole reply within 1.0 s"):
+            chat(f"{site}/v1", "m", [{"role": "user", "content": "q"}], timeout=1.0)
     assert len(sent) < len(body)  # given up before the server finished its reply
 
 

@@ -3,6 +3,9 @@ takes for finished work, and a wait on another process or a server ends, naming 
 
 import hashlib
 import json
+import socket
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -90,3 +93,44 @@ def test_a_final_save_cut_short_leaves_the_earlier_final_whole(tmp_path):
         f"model-0000{i}-of-00002.safetensors": "step 8" for i in (1, 2)
     }
     assert [p.name for p in tmp_path.iterdir()] == ["final"]  # no staging folder left by the rerun
+
+
+@contextmanager
+def trickling_server(body: bytes, content_type: str):
+    """A local HTTP server that answers one request with ``body``, one byte every 0.2 s; yields (its address, the
+    offsets of the bytes sent so far)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    sent = []
+
+    def trickle():
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            head = f"HTTP/1.1 200 OK\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n\r\n"
+            conn.sendall(head.encode())
+            try:
+                for i in range(len(body)):
+                    conn.sendall(body[i : i + 1])
+                    sent.append(i)
+                    threading.Event().wait(0.2)
+            except OSError:  # the client gave up and closed the connection
+                pass
+
+    threading.Thread(target=trickle, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}", sent
+    finally:
+        listener.close()
+
+
+def test_an_image_trickled_past_the_timeout_is_a_transient_failure(tmp_path):
+    """``fetch_images --timeout`` ("seconds per request") bounded each read of the body only: an image sent a byte
+    every 0.2 s held its download thread for as long as the server went on. The whole body now has the timeout; the
+    URL is listed as a transient failure (tried again by the next run) and no file is written."""
+    from retrieval.upstream.fetch_images import TRANSIENT, fetch_one
+
+    body = b"\x89PNG\r\n\x1a\n" + bytes(32)
+    with trickling_server(body, "image/png") as (site, sent):
+        why = fetch_one(f"{site}/a.png", tmp_path, 1.0, "Test Runner (tests@example.org)", max_retries=0)
+    assert why == f"{TRANSIENT}TimeoutError: no whole reply within 1.0 s"
+    assert len(sent) < len(body) and list(tmp_path.iterdir()) == []

@@ -42,6 +42,7 @@ from tqdm.auto import tqdm
 
 from common.cli import parse
 from common.files import append_jsonl, atomic_path, repair_jsonl, write_jsonl_atomic
+from common.http import read_reply
 from retrieval.upstream.kb import iter_evqa_kb, read_upstream_jsonl, svg_problem, url_hash
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".gif", ".webp", ".tif", ".tiff", ".bmp"}
@@ -61,7 +62,10 @@ class FetchArgs:
     out: str = field(default=None, metadata={"help": "folder to write <md5(url)>.<ext> files into"})
     kb_format: str = field(default="evqa-kb", metadata={"help": "evqa-kb or wiki6m"})
     workers: int = field(default=16, metadata={"help": "parallel downloads (network-bound threads)"})
-    timeout: float = field(default=30.0, metadata={"help": "seconds per request"})
+    timeout: float = field(
+        default=30.0,
+        metadata={"help": "seconds per request (connecting, and the whole body once it begins)"},
+    )
     limit: int = field(default=None, metadata={"help": "stop after this many URLs (a trial run)"})
     retry_failed: bool = field(default=False, metadata={"help": "try the URLs listed in failed.jsonl again"})
     user_agent: str = field(
@@ -176,8 +180,8 @@ def download(url: str, timeout: float, user_agent: str, throttle: Throttle, max_
         throttle.wait()
         try:
             req = urllib.request.Request(request_url(url), headers={"User-Agent": user_agent})
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                return resp.headers.get("Content-Type", ""), resp.read()
+            with urllib.request.urlopen(req, timeout=timeout) as resp:  # the whole body within the timeout too
+                return resp.headers.get("Content-Type", ""), read_reply(resp, timeout)
         except urllib.error.HTTPError as e:
             if e.code in RETRY_STATUSES and attempt < max_retries:
                 throttle.hold(retry_after(e.headers.get("Retry-After"), attempt))

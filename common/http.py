@@ -1,0 +1,18 @@
+"""An HTTP reply read whole within a deadline: ``urlopen``'s timeout bounds each read only, so a server (or a failing
+link) sending a byte now and then held a request for as long as it went on."""
+
+from __future__ import annotations
+
+import time
+
+
+def read_reply(response, timeout: float) -> bytes:
+    """The body of ``response`` (from ``urlopen(…, timeout=timeout)``), or a TimeoutError once ``timeout`` seconds
+    have passed since the body began without all of it."""
+    deadline = time.monotonic() + timeout
+    chunks = []
+    while chunk := response.read1(1 << 16):
+        chunks.append(chunk)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no whole reply within {timeout} s")
+    return b"".join(chunks)
