@@ -88,8 +88,20 @@ def collate(items: list[dict]) -> dict:
     return batch
 
 
-def loader(dataset: Dataset, batches: list[list[int]], workers: int, pin_memory: bool = False) -> DataLoader:
-    """Batches in the given order (``batches``: lists of item indices), decoded by ``workers`` processes."""
+# How long the encoder waits for the workers' next decoded batch: a batch takes seconds, even of 20-megapixel photos;
+# a worker that hung (a decoder that never returns, a file system that stopped answering) would hold the job for ever.
+DECODE_TIMEOUT_S = 1800
+
+
+def loader(
+    dataset: Dataset,
+    batches: list[list[int]],
+    workers: int,
+    pin_memory: bool = False,
+    timeout_s: int = DECODE_TIMEOUT_S,
+) -> DataLoader:
+    """Batches in the given order (``batches``: lists of item indices), decoded by ``workers`` processes (each batch
+    waited for at most ``timeout_s``: ``timed`` then raises a TimeoutError naming the wait)."""
     return DataLoader(
         dataset,
         batch_sampler=batches,
@@ -97,6 +109,7 @@ def loader(dataset: Dataset, batches: list[list[int]], workers: int, pin_memory:
         collate_fn=collate,
         pin_memory=pin_memory,
         prefetch_factor=4 if workers else None,
+        timeout=timeout_s if workers else 0,  # in the main process (no workers) nothing is waited for
     )
 
 
@@ -122,6 +135,8 @@ class Waits:
 
 
 def timed(batches, waits: Waits) -> Iterator[dict]:
+    """``batches`` as they come, the wait for each added to ``waits``; a DataLoader's expired wait for its workers
+    (``loader``'s ``timeout_s``) is a TimeoutError saying what was waited for."""
     it = iter(batches)
     while True:
         t0 = time.perf_counter()
@@ -129,6 +144,15 @@ def timed(batches, waits: Waits) -> Iterator[dict]:
             batch = next(it)
         except StopIteration:
             return
+        except RuntimeError as e:
+            if not str(e).startswith("DataLoader timed out"):
+                raise
+            workers = getattr(batches, "num_workers", "the")
+            raise TimeoutError(
+                f"no batch of decoded images from {workers} DataLoader worker{'s' if workers != 1 else ''} within "
+                f"{getattr(batches, 'timeout', '?')} s: an image whose decoding never ends, or a file system that "
+                "stopped answering"
+            ) from e
         waits.waited += time.perf_counter() - t0
         yield batch
 

@@ -377,3 +377,26 @@ def test_an_expired_barrier_of_the_build_names_its_step(tiny_world, tmp_path, en
     args = args_for(tiny_world, out, overwrite=True)
     with pytest.raises(TimeoutError, match=f"after {step.format(out=out)} within the collective timeout"):
         build_index(args, encoders=encoders, state=OthersLate(late), **QUIET)
+
+
+class HangingImages:
+    """A dataset whose every item hangs its worker (a decoder that never returns, a file system that stopped
+    answering)."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        import threading
+
+        threading.Event().wait()
+
+
+def test_a_decoding_worker_that_never_answers_is_a_timeout_naming_the_wait():
+    """The encoder waited for DataLoader workers' decoded batches without a timeout: a worker that hung kept the build
+    (or an embedding job) waiting for ever. The wait is bounded (``DECODE_TIMEOUT_S``; 1 s here) and named."""
+    from retrieval.image_data import Waits, loader, timed
+
+    data = loader(HangingImages(), [[0, 1], [2, 3]], workers=1, timeout_s=1)
+    with pytest.raises(TimeoutError, match=r"no batch of decoded images from 1 DataLoader worker within 1 s"):
+        next(timed(data, Waits()))
