@@ -72,6 +72,13 @@ class Clock:
             self.bars[stage].update(n)
         return result
 
+    def time_rows(self, stage: str, fn, rows: list[int], *columns) -> dict:
+        """``fn`` over the items ``rows`` of each of ``columns``, timed as ``stage``: {row: its result}; ``fn`` is not
+        called when ``rows`` is empty."""
+        if not rows:
+            return {}
+        return dict(zip(rows, self.time(stage, len(rows), fn, *[[column[i] for i in rows] for column in columns])))
+
     def per_question(self) -> dict[str, float]:
         return {s: self.seconds[s] / max(1, self.counts[s]) for s in self.seconds}
 
@@ -132,23 +139,7 @@ def rag_path(st: Stages, batch: list[dict], images, clock: Clock) -> list[dict]:
     # with baselines, the generator also answers where the Inspector failed the section: the pipeline without the
     # Inspector (WikiSeeker's ablation) comes from the same run
     to_generate = [i for i in range(n) if verdicts[i] is None or verdicts[i]["pass"] or st.args.baselines]
-    generated = (
-        dict(
-            zip(
-                to_generate,
-                clock.time(
-                    "generate",
-                    len(to_generate),
-                    st.generate,
-                    [images[i] for i in to_generate],
-                    [questions[i] for i in to_generate],
-                    [contexts[i] for i in to_generate],
-                ),
-            )
-        )
-        if to_generate
-        else {}
-    )
+    generated = clock.time_rows("generate", st.generate, to_generate, images, questions, contexts)
     results = []
     for i, r in enumerate(batch):
         if verdicts[i] is None or verdicts[i]["pass"]:
@@ -189,22 +180,7 @@ def run_batch(st: Stages, batch: list[dict], images, bars: dict | None = None) -
         scores, retrieve = [None] * n, [args.gate == "always"] * n
     alone_idx = [i for i in range(n) if args.baselines or not retrieve[i]]
     rag_idx = [i for i in range(n) if args.baselines or retrieve[i]]
-    alone = (
-        dict(
-            zip(
-                alone_idx,
-                clock.time(
-                    "answer alone",
-                    len(alone_idx),
-                    st.answer,
-                    [images[i] for i in alone_idx],
-                    [questions[i] for i in alone_idx],
-                ),
-            )
-        )
-        if alone_idx
-        else {}
-    )
+    alone = clock.time_rows("answer alone", st.answer, alone_idx, images, questions)
     rag = dict(zip(rag_idx, rag_path(st, [batch[i] for i in rag_idx], [images[i] for i in rag_idx], clock)))
     alone = {i: answered(a) for i, a in alone.items()}
     st.judge(
