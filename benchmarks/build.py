@@ -66,7 +66,6 @@ def build(
     workers: int,
     processes: int,
     images_root: Path,
-    photos: bool = True,
 ):
     argv = [
         "--kb",

@@ -48,8 +48,7 @@ class ImageEncoder:
         else:
             arch, _, tag = name.partition("@")
             model, _, preprocess = open_clip.create_model_and_transforms(arch, pretrained=tag or None)
-        self.use_fp16 = self.device.startswith("cuda")
-        self.dtype = torch.float16 if self.use_fp16 else torch.float32
+        self.dtype = torch.float16 if self.device.startswith("cuda") else torch.float32
         tower = model.visual  # encode_image(x) is visual(x) (+ normalisation, done here in float32)
         del model
         self.model = tower.to(self.device, self.dtype).eval().requires_grad_(False)

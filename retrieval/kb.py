@@ -19,8 +19,6 @@ from pathlib import Path
 
 from PIL import ExifTags, Image, ImageOps
 
-KB_FIELDS = ("entry_id", "entity_id", "title", "section_title", "text", "image")
-QUESTION_FIELDS = ("id", "image", "question", "entity_id", "answers")
 QUESTION_KEYS = ("id", "question")  # what every job over a question file reads: the id its results go by, the question
 
 

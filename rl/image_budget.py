@@ -76,11 +76,6 @@ def apply_image_budget(processor, budget: dict | None):
     return processor
 
 
-def processor_budget(processor) -> dict:
-    size = dict(processor.image_processor.size)
-    return {"min_pixels": int(size["shortest_edge"]), "max_pixels": int(size["longest_edge"])}
-
-
 def image_token_count(processor, image) -> tuple[int, tuple[int, int, int], dict]:
     """Image tokens the processor puts in the prompt for ``image``, its (t, h, w) patch grid, and the batch."""
     pad = getattr(processor, "image_token", "<|image_pad|>")

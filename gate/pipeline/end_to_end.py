@@ -176,7 +176,7 @@ def stage_latency(done: list[dict]) -> dict:
     return {s: float(np.mean([r["latency"][s] for r in done if s in r.get("latency", {})])) for s in stages}
 
 
-def summarize(records: list[dict], threshold_name: str = "threshold") -> dict:
+def summarize(records: list[dict]) -> dict:
     """metrics.json: the system's accuracy, token accuracy, retrieval ratio, per split, latency per stage, the
     Inspector's confusion matrix and the baselines."""
     done = [r for r in records if "skipped" not in r]

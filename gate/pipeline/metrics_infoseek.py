@@ -17,7 +17,6 @@ from collections.abc import Sequence
 
 from retrieval.answers import normalize_answer, who
 
-INFOSEEK_TYPES = ("String", "Numerical", "Time")
 INFOSEEK_SPLITS = ("unseen_question", "unseen_entity")
 
 
