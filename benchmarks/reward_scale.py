@@ -31,6 +31,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np
 import torch
+from timing import best_time
 
 from common.faiss_lib import faiss
 from common.placement import configure_threads, usable_cores
@@ -100,16 +101,6 @@ def step_queries(path, n, seed=1):
     return img.astype(np.float32), txt.astype(np.float32), [f"e{ents[r]}" for r in rows]
 
 
-def best(fn, repeats):
-    out = fn()
-    t = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        t = min(t, time.perf_counter() - t0)
-    return t, out
-
-
 def smaps(pid="self"):
     vals = {}
     for line in open(f"/proc/{pid}/smaps_rollup"):
@@ -140,7 +131,7 @@ threads = configure_threads(args.threads)
 work = Path(args.workdir or tempfile.mkdtemp(prefix="reward_scale-"))
 work.mkdir(parents=True, exist_ok=True)
 a = torch.randn(4096, 4096)
-t_peak, _ = best(lambda: a @ a, 3)
+t_peak, _ = best_time(lambda: a @ a, 3)
 peak = 2 * 4096**3 / t_peak / 1e9
 del a
 print(
@@ -163,7 +154,7 @@ for n in [int(s) for s in args.sizes.split(",")]:
         ("(b) exact: matmul + segment max", "exact", flat),
     ]:
         idx, _ = load_index(path, n, method)
-        t, ranks = best(lambda: idx.entity_ranks(img, txt, gold, alpha=ALPHA, depth=args.depth), args.repeats)
+        t, ranks = best_time(lambda: idx.entity_ranks(img, txt, gold, alpha=ALPHA, depth=args.depth), args.repeats)
         results[method] = ranks
         speed.append((n, name, t, flops / t / 1e9, ""))
         del idx
@@ -178,7 +169,7 @@ for n in [int(s) for s in args.sizes.split(",")]:
         )
         ivf_build = time.perf_counter() - t0
         idx, _ = load_index(ivf_path, n, "search")
-        t, ranks = best(lambda: idx.entity_ranks(img, txt, gold, alpha=ALPHA, depth=args.depth), args.repeats)
+        t, ranks = best_time(lambda: idx.entity_ranks(img, txt, gold, alpha=ALPHA, depth=args.depth), args.repeats)
         agree = sum(x == y for x, y in zip(ranks, results["exact"]))
         hit_exact = sum(r is not None for r in results["exact"])
         hit_ivf = sum(r is not None for r in ranks)

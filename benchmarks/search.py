@@ -25,6 +25,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np
 from threadpoolctl import threadpool_info
+from timing import best_time
 
 from common.faiss_lib import faiss
 from retrieval.faiss_build import build_faiss_index
@@ -54,17 +55,6 @@ def random_unit(n, seed, chunk=65536):
         rng.standard_normal(out=block, dtype=np.float32)
         block /= np.linalg.norm(block, axis=1, keepdims=True)
     return x
-
-
-def best_time(fn, repeats):
-    """Best wall time of ``repeats`` calls after one warm-up call; also returns the last result."""
-    out = fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - t0)
-    return best, out
 
 
 def numpy_search(X, Q):
