@@ -43,10 +43,9 @@ from tqdm.auto import tqdm
 from common.cli import parse
 from common.files import append_jsonl, atomic_path, repair_jsonl, write_jsonl_atomic
 from common.http import read_reply
-from retrieval.upstream.kb import iter_evqa_kb, read_upstream_jsonl, svg_problem, url_hash
+from retrieval.upstream.kb import SVG_SUFFIXES, iter_evqa_kb, read_upstream_jsonl, svg_problem, url_hash
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".gif", ".webp", ".tif", ".tiff", ".bmp"}
-SVG_SUFFIXES = (".svg", ".svgz")
 RETRY_STATUSES = (429, 503)
 TRANSIENT = "transient: "  # the reason's prefix of a failure that may pass: the next run tries the URL again
 MAX_WAIT = 600.0  # seconds: the longest a Retry-After is honoured for at once

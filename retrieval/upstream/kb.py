@@ -36,6 +36,7 @@ from retrieval.kb import kb_entry
 
 GZIP_MAGIC, ZIP_MAGIC = b"\x1f\x8b", b"PK\x03\x04"
 DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".tsv")
+SVG_SUFFIXES = (".svg", ".svgz")
 
 
 @contextmanager
@@ -155,7 +156,7 @@ def url_hash(url: str) -> str:
 def svg_problem(path: str | None) -> str | None:
     """Why a KB image file cannot be indexed before it is read: an SVG (flags, maps, coats of arms), which PIL cannot
     decode; None otherwise."""
-    if path is not None and str(path).lower().endswith((".svg", ".svgz")):
+    if path is not None and str(path).lower().endswith(SVG_SUFFIXES):
         return (
             f"SVG image {path}: PIL cannot decode it; run retrieval.upstream.fetch_images again (it fetches "
             "Wikimedia's PNG "
