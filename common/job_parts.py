@@ -30,6 +30,11 @@ from common.files import (
 from common.placement import Processes
 
 
+def changed_keys(before: dict, now: dict) -> list[str]:
+    """The keys, sorted, whose value differs between two sets of settings (a key in only one differs)."""
+    return sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
+
+
 class JobParts(Processes):
     def __init__(self, out: str | Path, state=None):
         super().__init__(state)
@@ -69,7 +74,7 @@ class JobParts(Processes):
             )
         if self.started() and recorded.exists():
             before = json.loads(recorded.read_text())
-            changed = sorted(k for k in set(before) | set(settings) if before.get(k) != settings.get(k))
+            changed = changed_keys(before, settings)
             if changed:
                 said = "; ".join(f"{k}: {before.get(k)!r} then, {settings.get(k)!r} now" for k in changed)
                 raise ValueError(

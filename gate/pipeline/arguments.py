@@ -10,7 +10,7 @@ from pathlib import Path
 
 from common.cli import check_choices, require_file
 from common.files import file_fingerprint, weights_fingerprint, write_json_atomic
-from common.job_parts import JobParts
+from common.job_parts import JobParts, changed_keys
 from common.placement import dist_timeout_field
 from gate.pipeline.consistency import STRATEGIES
 from gate.pipeline.metrics import METRICS
@@ -221,10 +221,10 @@ def check_same_config(out: Path, args: PipelineArgs) -> None:
     path = out / "pipeline_config.json"
     if path.is_file():
         before = json.loads(path.read_text())
-        changed = sorted(k for k in set(before) | set(current) if before.get(k) != current.get(k))
+        changed = changed_keys(before, current)
         if "weights" in changed:  # which model folder's weights: a model exported again into the same folder
             old, new = before.get("weights") or {}, current["weights"]
-            models = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+            models = changed_keys(old, new)
             changed = [f"weights of {', '.join(models)}" if k == "weights" else k for k in changed]
         if changed and JobParts(out / "predictions.jsonl").started():  # merged, or parts an interruption left
             raise ValueError(
