@@ -15,7 +15,7 @@ import urllib.error
 import urllib.request
 
 from common.http import read_reply
-from common.placement import resolve_dtype
+from common.placement import dtype_name, resolve_dtype
 
 REQUEST_FAILED = "generator failed after"  # the reason of an answer no request got: gate.pipeline redoes it
 EMPTY_ANSWER = "empty answer"  # the model answered nothing: an answer, kept (no REQUEST_FAILED prefix)
@@ -143,9 +143,7 @@ def text_generator(name_or_path: str, prompt: dict, max_new_tokens: int, device:
         tokenizer.pad_token = tokenizer.eos_token
     torch_dtype = resolve_dtype(dtype, device)
     model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype).to(device).eval()
-    logging.getLogger("refine_rl.model").info(
-        "%s on %s in %s", name_or_path, device, str(torch_dtype).replace("torch.", "")
-    )
+    logging.getLogger("refine_rl.model").info("%s on %s in %s", name_or_path, device, dtype_name(torch_dtype))
 
     def generate(images, questions, contexts):
         texts = [

@@ -254,6 +254,11 @@ def resolve_dtype(name: str | None, device: str = "cpu"):
     return getattr(torch, DTYPE_NAMES[name])
 
 
+def dtype_name(dtype) -> str:
+    """A torch dtype as logs and records name it: ``bfloat16`` for ``torch.bfloat16``."""
+    return str(dtype).replace("torch.", "")
+
+
 def per_device_batch(total: int, processes: int, accumulation: int, name: str) -> int:
     """The per-process batch that makes ``total`` examples per optimizer step over ``processes`` × ``accumulation``."""
     if accumulation <= 0:

@@ -12,6 +12,7 @@ import numpy as np
 from tqdm import tqdm
 
 from common.files import atomic_path, write_json_atomic
+from common.placement import dtype_name
 from retrieval.image_data import KBImageRows, Waits, batches_of, loader, timed
 from retrieval.kb import entry_text
 from retrieval.kb_scan import KBScan
@@ -83,7 +84,7 @@ def encode_text_shard(j: int, scan: KBScan, txt_enc, args, build_dir: Path) -> N
             "max_seq_length": txt_enc.max_seq_length,
             "query_instruction": txt_enc.query_prompt,
             "query_instruction_setting": args.query_instruction,
-            "encoded_on": f"{txt_enc.device} {str(txt_enc.dtype).replace('torch.', '')}",
+            "encoded_on": f"{txt_enc.device} {dtype_name(txt_enc.dtype)}",
         },
     )
 
@@ -159,6 +160,6 @@ def finish_image_shard(i: int, p: dict, scan: KBScan, img_enc, build_dir: Path) 
             "entity_ids": p["entity_ids"],
             "titles": p["titles"],
             "skipped": [skipped[r] for r in sorted(skipped)],
-            "encoded_on": f"{img_enc.device} {str(img_enc.dtype).replace('torch.', '')}",
+            "encoded_on": f"{img_enc.device} {dtype_name(img_enc.dtype)}",
         },
     )

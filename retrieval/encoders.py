@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from common.placement import log, resolve_device
+from common.placement import dtype_name, log, resolve_device
 from retrieval.encoder_names import check_image_encoder_name, check_text_encoder_name, registered_builder
 from retrieval.kb import to_rgb
 
@@ -58,7 +58,7 @@ class ImageEncoder:
             "image encoder %s: vision tower only, %s, %s, %d-d",
             name,
             self.device,
-            str(self.dtype).replace("torch.", ""),
+            dtype_name(self.dtype),
             self.dim,
         )
 
@@ -172,7 +172,7 @@ class HFImageEncoder:
             name,
             type(model).__name__,
             self.device,
-            str(self.dtype).replace("torch.", ""),
+            dtype_name(self.dtype),
             self.dim,
             self.image_processor,
         )
@@ -250,7 +250,7 @@ class TextEncoder:
             "text encoder %s: %s, %s, %d-d, max %s tokens, query instruction: %s",
             name,
             self.device,
-            str(self.dtype).replace("torch.", ""),
+            dtype_name(self.dtype),
             self.dim,
             self.max_seq_length,
             repr(self.query_prompt) if self.query_prompt else "none",

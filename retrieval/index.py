@@ -18,7 +18,14 @@ from pathlib import Path
 
 import numpy as np
 
-from common.placement import configure_threads, index_to_device, log, outside_zero3_init, resolve_device
+from common.placement import (
+    configure_threads,
+    dtype_name,
+    index_to_device,
+    log,
+    outside_zero3_init,
+    resolve_device,
+)
 from retrieval.encoders import ImageEncoder, TextEncoder, image_encoder, l2_normalize, resolve_query_prompt
 from retrieval.exact import ExactRanker, StoredRows, flat_storage
 from retrieval.faiss_build import read_faiss, set_parameter
@@ -250,7 +257,7 @@ class MultimodalIndex:
                 "exact ranks: %d rows replicated on %s (%s, %.2f GB)",
                 len(self),
                 self.device,
-                str(self._exact.rows.dtype).replace("torch.", ""),
+                dtype_name(self._exact.rows.dtype),
                 self._exact.nbytes / 1e9,
             )
         return self._exact

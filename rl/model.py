@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from common.placement import outside_zero3_init, resolve_dtype
+from common.placement import dtype_name, outside_zero3_init, resolve_dtype
 from retrieval.kb import downscaled_jpeg, to_rgb, upright
 from rl.image_budget import aspect_problem
 
@@ -179,9 +179,7 @@ def load_model(
 
     if not is_deepspeed_zero3_enabled():  # under ZeRO-3 the parameters are partitioned; DeepSpeed places them
         model.to(torch.device(device))
-    logging.getLogger("refine_rl.model").info(
-        "%s on %s in %s", name_or_path, device, str(kwargs["dtype"]).replace("torch.", "")
-    )
+    logging.getLogger("refine_rl.model").info("%s on %s in %s", name_or_path, device, dtype_name(kwargs["dtype"]))
     processor = AutoProcessor.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     processor.tokenizer.padding_side = "left"
     return model, processor

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from common.placement import resolve_device, resolve_dtype
+from common.placement import dtype_name, resolve_device, resolve_dtype
 
 DEFAULT_BEM = "kortukov/answer-equivalence-bem"
 
@@ -84,7 +84,7 @@ class BEMScorer:
         types = int(getattr(self.model.config, "type_vocab_size", 2))
         self.question_segment = 2 if types >= 3 else 1
         log(
-            f"BEM {model}: {self.device}, {str(self.dtype).replace('torch.', '')}, batches of {batch_size}, "
+            f"BEM {model}: {self.device}, {dtype_name(self.dtype)}, batches of {batch_size}, "
             f"segment ids 0/1/{self.question_segment} ({types} segment types)"
         )
 

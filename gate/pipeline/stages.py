@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from common.llm import endpoint_generator, text_generator
-from common.placement import local_rank, resolve_device, resolve_dtype
+from common.placement import dtype_name, local_rank, resolve_device, resolve_dtype
 from common.prompts import load_prompt
 from gate.pipeline.bem import BEMScorer
 from gate.pipeline.consistency import ConsistencyChecker
@@ -333,7 +333,7 @@ class Stages:
         self.judge = load("BEM", Judge, args, on["bem"])
 
         def where(stage: str) -> str:
-            return f"{on[stage]} {str(resolve_dtype(dtype, on[stage])).replace('torch.', '')}"
+            return f"{on[stage]} {dtype_name(resolve_dtype(dtype, on[stage]))}"
 
         self.placement = {
             name: where(stage)
@@ -356,7 +356,7 @@ class Stages:
             self.placement["index"] = f"encoders {index.device}, FAISS {index.search_device}"
             self.placement["index α"] = f"{self.retrieve.alpha:g}" + (" (the refiner's)" if args.alpha is None else "")
         if self.judge.bem is not None:
-            self.placement["BEM"] = f"{self.judge.bem.device} {str(self.judge.bem.dtype).replace('torch.', '')}"
+            self.placement["BEM"] = f"{self.judge.bem.device} {dtype_name(self.judge.bem.dtype)}"
 
 
 def _load(stage: str, fn, *a):
