@@ -110,7 +110,7 @@ def build(
     if p.returncode != 0:
         sys.exit(f"build failed ({p.returncode}):\n{log[-5000:]}")
     results = [json.loads(x[len("RESULT ") :]) for x in p.stdout.splitlines() if x.startswith("RESULT ")]
-    manifest = json.loads((out / "manifest.json").read_text())
+    manifest = json.loads((out / "manifest.json").read_text(encoding="utf-8"))
     waits = [int(w) for w in re.findall(r"encoder waited for decoded images (\d+)%", log)]
     encode_s = [float(s) for s in re.findall(r"images encoded in ([0-9.]+)s", log)]
     built_s = float(re.search(r"texts encoded for [0-9,]+ rows, ([0-9.]+)s", log).group(1))
@@ -145,7 +145,7 @@ for i in range(args.pool):
 def write_kb(n: int, folder: str, ext: str) -> Path:
     """n rows; each (article, section) pair has ``per_section`` images; ~1,000-character sections."""
     kb = tmp / f"kb-{n}-{folder}.jsonl"
-    with open(kb, "w") as f:
+    with open(kb, "w", encoding="utf-8") as f:
         for j in range(n):
             s = j // args.per_section  # the section this row's image belongs to
             e = entities[s % len(entities)]

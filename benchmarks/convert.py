@@ -47,7 +47,7 @@ TEXT = (
 
 def write_kb(path: Path, n: int) -> dict:
     mapping = {}
-    with open(path, "w") as f:
+    with open(path, "w", encoding="utf-8") as f:
         f.write("{")
         for i in range(n):
             url = f"https://en.wikipedia.org/wiki/Article_{i}"
@@ -93,7 +93,7 @@ with tempfile.TemporaryDirectory() as tmp:
 
         seconds, peak = run(str(tmp / "map.json"), out)
         _, peak_without = run(str(tmp / "empty.json"), tmp / f"empty{n}" / "kb.jsonl")  # every image skipped
-        rows = sum(1 for _ in open(out))
+        rows = sum(1 for _ in open(out, encoding="utf-8"))
         store = out.with_name("kb.articles.sqlite")
         print(
             f"{n:>9} {kb.stat().st_size / 1e6:>9.1f} {(tmp / 'map.json').stat().st_size / 1e6:>7.1f} {seconds:>8.1f} "

@@ -49,15 +49,15 @@ def run_seed(seed: int, out: Path) -> dict:
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     flags = f"--seed {seed} --output_dir {out} --run_name refine-rl-toy-seed{seed}"
-    with open(out / "run.log", "w") as log:
+    with open(out / "run.log", "w", encoding="utf-8") as log:
         subprocess.run(
             ["make", "-s", "demo", f"ARGS={flags}"], cwd=ROOT, check=True, stdout=log, stderr=subprocess.STDOUT
         )
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    table = json.loads((out / "learning.json").read_text())
-    text = (out / "run.log").read_text().replace("\r", "\n")
+    table = json.loads((out / "learning.json").read_text(encoding="utf-8"))
+    text = (out / "run.log").read_text(encoding="utf-8").replace("\r", "\n")
     return {
         "seed": seed,
         "retrieval": {

@@ -29,7 +29,7 @@ p.add_argument("--config", default="configs/pipeline/toy.yaml")
 p.add_argument("--questions", type=int, default=240)
 args = p.parse_args()
 
-config = yaml.safe_load(open(args.config))
+config = yaml.safe_load(open(args.config, encoding="utf-8"))
 STAGES = stage_names(config.get("consistency", "none") != "none")
 rows = []
 for label, gate in (("with the gate", config["gate"]), ("without (always retrieve)", "always")):

@@ -30,7 +30,7 @@ args = p.parse_args()
 
 refiner = Refiner.load(args.model, device="cpu")
 world = Path(args.world)
-rows = [json.loads(x) for x in open(world / "test.jsonl")][: args.questions]
+rows = [json.loads(x) for x in open(world / "test.jsonl", encoding="utf-8")][: args.questions]
 images = [Image.open(world / r["image"]).convert("RGB") for r in rows]
 questions = [r["question"] for r in rows]
 refiner.refine(images[:4], questions[:4], batch_size=4)  # warm-up

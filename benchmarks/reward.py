@@ -39,7 +39,7 @@ world = Path(args.world)
 if not (world / "index" / "manifest.json").exists():
     build(ToyWorldArgs(out=str(world), alpha=args.alpha))
 index = MultimodalIndex.load(world / "index", device="cpu")
-rows = [json.loads(x) for x in open(world / "train.jsonl")][: args.prompts]
+rows = [json.loads(x) for x in open(world / "train.jsonl", encoding="utf-8")][: args.prompts]
 images = [Image.open(world / r["image"]).convert("RGB") for r in rows]
 
 # TRL's view: every column repeated per generation; completions with a mix of attribute words, some unparseable

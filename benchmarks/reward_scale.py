@@ -103,7 +103,7 @@ def step_queries(path, n, seed=1):
 
 def smaps(pid="self"):
     vals = {}
-    for line in open(f"/proc/{pid}/smaps_rollup"):
+    for line in open(f"/proc/{pid}/smaps_rollup", encoding="utf-8"):
         parts = line.split()
         if parts[0] in ("Rss:", "Pss:"):
             vals[parts[0][:-1]] = int(parts[1]) * 1024
@@ -220,7 +220,7 @@ for n in [int(s) for s in args.sizes.split(",")]:
                 why = f"ended with return code {ended[0]}{killed}" if ended else f"wrote nothing in {CHILD_TIMEOUT_S} s"
                 sys.exit(f"N = {n:,}, {procs} process(es): a memory-measuring child {why} before writing its figures")
             time.sleep(0.2)
-        stats = [json.loads(o.read_text()) for o in outs]
+        stats = [json.loads(o.read_text(encoding="utf-8")) for o in outs]
         for o in outs:
             o.with_suffix(".release").touch()
         for c in children:

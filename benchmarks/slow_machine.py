@@ -56,7 +56,7 @@ def cpu_cgroup(name: str, cpus: float, period_us: int) -> Path:
         (group / "cpu.cfs_quota_us").write_text(str(quota_us))
         return group
     v2 = Path("/sys/fs/cgroup")
-    if "cpu" in (v2 / "cgroup.controllers").read_text().split():
+    if "cpu" in (v2 / "cgroup.controllers").read_text(encoding="utf-8").split():
         (v2 / "cgroup.subtree_control").write_text("+cpu")
         group = v2 / name
         group.mkdir(exist_ok=True)
@@ -69,16 +69,20 @@ def available_cpus() -> float:
     """The CPUs this process may use: the cores it may run on (not the host's count), capped by its own cgroup's
     quota when it has one (a container's: a quota for the suite above it would slow nothing)."""
     cpus = float(usable_cores())
-    for line in Path("/proc/self/cgroup").read_text().splitlines() if Path("/proc/self/cgroup").exists() else []:
+    for line in (
+        Path("/proc/self/cgroup").read_text(encoding="utf-8").splitlines() if Path("/proc/self/cgroup").exists() else []
+    ):
         hierarchy, controllers, path = line.split(":", 2)
         if hierarchy == "0" and controllers == "":  # v2
             limit = Path("/sys/fs/cgroup") / path.lstrip("/") / "cpu.max"
-            quota, _, period = limit.read_text().partition(" ") if limit.exists() else ("max", "", "")
+            quota, _, period = limit.read_text(encoding="utf-8").partition(" ") if limit.exists() else ("max", "", "")
         elif "cpu" in controllers.split(","):  # v1
             folder = Path("/sys/fs/cgroup/cpu") / path.lstrip("/")
             if not (folder / "cpu.cfs_quota_us").exists():
                 continue
-            quota, period = [(folder / name).read_text() for name in ("cpu.cfs_quota_us", "cpu.cfs_period_us")]
+            quota, period = [
+                (folder / name).read_text(encoding="utf-8") for name in ("cpu.cfs_quota_us", "cpu.cfs_period_us")
+            ]
         else:
             continue
         if quota.strip() not in ("max", "-1") and period.strip():
@@ -87,7 +91,7 @@ def available_cpus() -> float:
 
 
 def throttled(stat: Path) -> str:
-    fields = dict(line.split() for line in stat.read_text().splitlines())
+    fields = dict(line.split() for line in stat.read_text(encoding="utf-8").splitlines())
     periods, hit = int(fields.get("nr_periods", 0)), int(fields.get("nr_throttled", 0))
     return f"{hit:,} of {periods:,} periods" if periods else "—"
 
@@ -125,12 +129,12 @@ def main():
     log.parent.mkdir(parents=True, exist_ok=True)
     print(f"running {' '.join(command[1:])} on {cores:g} CPUs held to {args.isa}, quota {cpus:.2f} CPUs")
     start = time.perf_counter()
-    with open(log, "w") as out:
+    with open(log, "w", encoding="utf-8") as out:
         rc = subprocess.run(
             command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=enter
         ).returncode
     wall = time.perf_counter() - start
-    found = summary(log.read_text())
+    found = summary(log.read_text(encoding="utf-8"))
     quota = throttled(group / "cpu.stat") if group else "—"
     if group:
         try:

@@ -38,7 +38,7 @@ def openblas_coretype(flags: set[str]) -> str | None:
 
 def _import_faiss():
     cpuinfo = Path("/proc/cpuinfo")
-    coretype = openblas_coretype(cpu_flags(cpuinfo.read_text() if cpuinfo.is_file() else ""))
+    coretype = openblas_coretype(cpu_flags(cpuinfo.read_text(encoding="utf-8") if cpuinfo.is_file() else ""))
     if coretype is None or "OPENBLAS_CORETYPE" in os.environ:
         import faiss
 

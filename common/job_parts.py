@@ -73,7 +73,7 @@ class JobParts(Processes):
                 "away"
             )
         if self.started() and recorded.exists():
-            before = json.loads(recorded.read_text())
+            before = json.loads(recorded.read_text(encoding="utf-8"))
             changed = changed_keys(before, settings)
             if changed:
                 said = "; ".join(f"{k}: {before.get(k)!r} then, {settings.get(k)!r} now" for k in changed)

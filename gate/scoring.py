@@ -63,7 +63,7 @@ def load_gate(path, device: str | None = None, dtype: str | None = None):
     path = Path(path)
     if not (path / GATE_FILE).is_file():
         raise ValueError(f"gate model {path}: no {GATE_FILE} (a folder written by gate/train/sft.py)")
-    info = json.loads((path / GATE_FILE).read_text())
+    info = json.loads((path / GATE_FILE).read_text(encoding="utf-8"))
     s = spec(info["variant"], info.get("verbalisers"), info.get("prompt"))
     model, processor = load_model(str(path), dtype=dtype, device=resolve_device(device))
     if info["variant"] in BINARY or info["variant"] == "skb":

@@ -29,7 +29,9 @@ def assemble(out: Path, build_dir: Path, scan: KBScan, items, settings: dict, ar
 
     from common.faiss_lib import faiss
 
-    text_metas = [json.loads(shard_paths(build_dir, k, i)[1].read_text()) for k, i in items if k == "text"]
+    text_metas = [
+        json.loads(shard_paths(build_dir, k, i)[1].read_text(encoding="utf-8")) for k, i in items if k == "text"
+    ]
     image_shards = [i for k, i in items if k == "image"]
     S = args.shard_size
 
@@ -53,7 +55,7 @@ def assemble(out: Path, build_dir: Path, scan: KBScan, items, settings: dict, ar
     schema = pa.schema([("entry_id", pa.string()), ("entity_id", pa.string()), ("title", pa.string())])
     with atomic_path(out / ROWS_FILE) as tmp, pq.ParquetWriter(tmp, schema) as writer:
         for i in image_shards:
-            meta = json.loads(shard_paths(build_dir, "image", i)[1].read_text())
+            meta = json.loads(shard_paths(build_dir, "image", i)[1].read_text(encoding="utf-8"))
             writer.write_table(
                 pa.table(
                     {"entry_id": meta["entry_ids"], "entity_id": meta["entity_ids"], "title": meta["titles"]},

@@ -256,7 +256,7 @@ def build_index(args: BuildArgs, log=print, encoders=None, state=None) -> dict |
     build_dir = out / "build"
     manifest_path, state_path = index_files(out)
     if manifest_path.exists():
-        manifest = json.loads(manifest_path.read_text())
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
         built = manifest.get("build", manifest)
         if all(built.get(k) == v for k, v in settings.items() if k not in IDENTITY_IGNORES):
             log(f"index in {out} is already built from this KB with these settings; nothing to do")
@@ -268,7 +268,7 @@ def build_index(args: BuildArgs, log=print, encoders=None, state=None) -> dict |
             "pass --overwrite to replace it or choose another --out"
         )
     if state_path.exists():
-        previous = json.loads(state_path.read_text())
+        previous = json.loads(state_path.read_text(encoding="utf-8"))
         # a setting the partial build did not record (an older version) is not held against it
         diff = sorted(k for k in settings if k in previous and previous[k] != settings[k] and k not in ASSEMBLY_ONLY)
         if diff:

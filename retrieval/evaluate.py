@@ -299,7 +299,7 @@ def run(args: EvalArgs, log=print) -> dict:
                 {"id": row["id"], **{f"rank_{f}": results[alphas[0]][f]["ranks"][i] for f in fields}}
                 for i, row in enumerate(rows)
             ]
-            with atomic_path(new / "ranks.jsonl") as tmp, open(tmp, "w") as fh:
+            with atomic_path(new / "ranks.jsonl") as tmp, open(tmp, "w", encoding="utf-8") as fh:
                 fh.writelines(json.dumps(p) + "\n" for p in per_question)
             _write_csv(new / "metrics.csv", {f: r["metrics"] for f, r in results[alphas[0]].items()})
             per = results[alphas[0]]
@@ -339,7 +339,7 @@ def rank_changes(before: list[int | None], after: list[int | None], depth: int) 
 
 def _write_csv(path: Path, metrics: dict[str, dict]) -> None:
     keys = list(dict.fromkeys(k for m in metrics.values() for k in m))
-    with atomic_path(path) as tmp, open(tmp, "w", newline="") as fh:
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(["field", *keys])
         w.writerows([f, *(round(m[k], 4) if k in m else "" for k in keys)] for f, m in metrics.items())
@@ -369,7 +369,7 @@ def _write_sweep(out: Path, alphas, fields, ks, results, log) -> None:
     plt = pyplot()
 
     keys = [f"R@{k}" for k in ks]
-    with atomic_path(out / "alpha_sweep.csv") as tmp, open(tmp, "w", newline="") as fh:
+    with atomic_path(out / "alpha_sweep.csv") as tmp, open(tmp, "w", encoding="utf-8", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(["alpha", "field", *keys])
         for a in alphas:

@@ -67,7 +67,7 @@ def store_manifest(queries: str | Path, manifest: dict) -> dict | None:
     """The store's own manifest for this index's encoder (None when there is no store); refuses another encoder's."""
     folder = store_dir(queries, manifest)
     try:
-        meta = json.loads((folder / MANIFEST_FILE).read_text())
+        meta = json.loads((folder / MANIFEST_FILE).read_text(encoding="utf-8"))
     except FileNotFoundError:
         return None
     if {k: meta.get(k) for k in encoder_identity(manifest)} != encoder_identity(manifest):
@@ -85,7 +85,7 @@ def load_store(queries: str | Path, manifest: dict, meta: dict | None = None) ->
     meta = meta or store_manifest(queries, manifest)
     if meta is None:
         return {}
-    images = json.loads((folder / meta.get("images_file", IMAGES_FILE)).read_text())
+    images = json.loads((folder / meta.get("images_file", IMAGES_FILE)).read_text(encoding="utf-8"))
     emb = np.load(folder / meta.get("embeddings_file", EMBEDDINGS_FILE), allow_pickle=False)
     if emb.shape != (len(images), int(manifest["image_dim"])) or meta.get("count", len(images)) != len(images):
         raise ValueError(

@@ -198,7 +198,7 @@ def load_trained(folder, dtype: str | None = None, device: str = "cpu", base: st
         from peft import PeftModel
         from transformers import AutoProcessor
 
-        base = base or json.loads(adapter.read_text()).get("base_model_name_or_path")
+        base = base or json.loads(adapter.read_text(encoding="utf-8")).get("base_model_name_or_path")
         model, processor = load_model(base, dtype, device)
         model = PeftModel.from_pretrained(model, str(folder)).merge_and_unload()
     if (folder / "tokenizer_config.json").exists():

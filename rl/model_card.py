@@ -251,7 +251,7 @@ def write_run_cards(output_dir, log_history: list[dict], best_step: int | None =
     ``best_step``: the step whose weights ``final/`` holds when the trainer loaded the best checkpoint at the end
     (``load_best_model_at_end``): the card names it and that step's evaluation, not the last ones."""
     output_dir = Path(output_dir)
-    record = json.loads((output_dir / RUN_RECORD).read_text())
+    record = json.loads((output_dir / RUN_RECORD).read_text(encoding="utf-8"))
     text = refiner_card(
         record,
         held_out(log_history, best_step),

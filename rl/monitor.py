@@ -286,7 +286,7 @@ class RefinerMonitor(TrainerCallback):
         rows = self.rows()
         if not rows:
             return
-        with open(self.output_dir / "samples.jsonl", "a") as fh:
+        with open(self.output_dir / "samples.jsonl", "a", encoding="utf-8") as fh:
             for r in rows:
                 fh.write(json.dumps({"step": step, **r}, default=str) + "\n")
         if not to_wandb:

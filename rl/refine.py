@@ -53,7 +53,7 @@ def load_spec(path: Path, say=print) -> dict:
     model, or a checkpoint moved out of its run folder) our wikiseeker prompt and ``FALLBACK_GENERATION``, said in one
     line: a refiner trained on another prompt, or on longer replies, is then refined otherwise than it was trained."""
     if (path / "refiner.json").exists():
-        return json.loads((path / "refiner.json").read_text())
+        return json.loads((path / "refiner.json").read_text(encoding="utf-8"))
     rec = find_run_record(path)
     if rec is not None:
         return {

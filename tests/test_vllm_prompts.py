@@ -234,7 +234,9 @@ def test_lora_with_vllm_leaves_the_frozen_weights_as_they_were(
     }
     assert len(frozen) == 8 and set(frozen) <= set(base)  # q_proj and v_proj, weight and bias, of two layers
     assert all(p.dtype == torch.float32 for p in frozen.values())
-    assert any(float(p.detach().abs().max()) > 0 for n, p in model.named_parameters() if "lora_B" in n)  # adapters trained
+    assert any(
+        float(p.detach().abs().max()) > 0 for n, p in model.named_parameters() if "lora_B" in n
+    )  # adapters trained
     drift = max(float((p.detach() - base[name].detach()).abs().max()) for name, p in frozen.items())
     assert drift < 1e-6, drift
     assert "weights in float32, frozen (dtype bfloat16 asked for: LoRA with vLLM" in said

@@ -31,7 +31,7 @@ def median_rank(ranks: list[int | None], depth: int) -> float:
 
 def calibrate(index, world_dir: Path, alpha: float, depth: int = 200, seed: int = 0) -> dict:
     """Rank the test questions with and without attribute words; returns the calibration report."""
-    rows = [json.loads(line) for line in open(world_dir / "test.jsonl")]
+    rows = [json.loads(line) for line in open(world_dir / "test.jsonl", encoding="utf-8")]
     image_emb = index.encode_images([Image.open(world_dir / r["image"]).convert("RGB") for r in rows])
     gold = [r["entity_id"] for r in rows]
     rng = np.random.default_rng(seed)

@@ -89,7 +89,7 @@ def run_warm_start(
     done = out / "warm_start.json"
     procs.barrier(f"each process reached the warm start in {out}")  # every process sees the same folder
     if done.exists():
-        previous = json.loads(done.read_text()).get("settings")
+        previous = json.loads(done.read_text(encoding="utf-8")).get("settings")
         if previous is None:
             raise ValueError(
                 f"{out} holds a warm start from an earlier version that recorded no settings: delete it "

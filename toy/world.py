@@ -174,9 +174,9 @@ def generate(args: ToyWorldArgs, log=print) -> dict:
     }
     settings["version"] = WORLD_VERSION
     world_file = out / "world.json"
-    if world_file.exists() and json.loads(world_file.read_text()).get("settings") == settings:
+    if world_file.exists() and json.loads(world_file.read_text(encoding="utf-8")).get("settings") == settings:
         log(f"toy world in {out} already generated")
-        return json.loads(world_file.read_text())
+        return json.loads(world_file.read_text(encoding="utf-8"))
 
     t0 = time.perf_counter()
     entities = make_entities(args.entities, args.seed)
@@ -262,10 +262,10 @@ def build(args: ToyWorldArgs, log=print) -> dict:
         ),
         log=log,
     )
-    built = json.loads((index_dir / "manifest.json").read_text())["created"]
+    built = json.loads((index_dir / "manifest.json").read_text(encoding="utf-8"))["created"]
     previous = out / "calibration.json"
     if previous.exists():
-        report = json.loads(previous.read_text())
+        report = json.loads(previous.read_text(encoding="utf-8"))
         if (report.get("index_created"), report.get("alpha"), report.get("depth")) == (built, args.alpha, args.depth):
             report["median_rank_by_correct_attributes"] = {
                 int(k): v for k, v in report["median_rank_by_correct_attributes"].items()
@@ -284,7 +284,7 @@ def world_args(out: str, alpha: float) -> ToyWorldArgs:
     """The settings of the world already generated in ``out`` (kept as it is), or the defaults for a folder with none
     (or with a world from an older generator, which is regenerated)."""
     world_file = Path(out) / "world.json"
-    settings = json.loads(world_file.read_text()).get("settings", {}) if world_file.exists() else {}
+    settings = json.loads(world_file.read_text(encoding="utf-8")).get("settings", {}) if world_file.exists() else {}
     if settings.get("version") != WORLD_VERSION:
         return ToyWorldArgs(out=str(out), alpha=alpha)
     return ToyWorldArgs(out=str(out), alpha=alpha, **{k: v for k, v in settings.items() if k != "version"})
@@ -295,7 +295,7 @@ def _index_stale(index_dir: Path, args: ToyWorldArgs) -> bool:
     manifest = index_dir / "manifest.json"
     if not manifest.exists():
         return False
-    m = json.loads(manifest.read_text())
+    m = json.loads(manifest.read_text(encoding="utf-8"))
     return (m.get("image_encoder"), m.get("text_encoder"), m.get("kb_fingerprint")) != (
         args.image_encoder,
         args.text_encoder,

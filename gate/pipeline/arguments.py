@@ -220,7 +220,7 @@ def check_same_config(out: Path, args: PipelineArgs) -> None:
         current["generator_prompt_content"] = file_fingerprint(args.generator_prompt)
     path = out / "pipeline_config.json"
     if path.is_file():
-        before = json.loads(path.read_text())
+        before = json.loads(path.read_text(encoding="utf-8"))
         changed = changed_keys(before, current)
         if "weights" in changed:  # which model folder's weights: a model exported again into the same folder
             old, new = before.get("weights") or {}, current["weights"]

@@ -314,7 +314,7 @@ def report(records: list[dict], out: Path, args: PipelineArgs, log=print, withou
     if both and gate_scores:
         metrics["threshold_curve"] = threshold_curve(records, threshold_grid(gate_scores))
     if (out / PLACEMENT_FILE).is_file():
-        metrics["placement"] = json.loads((out / PLACEMENT_FILE).read_text())
+        metrics["placement"] = json.loads((out / PLACEMENT_FILE).read_text(encoding="utf-8"))
     write_json_atomic(out / "metrics.json", metrics)
     system = f"pipeline (gate: {gate_name(args.gate)})"
     table = format_table(metrics, system) if "accuracy" in metrics else "no answered questions"
@@ -342,7 +342,7 @@ def gate_name(gate: str) -> str:
     info = Path(gate) / "gate.json"
     if gate in ("always", "never") or not info.is_file():
         return gate
-    return f"{json.loads(info.read_text())['variant']}, {gate}"
+    return f"{json.loads(info.read_text(encoding='utf-8'))['variant']}, {gate}"
 
 
 def _summarize_chosen(records: list[dict]) -> dict:

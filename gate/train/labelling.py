@@ -171,7 +171,9 @@ def same_judge(judged: Path, contexts: Path) -> None:
     judged by one judge, or a document that changed nothing reads as one that did."""
     recorded = [JobParts(f).settings_file for f in (judged, contexts)]
     made = [
-        {k: v for k, v in json.loads(r.read_text()).items() if k in ("judge", "judge_model")} if r.is_file() else None
+        {k: v for k, v in json.loads(r.read_text(encoding="utf-8")).items() if k in ("judge", "judge_model")}
+        if r.is_file()
+        else None
         for r in recorded
     ]
     if None not in made and made[0] != made[1]:
@@ -193,7 +195,7 @@ def stage_label(args, out: Path, log=print) -> int:
                 f"label mct: {cons_path} does not exist (run --stage consistency first, or set --mct_rule gold-entity)"
             )
         recorded = JobParts(cons_path).settings_file
-        made_with = json.loads(recorded.read_text()).get("mct_gamma") if recorded.is_file() else None
+        made_with = json.loads(recorded.read_text(encoding="utf-8")).get("mct_gamma") if recorded.is_file() else None
         if made_with is not None and made_with != args.mct_gamma:
             raise ValueError(
                 f"label mct: {cons_path} was made with γ = {made_with} (its summaries cover the documents with P(Rel) "

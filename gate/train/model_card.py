@@ -229,7 +229,7 @@ def gate_card(info: dict, metrics: dict | None, *, name: str, folder) -> str:
 def write_gate_cards(output_dir, metrics: dict | None) -> str:
     """Our card over TRL's in a gate's ``final/`` folder and its output dir (main process, after final/ is saved)."""
     output_dir = Path(output_dir)
-    info = json.loads((output_dir / "final" / GATE_FILE).read_text())
+    info = json.loads((output_dir / "final" / GATE_FILE).read_text(encoding="utf-8"))
     text = gate_card(info, metrics, name=output_dir.resolve().name, folder=(output_dir / "final").resolve())
     for folder in (output_dir / "final", output_dir):
         write_card(folder, text)

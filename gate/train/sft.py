@@ -170,7 +170,7 @@ def rendered_prompt(train_file: str, variant: str) -> dict | None:
     render), so the trained gate is scored with it; None for rows rendered before that file existed."""
 
     path = prompt_file_for(Path(train_file).parent, variant)
-    return json.loads(path.read_text()) if path.is_file() else None
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
 
 def rendered_verbalisers(args: GateArguments) -> None:

@@ -180,7 +180,7 @@ def skip_log(out: str):
     """A ``skip(record)`` callable streaming to ``<out>.skipped.jsonl`` (written atomically; removed when empty)."""
     path = Path(f"{out}.skipped.jsonl")
     counts: Counter = Counter()
-    with atomic_path(path) as tmp, open(tmp, "w") as f:
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
 
         def skip(rec: dict):
             counts[reason_kind(rec["reason"])] += 1
@@ -293,7 +293,7 @@ def convert_kb(args: ConvertArgs, skip) -> int:
     n = 0
     # the store is finished (its last rows, its index, the rename) before the rows go in place: a KB JSONL is never
     # there without its whole store, which the pipeline would otherwise rebuild from the rows alone
-    with atomic_path(args.out) as tmp, ArticleWriter(articles_path) as store, open(tmp, "w") as f:
+    with atomic_path(args.out) as tmp, ArticleWriter(articles_path) as store, open(tmp, "w", encoding="utf-8") as f:
         for article, rows in tqdm(pairs, desc=f"{args.format} articles", unit="article"):
             store.add_article(article["entity_id"], article["title"], article["url"], article["sections"])
             for row in rows:
@@ -336,7 +336,7 @@ def convert_qid_map(args: ConvertArgs, log) -> int:
         pairs = qid_map_from_wiki6m(read_upstream_jsonl(args.input))
         none = f"no row of {args.input} has both wikidata_id and wikipedia_title (is it Wiki6M?)"
     n = 0
-    with atomic_path(args.out) as tmp, open(tmp, "w") as f:
+    with atomic_path(args.out) as tmp, open(tmp, "w", encoding="utf-8") as f:
         for qid, url in tqdm(pairs, desc="qid-map", unit="pair"):
             f.write(f"{qid}\t{url}\n")
             n += 1

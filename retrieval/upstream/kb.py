@@ -368,12 +368,12 @@ def read_entity_map(path: str | Path) -> dict[str, str]:
     not a QID)."""
     path = Path(path)
     if path.suffix == ".json":
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a JSON object mapping QIDs to URLs")
         return {str(k): str(v) for k, v in data.items()}
     out = {}
-    with open(path, newline="") as f:
+    with open(path, encoding="utf-8", newline="") as f:
         for row in csv.reader(f, delimiter="\t" if path.suffix == ".tsv" else ","):
             if len(row) >= 2 and row[0].startswith("Q") and row[0][1:].isdigit():
                 out[row[0]] = row[1]
