@@ -1119,3 +1119,30 @@ def test_the_skipped_summary_counts_each_reason_without_its_details(reason, kind
     from retrieval.upstream.convert import reason_kind
 
     assert reason_kind(reason) == kind
+
+
+def test_non_ascii_kb_text_converts_under_a_locale_that_is_not_utf8(tmp_path):
+    """Every text file is read and written as UTF-8, whatever the locale: under LC_ALL=C without Python's UTF-8
+    coercion the locale's encoding is ASCII, and a KB title with an accent stopped the converter (its outputs were
+    opened without an encoding)."""
+    import os
+    import subprocess
+    import sys
+
+    rows = wiki6m_rows()
+    rows[-2] = {**rows[-2], "wikipedia_title": "Tour Eiffel — à Paris", "wikipedia_summary": "Une tour à Paris."}
+    root, folder = write_wiki6m(tmp_path, rows)
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONCOERCECLOCALE": "0", "PYTHONUTF8": "0"}
+    env["PYTHONPATH"] = os.pathsep.join([str(repo), env.get("PYTHONPATH", "")])
+    assert subprocess.run(
+        [sys.executable, "-c", "import locale; print(locale.getpreferredencoding())"], env=env, capture_output=True
+    ).stdout.strip() in (b"ANSI_X3.4-1968", b"ascii", b"US-ASCII")  # the locale this test means
+    argv = ["--format", "wiki6m", "--input", str(tmp_path / "Wiki6M_ver_1_0.jsonl"), "--images_root", str(root)]
+    argv += ["--image_dir", str(folder), "--out", str(tmp_path / "kb.jsonl")]
+    done = subprocess.run(
+        [sys.executable, "-m", "retrieval.upstream.convert", *argv], env=env, cwd=repo, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = {r["entity_id"]: r for r in read_jsonl(tmp_path / "kb.jsonl")}
+    assert rows["Q243"]["title"] == "Tour Eiffel — à Paris" and rows["Q243"]["text"] == "Une tour à Paris."
