@@ -5,6 +5,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rewards import DEFAULT_TIERS, parse_tiers, rank_reward, validate_tiers
+from rewards.rank import max_depth
 
 PAPER = [
     (1, 4.0),
@@ -50,6 +51,28 @@ def test_custom_tiers_and_miss():
 def test_bad_tables_are_refused(tiers, match):
     with pytest.raises(ValueError, match=match):
         validate_tiers(tiers)
+
+
+@pytest.mark.parametrize(
+    "tiers,miss",
+    [
+        ([(1, 5, 4.0), (6, 10, 4.0)], -1.0),  # equal neighbours: "non-increasing" allows them
+        ([(1, 5, 4.0), (6, 10, 1.0)], 1.0),  # a miss equal to the deepest tier's reward: "not above" it
+    ],
+)
+def test_boundary_tables_are_accepted(tiers, miss):
+    assert validate_tiers(tiers, miss) == tuple(tiers)
+
+
+@pytest.mark.parametrize("miss", [float("nan"), float("-inf")])
+def test_a_non_finite_miss_is_refused(miss):
+    with pytest.raises(ValueError, match="must be finite"):
+        validate_tiers(DEFAULT_TIERS, miss)
+
+
+@pytest.mark.parametrize("tiers,depth", [(None, 200), (DEFAULT_TIERS, 200), (((1, 5, 4.0), (6, 30, 1.0)), 30)])
+def test_max_depth_is_the_deepest_tiers_last_rank(tiers, depth):
+    assert max_depth(tiers) == depth
 
 
 def test_miss_above_last_tier_is_refused():
