@@ -68,6 +68,7 @@ def test_format_reward_accepts_trl_shapes():
     assert format_reward(conversational, prompts=[[], []], trainer_state=None) == [1.0, -4.0]
     assert format_reward(parts) == [1.0]
     assert FormatReward(valid=2, invalid=-1)([ok, bad]) == [2.0, -1.0]
+    assert FormatReward().__name__ == format_reward.__name__ == "format_reward"  # TRL logs rewards/<__name__>
     assert completion_text(None) == ""
 
 
@@ -123,3 +124,23 @@ def test_round_trip(query, think):
     think = think.replace("<", "").replace(">", "")
     assert parse_query(format_completion(query, think)) == query.strip()
     assert json.loads(json.dumps({"query": query}))["query"] == query
+
+
+def test_the_default_cap_is_128_tokens():
+    assert format_reward([format_completion(" ".join(["w"] * 128))]) == [1.0]
+    assert format_reward([format_completion(" ".join(["w"] * 129))]) == [-4.0]
+
+
+@pytest.mark.parametrize(
+    "completion,text",
+    [
+        ({"role": "assistant", "content": "a"}, "a"),  # one message, not in a list
+        ([{"role": "assistant", "content": None}], ""),
+        ([{"role": "assistant", "content": 3}], ""),
+        ([{"role": "assistant", "content": [{"type": "image"}, {"type": "text", "text": "a"}]}], "a"),
+        ([{"role": "assistant", "content": [{"type": "text", "text": None}, "stray", {"text": "b"}]}], "b"),
+        (["a", {"content": "b"}], "ab"),
+    ],
+)
+def test_completion_text_reads_odd_shapes_without_raising(completion, text):
+    assert completion_text(completion) == text
