@@ -126,3 +126,21 @@ def test_a_prompt_file_may_only_use_the_fields_its_stage_fills(tmp_path, templat
     else:
         with pytest.raises(ValueError, match=f"--x {re.escape(str(path))}: .*" + re.escape(error)):
             load_prompt(str(path), {}, placeholders, "--x", allowed=allowed)
+
+
+@pytest.mark.parametrize(
+    "text,error",
+    [
+        (None, "does not exist"),
+        ("- system\n- user_template\n", "needs string fields 'system' and 'user_template'"),  # a list
+        ('{"system": "s"}', "needs string fields 'system' and 'user_template'"),
+        ('{"user_template": "{question}"}', "needs string fields 'system' and 'user_template'"),
+        ('{"system": 3, "user_template": "{question}"}', "needs string fields 'system' and 'user_template'"),
+    ],
+)
+def test_a_prompt_file_without_both_texts_is_refused(tmp_path, text, error):
+    path = tmp_path / "p.yaml"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(ValueError, match=f"--x.*{re.escape(str(path))}:? .*" + re.escape(error)):
+        load_prompt(str(path), {}, ("{question}",), "--x")
