@@ -46,3 +46,41 @@ def test_the_inspectors_fail_answer_is_a_multi_answer_as_evqas_scorer_reads_one(
     assert answer_as_written(gold) == written
     if "&&" in gold and gold.strip(" &"):
         assert evqa_exact_match(written, [gold], "multi_answer")
+
+
+# ---------------------------------------------------------------- one question's Inspector example (label_records)
+HITS = [
+    {"entity_id": URL, "section": 3, "title": "X", "section_title": "History", "text": "founded in 1901"},
+    {"entity_id": URL, "section": 5, "title": "X", "section_title": "Geography", "text": "lies in Europe"},
+]
+
+
+def inspector_example(rec=None, contexts=None, check_answer=False, **kw):
+    from gate.train.build_data import BuildDataArgs
+    from gate.train.labelling import label_records
+
+    args = BuildDataArgs(inspector_check_answer=check_answer, correct_score=4.0)
+    rec = {"id": "q", "entity_id": URL, "answers": ["Europe", "the EU"], "hits": HITS, **(rec or {}), **kw}
+    return label_records("inspector", rec, args, contexts)
+
+
+@pytest.mark.parametrize("evidence,passed", [(3, True), (5, False), (None, True)])
+def test_an_inspector_example_shows_the_top_section_and_judges_it(evidence, passed):
+    (got,) = inspector_example(evidence_section_id=evidence)
+    assert got["pass"] is passed
+    assert got["context"] == "X - History: founded in 1901"  # the top hit, as the Inspector sees it
+    assert got["inspector"] == ({"pass": "true"} if passed else {"pass": "false", "answer": "Europe"})  # first gold
+
+
+@pytest.mark.parametrize(
+    "contexts,expected",
+    [
+        ({"q": {"doc_scores": [4.0, 1.0]}}, [True]),  # the text-only answer scores the correct score: right
+        ({"q": {"doc_scores": [3.0, 5.0]}}, [False]),  # only the top section's answer counts
+        ({"q": {"doc_scores": [None, 5.0]}}, []),  # its judgement failed: no example
+        ({"other": {"doc_scores": [5.0, 5.0]}}, []),  # no context record for this question
+        (None, []),
+    ],
+)
+def test_the_answer_check_reads_the_top_sections_judged_answer(contexts, expected):
+    assert [r["pass"] for r in inspector_example(contexts=contexts, check_answer=True)] == expected
