@@ -37,6 +37,7 @@ def test_normalize_answer(text, expected):
         ("the french republic.", ["France", "French Republic"], True),
         ("Germany", ["France"], False),
         ("", [""], False),
+        (None, ["France"], False),  # no prediction never matches
         ("1889", [{"wikidata": 1889, "range": [1887, 1891]}], True),
         ("It was built in 1,890.", {"wikidata": 1889, "range": [1887, 1891]}, True),
         ("1900", [{"wikidata": 1889, "range": [1887, 1891]}], False),
@@ -111,9 +112,13 @@ def test_skb_label(scores, label):
 
 def test_judged_mean_validates():
     assert judged_mean([1, 2, 3]) == 2
+    assert judged_mean([1, 2]) == pytest.approx(1.5)  # a true mean, not a floor
+    assert judged_mean([1, 5]) == 3  # both ends of the scale are scores
     for bad, error in [
         ([], "judged_mean needs at least one score"),
         ([0], r"judged scores must lie in \[1, 5\], got 0.0"),
+        ([0.9], r"judged scores must lie in \[1, 5\], got 0.9"),
+        ([5.1], r"judged scores must lie in \[1, 5\], got 5.1"),
         ([6], r"judged scores must lie in \[1, 5\], got 6.0"),
         ([float("nan")], r"judged scores must lie in \[1, 5\], got nan"),
     ]:
@@ -139,6 +144,12 @@ def test_skb_is_flipped_mean_in_range(scores):
 )
 def test_kbm_accuracy_label(correct, tau, search):
     assert kbm_accuracy_label(correct, tau) is search
+    assert kbm_accuracy_label(iter(correct), tau) is search  # any iterable of judgements
+
+
+def test_kbm_accuracy_label_needs_an_answer():
+    with pytest.raises(ValueError, match="kbm_accuracy_label needs at least one sampled answer"):
+        kbm_accuracy_label([])
 
 
 @pytest.mark.parametrize(
@@ -164,6 +175,7 @@ def test_kbm_certainty_label_polarity():
     assert kbm_certainty_label(["Paris"] * 30) is False  # all agree: certain, no search
     assert kbm_certainty_label(["Paris"] * 15 + ["Lyon"] * 15) is True
     assert kbm_certainty_label(["Paris"] * 29 + ["Lyon"]) is False  # 29 of 30 agree: certain (0.96 ≥ τ = 0.9)
+    assert kbm_certainty_label(["x", "x", "y", "y"], tau=0.5) is False  # C = 0.5 exactly: not below τ
     with pytest.raises(ValueError, match="certainty needs at least one answer"):
         certainty([])
 
@@ -209,3 +221,40 @@ def test_srt_label_follows_the_papers_text(without, with_doc, label):
 )
 def test_inspector_label(top, gold, text_ok, expected):
     assert inspector_label(top, gold, "Paris", text_ok) == expected
+
+
+# ---------------------------------------------------------------- one question's labels (gate.train.labelling)
+
+
+def labelled(variant, contexts=None, alone_rule="sampled-majority", **rec):
+    from gate.train.build_data import BuildDataArgs
+    from gate.train.labelling import label_records
+
+    args = BuildDataArgs(epsilon=3.0, tau=0.5, correct_score=4.0, alone_rule=alone_rule)
+    rec = {"id": "q", "question": "Where?", "answers": ["caves"], "scores": [4.0, 4.0, 1.0, 1.0], **rec}
+    return label_records(variant, rec, args, contexts)
+
+
+@pytest.mark.parametrize(
+    "variant,rec,expected",
+    [
+        ("ret", {}, [{"search": False}]),  # 2 of 4 samples at the correct score: half is right alone
+        ("ret", {"scores": [4.0, 3.9, 1.0, 1.0]}, [{"search": True}]),  # 1 of 4
+        ("ret", {"greedy_score": 4.0, "alone_rule": "greedy"}, [{"search": False}]),  # the greedy answer, at the bar
+        ("ret", {"greedy_score": 3.9, "alone_rule": "greedy"}, [{"search": True}]),
+        ("ret", {"greedy_score": None, "alone_rule": "greedy"}, []),  # its judgement failed: no label
+        ("kbm-acc", {}, [{"search": False}]),  # accuracy 2/4 is not below τ = 0.5
+        ("hkb", {"scores": [5.0, None, 5.0]}, []),  # one sample unjudged: no label from the others
+        ("hkb", {"scores": [None, None]}, []),
+        ("hkb", {"scores": []}, []),
+        ("srt", {}, []),  # no context record: no document to label
+    ],
+)
+def test_label_records_rules(variant, rec, expected):
+    assert labelled(variant, **rec) == expected
+
+
+def test_srt_needs_this_questions_context():
+    assert labelled("srt", contexts={"other": {"doc_scores": [5.0], "hits": [{"text": "t"}]}}) == []
+    (got,) = labelled("srt", contexts={"q": {"doc_scores": [1.0], "hits": [{"text": "t"}]}})
+    assert (got["id"], got["relevant"], got["context"]) == ("q#d1", False, "t")  # right alone, wrong with it
