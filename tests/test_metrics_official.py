@@ -7,8 +7,8 @@ from hypothesis import strategies as st
 
 from gate.pipeline.metrics import official_correct
 from gate.pipeline.metrics_evqa import evqa_correct, evqa_correct_batch, evqa_normalize, evqa_report
-from gate.pipeline.metrics_infoseek import infoseek_correct, infoseek_scores, numeric_answer
-from gate.pipeline.vqa_accuracy import vqa_accuracy
+from gate.pipeline.metrics_infoseek import infoseek_correct, infoseek_report, infoseek_scores, numeric_answer
+from gate.pipeline.vqa_accuracy import vqa_accuracy, vqa_scores
 from retrieval.answers import answer_in_passage
 
 # ---------------------------------------------------------------- E-VQA
@@ -122,6 +122,39 @@ def test_evqa_batch_equals_one_by_one_with_one_bem_call():
     assert report == {"single_hop": 75.0, "two_hop": 0.0, "overall": 60.0, "n": 5}
 
 
+def test_evqa_the_best_alternative_counts_one_by_one_and_in_a_batch():
+    table = {("crimson", "scarlet"): 0.9, ("crimson", "red"): 0.1, ("maroon", "red"): 0.5}
+    records = [
+        dict(prediction="crimson", answer="scarlet|red", question=Q, question_type="templated"),  # the best: 0.9
+        dict(prediction="maroon", answer="red", question=Q, question_type="automatic"),  # P = 0.5: equivalent
+        dict(prediction="pink", answer="red", question=Q, question_type="2_hop"),
+        dict(prediction="pink", answer="red", question=Q, question_type="automatic"),
+    ]
+    expected = [True, True, False, False]
+    assert evqa_correct_batch(records, FakeBEM(table)) == expected
+    assert [evqa_correct(r["prediction"], r["answer"], Q, r["question_type"], FakeBEM(table)) for r in records] == (
+        expected
+    )
+    report = evqa_report(records, expected)
+    assert report == pytest.approx({"single_hop": 200 / 3, "two_hop": 0.0, "overall": 50.0, "n": 4})
+
+
+@pytest.mark.parametrize(
+    "prediction,references,qtype,ok",
+    [
+        ("red", ["blue", "red"], "automatic", True),  # any one of the alternatives
+        ("Paris, France", ["Paris"], "automatic", False),  # one answer: no splitting at commas
+        ("Paris, France", ["Paris"], "multi_answer", True),  # IoU 1/2
+        (None, ["red"], "automatic", False),  # no answer
+        ("", ["the"], "automatic", False),  # a reference that normalises to nothing matches nothing
+    ],
+)
+def test_evqa_exact_match(prediction, references, qtype, ok):
+    from gate.pipeline.metrics_evqa import evqa_exact_match
+
+    assert evqa_exact_match(prediction, references, qtype) is ok
+
+
 # ---------------------------------------------------------------- InfoSeek
 
 
@@ -134,6 +167,8 @@ def test_evqa_batch_equals_one_by_one_with_one_bem_call():
         ("40 to 30", 40.0),
         ("none", [0.0, 0.0]),
         ("-5", -5.0),
+        ("about -5 m", -5.0),  # a hyphen after a space is a minus sign
+        ("roughly 9-10 m", [9.0, 10.0]),  # after a digit, a range dash
         ("3e2 km", 300.0),
         ("1990-1995", [1990.0, 1995.0]),
         ("v2.0", 2.0),
@@ -153,13 +188,24 @@ RANGE = [{"wikidata": 35, "range": [30, 40]}]
     [
         ("35", RANGE, "Numerical", True),
         ("30", RANGE, "Numerical", True),
+        ("40", RANGE, "Numerical", True),  # both ends of the range are in it
         ("41", RANGE, "Numerical", False),
+        ("30 to 31", RANGE, "Numerical", True),  # inside, at either end
+        ("39 to 40", RANGE, "Numerical", True),
+        ("30 to 30", RANGE, "Numerical", True),
+        ("40 to 40", RANGE, "Numerical", True),
+        ("35-50", RANGE, "Numerical", False),  # starts inside, ends outside: IoU 5/20
+        ("20-40", RANGE, "Numerical", True),  # IoU 10/20: the bound is inclusive
+        ("19-40", RANGE, "Numerical", False),  # IoU 10/21
+        ("2-3", [{"wikidata": 4, "range": [3.5, 4.5]}], "Numerical", False),  # disjoint: no overlap at all
         ("25-35", RANGE, "Numerical", False),  # overlaps, IoU 1/3
         ("32-38", RANGE, "Numerical", True),  # inside
         ("28-40", RANGE, "Numerical", True),  # IoU 10/12
         ("It is 45 m, not 35", RANGE, "Numerical", False),  # 45 > 35: the first number only
         ("no idea", RANGE, "Numerical", False),
         ("35", {"wikidata": 35, "range": [30, 40]}, "Numerical", True),
+        ("35", [*RANGE, {"wikidata": 1, "range": [0, 1]}], "Numerical", True),  # the first item's range
+        ("45", [{"wikidata": 35, "range": [30, 40, 50]}], "Numerical", False),  # its first two values
         ("The People's Republic of China!", ["China", "People's Republic of China"], "String", True),
         ("Eiffel-Tower", ["eiffel tower"], "String", False),
         ("1889", ["1889"], "Time", True),
@@ -190,6 +236,22 @@ def test_infoseek_scores_per_split_and_harmonic_mean():
         infoseek_scores([dict(records[0], question_type=None)])
     with pytest.raises(ValueError, match="data_split"):
         infoseek_scores([{k: v for k, v in records[0].items() if k != "data_split"}])
+
+
+def test_infoseek_final_of_a_split_scoring_zero_is_zero():
+    """The official harmonic mean takes a 0 split score as 1e-12, so the final score rounds to 0."""
+    records = [
+        dict(
+            id=str(i),
+            prediction="China" if i else "Japan",
+            answer_eval=["China"],
+            question_type="String",
+            data_split=split,
+        )
+        for i, split in enumerate(["val_unseen_entity", "val_unseen_question"])
+    ]
+    s = infoseek_scores(records)
+    assert (s["unseen_entity"], s["unseen_question"], s["final"]) == (0.0, 100.0, 0.0)
 
 
 def test_infoseek_readme_figures():
@@ -233,6 +295,9 @@ def test_vqa_accuracy_leave_one_out(matches, expected):
         ("hello-world", ["hello world"] * 3 + ["x"] * 7, 0.9),
         ("100,978", ["100978"] * 5 + ["x"] * 5, 1.0),
         ("Cat", ["cat"] * 10, 0.0),  # annotators agree: no normalisation at all (the official behaviour)
+        ("xy z", ["x/y/ z"] * 3 + ["x"] * 7, 0.9),  # a mark beside a space anywhere: deleted everywhere
+        ("xy z", ["x/y /z"] * 3 + ["x"] * 7, 0.9),
+        ("x y z", ["x/y z"] * 3 + ["x"] * 7, 0.9),  # touching no space: a space
     ],
 )
 def test_vqa_accuracy_normalisation(prediction, answers, expected):
@@ -670,19 +735,11 @@ def test_vqa_contractions(prediction, gold):
     assert vqa_accuracy(prediction, [gold] * 3 + ["x"] * 7) == pytest.approx(0.9)
 
 
-def _vqa(**kw):
-    from gate.pipeline.vqa_accuracy import vqa_scores
+_VQA_ROW = dict(question_id="q7", prediction="cat", answers=["cat"] * 3, question_type="what", answer_type="other")
 
-    return vqa_scores(
-        [
-            dict(
-                dict(
-                    question_id="q7", prediction="cat", answers=["cat"] * 3, question_type="what", answer_type="other"
-                ),
-                **kw,
-            )
-        ]
-    )
+
+def _vqa(**kw):
+    return vqa_scores([dict(_VQA_ROW, **kw)])
 
 
 def _infoseek(**kw):
@@ -717,6 +774,14 @@ def _infoseek(**kw):
         (lambda: infoseek_correct("x", [], "String", qid="q7"), "q7.*answer_eval"),
         (lambda: infoseek_correct("3", [], "Numerical", qid="q7"), "q7.*answer_eval"),
         (lambda: infoseek_correct("3", ["3"], "Numerical", qid="q7"), "q7.*range"),
+        (lambda: infoseek_correct("3", [{"wikidata": 3}], "Numerical", qid="q7"), "q7.*range"),
+        (lambda: infoseek_correct("3", [{"range": [3]}], "Numerical", qid="q7"), "q7.*range"),
+        (lambda: infoseek_correct("wikidata", {"wikidata": "x"}, "String", qid="q7"), "q7.*answer_eval"),
+        (lambda: infoseek_correct("x", ["x", None], "String", qid="q7"), "q7.*must hold strings"),
+        (lambda: infoseek_correct("x", [{"wikidata": "x"}], "Time", qid="q7"), "q7.*must hold strings"),
+        (lambda: infoseek_correct("x", ["x"], None, qid="q7"), "q7.*question_type"),
+        (lambda: infoseek_report([dict(id="q7", question_type="String")], [True]), "q7.*data_split"),
+        (lambda: infoseek_report([dict(id="q7", question_type="String", data_split="val")], []), "1 InfoSeek .* 0"),
         (lambda: _infoseek(prediction=None), "q7.*prediction"),
         (lambda: _infoseek(answer_eval=[]), "q7.*answer_eval"),
         (lambda: _infoseek(data_split=None), "q7.*data_split"),
@@ -724,6 +789,11 @@ def _infoseek(**kw):
         (lambda: _vqa(prediction=None), "q7.*prediction"),
         (lambda: _vqa(answers=[]), "q7.*answers"),
         (lambda: _vqa(answer_type=None), "q7.*answer_type"),
+        (lambda: _vqa(answers=["cat", None, "cat"]), "q7.*answers"),
+        (lambda: vqa_scores([]), "at least one question"),
+        (lambda: vqa_scores([_VQA_ROW, _VQA_ROW]), "'q7' appears twice"),
+        (lambda: evqa_normalize(None), "needs a string"),
+        (lambda: evqa_correct("x", None, Q, "automatic", qid="q7"), "q7.*reference answer must be a string"),
     ],
 )
 def test_bad_input_is_refused_naming_the_question(call, match):
