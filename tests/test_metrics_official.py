@@ -323,6 +323,7 @@ def test_vqa_accuracy_in_unit_interval(prediction, answers):
         (["red&&blue"], "Its flag is red.", False),
         (["cat", "Paris"], "The capital is Paris.", True),
         ([""], "anything", False),
+        ([None], "None of these", False),  # a missing answer is no answer, not the word "none"
         (["Eiffel Tower"], "the eiffel-tower", False),  # punctuation deleted: "eiffeltower"
     ],
 )
@@ -432,6 +433,8 @@ def test_official_correct_by_benchmark():
     around_zero = dict(question="q", answers=["0"], answer_eval=[{"wikidata": 0, "range": [-1, 1]}])
     typed = [infoseek[0], dict(around_zero, question_type="Numerical"), infoseek[1]]
     assert official_correct("infoseek", typed, [None, None, None]) == [False, True, False]
+    # an untyped record without answer_eval: its answers are the aliases
+    assert official_correct("infoseek", [dict(question="q", answers=["Paris"])] * 2, ["paris", "Lyon"]) == [True, False]
     with pytest.raises(ValueError, match="unknown metric"):
         official_correct("bleu", infoseek, ["a", "b", "c"])
 
@@ -793,6 +796,7 @@ def _infoseek(**kw):
         (lambda: vqa_scores([]), "at least one question"),
         (lambda: vqa_scores([_VQA_ROW, _VQA_ROW]), "'q7' appears twice"),
         (lambda: evqa_normalize(None), "needs a string"),
+        (lambda: official_correct("infoseek", [{"question": Q}], []), "1 question records but 0 predictions"),
         (lambda: evqa_correct("x", None, Q, "automatic", qid="q7"), "q7.*reference answer must be a string"),
     ],
 )
