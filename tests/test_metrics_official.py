@@ -321,6 +321,7 @@ def test_vqa_accuracy_in_unit_interval(prediction, answers):
         (["12"], "It has 12 floors.", True),
         (["red&&blue"], "Its flag is red and blue.", True),
         (["red&&blue"], "Its flag is red.", False),
+        (["red && "], "Its flag is red.", True),  # an empty part asks for nothing
         (["cat", "Paris"], "The capital is Paris.", True),
         ([""], "anything", False),
         ([None], "None of these", False),  # a missing answer is no answer, not the word "none"
