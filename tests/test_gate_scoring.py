@@ -101,6 +101,11 @@ def test_verbalisers_that_start_with_one_token_are_named(tiny_refiner):
         verbaliser_ids(tok, spec("ret", ["Ret", "Rel"]))
 
 
+def test_a_score_that_reaches_the_threshold_is_positive():
+    assert decisions([0.49, 0.5, 0.51], 0.5).tolist() == [False, True, True]
+    assert decisions([2.99, 3.0], 3.0).tolist() == [False, True]  # skb: the expected digit against ε
+
+
 def test_sweep_from_one_set_of_scores():
     rows = sweep([0.1, 0.6, 0.9], [False, True, True], [0.0, 0.5, 1.0])
     assert [r["positive_ratio"] for r in rows] == pytest.approx([1.0, 2 / 3, 0.0])
