@@ -1,5 +1,7 @@
 """Ranking math of MultimodalIndex against a direct numpy computation of α·cos_image + (1−α)·cos_text."""
 
+import re
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -8,7 +10,7 @@ from hypothesis import strategies as st
 from retrieval.encoders import l2_normalize
 from retrieval.faiss_build import build_faiss_index
 from retrieval.index import MultimodalIndex
-from retrieval.ranking import check_alpha, query_vectors
+from retrieval.ranking import check_alpha, check_k, query_vectors
 
 
 def make_index(n_entities, rows_per_entity, di=8, dt=12, seed=0):
@@ -108,11 +110,24 @@ def test_query_vector_is_normalised_and_weighted():
 def test_alpha_out_of_range_is_refused(bad):
     with pytest.raises(ValueError, match=f"alpha must be in \\[0, 1\\], got {bad!r}"):
         check_alpha(bad)
+    with pytest.raises(ValueError, match="alpha must be in"):
+        query_vectors(np.ones((1, 8)), np.ones((1, 12)), bad)
 
 
 @pytest.mark.parametrize("good,expected", [(0, 0.0), (1, 1.0), (0.3, 0.3)])
 def test_alpha_in_range_is_a_float(good, expected):
     assert check_alpha(good) == expected and type(check_alpha(good)) is float
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, 3.0, True, "3", None])
+def test_a_k_that_is_not_a_positive_integer_is_refused(bad):
+    with pytest.raises(ValueError, match=f"depth must be a positive integer, got {re.escape(repr(bad))}"):
+        check_k(bad, "depth")
+
+
+@pytest.mark.parametrize("good", [1, 200, np.int64(7)])
+def test_a_positive_integer_k_is_an_int(good):
+    assert check_k(good) == int(good) and type(check_k(good)) is int
 
 
 def test_bad_k_and_shapes_are_refused():
