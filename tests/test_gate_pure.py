@@ -258,3 +258,19 @@ def test_srt_needs_this_questions_context():
     assert labelled("srt", contexts={"other": {"doc_scores": [5.0], "hits": [{"text": "t"}]}}) == []
     (got,) = labelled("srt", contexts={"q": {"doc_scores": [1.0], "hits": [{"text": "t"}]}})
     assert (got["id"], got["relevant"], got["context"]) == ("q#d1", False, "t")  # right alone, wrong with it
+
+
+@pytest.mark.parametrize("ratio", [-0.1, 1.2])
+def test_mct_example_refuses_a_negative_ratio_outside_the_unit_interval(ratio):
+    from gate.train.labels import mct_example
+
+    with pytest.raises(ValueError, match=r"the negative ratio τ must lie in \[0, 1\]"):
+        mct_example([0.9, 0.8, 0.1, 0.2, 0.3], negative_ratio=ratio)
+
+
+def test_mct_example_shuffles_the_relevant_documents_among_the_others():
+    """Shown in a seeded random order: the relevant documents are not always listed first."""
+    from gate.train.labels import mct_example
+
+    listed = {tuple(mct_example([0.9, 0.8, 0.1, 0.2, 0.3], 0.5, 1.0, seed)["consistent"]) for seed in range(20)}
+    assert len(listed) > 1 and listed != {(1, 2)}

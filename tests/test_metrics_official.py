@@ -196,7 +196,7 @@ RANGE = [{"wikidata": 35, "range": [30, 40]}]
         ("40 to 40", RANGE, "Numerical", True),
         ("35-50", RANGE, "Numerical", False),  # starts inside, ends outside: IoU 5/20
         ("20-40", RANGE, "Numerical", True),  # IoU 10/20: the bound is inclusive
-        ("19-40", RANGE, "Numerical", False),  # IoU 10/21
+        ("19.5-40", RANGE, "Numerical", False),  # IoU 10/20.5
         ("2-3", [{"wikidata": 4, "range": [3.5, 4.5]}], "Numerical", False),  # disjoint: no overlap at all
         ("25-35", RANGE, "Numerical", False),  # overlaps, IoU 1/3
         ("32-38", RANGE, "Numerical", True),  # inside
