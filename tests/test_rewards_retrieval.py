@@ -147,6 +147,13 @@ def test_two_palette_images_of_other_colours_get_other_keys():
     assert keys[0] != keys[1] and keys[0] == keys[2]
 
 
+def test_images_of_the_same_bytes_in_other_shapes_or_modes_get_other_keys():
+    from rewards.retrieval import image_keys
+
+    images = [Image.new("L", (2, 8), 7), Image.new("L", (4, 4), 7), Image.new("P", (4, 4), 7)]
+    assert len({img.tobytes() for img in images}) == 1 and len(set(image_keys(None, images))) == 3
+
+
 def test_repeated_queries_are_encoded_once(tiny_index, batch, monkeypatch):
     rows, images = batch
     reward = RetrievalReward(tiny_index, alpha=0.3)
