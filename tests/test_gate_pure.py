@@ -38,6 +38,8 @@ def test_normalize_answer(text, expected):
         ("Germany", ["France"], False),
         ("", [""], False),
         (None, ["France"], False),  # no prediction never matches
+        ("France", [], False),  # no answers at all: a miss
+        ("France", [None, "France"], True),  # a null alias is left out
         ("1889", [{"wikidata": 1889, "range": [1887, 1891]}], True),
         ("It was built in 1,890.", {"wikidata": 1889, "range": [1887, 1891]}, True),
         ("1900", [{"wikidata": 1889, "range": [1887, 1891]}], False),
@@ -230,7 +232,7 @@ def labelled(variant, contexts=None, alone_rule="sampled-majority", **rec):
     from gate.train.build_data import BuildDataArgs
     from gate.train.labelling import label_records
 
-    args = BuildDataArgs(epsilon=3.0, tau=0.5, correct_score=4.0, alone_rule=alone_rule)
+    args = BuildDataArgs(epsilon=3.0, tau=0.5, correct_score=4.0, alone_rule=alone_rule, mct_rule="srt")
     rec = {"id": "q", "question": "Where?", "answers": ["caves"], "scores": [4.0, 4.0, 1.0, 1.0], **rec}
     return label_records(variant, rec, args, contexts)
 
@@ -248,6 +250,7 @@ def labelled(variant, contexts=None, alone_rule="sampled-majority", **rec):
         ("hkb", {"scores": [None, None]}, []),
         ("hkb", {"scores": []}, []),
         ("srt", {}, []),  # no context record: no document to label
+        ("mct", {"hits": []}, []),  # Algorithm 3 without consistency records: nothing to label
     ],
 )
 def test_label_records_rules(variant, rec, expected):
@@ -258,6 +261,8 @@ def test_srt_needs_this_questions_context():
     assert labelled("srt", contexts={"other": {"doc_scores": [5.0], "hits": [{"text": "t"}]}}) == []
     (got,) = labelled("srt", contexts={"q": {"doc_scores": [1.0], "hits": [{"text": "t"}]}})
     assert (got["id"], got["relevant"], got["context"]) == ("q#d1", False, "t")  # right alone, wrong with it
+    (got,) = labelled("srt", contexts={"q": {"doc_scores": [4.0], "hits": [{"text": "t"}]}}, scores=[1.0, 1.0])
+    assert got["relevant"] is True  # wrong alone, right with it: a score at the correct score is right
 
 
 @pytest.mark.parametrize("ratio", [-0.1, 1.2])
