@@ -279,3 +279,61 @@ def test_mct_example_shuffles_the_relevant_documents_among_the_others():
 
     listed = {tuple(mct_example([0.9, 0.8, 0.1, 0.2, 0.3], 0.5, 1.0, seed)["consistent"]) for seed in range(20)}
     assert len(listed) > 1 and listed != {(1, 2)}
+
+
+# ---------------------------------------------------------------- completions and how they read back (gate.variants)
+
+
+def test_completions_keep_non_ascii_text_as_written():
+    from gate.variants import completion, spec
+
+    assert (
+        completion(spec("inspector"), {"pass": "false", "answer": "Zürich"}) == '{"pass": "false", "answer": "Zürich"}'
+    )
+    assert completion(spec("mct"), {"consistent": [2], "summary": "Größe"}) == '{"consistent": [2], "summary": "Größe"}'
+
+
+def test_a_binary_label_must_be_a_bool():
+    from gate.variants import completion, spec
+
+    with pytest.raises(ValueError, match="variant hkb: binary label must be a bool, got 'false'"):
+        completion(spec("hkb"), "false")
+
+
+@pytest.mark.parametrize(
+    "variant,text,expected",
+    [
+        ("answer", "  Paris ", "Paris"),
+        ("answer", None, ""),
+        ("hkb", None, None),
+        ("hkb", "", None),
+    ],
+)
+def test_parse_completion_of_empty_or_answer_replies(variant, text, expected):
+    from gate.variants import parse_completion, spec
+
+    assert parse_completion(spec(variant), text) == expected
+
+
+def test_the_longest_verbaliser_a_reply_starts_with_wins_in_any_order():
+    from gate.variants import verbaliser_index
+
+    assert verbaliser_index(("no search", "no"), "no search needed") == 0
+    assert verbaliser_index(("no", "no search"), "no search needed") == 1
+    assert verbaliser_index(("no search", "no"), "no, thanks") is None  # "no," is not the word "no"
+    assert verbaliser_index(("no search", "no"), "no thanks") == 1
+
+
+def test_verbalisers_must_match_the_variants_count():
+    from gate.variants import spec
+
+    with pytest.raises(ValueError, match="variant hkb needs 2 verbalisers"):
+        spec("hkb", ["yes", "no", "maybe"])
+
+
+def test_the_answer_variant_takes_a_context_when_given_one():
+    from gate.variants import spec, user_text
+
+    assert user_text(spec("answer"), "Where?") == "Where?"
+    assert user_text(spec("answer"), "Where?", "In caves.") == "Context: In caves.\nQuestion: Where?"
+    assert user_text(spec("hkb"), "Where?", "In caves.") == "Where?"  # a no-context variant ignores one
