@@ -337,3 +337,10 @@ def test_the_answer_variant_takes_a_context_when_given_one():
     assert user_text(spec("answer"), "Where?") == "Where?"
     assert user_text(spec("answer"), "Where?", "In caves.") == "Context: In caves.\nQuestion: Where?"
     assert user_text(spec("hkb"), "Where?", "In caves.") == "Where?"  # a no-context variant ignores one
+
+
+def test_mct_reads_the_first_object_whose_numbers_are_all_integers():
+    from gate.variants import parse_completion, spec
+
+    reply = '{"consistent": [1, "two"]} {"consistent": {}} {"consistent": [true]} {"consistent": [2], "summary": "s"}'
+    assert parse_completion(spec("mct"), reply) == {"consistent": [2], "summary": "s"}
