@@ -36,7 +36,10 @@ def load_prompt(
     path = Path(value)
     if not path.is_file():
         raise ValueError(f"{flag}: prompt file {path} does not exist")
-    spec = yaml.safe_load(path.read_text(encoding="utf-8"))
+    try:
+        spec = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ValueError(f"{flag} {path}: not a YAML file ({e})") from None
     if not isinstance(spec, dict) or not all(isinstance(spec.get(k), str) for k in ("system", "user_template")):
         raise ValueError(f"{flag} {path}: needs string fields 'system' and 'user_template'")
     fills = {p.strip("{}") for p in placeholders} | set(allowed)

@@ -136,11 +136,15 @@ def test_a_prompt_file_may_only_use_the_fields_its_stage_fills(tmp_path, templat
         ('{"system": "s"}', "needs string fields 'system' and 'user_template'"),
         ('{"user_template": "{question}"}', "needs string fields 'system' and 'user_template'"),
         ('{"system": 3, "user_template": "{question}"}', "needs string fields 'system' and 'user_template'"),
+        ("system: [x\n", "not a YAML file"),  # a ValueError (the CLI's one-line error), not yaml's ParserError
+        (b"system: caf\xe9\n", "not a YAML file"),  # Latin-1, not UTF-8
     ],
 )
 def test_a_prompt_file_without_both_texts_is_refused(tmp_path, text, error):
     path = tmp_path / "p.yaml"
-    if text is not None:
-        path.write_text(text)
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    elif text is not None:
+        path.write_text(text, encoding="utf-8")
     with pytest.raises(ValueError, match=f"--x.*{re.escape(str(path))}:? .*" + re.escape(error)):
         load_prompt(str(path), {}, ("{question}",), "--x")
