@@ -139,6 +139,21 @@ def test_entities_tied_at_the_depth_share_its_rank_on_every_path():
     assert set(map(tuple, got.values())) == {(2, 2)}, got
 
 
+def test_entities_tied_for_the_top_share_rank_1_at_depth_1():
+    """At depth 1 the first search asks for one row: a second entity with the same row ties with it, so the search
+    goes deeper (``tie_cut`` holds at depth 1 too) and both rank 1, as the exact ranker counts them."""
+    e = np.eye(2, dtype=np.float32)
+    rows = np.concatenate([e[[0, 1, 1]], e[[0, 1, 1]]], 1)  # A, then B and C identical
+    manifest = {"image_dim": 2, "text_dim": 2, "image_encoder": "x", "text_encoder": "y"}
+    q = np.array([[0.9, 1.0]] * 2, np.float32)  # B and C best, A next
+    for method in ("exact", "search"):
+        index = MultimodalIndex(build_faiss_index(rows, "Flat"), ["r0", "r1", "r2"], ["A", "B", "C"], manifest,
+                                device="cpu", rank_method=method)  # fmt: skip
+        assert index.entity_ranks(q, q, ["B", "C"], 0.5, depth=1) == [1, 1], method
+        assert index.search_and_rank(q, q, ["B", "C"], 0.5, k=1, depth=1)[1] == [1, 1], method
+        assert index.entity_ranks(q, q, ["A", "A"], 0.5, depth=1) == [None, None], method
+
+
 @pytest.mark.parametrize(
     "factory,storage", [("Flat", "fp32"), ("SQfp16", "fp16"), ("SQbf16", "bf16"), ("HNSW8,Flat", None)]
 )
