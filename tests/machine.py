@@ -36,7 +36,7 @@ def describe(cpuinfo: str, cores: int | None, capability: str | None) -> str:
 
 def this_machine() -> str:
     cpuinfo = Path("/proc/cpuinfo")
-    text = cpuinfo.read_text() if cpuinfo.is_file() else ""
+    text = cpuinfo.read_text(encoding="utf-8") if cpuinfo.is_file() else ""
     try:
         import torch
 

@@ -28,7 +28,7 @@ def vectors(index_dir):
 
 def test_manifest_and_rows(tiny_index_dir, tiny_world):
     m = json.loads((tiny_index_dir / "manifest.json").read_text())
-    kb_rows = sum(1 for _ in open(tiny_world / "kb.jsonl"))
+    kb_rows = sum(1 for _ in open(tiny_world / "kb.jsonl", encoding="utf-8"))
     assert m["rows"] == kb_rows and m["entities"] == 24 and m["skipped"] == 0
     assert m["image_encoder"] == "tiny" and m["text_encoder"] == "tiny" and m["factory"] == "Flat"
     assert m["dim"] == m["image_dim"] + m["text_dim"]
@@ -42,7 +42,7 @@ def test_manifest_and_rows(tiny_index_dir, tiny_world):
 
 
 def test_bad_rows_are_skipped_and_listed(tiny_world, tmp_path, encoders):
-    kb = [json.loads(x) for x in open(tiny_world / "kb.jsonl")][:12]
+    kb = [json.loads(x) for x in open(tiny_world / "kb.jsonl", encoding="utf-8")][:12]
     (tmp_path / "broken.png").write_bytes(b"not a png")
     kb[1]["image"] = "images/nope.png"
     kb[2]["text"] = "   "
@@ -62,7 +62,7 @@ def test_bad_rows_are_skipped_and_listed(tiny_world, tmp_path, encoders):
         encoders=encoders,
         **QUIET,
     )
-    skipped = {r["entry_id"]: r["reason"] for r in map(json.loads, open(out / "skipped.jsonl"))}
+    skipped = {r["entry_id"]: r["reason"] for r in map(json.loads, open(out / "skipped.jsonl", encoding="utf-8"))}
     assert m["rows"] == 8 and m["skipped"] == 4
     assert "image file missing" in skipped[kb[1]["entry_id"]]
     assert skipped[kb[2]["entry_id"]] == "empty text"
@@ -71,7 +71,7 @@ def test_bad_rows_are_skipped_and_listed(tiny_world, tmp_path, encoders):
 
 
 def test_duplicate_entry_id_fails_before_encoding(tiny_world, tmp_path, monkeypatch):
-    lines = open(tiny_world / "kb.jsonl").read().splitlines()[:6]
+    lines = open(tiny_world / "kb.jsonl", encoding="utf-8").read().splitlines()[:6]
     (tmp_path / "kb.jsonl").write_text("\n".join(lines + [lines[2]]) + "\n")
     dup = json.loads(lines[2])["entry_id"]
     monkeypatch.setattr(bi, "image_encoder", lambda *a, **k: pytest.fail("an encoder was loaded"))
@@ -348,7 +348,7 @@ def test_search_finds_the_entity_of_a_kb_image(tiny_index, tiny_world):
     """Querying with a KB row's own image and text ranks its entity first at every α."""
     from PIL import Image
 
-    rec = json.loads(open(tiny_world / "kb.jsonl").readline())
+    rec = json.loads(open(tiny_world / "kb.jsonl", encoding="utf-8").readline())
     from retrieval.kb import entry_text
 
     img = Image.open(tiny_world / rec["image"])

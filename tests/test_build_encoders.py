@@ -30,7 +30,7 @@ def shared_sections_kb(tiny_world, tmp_path_factory):
     """Each section of the toy KB paired with three images (as E-VQA pairs every image of an article with a
     section), rows of one article adjacent, plus a row repeating another article's text under its own id."""
     tmp = tmp_path_factory.mktemp("shared")
-    kb = [json.loads(x) for x in open(tiny_world / "kb.jsonl")][:24]
+    kb = [json.loads(x) for x in open(tiny_world / "kb.jsonl", encoding="utf-8")][:24]
     images = sorted({r["image"] for r in kb})
     rows = []
     for n, rec in enumerate(kb):
@@ -86,7 +86,7 @@ def test_section_dedup_equals_encoding_every_row(shared_sections_kb, tiny_world,
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_decoding_workers_skip_a_corrupt_image(tiny_world, tmp_path, encoders, workers):
-    kb = [json.loads(x) for x in open(tiny_world / "kb.jsonl")][:10]
+    kb = [json.loads(x) for x in open(tiny_world / "kb.jsonl", encoding="utf-8")][:10]
     (tmp_path / "broken.jpg").write_bytes(b"\xff\xd8\xff not really a jpeg")
     kb[3]["image"] = str(tmp_path / "broken.jpg")
     kb[6]["image"] = "images/nope.png"
@@ -106,7 +106,7 @@ def test_decoding_workers_skip_a_corrupt_image(tiny_world, tmp_path, encoders, w
         encoders=encoders,
         **QUIET,
     )
-    skipped = [json.loads(x) for x in open(out / "skipped.jsonl")]
+    skipped = [json.loads(x) for x in open(out / "skipped.jsonl", encoding="utf-8")]
     assert m["rows"] == 8 and [s["entry_id"] for s in skipped] == [kb[3]["entry_id"], kb[6]["entry_id"]]
     assert "image unreadable" in skipped[0]["reason"] and "image file missing" in skipped[1]["reason"]
     import pyarrow.parquet as pq
@@ -219,7 +219,7 @@ def test_hf_remote_code_runs_only_when_asked(tiny_hf_clip, tmp_path):
 
 
 def test_an_index_built_with_an_hf_encoder_answers_queries(tiny_hf_clip, tiny_world, tmp_path, encoders):
-    kb = [json.loads(x) for x in open(tiny_world / "kb.jsonl")][:12]
+    kb = [json.loads(x) for x in open(tiny_world / "kb.jsonl", encoding="utf-8")][:12]
     (tmp_path / "kb.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kb))
     out = tmp_path / "idx"
     m = build_index(
@@ -283,7 +283,7 @@ def instructed_index(tiny_world, tmp_path_factory):
 def test_manifest_records_length_and_instruction(instructed_index, tiny_world):
     m = json.loads((instructed_index / "manifest.json").read_text())
     assert m["text_max_seq_length"] == 24 and m["query_instruction"] == INSTRUCTION
-    longest = max(len(entry_text(json.loads(x), TEMPLATE)) for x in open(tiny_world / "kb.jsonl"))
+    longest = max(len(entry_text(json.loads(x), TEMPLATE)) for x in open(tiny_world / "kb.jsonl", encoding="utf-8"))
     assert longest > 24 and 0 < m["texts_truncated"] <= m["texts_encoded"]  # the tiny tokenizer is per character
 
 
@@ -300,7 +300,7 @@ def test_reward_and_evaluate_encode_a_query_alike_and_rows_never_carry_the_instr
     np.testing.assert_allclose(evaluated, plain.encode([INSTRUCTION + q for q in queries]), atol=1e-5)
     assert not np.allclose(evaluated, plain.encode(queries), atol=1e-3)
     # KB rows: the text half equals the row's text encoded without the instruction, truncated to 24 tokens
-    rec = json.loads(open(tiny_world / "kb.jsonl").readline())
+    rec = json.loads(open(tiny_world / "kb.jsonl", encoding="utf-8").readline())
     row_text = vectors(instructed_index)[0, -plain.dim :]
     np.testing.assert_allclose(row_text, plain.encode([entry_text(rec, TEMPLATE)])[0], atol=1e-5)
     assert not np.allclose(row_text, plain.encode([INSTRUCTION + entry_text(rec, TEMPLATE)])[0], atol=1e-3)

@@ -26,7 +26,7 @@ def build_argv(kb: Path, images_root: Path, out: Path) -> list[str]:
 def kb_and_reference(tiny_world, tmp_path_factory, encoders):
     """The toy KB with a corrupt image and a row without text; its one-process index."""
     tmp = tmp_path_factory.mktemp("mp-build")
-    kb = [json.loads(x) for x in open(tiny_world / "kb.jsonl")]
+    kb = [json.loads(x) for x in open(tiny_world / "kb.jsonl", encoding="utf-8")]
     (tmp / "broken.png").write_bytes(b"not a png")
     kb[7]["image"] = str(tmp / "broken.png")
     kb[30]["text"] = ""
@@ -44,7 +44,10 @@ def same_index(out: Path, reference: Path) -> None:
     assert (out / "manifest.json").exists() and not (out / "build").exists()
     assert rows_table(out) == rows_table(reference)
     np.testing.assert_allclose(vectors(out), vectors(reference), atol=1e-5)
-    assert open(out / "skipped.jsonl").read() == open(reference / "skipped.jsonl").read()
+    assert (
+        open(out / "skipped.jsonl", encoding="utf-8").read()
+        == open(reference / "skipped.jsonl", encoding="utf-8").read()
+    )
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ RUNS = [("paper", v) for v in VARIANTS] + [("toy", v) for v in VARIANTS] + [("to
 def documented_flags(path, variant) -> list[str]:
     """The flags a family config's comment adds for one variant (a line ``#   <variant>: --flag value ...``)."""
     flags = []
-    for line in Path(path).read_text().splitlines():
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
         head, _, rest = line.lstrip("# ").partition(": ")
         if line.startswith("#") and head == variant and rest.startswith("--"):
             flags += rest.split()
@@ -59,7 +59,7 @@ def test_sft_configs_parse(name, variant):
         assert model.use_peft and model.lora_r == 8 and model.lora_alpha == 32
         assert set(model.lora_target_modules) == {"q_proj", "k_proj", "v_proj"}
         assert training.learning_rate == 1e-4 and training.lr_scheduler_type == "linear"
-        assert yaml.safe_load(open(path))["bf16"] is True
+        assert yaml.safe_load(open(path, encoding="utf-8"))["bf16"] is True
         assert training.per_device_train_batch_size == 1 and training.gradient_accumulation_steps == 16
         expected = "Qwen/Qwen3-VL-8B-Instruct" if args.variant == "inspector" else "Qwen/Qwen2.5-VL-7B-Instruct"
         assert model.model_name_or_path == expected
@@ -141,7 +141,7 @@ def test_a_toy_sft_config_runs_as_shipped(tiny_world, tiny_gate_vlm, tmp_path):
     prompt = {"system": "Published RET wording.", "user_template": "Q: {question}"}
     write_jsonl_atomic(tmp_path / "ret.jsonl", render_rows("ret", recs, prompt=prompt))
     write_json_atomic(prompt_file_for(tmp_path, "ret"), {**prompt, "source": "published.yaml"})
-    shipped = yaml.safe_load(open(SFT / "toy.yaml"))
+    shipped = yaml.safe_load(open(SFT / "toy.yaml", encoding="utf-8"))
     result = main(
         [
             "--config",

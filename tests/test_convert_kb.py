@@ -107,7 +107,7 @@ def test_evqa_kb_with_title_keyed_image_csvs(tmp_path):
     for rel in ("split1/zorvak_0.jpg", "split1/zorvak_1.jpg"):
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_bytes(b"x")
-    with open(tmp_path / "wiki_image_url_part_1.csv", "w", newline="") as f:
+    with open(tmp_path / "wiki_image_url_part_1.csv", "w", encoding="utf-8", newline="") as f:
         w = csv.writer(f)
         w.writerow(["title", "url", "path", "caption"])
         w.writerow(["Zorvak", "u0", "split1/zorvak_0.jpg", "a star"])
@@ -390,7 +390,7 @@ def test_canonical_url_ignores_scheme_escapes_and_spaces(title):
 
 
 def test_qid_map_from_echosight_csv_joined_with_withkb(tmp_path):
-    with open(tmp_path / "infoseek_test.csv", "w", newline="") as f:
+    with open(tmp_path / "infoseek_test.csv", "w", encoding="utf-8", newline="") as f:
         w = csv.DictWriter(f, fieldnames=["data_id", "wikipedia_url", "question_type"])
         w.writeheader()
         w.writerow(
@@ -712,7 +712,7 @@ def test_wiki6m_index_row_text_is_the_store_section(tmp_path, summary, content, 
 )
 def test_qid_map_with_nothing_to_join_is_an_error(tmp_path, source, match):
     if source == "csv":
-        with open(tmp_path / "infoseek_test_filtered.csv", "w", newline="") as f:
+        with open(tmp_path / "infoseek_test_filtered.csv", "w", encoding="utf-8", newline="") as f:
             w = csv.DictWriter(f, fieldnames=["data_id", "wikipedia_url"])
             w.writeheader()
             w.writerow({"data_id": "infoseek_val_1", "wikipedia_url": "https://en.wikipedia.org/wiki/Paris"})
@@ -771,7 +771,7 @@ def test_title_keyed_image_csvs_list_what_they_leave_out(tmp_path, image, file, 
     if file:
         (root / image).parent.mkdir(parents=True, exist_ok=True)
         (root / image).write_bytes(b"x")
-    with open(tmp_path / "wiki_image_url_part_1.csv", "w", newline="") as f:
+    with open(tmp_path / "wiki_image_url_part_1.csv", "w", encoding="utf-8", newline="") as f:
         w = csv.writer(f)
         w.writerow(["title", "url", "path", "caption"])
         w.writerow(["Zorvak", "u0", image, ""])
@@ -894,7 +894,7 @@ def test_a_connection_dropped_mid_image_is_listed_as_failed_and_the_run_goes_on(
         assert fetch_images(args, log=quiet) == {"fetched": 1, "failed": 1, "already there": 0, "failed before": 0}
         (failed,) = read_jsonl(tmp_path / "imgs" / "failed.jsonl")
         assert failed["url"] == site.url("/cut.png") and "IncompleteRead" in failed["reason"]
-        with open(tmp_path / "imgs" / "failed.jsonl", "a") as fh:
+        with open(tmp_path / "imgs" / "failed.jsonl", "a", encoding="utf-8") as fh:
             fh.write('{"url": "http://cut')  # a crash mid-append
         # a dropped connection may pass: the rerun tries it again (cut again), and failed.jsonl lists it once
         assert fetch_images(args, log=quiet) == {"fetched": 0, "failed": 1, "already there": 1, "failed before": 0}

@@ -64,7 +64,7 @@ def evqa_row(**kw):
 
 
 def write_csv(path, rows, columns=EVQA_COLUMNS):
-    with open(path, "w", newline="") as f:
+    with open(path, "w", encoding="utf-8", newline="") as f:
         w = csv.DictWriter(f, fieldnames=columns)
         w.writeheader()
         w.writerows(rows)

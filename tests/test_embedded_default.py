@@ -344,7 +344,7 @@ def test_the_same_seed_gives_the_same_learning_table_with_two_processes(seeded_r
         assert a[k] == pytest.approx(b[k], abs=1e-9), k
     for name in ("grpo", "warm_start"):
         queries = [
-            [json.loads(x)["query"] for x in open(r / f"test_queries_{name}.jsonl")]
+            [json.loads(x)["query"] for x in open(r / f"test_queries_{name}.jsonl", encoding="utf-8")]
             for r in (runs["seed0"], runs["seed0-again"])
         ]
         assert queries[0] == queries[1]

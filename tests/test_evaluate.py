@@ -76,7 +76,7 @@ def test_sweep_equals_single_alpha_runs(tiny_index_dir, tiny_world, tmp_path, mo
         single = run(tiny_index_dir, q, tmp_path / a, alpha=float(a))["results"]
         assert single[str(float(a))]["question"] == pytest.approx(sweep[a]["question"])
     assert (tmp_path / "ev" / "alpha_sweep.png").stat().st_size > 1000
-    assert len(open(tmp_path / "ev" / "alpha_sweep.csv").read().splitlines()) == 4
+    assert len(open(tmp_path / "ev" / "alpha_sweep.csv", encoding="utf-8").read().splitlines()) == 4
     # image-only retrieval on this world beats text-only (the vague question says nothing about the entity)
     assert sweep["1.0"]["question"]["R@5"] > sweep["0.0"]["question"]["R@5"]
 
@@ -84,7 +84,7 @@ def test_sweep_equals_single_alpha_runs(tiny_index_dir, tiny_world, tmp_path, mo
 def test_excluded_rows_are_counted(tiny_index_dir, tiny_world, tmp_path, monkeypatch, encoders):
     real_load = ev.MultimodalIndex.load
     monkeypatch.setattr(ev.MultimodalIndex, "load", lambda p, **k: real_load(p, *encoders))
-    rows = [json.loads(x) for x in open(tiny_world / "test.jsonl")][:7]
+    rows = [json.loads(x) for x in open(tiny_world / "test.jsonl", encoding="utf-8")][:7]
     rows[0]["image"] = "images/none.png"
     rows[1]["entity_id"] = "E9999"
     rows[2]["question"] = ""
@@ -100,7 +100,9 @@ def test_excluded_rows_are_counted(tiny_index_dir, tiny_world, tmp_path, monkeyp
     # a gold entity with no index row stays in the denominator as a miss (the reference evaluation's protocol)
     assert res["gold_not_in_index"] == 1
     assert res["results"]["0.5"]["question"]["n"] == 4
-    ranks = {r["id"]: r["rank_question"] for r in map(json.loads, open(tmp_path / "ev" / "ranks.jsonl"))}
+    ranks = {
+        r["id"]: r["rank_question"] for r in map(json.loads, open(tmp_path / "ev" / "ranks.jsonl", encoding="utf-8"))
+    }
     assert ranks[rows[1]["id"]] is None and len(ranks) == 4
     q.write_text("".join(json.dumps(r) + "\n" for r in rows[4:]))
     known = run(tiny_index_dir, q, tmp_path / "known", alpha=0.5, images_root=str(tiny_world))["results"]["0.5"]
@@ -118,7 +120,7 @@ def test_excluded_rows_are_counted(tiny_index_dir, tiny_world, tmp_path, monkeyp
 def test_compare_prints_two_fields(tiny_index_dir, tiny_world, tmp_path, monkeypatch, encoders):
     real_load = ev.MultimodalIndex.load
     monkeypatch.setattr(ev.MultimodalIndex, "load", lambda p, **k: real_load(p, *encoders))
-    rows = [json.loads(x) for x in open(tiny_world / "test.jsonl")]
+    rows = [json.loads(x) for x in open(tiny_world / "test.jsonl", encoding="utf-8")]
     for r in rows:
         r["refined_query"] = r["question"] + " " + " ".join(r["attributes"].values())
     q = tmp_path / "refined_test.jsonl"  # not in the shared toy world: its images are read from there
@@ -139,12 +141,12 @@ def test_compare_prints_two_fields(tiny_index_dir, tiny_world, tmp_path, monkeyp
     per = res["results"]["0.5"]
     assert set(per) == {"refined_query", "question"} and "PR@1" in per["question"]
     assert "| refined_query |" in "\n".join(lines) and "| question |" in "\n".join(lines)
-    ranks = [json.loads(x) for x in open(tmp_path / "ev" / "ranks.jsonl")]
+    ranks = [json.loads(x) for x in open(tmp_path / "ev" / "ranks.jsonl", encoding="utf-8")]
     assert len(ranks) == len(rows) and "rank_refined_query" in ranks[0]
     # stating the gold attributes moves the gold entity up for most questions
     assert res["rank_change"]["question"]["improved"] > res["rank_change"]["question"]["worse"]
     assert (tmp_path / "ev" / "rank_change.png").stat().st_size > 1000
-    assert open(tmp_path / "ev" / "metrics.csv").readline().startswith("field,R@1")
+    assert open(tmp_path / "ev" / "metrics.csv", encoding="utf-8").readline().startswith("field,R@1")
     # Table 8's way round (the question first, the methods compared): the change is still question → method, and
     # the files of the run above (ranks.jsonl, rank_change.png) do not outlive it in a sweep into the same folder
     args = dict(index=str(tiny_index_dir), queries=str(q), images_root=str(tiny_world), out=str(tmp_path / "ev"))
@@ -204,7 +206,7 @@ def test_a_question_without_id_or_gold_entity_is_named_before_loading(
 ):
     """A row without an id (or gold entity) was a KeyError after every image was encoded, and the earlier run's
     metrics.json, metrics.csv and ranks.jsonl in the same --out were deleted first."""
-    rows = [json.loads(x) for x in open(tiny_world / "test.jsonl")][:4]
+    rows = [json.loads(x) for x in open(tiny_world / "test.jsonl", encoding="utf-8")][:4]
     rows[2][key] = None
     if not null:
         del rows[2][key]
@@ -242,7 +244,7 @@ def test_questions_without_answers_are_counted_for_pseudo_recall(
     """Without answers PR@K was 0 without a word."""
     real_load = ev.MultimodalIndex.load
     monkeypatch.setattr(ev.MultimodalIndex, "load", lambda p, **k: real_load(p, *encoders))
-    rows = [json.loads(x) for x in open(tiny_world / "test.jsonl")][:6]
+    rows = [json.loads(x) for x in open(tiny_world / "test.jsonl", encoding="utf-8")][:6]
     for r in rows[:2]:
         del r["answers"]
     lines = []
@@ -271,7 +273,7 @@ def test_query_images_stream_through_workers_and_a_corrupt_one_is_excluded(
 ):
     real_load = ev.MultimodalIndex.load
     monkeypatch.setattr(ev.MultimodalIndex, "load", lambda p, **k: real_load(p, *encoders))
-    rows = [json.loads(x) for x in open(tiny_world / "test.jsonl")][:8]
+    rows = [json.loads(x) for x in open(tiny_world / "test.jsonl", encoding="utf-8")][:8]
     (tmp_path / "broken.png").write_bytes(b"not a png")
     rows[2]["image"] = str(tmp_path / "broken.png")
     q = tmp_path / "q.jsonl"
@@ -282,7 +284,7 @@ def test_query_images_stream_through_workers_and_a_corrupt_one_is_excluded(
     for res in by_workers:
         assert res["excluded"] == {"image unreadable": 1} and res["results"]["0.5"]["question"]["n"] == 7
     assert by_workers[0]["results"] == by_workers[1]["results"]
-    ranks = [json.loads(x)["id"] for x in open(tmp_path / "2" / "ev" / "ranks.jsonl")]
+    ranks = [json.loads(x)["id"] for x in open(tmp_path / "2" / "ev" / "ranks.jsonl", encoding="utf-8")]
     assert ranks == [r["id"] for i, r in enumerate(rows) if i != 2]
 
 
@@ -310,7 +312,7 @@ def test_an_approximate_index_is_reported_against_flat(
     )
     approx = MultimodalIndex.load(out, *encoders, nprobe=1)  # IVF: 1 of 4 lists, often not the gold entity's
     assert approx.is_approximate and not tiny_index.is_approximate
-    rows = [json.loads(x) for x in open(tiny_world / "test.jsonl")]
+    rows = [json.loads(x) for x in open(tiny_world / "test.jsonl", encoding="utf-8")]
     from PIL import Image
 
     img = approx.encode_images([Image.open(tiny_world / r["image"]) for r in rows])
@@ -342,7 +344,9 @@ def test_an_approximate_index_is_reported_against_flat(
 
     approx_ranks = capped(ranks_of(approx.rank(img, txt, 0.5, depth), [approx.entity_index[g] for g in gold]))
     exact_ranks = capped(tiny_index.exact.ranks(q, [tiny_index.entity_index[g] for g in gold]))
-    reported = {r["id"]: r["rank_question"] for r in map(json.loads, open(tmp_path / "e" / "ranks.jsonl"))}
+    reported = {
+        r["id"]: r["rank_question"] for r in map(json.loads, open(tmp_path / "e" / "ranks.jsonl", encoding="utf-8"))
+    }
     assert [reported[r["id"]] for r in rows] == approx_ranks  # the ranks evaluate reports are the approximate ones
     agreement = 100.0 * sum(a == e for a, e in zip(approx_ranks, exact_ranks)) / len(rows)
     assert res["question"]["same_rank_as_flat"] == pytest.approx(agreement)

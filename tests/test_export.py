@@ -199,7 +199,9 @@ def test_the_exports_check_takes_the_first_question_whose_image_can_be_used(tiny
     from rl.export import probe_question
     from tests.test_refine import unusable_images
 
-    rows = unusable_images(tmp_path, tiny_world / json.loads(open(tiny_world / "test.jsonl").readline())["image"])
+    rows = unusable_images(
+        tmp_path, tiny_world / json.loads(open(tiny_world / "test.jsonl", encoding="utf-8").readline())["image"]
+    )
     (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[::-1]))  # strip, cut, good
     record = {"refiner_args": {"eval_file": str(tmp_path / "eval.jsonl")}}
     assert probe_question(record) == (str(tmp_path / "good.png"), "what is good?")

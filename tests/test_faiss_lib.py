@@ -64,7 +64,7 @@ def probe(**env):
 @pytest.fixture(scope="module")
 def this_cpu():
     cpuinfo = Path("/proc/cpuinfo")
-    coretype = openblas_coretype(cpu_flags(cpuinfo.read_text() if cpuinfo.is_file() else ""))
+    coretype = openblas_coretype(cpu_flags(cpuinfo.read_text(encoding="utf-8") if cpuinfo.is_file() else ""))
     if coretype is None:
         pytest.skip("this CPU has neither AVX2 with FMA nor AVX-512: OpenBLAS keeps its own choice")
     return coretype

@@ -27,7 +27,7 @@ def canned(answers_by_question):
 
 @pytest.fixture()
 def questions(tiny_world, tmp_path):
-    rows = [json.loads(x) for x in open(tiny_world / "test.jsonl")]
+    rows = [json.loads(x) for x in open(tiny_world / "test.jsonl", encoding="utf-8")]
     by_type = {}
     for r in rows:
         by_type.setdefault(r["question_type"], r)
@@ -55,20 +55,22 @@ def test_sample_judge_label_pipeline(questions, tiny_world, tmp_path):
     with pytest.raises(ValueError, match=r"other settings \(queries: 'sha256:"):
         stage_sample(BuildDataArgs(stage="sample", **args), tmp_path / "d", generate=gen, **QUIET)
     path.write_text(original)
-    samples = [json.loads(x) for x in open(tmp_path / "d" / "samples.jsonl")]
+    samples = [json.loads(x) for x in open(tmp_path / "d" / "samples.jsonl", encoding="utf-8")]
     assert [len(s["samples"]) for s in samples] == [4, 4]
 
     assert build(BuildDataArgs(stage="judge", out=str(tmp_path / "d"), judge="exact"), **QUIET) == 2
     another_judge = r"other settings \(exact_rule: 2 then, None now; judge: 'exact' then, 'token' now\)"
     with pytest.raises(ValueError, match=another_judge):
         build(BuildDataArgs(stage="judge", out=str(tmp_path / "d"), judge="token"), **QUIET)
-    judged = {r["id"]: r["scores"] for r in map(json.loads, open(tmp_path / "d" / "judged.jsonl"))}
+    judged = {r["id"]: r["scores"] for r in map(json.loads, open(tmp_path / "d" / "judged.jsonl", encoding="utf-8"))}
     assert judged[known["id"]] == [5.0] * 4 and judged[unknown["id"]] == [1.0] * 4
 
     labels = {}
     for variant in ["hkb", "skb", "kbm-acc", "kbm-cert"]:
         build(BuildDataArgs(stage="label", out=str(tmp_path / "d"), variant=variant), **QUIET)
-        labels[variant] = {r["id"]: r for r in map(json.loads, open(tmp_path / "d" / f"labels-{variant}.jsonl"))}
+        labels[variant] = {
+            r["id"]: r for r in map(json.loads, open(tmp_path / "d" / f"labels-{variant}.jsonl", encoding="utf-8"))
+        }
     # the model knows the first question: no search; it does not know the second: search
     assert labels["hkb"][known["id"]]["search"] is False and labels["hkb"][unknown["id"]]["search"] is True
     assert labels["skb"][known["id"]]["search_score"] == 1.0 and labels["skb"][unknown["id"]]["search_score"] == 5.0
@@ -93,7 +95,7 @@ def test_sample_with_a_real_tiny_vlm(questions, tiny_world, tiny_refiner, tmp_pa
         ),
         **QUIET,
     )
-    rows = [json.loads(x) for x in open(tmp_path / "d" / "samples.jsonl")]
+    rows = [json.loads(x) for x in open(tmp_path / "d" / "samples.jsonl", encoding="utf-8")]
     assert n == 2 and [r["id"] for r in rows] == [p["id"] for p in picked]
     assert all(len(r["samples"]) == 3 and all(isinstance(s, str) for s in r["samples"]) for r in rows)
 
@@ -149,9 +151,9 @@ def test_sample_and_judge_resume_after_an_interruption(questions, tiny_world, tm
     with pytest.raises(RuntimeError, match="^killed$"):
         stage_sample(args, tmp_path / "d", generate=dies_on_second_batch, **QUIET)
     part = tmp_path / "d" / "samples.jsonl.part0"  # this process's part, merged when the stage finishes
-    assert [json.loads(x)["id"] for x in open(part)] == [picked[0]["id"]]
+    assert [json.loads(x)["id"] for x in open(part, encoding="utf-8")] == [picked[0]["id"]]
     assert stage_sample(args, tmp_path / "d", generate=lambda i, t, s: ["blue"] * len(t), **QUIET) == 1
-    rows = [json.loads(x) for x in open(tmp_path / "d" / "samples.jsonl")]
+    rows = [json.loads(x) for x in open(tmp_path / "d" / "samples.jsonl", encoding="utf-8")]
     assert [r["id"] for r in rows] == [p["id"] for p in picked] and rows[0]["samples"] == ["red"] * 3
 
     import gate.train.build_data as build_data  # where the judge stage calls judge_all
@@ -167,7 +169,10 @@ def test_sample_and_judge_resume_after_an_interruption(questions, tiny_world, tm
     monkeypatch.setattr(build_data, "judge_all", judge_dies)
     with pytest.raises(RuntimeError, match="^endpoint died$"):
         build(BuildDataArgs(stage="judge", out=str(tmp_path / "d")), **QUIET)
-    assert not (tmp_path / "d" / "judged.jsonl").exists() or not open(tmp_path / "d" / "judged.jsonl").read()
+    assert (
+        not (tmp_path / "d" / "judged.jsonl").exists()
+        or not open(tmp_path / "d" / "judged.jsonl", encoding="utf-8").read()
+    )
     assert build(BuildDataArgs(stage="judge", out=str(tmp_path / "d")), **QUIET) == 2
     assert build(BuildDataArgs(stage="judge", out=str(tmp_path / "d")), **QUIET) == 0
 
@@ -193,7 +198,7 @@ def test_retrieve_context_and_the_retrieval_labels(questions, tiny_world, tiny_i
         )
         == 2
     )
-    retrieved = {r["id"]: r for r in map(json.loads, open(out / "retrieved.jsonl"))}
+    retrieved = {r["id"]: r for r in map(json.loads, open(out / "retrieved.jsonl", encoding="utf-8"))}
     with pytest.raises(ValueError, match=r"other settings \(k: 3 then, 5 now\)"):  # 5 hits beside 3 are not mixed
         stage_retrieve(
             BuildDataArgs(stage="retrieve", index=str(tiny_index_dir), **{**common, "k": 5}), out, index=tiny_index
@@ -222,7 +227,7 @@ def test_retrieve_context_and_the_retrieval_labels(questions, tiny_world, tiny_i
     labels = {}
     for variant in ("ret", "srt", "mct", "inspector"):
         build(BuildDataArgs(stage="label", out=str(out), variant=variant, mct_rule="gold-entity"), **QUIET)
-        labels[variant] = list(map(json.loads, open(out / f"labels-{variant}.jsonl")))
+        labels[variant] = list(map(json.loads, open(out / f"labels-{variant}.jsonl", encoding="utf-8")))
     known, unknown = picked
     assert {r["id"]: r["search"] for r in labels["ret"]} == {known["id"]: False, unknown["id"]: True}
     for r in labels["srt"]:  # Rel only where the section turned the wrong answer right (the gold entity's)
@@ -237,7 +242,7 @@ def test_retrieve_context_and_the_retrieval_labels(questions, tiny_world, tiny_i
     for r in labels["inspector"]:
         assert r["pass"] == (retrieved[r["id"]]["hits"][0]["entity_id"] == answers[r["id"]]["entity_id"])
     build(BuildDataArgs(stage="render", out=str(out), variant="inspector"), **QUIET)
-    rendered = list(map(json.loads, open(out / "inspector.test.jsonl")))
+    rendered = list(map(json.loads, open(out / "inspector.test.jsonl", encoding="utf-8")))
     assert len(rendered) == 2 and all(r["prompt"][1]["content"].startswith("Context: ") for r in rendered)
 
     # MCT (Algorithm 3): without an srt gate, a document is relevant when the answer with it was judged right — here
@@ -252,7 +257,7 @@ def test_retrieve_context_and_the_retrieval_labels(questions, tiny_world, tiny_i
 
     cons_args = BuildDataArgs(stage="consistency", out=str(out), mct_negative_ratio=0.0)
     assert stage_consistency(cons_args, out, summarise=summarise, **QUIET) == 2
-    cons = {r["id"]: r for r in map(json.loads, open(out / "consistency.jsonl"))}
+    cons = {r["id"]: r for r in map(json.loads, open(out / "consistency.jsonl", encoding="utf-8"))}
     for qid, r in cons.items():
         assert (
             r["rel_probs"]
@@ -281,7 +286,7 @@ def test_retrieve_context_and_the_retrieval_labels(questions, tiny_world, tiny_i
     assert f"[1] {hits[0]['title']}" in text and f"[2] {hits[2]['title']}" in text and hits[1]["title"] not in text
     (out / "labels-mct.jsonl").unlink()  # the gold-entity rule's labels above
     build(BuildDataArgs(stage="label", out=str(out), variant="mct", mct_negative_ratio=0.0), **QUIET)
-    (label,) = map(json.loads, open(out / "labels-mct.jsonl"))
+    (label,) = map(json.loads, open(out / "labels-mct.jsonl", encoding="utf-8"))
     shown = [line.split("] ", 1)[1] for line in label["context"].split("\n")]
     assert label["id"] == unknown["id"] and label["summary"] == "they agree" and len(shown) == 2
     # labelled at another γ, the relevant documents would not be the ones the summaries cover
@@ -352,10 +357,10 @@ def test_sample_and_judge_record_the_greedy_answer(questions, tiny_world, tmp_pa
         generate=generate,
         **QUIET,
     )
-    rows = [json.loads(x) for x in open(out / "samples.jsonl")]
+    rows = [json.loads(x) for x in open(out / "samples.jsonl", encoding="utf-8")]
     assert [r["greedy"] for r in rows] == [picked[0]["answers"][0]] * 2 and rows[0]["samples"] == ["red", "red"]
     build(BuildDataArgs(stage="judge", out=str(out)), **QUIET)
-    judged = {r["id"]: r for r in map(json.loads, open(out / "judged.jsonl"))}
+    judged = {r["id"]: r for r in map(json.loads, open(out / "judged.jsonl", encoding="utf-8"))}
     assert judged[picked[0]["id"]]["greedy_score"] == 5.0 and judged[picked[1]["id"]]["greedy_score"] == 1.0
 
 
@@ -385,7 +390,7 @@ def test_questions_without_gold_answers_are_not_judged(questions, tiny_world, tm
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("gate.train.build_data.judge_from_args", lambda a: Judge())
         stage_judge(args, out, **QUIET)
-    judged = {r["id"]: r for r in map(json.loads, open(out / "judged.jsonl"))}
+    judged = {r["id"]: r for r in map(json.loads, open(out / "judged.jsonl", encoding="utf-8"))}
     assert asked == [picked[1]["question"]]  # its samples and greedy answer are all "red": judged once
     assert judged[picked[0]["id"]]["scores"] == [None] * 3 and judged[picked[0]["id"]]["greedy_score"] is None
     assert judged[picked[1]["id"]]["scores"] == [1.0] * 3
@@ -455,7 +460,9 @@ def test_a_question_with_an_unjudged_sample_gets_no_label(tmp_path, variant):
     )
     said = []
     build(BuildDataArgs(stage="label", out=str(tmp_path), variant=variant), log=said.append)
-    assert [r["question_id"] for r in map(json.loads, open(tmp_path / f"labels-{variant}.jsonl"))] == ["q1"]
+    assert [
+        r["question_id"] for r in map(json.loads, open(tmp_path / f"labels-{variant}.jsonl", encoding="utf-8"))
+    ] == ["q1"]
     assert "1 questions without a label (1 with a sampled answer the judge gave no score for" in said[-1]
 
 
@@ -474,7 +481,7 @@ def test_labels_follow_the_settings_of_the_latest_run(tmp_path):
 
     def labels(**kw):
         build(BuildDataArgs(stage="label", out=str(tmp_path), variant="hkb", **kw), **QUIET)
-        return {r["id"]: r["search"] for r in map(json.loads, open(tmp_path / "labels-hkb.jsonl"))}
+        return {r["id"]: r["search"] for r in map(json.loads, open(tmp_path / "labels-hkb.jsonl", encoding="utf-8"))}
 
     assert labels(epsilon=3.0) == {"q0": False, "q1": False}  # mean 3 is not below 3
     assert labels(epsilon=4.0) == {"q0": True, "q1": False}  # mean 3 is below 4

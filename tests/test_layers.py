@@ -27,7 +27,7 @@ def layer(module: str) -> int:
 
 def project_imports(path: Path) -> set[str]:
     out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         names = (
             [a.name for a in node.names]
             if isinstance(node, ast.Import)

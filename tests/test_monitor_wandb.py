@@ -98,7 +98,10 @@ def test_offline_run_holds_table_rows_and_captioned_images(tmp_path, monkeypatch
     assert len(pngs) == 4 and all(os.path.getsize(p) > 0 for p in pngs)
     history = Path(glob.glob(f"{run_dir}/run-*.wandb")[0]).read_bytes()
     assert b"img1.png: green cross 1 | gold Title1 rank 2 | reward 4.00" in history  # the caption, in the run log
-    assert sorted({json.loads(line)["step"] for line in open(tmp_path / "samples.jsonl")}) == [6, 7]  # both steps
+    assert sorted({json.loads(line)["step"] for line in open(tmp_path / "samples.jsonl", encoding="utf-8")}) == [
+        6,
+        7,
+    ]  # both steps
 
 
 # --------------------------------------------------------------------------- a real run, read back

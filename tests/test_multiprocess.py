@@ -127,7 +127,7 @@ def two_process_runs(tiny_world, tiny_index_dir, tiny_refiner, tmp_path_factory)
     evaluation and checkpoints at 3 and 6; then the same run resumed from checkpoint-3, within epoch 1.
     ``{name: (the run's folder, its log)}``."""
     tmp = tmp_path_factory.mktemp("ddp")
-    rows = [json.loads(x) for x in open(tiny_world / "train.jsonl")]
+    rows = [json.loads(x) for x in open(tiny_world / "train.jsonl", encoding="utf-8")]
     # two ordinary questions and two whose gold entity is not in the index: those can never hit, so a rank that
     # draws one has no hit at all in that step
     train = rows[:2] + [dict(r, id=f"ghost-{i}", entity_id=f"GHOST{i}") for i, r in enumerate(rows[2:4])]
@@ -217,7 +217,7 @@ def check_saved_engine_weights(run: Path, steps: int, stage: int, output: str, s
 
 
 def completions(run, rank):
-    return [json.loads(x) for x in open(run / f"completions.rank{rank}.jsonl")]
+    return [json.loads(x) for x in open(run / f"completions.rank{rank}.jsonl", encoding="utf-8")]
 
 
 def test_both_processes_train_as_one_job(two_process_run):

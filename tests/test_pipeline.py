@@ -105,9 +105,11 @@ def test_every_stage_on(make_args, gates, tiny_refiner, queries):
         if r["rag"]["inspector"]["pass"]:
             assert r["rag"]["without_inspector"]["answer"] == r["rag"]["answer"]
     out = args.out
-    assert json.load(open(f"{out}/metrics.json"))["accuracy"] == pytest.approx(metrics["accuracy"])
-    assert json.load(open(f"{out}/metrics.json"))["placement"]["index α"] == "0.5"  # the α it ran with, recorded
-    assert open(f"{out}/metrics.md").read().startswith("| system | accuracy | retrieval ratio |")
+    assert json.load(open(f"{out}/metrics.json", encoding="utf-8"))["accuracy"] == pytest.approx(metrics["accuracy"])
+    assert (
+        json.load(open(f"{out}/metrics.json", encoding="utf-8"))["placement"]["index α"] == "0.5"
+    )  # the α it ran with, recorded
+    assert open(f"{out}/metrics.md", encoding="utf-8").read().startswith("| system | accuracy | retrieval ratio |")
     assert (tmp_path_of(args) / "accuracy_vs_retrieval.png").stat().st_size > 0
 
 
@@ -198,7 +200,7 @@ def test_resume_after_an_interruption(make_args, monkeypatch):
     with pytest.raises(RuntimeError, match="^killed$"):
         run(args, **QUIET)
     part = Path(args.out) / "predictions.jsonl.part0"  # this process's part, merged when the run finishes
-    assert sum(1 for _ in open(part)) == 3  # the first batch was written
+    assert sum(1 for _ in open(part, encoding="utf-8")) == 3  # the first batch was written
     run(args, **QUIET)
     assert not part.exists()
     ids = [r["id"] for r in predictions(args)]

@@ -197,7 +197,7 @@ def test_paper_budget_caps_a_large_photo_that_the_real_default_would_not(real_vl
 def write_big_image_questions(tiny_world, out, n=4, size=(1120, 840)):
     """The first ``n`` toy-world train questions with their images upscaled beyond the paper's budget (940,800 px
     > 1024·28²); entity ids unchanged, so they stay in the tiny index."""
-    rows = [json.loads(x) for x in open(tiny_world / "train.jsonl")][:n]
+    rows = [json.loads(x) for x in open(tiny_world / "train.jsonl", encoding="utf-8")][:n]
     (out / "images").mkdir(parents=True, exist_ok=True)
     for r in rows:
         big = Image.open(tiny_world / r["image"]).convert("RGB").resize(size, Image.BICUBIC)

@@ -37,13 +37,13 @@ def test_refine_file_resumes_without_losing_or_repeating(toy_refiner, tiny_world
     with pytest.raises(KeyboardInterrupt):
         refine_file(args, refiner=toy_refiner, **QUIET)
     part = tmp_path / "refined.jsonl.part0"  # this process's part; merged into out when the job finishes
-    assert not out.exists() and sum(1 for _ in open(part)) == 16  # two finished batches are on disk
-    with open(part, "a") as fh:
+    assert not out.exists() and sum(1 for _ in open(part, encoding="utf-8")) == 16  # two finished batches are on disk
+    with open(part, "a", encoding="utf-8") as fh:
         fh.write('{"id": "cut-short')  # a line cut by a crash
     monkeypatch.setattr(toy_refiner, "refine_with_outputs", real)
     assert refine_file(args, refiner=toy_refiner, **QUIET) == 48 - 16
-    rows = [json.loads(x) for x in open(out)]
-    inputs = [json.loads(x) for x in open(tiny_world / "test.jsonl")]
+    rows = [json.loads(x) for x in open(out, encoding="utf-8")]
+    inputs = [json.loads(x) for x in open(tiny_world / "test.jsonl", encoding="utf-8")]
     assert [r["id"] for r in rows] == [r["id"] for r in inputs]  # ids and order kept, nothing twice
     for r, q in zip(rows, inputs):
         assert {"refined_query", "raw_output", "format_ok"} <= set(r) and r["question"] == q["question"]
@@ -54,7 +54,7 @@ def test_refine_file_resumes_without_losing_or_repeating(toy_refiner, tiny_world
     refine_file(
         RefineArgs(**{**vars(args), "out": str(tmp_path / "again.jsonl")}), refiner=toy_refiner, log=said.append
     )
-    again = [json.loads(x) for x in open(tmp_path / "again.jsonl")]
+    again = [json.loads(x) for x in open(tmp_path / "again.jsonl", encoding="utf-8")]
     ok = sum(r["format_ok"] for r in again)
     assert f"refine: {ok} of 48 output(s) here parsed ({100 * ok / 48:.1f} %); the other {48 - ok} kept" in "".join(
         said
@@ -90,7 +90,7 @@ def test_a_resume_with_another_model_is_refused_naming_it(toy_refiner, tiny_worl
 def test_sampled_refinements_repeat_under_a_seed(toy_refiner, tiny_world, tmp_path):
     """rl.refine --sample had no seed of its own: each batch now draws from --seed + its first question's position in
     the file, whatever the generator drew before it (another batch, on another process or before a resume)."""
-    rows = [json.loads(x) for x in open(tiny_world / "test.jsonl")][:16]
+    rows = [json.loads(x) for x in open(tiny_world / "test.jsonl", encoding="utf-8")][:16]
     queries = tmp_path / "q.jsonl"
     queries.write_text("".join(json.dumps(r) + "\n" for r in rows))
     back = tmp_path / "back.jsonl"  # the same questions at other positions draw otherwise
@@ -103,7 +103,7 @@ def test_sampled_refinements_repeat_under_a_seed(toy_refiner, tiny_world, tmp_pa
         )
         torch.manual_seed(1234 + len(name))  # whatever state the generator was left in
         refine_file(args, refiner=toy_refiner, **QUIET)
-        return {r["id"]: r["raw_output"] for r in map(json.loads, open(out))}
+        return {r["id"]: r["raw_output"] for r in map(json.loads, open(out, encoding="utf-8"))}
 
     first, again = refined(queries, "a.jsonl"), refined(queries, "bb.jsonl")
     assert first == again
@@ -159,12 +159,14 @@ def test_a_question_whose_image_cannot_be_used_keeps_its_question_and_the_run_go
     toy_refiner, tiny_world, tmp_path
 ):
     """A truncated file or an image the processor refuses stopped rl.refine at the same batch on every run."""
-    rows = unusable_images(tmp_path, tiny_world / json.loads(open(tiny_world / "test.jsonl").readline())["image"])
+    rows = unusable_images(
+        tmp_path, tiny_world / json.loads(open(tiny_world / "test.jsonl", encoding="utf-8").readline())["image"]
+    )
     (tmp_path / "q.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     args = RefineArgs(queries=str(tmp_path / "q.jsonl"), out=str(tmp_path / "o.jsonl"), batch_size=3)
     lines = []
     assert refine_file(args, refiner=toy_refiner, log=lines.append) == 3
-    out = {r["id"]: r for r in map(json.loads, open(tmp_path / "o.jsonl"))}
+    out = {r["id"]: r for r in map(json.loads, open(tmp_path / "o.jsonl", encoding="utf-8"))}
     assert "image_error" not in out["good"] and out["good"]["raw_output"]
     assert "image unreadable" in out["cut"]["image_error"] and "cut.png" in out["cut"]["image_error"]
     assert "aspect ratio past 200:1" in out["strip"]["image_error"]
@@ -174,7 +176,7 @@ def test_a_question_whose_image_cannot_be_used_keeps_its_question_and_the_run_go
     # the image mended: the next run refines that question and keeps the rest
     (tmp_path / "cut.png").write_bytes((tmp_path / "good.png").read_bytes())
     assert refine_file(args, refiner=toy_refiner, log=lines.append) == 2
-    again = {r["id"]: r for r in map(json.loads, open(tmp_path / "o.jsonl"))}
+    again = {r["id"]: r for r in map(json.loads, open(tmp_path / "o.jsonl", encoding="utf-8"))}
     assert "image_error" not in again["cut"] and again["good"] == out["good"] and "image_error" in again["strip"]
 
 
@@ -219,7 +221,7 @@ def test_exported_refiner_loads_and_refines(config, tiny_world, tmp_path):
     )  # loaded below, in this process (the fresh-process check: tests/test_export.py)
     refiner = Refiner.load(folder)
     assert refiner.spec["prompt"]["name"] == "toy"
-    rows = [json.loads(x) for x in open(tiny_world / "test.jsonl")][:4]
+    rows = [json.loads(x) for x in open(tiny_world / "test.jsonl", encoding="utf-8")][:4]
     from PIL import Image
 
     queries = refiner.refine([Image.open(tiny_world / r["image"]) for r in rows], [r["question"] for r in rows])
@@ -252,7 +254,9 @@ def test_the_training_image_budget_reaches_export_refine_and_vllm(config, tiny_w
         ),
         with_kwargs=True,
     )
-    big = Image.open(tiny_world / json.loads(open(tiny_world / "test.jsonl").readline())["image"]).resize((900, 700))
+    big = Image.open(
+        tiny_world / json.loads(open(tiny_world / "test.jsonl", encoding="utf-8").readline())["image"]
+    ).resize((900, 700))
     refiner.refine([big], ["Where does it live?"])
     assert seen and 0 < max(seen) <= 64
     unbudgeted = Refiner.load(folder)
@@ -279,7 +283,7 @@ def test_decoding_never_comes_from_the_models_generation_config(tiny_refiner, ti
     shutil.copytree(tiny_refiner, qwen_like)
     gen = json.loads((qwen_like / "generation_config.json").read_text())
     (qwen_like / "generation_config.json").write_text(json.dumps(gen | {"top_k": 1, "repetition_penalty": 1.5}))
-    rows = [json.loads(x) for x in open(tiny_world / "test.jsonl")][:4]
+    rows = [json.loads(x) for x in open(tiny_world / "test.jsonl", encoding="utf-8")][:4]
     images = [Image.open(tiny_world / r["image"]).convert("RGB") for r in rows]
     questions = [r["question"] for r in rows]
     outputs = {}

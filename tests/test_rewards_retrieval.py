@@ -36,7 +36,7 @@ def trl_call(reward, rows, completions, images, trainer_state=None, **extra):
 
 @pytest.fixture()
 def batch(tiny_world):
-    rows = [json.loads(x) for x in open(tiny_world / "test.jsonl")][:3]
+    rows = [json.loads(x) for x in open(tiny_world / "test.jsonl", encoding="utf-8")][:3]
     images = [Image.open(tiny_world / r["image"]).convert("RGB") for r in rows]
     return rows, images
 
@@ -293,5 +293,5 @@ def test_the_completions_log_numbers_steps_as_log_history_does(tiny_index, batch
     trl_call(reward, rows, [format_completion("q")] * n, images, trainer_state=state)
     state.global_step, model.training = 5, False  # the evaluation after step 5, logged at step 5
     trl_call(reward, rows, [format_completion("q")] * n, images, trainer_state=state)
-    logged = [json.loads(line) for line in open(log)]
+    logged = [json.loads(line) for line in open(log, encoding="utf-8")]
     assert [(r["mode"], r["step"]) for r in logged] == [("train", 5)] * n + [("eval", 5)] * n

@@ -62,7 +62,7 @@ def shared_encoders(monkeypatch, encoders):
 
 
 def test_build_rl_data_skips_unknown_entities_and_bad_images(tiny_world, tiny_index_dir, tmp_path, shared_encoders):
-    rows = [json.loads(x) for x in open(tiny_world / "train.jsonl")][:6]
+    rows = [json.loads(x) for x in open(tiny_world / "train.jsonl", encoding="utf-8")][:6]
     rows[1]["entity_id"] = "E9999"
     rows[2]["image"] = "images/gone.png"
     (tmp_path / "broken.png").write_bytes(b"not a png")
@@ -83,7 +83,7 @@ def test_build_rl_data_skips_unknown_entities_and_bad_images(tiny_world, tiny_in
         ),
         log=lines.append,
     )
-    skipped = {r["id"]: r for r in map(json.loads, open(f"{out}.skipped.jsonl"))}
+    skipped = {r["id"]: r for r in map(json.loads, open(f"{out}.skipped.jsonl", encoding="utf-8"))}
     assert set(skipped) == {rows[i]["id"] for i in (1, 2, 3, 4)}
     assert skipped[rows[1]["id"]] == {
         "id": rows[1]["id"],
@@ -97,7 +97,7 @@ def test_build_rl_data_skips_unknown_entities_and_bad_images(tiny_world, tiny_in
     )
     assert skipped[rows[3]["id"]]["reason"].startswith("image unreadable: ")
     assert "aspect ratio past 200:1" in skipped[rows[4]["id"]]["reason"]  # it was sampled, then dropped in training
-    written = [json.loads(x) for x in open(out)]
+    written = [json.loads(x) for x in open(out, encoding="utf-8")]
     assert [r["id"] for r in written] == [rows[i]["id"] for i in (0, 5)]
     assert all(isinstance(r["baseline_rank"], int) for r in written)
     assert summary["skipped"] == 4 and summary["sampled"] == 2 and summary["questions"] == 6
@@ -107,7 +107,7 @@ def test_build_rl_data_skips_unknown_entities_and_bad_images(tiny_world, tiny_in
 def test_build_rl_data_writes_an_empty_skip_list_and_refuses_when_nothing_is_usable(
     tiny_world, tiny_index_dir, tmp_path, shared_encoders
 ):
-    rows = [json.loads(x) for x in open(tiny_world / "train.jsonl")][:2]
+    rows = [json.loads(x) for x in open(tiny_world / "train.jsonl", encoding="utf-8")][:2]
     args = dict(index=str(tiny_index_dir), alpha=0.5, images_root=str(tiny_world), out=str(tmp_path / "o.jsonl"))
     build_rl_data(RLDataArgs(queries=str(write_rows(tmp_path / "q.jsonl", rows)), **args), log=lambda *a: None)
     assert (tmp_path / "o.jsonl.skipped.jsonl").read_text() == ""
@@ -118,7 +118,7 @@ def test_build_rl_data_writes_an_empty_skip_list_and_refuses_when_nothing_is_usa
 
 
 def test_build_rl_data_refuses_duplicate_ids(tiny_world, tiny_index_dir, tmp_path):
-    rows = [json.loads(x) for x in open(tiny_world / "train.jsonl")][:3]
+    rows = [json.loads(x) for x in open(tiny_world / "train.jsonl", encoding="utf-8")][:3]
     rows[2]["id"] = rows[0]["id"]
     queries = write_rows(tmp_path / "q.jsonl", rows)
     with pytest.raises(ValueError, match=f"q.jsonl: 1 id value.*: {rows[0]['id']} "):
@@ -158,7 +158,7 @@ def test_build_rl_data_writes_buckets(tiny_world, tiny_index_dir, tmp_path, shar
         ),
         log=lambda *a: None,
     )
-    rows = [json.loads(x) for x in open(out)]
+    rows = [json.loads(x) for x in open(out, encoding="utf-8")]
     assert (
         summary["sampled"]
         == len(rows)
@@ -172,13 +172,13 @@ def test_question_dataset_has_the_columns_trl_and_the_rewards_read(tiny_world):
     ds = question_dataset(tiny_world / "test.jsonl", prompt="toy", limit=5)
     assert len(ds) == 5 and {"prompt", "image", "id", "entity_id", "question", "image_path"} <= set(ds.column_names)
     row = ds[0]
-    first = json.loads(open(tiny_world / "test.jsonl").readline())
+    first = json.loads(open(tiny_world / "test.jsonl", encoding="utf-8").readline())
     assert row["image"].size == (56, 56) and row["prompt"][-1] == {"role": "user", "content": row["question"]}
     assert row["image_path"] == str((tiny_world / first["image"]).resolve()) and Path(row["image_path"]).is_absolute()
 
 
 def test_question_dataset_leaves_out_bad_images_and_lists_them(tiny_world, tmp_path):
-    rows = [json.loads(x) for x in open(tiny_world / "test.jsonl")][:4]
+    rows = [json.loads(x) for x in open(tiny_world / "test.jsonl", encoding="utf-8")][:4]
     rows[1]["image"] = "images/gone.png"
     (tmp_path / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n truncated")
     rows[2]["image"] = str(tmp_path / "broken.png")
@@ -188,7 +188,7 @@ def test_question_dataset_leaves_out_bad_images_and_lists_them(tiny_world, tmp_p
         queries, images_root=tiny_world, prompt="toy", bad_images_dir=tmp_path / "run", log=lines.append
     )
     assert ds["id"] == [rows[0]["id"], rows[3]["id"]]
-    bad = [json.loads(x) for x in open(tmp_path / "run" / "q.bad_images.jsonl")]
+    bad = [json.loads(x) for x in open(tmp_path / "run" / "q.bad_images.jsonl", encoding="utf-8")]
     assert [(b["id"], b["image"]) for b in bad] == [
         (rows[1]["id"], "images/gone.png"),
         (rows[2]["id"], rows[2]["image"]),
@@ -208,7 +208,7 @@ def test_an_image_the_processor_would_refuse_for_its_aspect_ratio_is_left_out(ti
 
     from rl.image_budget import MAX_ASPECT_RATIO
 
-    rows = [json.loads(x) for x in open(tiny_world / "test.jsonl")][:3]
+    rows = [json.loads(x) for x in open(tiny_world / "test.jsonl", encoding="utf-8")][:3]
     for name, size in (("strip.png", (2010, 10)), ("wide.png", (2000, 10))):
         Image.new("RGB", size, "white").save(tmp_path / name)
     rows[1]["image"], rows[2]["image"] = str(tmp_path / "strip.png"), str(tmp_path / "wide.png")
@@ -216,7 +216,7 @@ def test_an_image_the_processor_would_refuse_for_its_aspect_ratio_is_left_out(ti
         write_rows(tmp_path / "q.jsonl", rows), images_root=tiny_world, prompt="toy", bad_images_dir=tmp_path / "run"
     )
     assert ds["id"] == [rows[0]["id"], rows[2]["id"]]  # 2000:10 is exactly 200:1, which the processor takes
-    (bad,) = [json.loads(x) for x in open(tmp_path / "run" / "q.bad_images.jsonl")]
+    (bad,) = [json.loads(x) for x in open(tmp_path / "run" / "q.bad_images.jsonl", encoding="utf-8")]
     assert bad["id"] == rows[1]["id"] and f"past {MAX_ASPECT_RATIO}:1" in bad["reason"]
 
 
@@ -227,7 +227,7 @@ def test_an_image_past_pils_limit_reaches_the_policy_downscaled(tiny_world, tmp_
     from PIL import Image
 
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 5_000)  # PIL refuses more than twice this: 10,000 pixels
-    rows = [json.loads(x) for x in open(tiny_world / "test.jsonl")][:2]
+    rows = [json.loads(x) for x in open(tiny_world / "test.jsonl", encoding="utf-8")][:2]
     Image.new("RGB", (200, 100), (200, 30, 30)).save(tmp_path / "big.png")  # 20,000 pixels
     rows[0]["image"] = str(tmp_path / "big.png")
     ds = question_dataset(write_rows(tmp_path / "q.jsonl", rows), images_root=tiny_world, prompt="toy")
@@ -246,7 +246,7 @@ def test_question_dataset_refuses_when_no_image_is_usable(tmp_path):
 
 
 def test_question_dataset_refuses_duplicate_ids(tiny_world, tmp_path):
-    rows = [json.loads(x) for x in open(tiny_world / "test.jsonl")][:3]
+    rows = [json.loads(x) for x in open(tiny_world / "test.jsonl", encoding="utf-8")][:3]
     rows[1]["id"] = rows[2]["id"] = "dup"
     with pytest.raises(ValueError, match=r"q.jsonl: 1 id value\(s\) occur more than once: dup "):
         question_dataset(write_rows(tmp_path / "q.jsonl", rows), images_root=tiny_world)
@@ -302,7 +302,7 @@ def test_learning_row():
 
 def test_warm_start_shift_is_seeded_and_partial(tiny_world):
     rows = warm_start_rows(tiny_world, shift_fraction=0.5, seed=0)
-    train = [json.loads(x) for x in open(tiny_world / "train.jsonl")]
+    train = [json.loads(x) for x in open(tiny_world / "train.jsonl", encoding="utf-8")]
     shifted = sum(COLOUR_SHIFT[q["attributes"]["colour"]] in r["completion"][0]["content"] for q, r in zip(train, rows))
     assert 0.25 * len(rows) < shifted < 0.75 * len(rows)
     assert rows == warm_start_rows(tiny_world, shift_fraction=0.5, seed=0)
@@ -362,8 +362,8 @@ def test_held_out_questions_are_never_in_the_rl_sample(tiny_world, tiny_index_di
         RLDataArgs(**args, strata="1-5:5,6-24:5,miss:5", out=str(out), eval_out=str(held), eval_questions=12),
         log=lambda *a: None,
     )
-    train = {r["id"] for r in map(json.loads, open(out))}
-    rows = [json.loads(x) for x in open(held)]
+    train = {r["id"] for r in map(json.loads, open(out, encoding="utf-8"))}
+    rows = [json.loads(x) for x in open(held, encoding="utf-8")]
     assert summary["questions"] - summary["skipped"] - summary["sampled"] > 12  # more left than asked for
     assert len(rows) == summary["held_out"] == 12 and not train & {r["id"] for r in rows}
     assert all("baseline_rank" in r for r in rows)
@@ -375,7 +375,7 @@ def test_held_out_questions_are_never_in_the_rl_sample(tiny_world, tiny_index_di
     images = ["a", "a", "b", "c", "c", "d", "b"]
     assert held_out_sample(7, [0, 3], 20, 0, images) == [2, 5, 6]
     assert held_out_sample(7, [0, 3], 20, 0) == [1, 2, 4, 5, 6]
-    train_images = {r["image"] for r in map(json.loads, open(out))}
+    train_images = {r["image"] for r in map(json.loads, open(out, encoding="utf-8"))}
     assert not train_images & {r["image"] for r in rows}
     said = []  # fewer left than asked for: said, not only counted
     more = dict(strata="1-5:5,6-24:5,miss:5", out=str(tmp_path / "rl2.jsonl"), eval_out=str(held), eval_questions=999)
@@ -407,7 +407,7 @@ def test_a_question_image_in_a_mode_no_png_holds_reaches_a_vllm_server_as_rgb(ti
 
     from retrieval.kb import load_image
 
-    rows = [json.loads(x) for x in open(tiny_world / "test.jsonl")][:2]
+    rows = [json.loads(x) for x in open(tiny_world / "test.jsonl", encoding="utf-8")][:2]
     source = Image.open(tiny_world / rows[0]["image"]).convert(mode)
     name = "odd.jpg" if mode == "CMYK" else "odd.tif"  # a CMYK JPEG; a TIFF of 32-bit floats or integers
     source.save(tmp_path / name)

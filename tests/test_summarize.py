@@ -71,7 +71,7 @@ def test_summaries_resume_count_failures_and_take_a_prompt_file(tmp_path):
     )
     with pytest.raises(Interrupted):
         summarize_kb(args, summarize=summarize, count_tokens=WORDS, **QUIET)
-    with open(tmp_path / "s.jsonl", "a") as fh:
+    with open(tmp_path / "s.jsonl", "a", encoding="utf-8") as fh:
         fh.write('{"text_sha": "ab')  # a crash mid-append: the resume drops that line
     counts = summarize_kb(args, summarize=summarize, count_tokens=WORDS, **QUIET)
     assert calls[0][0].startswith("Summarise: ") and sum(len(c) for c in calls[2:]) == 6  # 9 long, 3 done before

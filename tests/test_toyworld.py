@@ -33,13 +33,13 @@ def test_generation_is_deterministic(tmp_path):
 
 
 def test_world_records_are_well_formed(tiny_world):
-    entities = {e["entity_id"]: e for e in map(json.loads, open(tiny_world / "entities.jsonl"))}
+    entities = {e["entity_id"]: e for e in map(json.loads, open(tiny_world / "entities.jsonl", encoding="utf-8"))}
     assert len(entities) == 24
     assert len({(e["colour"], e["shape"], e["pattern"]) for e in entities.values()}) == 24  # unique identities
     assert len({e["name"] for e in entities.values()}) == 24
-    train = [json.loads(x) for x in open(tiny_world / "train.jsonl")]
-    test = [json.loads(x) for x in open(tiny_world / "test.jsonl")]
-    val = [json.loads(x) for x in open(tiny_world / "val.jsonl")]
+    train = [json.loads(x) for x in open(tiny_world / "train.jsonl", encoding="utf-8")]
+    test = [json.loads(x) for x in open(tiny_world / "test.jsonl", encoding="utf-8")]
+    val = [json.loads(x) for x in open(tiny_world / "val.jsonl", encoding="utf-8")]
     assert len(val) == 24 and len(test) == 48
     assert not {q["image"] for q in train} & {q["image"] for q in test + val}  # held-out image variants
     for q in train + test:
@@ -48,7 +48,7 @@ def test_world_records_are_well_formed(tiny_world):
         assert q["attributes"] == {a: e[a] for a in ATTRIBUTES}
         assert e["name"] not in q["question"] and not any(e[a] in q["question"] for a in ATTRIBUTES)
         assert q["answers"] and q["answers"][0] == e[q["question_type"]]
-    for r in map(json.loads, open(tiny_world / "kb.jsonl")):
+    for r in map(json.loads, open(tiny_world / "kb.jsonl", encoding="utf-8")):
         e = entities[r["entity_id"]]
         assert all(e[a] in r["text"] for a in ATTRIBUTES) and e["name"] in r["text"]
 

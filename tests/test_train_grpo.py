@@ -54,7 +54,7 @@ def test_two_steps_train_the_text_model_not_the_vision_tower(config, tiny_refine
         assert all(key in h for h in logs), key
     assert all(-6.5 <= h["reward"] <= 5.0 for h in logs)
     # our completions table rows and the end-of-run files
-    samples = [json.loads(x) for x in open(tmp_path / "run" / "samples.jsonl")]
+    samples = [json.loads(x) for x in open(tmp_path / "run" / "samples.jsonl", encoding="utf-8")]
     assert samples and {"query", "rank", "top3", "format_reward", "retrieval_reward", "gold_title"} <= set(samples[0])
     assert (tmp_path / "run" / "curves.png").stat().st_size > 1000
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
@@ -75,7 +75,7 @@ def test_resume_continues_from_the_saved_step(config, tiny_world, tiny_refiner, 
     resumed epoch 1: rl.checkpoints.seed_each_epoch), from checkpoint-4's weights (transformers 5.24's own load matched
     no key of a Qwen2.5-VL checkpoint: rl/checkpoints.py), and ends on the uninterrupted run's weights."""
     six = tmp_path / "six.jsonl"
-    six.write_text("".join(open(tiny_world / "train.jsonl").readlines()[:6]))
+    six.write_text("".join(open(tiny_world / "train.jsonl", encoding="utf-8").readlines()[:6]))
     run = dict(train_file=str(six), images_root=str(tiny_world), max_steps=5, save_strategy="steps", save_steps=4)
     full = tg.main(config(**run, output_dir=str(tmp_path / "a")))
     resumed = tg.main(
@@ -86,13 +86,15 @@ def test_resume_continues_from_the_saved_step(config, tiny_world, tiny_refiner, 
 
     def prompts_at(folder):
         by_step = {}
-        for rec in map(json.loads, open(folder / "samples.jsonl")):
+        for rec in map(json.loads, open(folder / "samples.jsonl", encoding="utf-8")):
             by_step.setdefault(rec["step"], []).append(rec["id"])
         return by_step
 
     a, b = prompts_at(tmp_path / "a"), prompts_at(tmp_path / "b")
     assert set(b) == {5} and b[5] == a[5]  # only step 5 ran again, with the same data order
-    assert {json.loads(x)["id"] for x in open(six)} == set(a[1] + a[2] + a[3])  # epoch 0: each question once
+    assert {json.loads(x)["id"] for x in open(six, encoding="utf-8")} == set(
+        a[1] + a[2] + a[3]
+    )  # epoch 0: each question once
     assert a[2] != a[5]  # epoch 1's second step is not epoch 0's (what the resumed run trained on)
     base, checkpoint = weights(tiny_refiner), weights(tmp_path / "a" / "checkpoint-4")
     uninterrupted, resumed_final = weights(tmp_path / "a" / "final"), weights(tmp_path / "b" / "final")
@@ -119,7 +121,7 @@ def test_a_run_resumed_in_place_logs_each_step_once_and_another_run_there_is_ref
     run = dict(output_dir=str(out), max_steps=2, save_strategy="steps", save_steps=1, completions_log=True)
 
     def steps(name):
-        return Counter(json.loads(x)["step"] for x in open(out / name))
+        return Counter(json.loads(x)["step"] for x in open(out / name, encoding="utf-8"))
 
     tg.main(config(**run))
     first = steps("completions.rank0.jsonl"), steps("samples.jsonl")
@@ -235,7 +237,11 @@ def test_held_out_eval_selects_the_best_checkpoint(config, tiny_world, tiny_refi
     )
     evals = [h for h in result["log_history"] if "eval_retrieval/hit@1" in h]
     assert len(evals) == 2 and all(0 <= h["eval_retrieval/hit@1"] <= 1 for h in evals)
-    scored = [r for r in map(json.loads, open(tmp_path / "run" / "completions.rank0.jsonl")) if r["mode"] == "eval"]
+    scored = [
+        r
+        for r in map(json.loads, open(tmp_path / "run" / "completions.rank0.jsonl", encoding="utf-8"))
+        if r["mode"] == "eval"
+    ]
     assert [h["step"] for h in evals] == [1, 2]  # evaluations after steps 1 and 2
     for logged in evals:  # the completions log numbers an evaluation's completions as log_history does
         ranks = [r["rank"] for r in scored if r["step"] == logged["step"]]
@@ -634,7 +640,7 @@ def test_lora_without_target_modules_goes_on_the_language_models_linear_layers(t
 def test_the_completions_table_totals_rewards_as_trl_weighs_them(config, tmp_path):
     """With reward_weights, TRL trains on w_format·format + w_retrieval·retrieval; the table's total is that sum."""
     tg.main(config(max_steps=1, reward_weights=[2.0, 0.5]))
-    rows = [json.loads(line) for line in open(tmp_path / "run" / "samples.jsonl")]
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "samples.jsonl", encoding="utf-8")]
     assert rows and all(
         r["total_reward"] == pytest.approx(2.0 * r["format_reward"] + 0.5 * r["retrieval_reward"]) for r in rows
     )

@@ -146,7 +146,7 @@ LANDMARK = "8b3e4a5c6d7e8f90"
 
 def write_csv(path: Path, rows: list[dict], columns=EVQA_COLUMNS):
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
+    with open(path, "w", encoding="utf-8", newline="") as f:
         w = csv.DictWriter(f, fieldnames=columns)
         w.writeheader()
         for r in rows:
@@ -479,7 +479,7 @@ def test_build_keeps_kb_images_past_the_pixel_limit(tiny_world, tmp_path, monkey
 
     from retrieval.build_index import BuildArgs, build_index
 
-    kb = [json.loads(x) for x in open(tiny_world / "kb.jsonl")][:6]
+    kb = [json.loads(x) for x in open(tiny_world / "kb.jsonl", encoding="utf-8")][:6]
     big = tmp_path / f"big.{fmt.lower()}"
     Image.new("RGB", (300, 200), (200, 40, 40)).save(big, format=fmt)
     kb[2]["image"] = str(big)

@@ -141,7 +141,7 @@ def test_colocated_vllm_receives_one_placeholder_per_image(config, recording_vll
     assert image_runs(probe["prompt_token_ids"], pad) == [1] and image_runs(trainer_prompts.pop(0), pad) == [12]
     sent = [p for call in steps for p in call]
     assert len(steps) == 2 and len(sent) == len(trainer_prompts) == 2 * 8  # 2 steps × 2 prompts × 4 generations
-    questions = {json.loads(x)["question"] for x in open(tiny_world / "train.jsonl")}
+    questions = {json.loads(x)["question"] for x in open(tiny_world / "train.jsonl", encoding="utf-8")}
     for prompt, trainers in zip(sent, trainer_prompts):
         ids = prompt["prompt_token_ids"]
         assert prompt["multi_modal_data"]["image"].size == (56, 56)  # the raw image, for vLLM to process

@@ -14,7 +14,7 @@ from pathlib import Path
 def output_to(path: Path):
     sys.stdout.flush(), sys.stderr.flush()
     saved = os.dup(1), os.dup(2)
-    with open(path, "w") as log:
+    with open(path, "w", encoding="utf-8") as log:
         os.dup2(log.fileno(), 1), os.dup2(log.fileno(), 2)
         try:
             yield

@@ -26,7 +26,7 @@ def start_on_a_broken_file(folder: Path, rank: int, state) -> None:
 
 
 def main(argv: list[str]) -> None:
-    folder = Path(yaml.safe_load(Path(argv[argv.index("--config") + 1]).read_text())["folder"])
+    folder = Path(yaml.safe_load(Path(argv[argv.index("--config") + 1]).read_text(encoding="utf-8"))["folder"])
     state = PartialState()
     for step in (finish_apart, start_on_a_broken_file):
         began = time.monotonic()

@@ -24,6 +24,6 @@ try:
     procs.barrier("process 0 wrote the shards")
 except TimeoutError as e:
     print(f"TimeoutError: {e}", flush=True)
-    done.write_text("done")
+    done.write_text("done", encoding="utf-8")
     sys.exit(3)
-done.write_text("done")
+done.write_text("done", encoding="utf-8")
