@@ -2,12 +2,13 @@
 build embedding the summary in place of the section's text (the manifest saying how many)."""
 
 import json
+import re
 
 import numpy as np
 import pytest
 
 from common.files import read_jsonl, write_jsonl_atomic
-from retrieval.summarize import SummarizeArgs, long_sections, summarize_kb, text_sha
+from retrieval.summarize import SUMMARY_PROMPT, SummarizeArgs, long_sections, summarize_kb, text_sha
 
 QUIET = dict(log=lambda *a: None)
 WORDS = lambda text: len(text.split())  # noqa: E731  a stand-in tokenizer: one token per word
@@ -157,3 +158,95 @@ def test_a_summaries_file_rewritten_between_two_builds_of_one_process_is_read_ag
     stat = path.stat()
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # rewritten a second later
     assert summaries_of(str(path)) == {text_sha("long text"): "second wording"}
+
+
+def test_a_section_at_the_limit_or_without_text_is_not_summarised():
+    """Long means strictly over ``max_tokens``; a row without section text is no section, however long its title."""
+    rows = kb_rows(4) + [
+        {**kb_rows(1)[0], "entity_id": "N", "title": "long title " * 20, "text": text} for text in ("", None)
+    ]
+    long, distinct = long_sections_from(rows, max_tokens=11)  # E1's embedded text is exactly 11 words
+    assert distinct == 4 and [r["entity_id"] for r in long] == ["E2", "E3"]
+    assert text_sha(None) == text_sha("") != text_sha("None")  # a missing text is not the section whose text is "None"
+
+
+def long_kb(tmp_path):
+    write_jsonl_atomic(tmp_path / "kb.jsonl", kb_rows(4))  # E1, E2, E3 are over 10 words
+    return str(tmp_path / "kb.jsonl")
+
+
+@pytest.mark.parametrize(
+    "given,error",
+    [
+        (dict(kb=None), "--kb: file None does not exist"),
+        (dict(out=None), "--out is required"),
+        (dict(), "give --summarizer_url and --summarizer_model"),
+        (dict(summarizer_url="http://h/v1"), "give --summarizer_url and --summarizer_model"),
+        (dict(summarizer_model="m"), "give --summarizer_url and --summarizer_model"),
+    ],
+)
+def test_missing_inputs_or_summariser_are_named(tmp_path, monkeypatch, given, error):
+    import retrieval.summarize as sm
+
+    monkeypatch.setattr(sm, "replier", lambda *a, **k: pytest.fail("a summariser was built"))
+    args = SummarizeArgs(**{"kb": long_kb(tmp_path), "out": str(tmp_path / "s.jsonl"), "max_tokens": 10, **given})
+    with pytest.raises(ValueError, match=re.escape(error)):
+        summarize_kb(args, count_tokens=WORDS, **QUIET)
+
+
+@pytest.mark.parametrize(
+    "given,expected",
+    [
+        (  # an endpoint: its URL, model and key variable; the local device defaults to the CPU
+            dict(summarizer_url="http://h/v1", summarizer_model="m", key_env="MY_KEY"),
+            ("http://h/v1", "m", "MY_KEY", None, "cpu"),
+        ),
+        (dict(summarizer="local/llm"), (None, None, "OPENAI_API_KEY", "local/llm", "cpu")),
+        (dict(summarizer="local/llm", device="cuda:1"), (None, None, "OPENAI_API_KEY", "local/llm", "cuda:1")),
+    ],
+)
+def test_the_summariser_is_built_from_the_arguments_only_when_a_section_needs_it(
+    tmp_path, monkeypatch, given, expected
+):
+    import retrieval.summarize as sm
+
+    built = []
+
+    def replier(system, max_new_tokens, url, model, key_env, local, device):
+        built.append((system, max_new_tokens, url, model, key_env, local, device))
+        return lambda users: ["a short summary" for _ in users]
+
+    monkeypatch.setattr(sm, "replier", replier)
+    args = SummarizeArgs(kb=long_kb(tmp_path), out=str(tmp_path / "s.jsonl"), max_tokens=10, max_new_tokens=64, **given)
+    counts = summarize_kb(args, count_tokens=WORDS, **QUIET)
+    assert built == [(SUMMARY_PROMPT["system"], 64, *expected)] and counts["summaries"] == 3
+    assert counts["prompt"] == "section_summary"  # the shipped prompt when no --summary_prompt is given
+    summarize_kb(args, count_tokens=WORDS, **QUIET)  # every long section done: no model is loaded again
+    assert len(built) == 1
+
+
+def test_the_shipped_prompt_names_the_article_and_section(tmp_path):
+    users = []
+    args = SummarizeArgs(kb=long_kb(tmp_path), out=str(tmp_path / "s.jsonl"), max_tokens=18)
+    summarize_kb(args, summarize=lambda u: users.extend(u) or ["s"] * len(u), count_tokens=WORDS, **QUIET)
+    assert users == ["Article: T3\nSection: S\n\n" + " ".join(["word"] * 15) + " of E3"]  # 19 words: E3 alone
+
+
+def test_sections_are_measured_with_the_text_encoders_tokenizer_special_tokens_included(tmp_path, encoders):
+    """The build truncates to ``text_max_seq_length`` tokens with the special tokens kept, so they count here too."""
+    from retrieval.kb import entry_text
+
+    tokenizer = encoders[1].model.tokenizer
+    template = SummarizeArgs().text_template
+    rows = kb_rows(4)
+    sizes = [len(tokenizer(entry_text(r, template), add_special_tokens=True)["input_ids"]) for r in rows]
+    bare = [len(tokenizer(entry_text(r, template), add_special_tokens=False)["input_ids"]) for r in rows]
+    assert sizes[1] > bare[1] and sizes[0] < sizes[1]
+    write_jsonl_atomic(tmp_path / "kb.jsonl", rows)
+    args = SummarizeArgs(
+        kb=str(tmp_path / "kb.jsonl"), out=str(tmp_path / "s.jsonl"), text_encoder="tiny", max_tokens=bare[1]
+    )
+    counts = summarize_kb(args, summarize=lambda u: ["s"] * len(u), **QUIET)
+    written = {r["text_sha"]: r["tokens"] for r in read_jsonl(tmp_path / "s.jsonl")}
+    assert written == {text_sha(r["text"]): n for r, n in zip(rows, sizes) if n > bare[1]}
+    assert counts["over_max_tokens"] == sum(n > bare[1] for n in sizes) and text_sha(rows[1]["text"]) in written
