@@ -53,6 +53,7 @@ def test_parse_sweep():
     assert parse_sweep("0:1:0.25") == [0, 0.25, 0.5, 0.75, 1.0]
     assert parse_sweep("0:0.5:0.3") == [0, 0.3] and parse_sweep("0.5:1:0.3") == [0.5, 0.8]  # never past hi
     assert len(parse_sweep("0:1:0.05")) == 21 and parse_sweep("0:1:0.05")[-1] == 1.0
+    assert parse_sweep("0.3:0.3:0.1") == [0.3]  # lo = hi: one α, as the message's "lo ≤ hi" allows
     for bad, error in [
         ("0:1", "--alpha_sweep must look like lo:hi:step"),
         ("0:2:0.5", "alpha must be in [0, 1], got 1.5"),  # the first α past 1
@@ -61,6 +62,35 @@ def test_parse_sweep():
     ]:
         with pytest.raises(ValueError, match=re.escape(error)):
             parse_sweep(bad)
+
+
+@pytest.mark.parametrize(
+    "text,fields",
+    [
+        (None, []),
+        ("", []),
+        ("refined_query, query_caption,", ["refined_query", "query_caption"]),
+        ("question", None),  # the --text_field itself
+        ("refined_query,refined_query", None),
+        ("a,refined_query,b,refined_query", None),
+    ],
+)
+def test_compare_fields(text, fields):
+    if fields is None:
+        with pytest.raises(ValueError, match="--compare: field '(question|refined_query)' is given twice"):
+            ev.compare_fields(text, "question")
+    else:
+        assert ev.compare_fields(text, "question") == fields
+
+
+def test_format_table_shows_the_columns_some_row_has_and_a_dash_where_a_row_lacks_one():
+    results = {"question": {"R@1": 12.345, "R@5": 50.0, "PR@1": 7.0, "n": 4}, "refined": {"R@1": 100.0, "n": 4}}
+    assert ev.format_table(results, [1, 5], label="method").splitlines() == [
+        "| method | n | R@1 | R@5 | PR@1 |",
+        "|---|---|---|---|---|",
+        "| question | 4 | 12.3 | 50.0 | 7.0 |",
+        "| refined | 4 | 100.0 | — | — |",
+    ]
 
 
 def run(tiny_index_dir, queries, tmp_path, **kw):
