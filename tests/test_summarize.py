@@ -3,6 +3,7 @@ build embedding the summary in place of the section's text (the manifest saying 
 
 import json
 import re
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -250,3 +251,27 @@ def test_sections_are_measured_with_the_text_encoders_tokenizer_special_tokens_i
     written = {r["text_sha"]: r["tokens"] for r in read_jsonl(tmp_path / "s.jsonl")}
     assert written == {text_sha(r["text"]): n for r, n in zip(rows, sizes) if n > bare[1]}
     assert counts["over_max_tokens"] == sum(n > bare[1] for n in sizes) and text_sha(rows[1]["text"]) in written
+
+
+def test_the_command_line_counts_failed_blank_and_at_limit_summaries(tmp_path, monkeypatch):
+    """A failed request (None) and a blank reply are failures, not summaries; a summary exactly at the limit is not
+    still over it; a row without a title or section title fills the prompt with nothing, not "None"."""
+    import retrieval.summarize as sm
+
+    rows = kb_rows(4)
+    rows[3] = {**rows[3], "title": None, "section_title": None}
+    write_jsonl_atomic(tmp_path / "kb.jsonl", rows)
+    users = []
+
+    def replies(batch):
+        users.extend(batch)
+        return [None, "   ", " ".join(["w"] * 8)][: len(batch)]  # ". . " + 8 words: 10 tokens, the limit
+
+    monkeypatch.setattr(sm, "replier", lambda *a, **k: replies)
+    words = SimpleNamespace(model=SimpleNamespace(tokenizer=lambda text, **k: {"input_ids": text.split()}))
+    monkeypatch.setattr(sm, "TextEncoder", lambda *a, **k: words)
+    out = str(tmp_path / "s.jsonl")
+    sm.main(["--kb", str(tmp_path / "kb.jsonl"), "--out", out, "--summarizer", "local/llm", "--max_tokens", "10"])
+    counts = json.loads((tmp_path / "s.jsonl.counts.json").read_text())
+    assert counts["summaries"] == 1 and counts["failed_now"] == 2 and counts["summaries_still_over"] == 0
+    assert users[2].startswith("Article: \nSection: \n\n")
