@@ -380,8 +380,9 @@ def test_an_expired_barrier_of_the_build_names_its_step(tiny_world, tmp_path, en
 
 
 class HangingImages:
-    """A dataset whose every item hangs its worker (a decoder that never returns, a file system that stopped
-    answering)."""
+    """A dataset whose every item holds its worker (a decoder that never returns, a file system that stopped
+    answering) for 2 s, past the test's 1 s bound: a worker that never returned would cost DataLoader's own 5 s wait
+    before it ends the worker."""
 
     def __len__(self):
         return 4
@@ -389,7 +390,7 @@ class HangingImages:
     def __getitem__(self, i):
         import threading
 
-        threading.Event().wait()
+        threading.Event().wait(2)
 
 
 def test_a_decoding_worker_that_never_answers_is_a_timeout_naming_the_wait():
@@ -397,6 +398,6 @@ def test_a_decoding_worker_that_never_answers_is_a_timeout_naming_the_wait():
     (or an embedding job) waiting for ever. The wait is bounded (``DECODE_TIMEOUT_S``; 1 s here) and named."""
     from retrieval.image_data import Waits, loader, timed
 
-    data = loader(HangingImages(), [[0, 1], [2, 3]], workers=1, timeout_s=1)
+    data = loader(HangingImages(), [[0], [1]], workers=1, timeout_s=1)
     with pytest.raises(TimeoutError, match=r"no batch of decoded images from 1 DataLoader worker within 1 s"):
         next(timed(data, Waits()))
