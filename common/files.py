@@ -275,10 +275,12 @@ def pyplot():
 
 
 def save_figure(fig, path: str | Path, dpi: int = 120) -> None:
-    """Write a figure as PNG atomically and close it."""
-    with atomic_path(path, suffix=".png") as tmp:
-        fig.savefig(tmp, dpi=dpi, format="png")
-    pyplot().close(fig)
+    """Write a figure as PNG atomically and close it (written or not: pyplot keeps every open figure)."""
+    try:
+        with atomic_path(path, suffix=".png") as tmp:
+            fig.savefig(tmp, dpi=dpi, format="png")
+    finally:
+        pyplot().close(fig)
 
 
 def check_unique_ids(rows: Iterable[dict], source: str | Path, key: str = "id", shown: int = 10) -> None:

@@ -225,3 +225,17 @@ def test_read_jsonl_names_the_line_and_field_a_record_lacks(tmp_path, lines, req
     else:
         with pytest.raises(ValueError, match=f"^{re.escape(str(path) + error)}$"):
             list(read_jsonl(path, required, what))
+
+
+def test_a_figure_that_cannot_be_written_is_closed_all_the_same(tmp_path):
+    """pyplot keeps every open figure until it is closed: a plot whose save failed (a full disk, a bad path) stayed
+    open for the rest of a long job."""
+    from common.files import pyplot, save_figure
+
+    plt = pyplot()
+    fig, _ = plt.subplots()
+    (tmp_path / "not_a_folder").write_text("x", encoding="utf-8")
+    with pytest.raises(OSError):
+        save_figure(fig, tmp_path / "not_a_folder" / "plot.png")
+    assert fig.number not in plt.get_fignums()
+    assert not list(tmp_path.glob("**/*.png"))
