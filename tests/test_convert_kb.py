@@ -757,6 +757,19 @@ def test_sections_skipped_when_the_title_contains_a_skipped_word(tmp_path, title
     assert titles == (["Entity", title] if kept else ["Entity"])
 
 
+def test_a_duplicate_among_the_last_rows_leaves_no_temporary_store(tmp_path):
+    """The rows still pending at the end are written as the writer closes: a duplicate key there is refused, and the
+    half-written temporary beside the store went only when the writer was garbage-collected."""
+    from retrieval.upstream.articles import ArticleWriter
+
+    writer = ArticleWriter(tmp_path / "a.sqlite")
+    with pytest.raises(ValueError, match="a duplicate entity_id in articles"), writer as w:
+        w.add_article("E", "Entity", None, [(0, "Entity", "lead")])
+        w.add_article("E", "Entity", None, [(0, "Entity", "lead")])
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    del writer  # held above, so the check did not rest on garbage collection
+
+
 @pytest.mark.parametrize(
     "image,file,outcome",
     [

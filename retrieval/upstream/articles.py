@@ -76,15 +76,20 @@ class ArticleWriter:
                 raise ValueError(f"article store: a duplicate {key} in {table} ({e}); the KB repeats a key") from None
 
     def __exit__(self, exc_type, exc, tb):
-        try:
-            if exc_type is None:
+        failed = None
+        if exc_type is None:
+            try:
                 for table in self._pending:
                     self._flush(table)
                 self.db.execute("CREATE INDEX entries_by_entity ON entries (entity_id)")
                 self.db.commit()
-        finally:
-            self.db.close()
-        return self._atomic.__exit__(exc_type, exc, tb)
+            except BaseException as e:  # the last rows' duplicate key, a full disk: the temporary goes all the same
+                failed = e
+        self.db.close()
+        if failed is None:
+            return self._atomic.__exit__(exc_type, exc, tb)
+        self._atomic.__exit__(type(failed), failed, failed.__traceback__)
+        raise failed
 
 
 class ArticleStore:
