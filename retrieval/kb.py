@@ -20,6 +20,7 @@ from pathlib import Path
 from PIL import ExifTags, Image, ImageOps
 
 QUESTION_KEYS = ("id", "question")  # what every job over a question file reads: the id its results go by, the question
+GOLD_KEYS = (*QUESTION_KEYS, "entity_id")  # and, where retrieval is scored, the gold entity it ranks
 
 
 def kb_entry(entry_id, entity_id, title, section_title, text, image, section: int | None = None) -> dict:

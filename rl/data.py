@@ -28,14 +28,13 @@ from common.files import check_unique_ids, pyplot, read_jsonl, save_figure, writ
 from common.job_parts import JobParts
 from common.placement import Processes, decode_workers, dist_timeout_field, job_device, process_state
 from retrieval.index import MultimodalIndex, require_index
-from retrieval.kb import QUESTION_KEYS, downscaled_jpeg, load_image
+from retrieval.kb import GOLD_KEYS, downscaled_jpeg, load_image
 from retrieval.ranking import check_alpha
 from rl.image_budget import aspect_problem
 from rl.image_embeddings import embed_images, image_path_of
 from rl.prompts import prompt_messages, prompt_spec
 
 NOT_IN_INDEX = "gold entity not in the index"
-GOLD_KEYS = (*QUESTION_KEYS, "entity_id")  # the reward ranks each question's gold entity
 
 
 def verify_images(rows: list[dict], root: Path, limit: int | None = None) -> tuple[list[dict], list[dict]]:

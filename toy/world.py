@@ -174,9 +174,10 @@ def generate(args: ToyWorldArgs, log=print) -> dict:
     }
     settings["version"] = WORLD_VERSION
     world_file = out / "world.json"
-    if world_file.exists() and json.loads(world_file.read_text(encoding="utf-8")).get("settings") == settings:
+    done = json.loads(world_file.read_text(encoding="utf-8")) if world_file.exists() else {}
+    if done.get("settings") == settings:
         log(f"toy world in {out} already generated")
-        return json.loads(world_file.read_text(encoding="utf-8"))
+        return done
 
     t0 = time.perf_counter()
     entities = make_entities(args.entities, args.seed)

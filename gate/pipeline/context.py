@@ -22,7 +22,7 @@ from common.placement import job_device
 from gate.pipeline.judges import judge_from_args, judge_settings
 from gate.variants import spec, user_text
 from retrieval.index import MultimodalIndex, require_index
-from retrieval.kb import check_images
+from retrieval.kb import GOLD_KEYS, check_images
 from retrieval.upstream.articles import open_store
 from rl.generate import vlm_generator
 from rl.model import open_vlm_image
@@ -61,7 +61,7 @@ def stage_retrieve(args, out: Path, log=print, index=None, refiner=None) -> int:
     manifest = require_index(args.index) if index is None else index.manifest
     if args.refiner and refiner is None and not (Path(args.refiner) / "config.json").exists():
         raise ValueError(f"--refiner: {args.refiner} has no config.json (an exported refiner folder)")
-    rows, root = load_questions(args.queries, args.images_root, ("id", "question", "entity_id"))
+    rows, root = load_questions(args.queries, args.images_root, GOLD_KEYS)
     kb_path = require_file(args.kb or manifest.get("kb_path"), "kb")
     target = out / "retrieved.jsonl"
     JobParts(target).same_settings(  # hits of another index, refiner (or its weights), α, k or input are not mixed in

@@ -39,6 +39,7 @@ from gate.pipeline.context import load_questions, section_text, vlm_answerer
 from gate.pipeline.metrics import official_correct
 from gate.pipeline.stages import generator_prompt
 from retrieval.answers import answer_in_passage
+from retrieval.kb import GOLD_KEYS
 from rl.model import open_vlm_image
 
 KINDS = ("vlm", "vlm-text", "llm", "endpoint")
@@ -179,7 +180,7 @@ def load_generator(kind: str, target: str, args: NoiseArgs, prompt: dict, device
 def study_rows(args: NoiseArgs, log) -> tuple[list[dict], list[tuple[str, str]], int]:
     """(questions with their relevant sections, the distractor pool of (entity, section text) — a seeded reservoir
     of at most 20,000 KB sections, shared by every question — and how many questions were left out)."""
-    questions, _ = load_questions(args.queries, args.images_root, ("id", "question", "entity_id"))
+    questions, _ = load_questions(args.queries, args.images_root, GOLD_KEYS)
     gold = {str(q["entity_id"]) for q in questions}
     by_entity: dict[str, list[dict]] = {}
     reservoir: list[dict] = []
