@@ -3,6 +3,7 @@
 tests/test_inference_multiprocess.py). The merged output equals one process's; a part no process 0 can see is an
 error naming the missing records; results made with other settings are never resumed."""
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -79,6 +80,52 @@ def test_results_made_with_other_settings_are_not_resumed(tmp_path):
     fresh.same_settings({"model": "b"})
 
 
+def test_a_finished_job_is_not_resumed_under_other_settings(tmp_path):
+    """A whole output with no part beside it is a started job too: run again with another model, it is refused,
+    not taken as done (every id there) under the new settings."""
+    out = tmp_path / "out.jsonl"
+    (job,) = processes(out, 1)
+    job.same_settings({"model": "a"})
+    run([job])
+    (again,) = processes(out, 1)
+    with pytest.raises(ValueError, match=r"other settings \(model: 'a' then, 'b' now\)"):
+        again.same_settings({"model": "b"})
+    assert json.loads((tmp_path / "out.settings.json").read_text(encoding="utf-8")) == {"model": "a"}
+
+
+def test_the_records_redo_names_are_made_again_and_counted_in_the_status(tmp_path):
+    """``redo``: output records not done after all (a failed image, a failed request) leave the output and go back
+    to the batches; process 0's status counts them, the other processes' status does not."""
+    out = tmp_path / "out.jsonl"
+    (job,) = processes(out, 1)
+    job.start(ROWS, 7)
+    job.append([{"id": r["id"], "failed": i in (1, 4)} for i, r in enumerate(ROWS)])
+    job.finish(ROWS)
+    first, second = processes(out, 2)
+    batches = [p.start(ROWS, 1, redo=lambda rec: rec["failed"]) for p in (first, second)]
+    assert [[r["id"] for batch in mine for r in batch] for mine in batches] == [["q1"], ["q4"]]
+    assert [rec["id"] for rec in read_jsonl(out)] == ["q0", "q2", "q3", "q5", "q6"]
+    assert (
+        first.status
+        == f"process 0/2: 5 of 7 done in {out}, 1 to go here (2 left unfinished by the last run, done again)"
+    )
+    assert second.status == f"process 1/2: 5 of 7 done in {out}, 1 to go here"
+    (third,) = processes(out, 1)
+    assert len(third.start(ROWS, 7, redo=lambda rec: rec["failed"])[0]) == 2  # nothing more to redo
+    assert third.status == f"process 0/1: 5 of 7 done in {out}, 2 to go here"
+
+
+def test_an_output_process_0_cannot_read_is_an_error_naming_its_line(tmp_path):
+    """What process 0 meets in merging an earlier run's output is raised from ``start``, naming the line."""
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"id": "q0"}\nnot json\n{"id": "q1"}\n', encoding="utf-8")
+    (tmp_path / "out.settings.json").write_text('{"model": "a"}', encoding="utf-8")
+    (job,) = processes(out, 1)
+    job.same_settings({"model": "a"})
+    with pytest.raises(ValueError, match=r"out\.jsonl: line 2 is not a JSON record with an id"):
+        job.start(ROWS, 2)
+
+
 @pytest.mark.parametrize(
     "found,refused",
     [
@@ -86,6 +133,7 @@ def test_results_made_with_other_settings_are_not_resumed(tmp_path):
         ({"out.jsonl": '{"id": "q0"}\n', "out.settings.json": '{"model": "a"}'}, False),  # this job's: resumed
         ({"out.jsonl.part0": '{"id": "q0"}\n'}, True),
         ({"out.jsonl": "\n"}, False),  # no record: nothing to count as done
+        ({"out.jsonl": '{"id": "q0"}\n\n'}, True),  # a record, then a blank line: it holds a record
         ({}, False),
     ],
 )
