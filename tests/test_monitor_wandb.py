@@ -11,6 +11,7 @@ import glob
 import json
 import os
 import struct
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -218,6 +219,30 @@ def test_wandb_is_online_for_a_user_who_logged_in(tmp_path, monkeypatch, netrc_e
     assert os.environ["WANDB_MODE"] == "disabled"
 
 
+def test_a_timed_reward_totals_each_mode_under_its_name():
+    """What the exact means of ``rewards/<name>/mean`` are made of: (sum, count) per mode, the mode read from the
+    followed trainer's model, TRL's None (not scored) left out, each taken once; no seconds before any call (they go
+    to metrics.json's ``eval_reward_seconds``); ``last``, for the completions table, from training steps only."""
+    model = SimpleNamespace(training=True)
+
+    def format_reward(**kwargs):
+        return [1.0, None, -4.0] if model.training else [2.0]
+
+    timed = TimedReward(format_reward)
+    assert timed.__name__ == "format_reward" and timed.seconds == timed.seconds_outside_steps == 0.0
+    timed.follow(SimpleNamespace(model=model))
+    timed()
+    timed.in_step = True
+    timed()
+    timed.in_step = False
+    model.training = False
+    assert timed() == [2.0]
+    assert timed.last == [1.0, None, -4.0]  # the table's: the latest training step's rewards, not an evaluation's
+    assert timed.take_totals("train") == {"rewards/format_reward/mean": [-6.0, 4]}
+    assert timed.take_totals("eval") == {"rewards/format_reward/mean": [2.0, 1]}
+    assert timed.take_totals("train") == {}  # taken: the next log starts afresh
+
+
 def test_the_reward_time_share_counts_training_steps_only(tmp_path):
     """The Trainer evaluates after ``on_step_end``, with the same reward objects: evaluation's reward time goes to
     ``seconds_outside_steps``, not into the share of training-step time."""
@@ -227,9 +252,11 @@ def test_the_reward_time_share_counts_training_steps_only(tmp_path):
     timed()  # an evaluation before the first step
     assert timed.seconds == 0 and timed.seconds_outside_steps > 0
     monitor.on_step_begin(None, state, None)
+    before = time.perf_counter()
     timed()
+    spent = time.perf_counter() - before
     monitor.on_step_end(None, state, None)
     inside, outside = timed.seconds, timed.seconds_outside_steps
-    assert inside > 0 and monitor.reward_seconds() == inside
+    assert 0 < inside <= spent and monitor.reward_seconds() == inside  # the call's own seconds, no more
     timed()  # the evaluation after the step
     assert timed.seconds == inside and timed.seconds_outside_steps > outside

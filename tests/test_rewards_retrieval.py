@@ -154,6 +154,16 @@ def test_images_of_the_same_bytes_in_other_shapes_or_modes_get_other_keys():
     assert len({img.tobytes() for img in images}) == 1 and len(set(image_keys(None, images))) == 3
 
 
+def test_an_image_path_column_keys_images_by_path_and_a_missing_image_is_named():
+    """With ``image_path`` (rl.data's datasets) the key is the path, the key stored embeddings are found under
+    (rl.image_embeddings); without it, a completion with no image is an error that says so."""
+    from rewards.retrieval import image_keys
+
+    assert image_keys(["/d/a.png", "/d/a.png", "/d/b.png"], [None] * 3) == ["path:/d/a.png"] * 2 + ["path:/d/b.png"]
+    with pytest.raises(ValueError, match="a completion has neither an image nor an image_path"):
+        image_keys(None, [Image.new("RGB", (2, 2)), None])
+
+
 def test_repeated_queries_are_encoded_once(tiny_index, batch, monkeypatch):
     rows, images = batch
     reward = RetrievalReward(tiny_index, alpha=0.3)

@@ -25,7 +25,8 @@ CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 def test_parse_strata():
     s = parse_strata("1-5:500,6-10:1000,11-20:1000,21-200:2500,miss:2000")
     assert s[0] == ("1-5", 1, 5, 500) and s[-1] == ("miss", None, None, 2000)
-    for bad in ["1-5", "a-b:3", "5-1:3", "1-5:-1", "1-5:3,4-8:3", "1-5:2,miss:3,miss:3", "1-5:2,1-5:1"]:
+    assert parse_strata("1-1:3,2-200:4") == [("1-1", 1, 1, 3), ("2-200", 2, 200, 4)]  # one rank is a bucket
+    for bad in ["1-5", "a-b:3", "5-1:3", "0-5:3", "1-5:-1", "1-5:3,4-8:3", "1-5:2,miss:3,miss:3", "1-5:2,1-5:1"]:
         with pytest.raises(ValueError, match="--strata"):
             parse_strata(bad)
 
@@ -351,6 +352,20 @@ def test_a_generation_batch_of_several_steps_is_whole_groups_not_whole_steps():
     )
 
 
+def test_held_out_sample_takes_the_rest_seeded_and_none_about_a_sampled_image():
+    assert held_out_sample(10, [1, 2, 3], 20, 0) == [0, 4, 5, 6, 7, 8, 9]  # all the rest when fewer than asked
+    assert held_out_sample(10, [1, 2, 3], 0, 0) == []
+    picked = held_out_sample(100, [], 5, 0)
+    assert len(picked) == 5 and picked == sorted(picked) == held_out_sample(100, [], 5, 0) != held_out_sample(
+        100, [], 5, 1
+    )
+    assert not {7, 8} & set(held_out_sample(10, [7, 8], 7, 3))  # none of the chosen, whatever the draw
+    # a question about an image the RL sample trains on is not held out (it shared 3 of 9 images with 3 per image)
+    images = ["a", "a", "b", "c", "c", "d", "b"]
+    assert held_out_sample(7, [0, 3], 20, 0, images) == [2, 5, 6]
+    assert held_out_sample(7, [0, 3], 20, 0) == [1, 2, 4, 5, 6]
+
+
 def test_held_out_questions_are_never_in_the_rl_sample(tiny_world, tiny_index_dir, tmp_path, shared_encoders):
     """--eval_out: questions for checkpoint selection that the RL sample does not hold, with their ranks and stored
     image embeddings (InfoSeek reports on its val split, so checkpoints are chosen on these instead)."""
@@ -369,12 +384,6 @@ def test_held_out_questions_are_never_in_the_rl_sample(tiny_world, tiny_index_di
     assert all("baseline_rank" in r for r in rows)
     manifest = json.loads((tiny_index_dir / "manifest.json").read_text())
     assert {r["image"] for r in rows} <= set(load_store(held, manifest))
-    assert held_out_sample(10, [1, 2, 3], 20, 0) == [0, 4, 5, 6, 7, 8, 9]  # all the rest when fewer than asked
-    assert held_out_sample(100, [], 5, 0) == held_out_sample(100, [], 5, 0) != held_out_sample(100, [], 5, 1)
-    # a question about an image the RL sample trains on is not held out (it shared 3 of 9 images with 3 per image)
-    images = ["a", "a", "b", "c", "c", "d", "b"]
-    assert held_out_sample(7, [0, 3], 20, 0, images) == [2, 5, 6]
-    assert held_out_sample(7, [0, 3], 20, 0) == [1, 2, 4, 5, 6]
     train_images = {r["image"] for r in map(json.loads, open(out, encoding="utf-8"))}
     assert not train_images & {r["image"] for r in rows}
     said = []  # fewer left than asked for: said, not only counted

@@ -515,6 +515,91 @@ def test_each_node_has_its_own_vllm_folder(index, processes, local, folder, tmp_
     assert vllm_model_dir(tmp_path, index, processes, local) == tmp_path / folder
 
 
+@pytest.mark.parametrize(
+    "min_pixels,max_pixels,expected",
+    [
+        (None, None, None),  # no budget: the processor's own
+        (3136, 802816, {"min_pixels": 3136, "max_pixels": 802816}),
+        (12544, 12544, {"min_pixels": 12544, "max_pixels": 12544}),  # one size
+        (None, 802816, "--min_pixels must be a positive integer .* got None"),
+        (3136, None, "--max_pixels must be a positive integer .* got None"),
+        (0, 802816, "--min_pixels must be a positive integer"),
+        (3136, -1, "--max_pixels must be a positive integer"),
+        (True, 802816, "--min_pixels must be a positive integer .* got True"),
+        (3136.0, 802816, "--min_pixels must be a positive integer .* got 3136.0"),
+        (802817, 802816, r"--min_pixels \(802817\) is larger than --max_pixels \(802816\)"),
+    ],
+)
+def test_image_budget_values_are_checked_naming_the_setting(min_pixels, max_pixels, expected):
+    from rl.image_budget import check_budget
+
+    if isinstance(expected, str):
+        with pytest.raises(ValueError, match=expected):
+            check_budget(min_pixels, max_pixels)
+    else:
+        assert check_budget(min_pixels, max_pixels) == expected
+
+
+@pytest.mark.parametrize(
+    "size,refused",
+    [((2000, 10), False), ((2001, 10), True), ((10, 2000), False), ((10, 2001), True), ((1, 1), False)],
+)
+def test_image_budget_values_an_aspect_ratio_past_200_to_1_is_refused(size, refused):
+    from rl.image_budget import aspect_problem
+
+    assert (aspect_problem(size) is not None) == refused
+
+
+@pytest.mark.parametrize(
+    "max_pixels,grid,tokens",
+    [
+        (802816, dict(patch_size=14, merge_size=2), 1024),  # the paper's budget
+        (12544, dict(patch_size=14, merge_size=2), 16),
+        (12543, dict(patch_size=14, merge_size=2), 15),  # whole merged patches only
+        (100, dict(patch_size=14, merge_size=2), 1),  # never below one
+        (802816, dict(patch_size=16, merge_size=2), 784),
+        (12544, {}, 16),  # a processor that does not say: Qwen2-VL's 14 and 2
+    ],
+)
+def test_image_budget_values_cap_the_image_tokens(max_pixels, grid, tokens):
+    from types import SimpleNamespace
+
+    from rl.image_budget import max_image_tokens
+
+    assert max_image_tokens({"min_pixels": 1, "max_pixels": max_pixels}, SimpleNamespace(**grid)) == tokens
+
+
+@pytest.mark.parametrize("budget,size", [(None, (1061, 1024)), ({"min_pixels": 1, "max_pixels": 12544}, (261, 224))])
+def test_image_budget_values_the_probe_image_is_larger_than_the_budget(budget, size):
+    from rl.image_budget import probe_image
+
+    assert probe_image(budget).size == size
+
+
+@pytest.mark.parametrize(
+    "name,linked",
+    [
+        ("config.json", True),
+        ("generation_config.json", True),
+        ("model.safetensors", True),
+        ("model-00001-of-00002.safetensors", True),
+        ("model.safetensors.index.json", True),
+        ("pytorch_model.bin", True),
+        ("pytorch_model-00001-of-00002.bin", True),
+        ("pytorch_model.bin.index.json", True),
+        ("preprocessor_config.json", False),  # the hub's budget: written by our processor instead
+        ("chat_template.json", False),
+        ("tokenizer.json", False),
+        ("training_args.bin", False),
+        ("pytorch_model.pt", False),
+    ],
+)
+def test_model_file_names_vllm_links_are_config_and_weights(name, linked):
+    from rl.image_budget import is_model_file
+
+    assert is_model_file(name) == linked
+
+
 def test_each_nodes_local_main_process_writes_its_vllm_folder(tiny_refiner, tmp_path, monkeypatch):
     """Process 8 of 16 (8 per node) is node 1's local main process: it writes node 1's folder, not process 0."""
     from contextlib import nullcontext

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rl.vllm_prompts import image_runs, one_placeholder_per_image
+from rl.vllm_prompts import collapse_vllm_prompts, fix_colocated_vllm_prompts, image_runs, one_placeholder_per_image
 
 PAD = 7
 
@@ -32,12 +32,79 @@ def test_each_run_of_pads_becomes_one(ids, expected):
     assert one_placeholder_per_image(ids, PAD) == expected
 
 
+@pytest.mark.parametrize(
+    "ids,runs",
+    [
+        ([1, 2, 3], []),
+        ([], []),
+        ([PAD], [1]),
+        ([1, PAD, PAD, PAD, 2], [3]),
+        ([5, PAD, PAD, 6, 5, PAD, PAD, PAD, 6], [2, 3]),  # the probe compares each image's run, not their count
+        ([PAD, PAD, 1, PAD], [2, 1]),
+    ],
+)
+def test_image_runs_are_the_length_of_each_run_in_order(ids, runs):
+    assert image_runs(ids, PAD) == runs
+
+
 @given(st.lists(st.sampled_from([1, 2, PAD]), max_size=60))
 def test_collapsing_keeps_every_other_token_and_one_pad_per_run(ids):
     out = one_placeholder_per_image(ids, PAD)
     assert [t for t in out if t != PAD] == [t for t in ids if t != PAD]
     assert image_runs(out, PAD) == [1] * len(image_runs(ids, PAD))
     assert one_placeholder_per_image(out, PAD) == out
+
+
+IMAGE = object()  # the raw image TRL hands vLLM beside the prompt
+EXPANDED = [1, PAD, PAD, PAD, 2]
+
+
+@pytest.mark.parametrize(
+    "prompt,sent",
+    [
+        (
+            {"prompt_token_ids": EXPANDED, "multi_modal_data": {"image": IMAGE}},
+            {"prompt_token_ids": [1, PAD, 2], "multi_modal_data": {"image": IMAGE}},
+        ),
+        ({"prompt_token_ids": EXPANDED}, {"prompt_token_ids": EXPANDED}),  # no image: nothing for vLLM to expand
+        (
+            {"prompt_token_ids": EXPANDED, "multi_modal_data": None},
+            {"prompt_token_ids": EXPANDED, "multi_modal_data": None},
+        ),
+        (
+            {"prompt": "a text prompt", "multi_modal_data": {"image": IMAGE}},
+            {"prompt": "a text prompt", "multi_modal_data": {"image": IMAGE}},
+        ),
+        ("a text prompt", "a text prompt"),
+    ],
+)
+def test_the_wrapped_generate_collapses_only_token_prompts_with_images(prompt, sent):
+    calls = []
+    generate = collapse_vllm_prompts(lambda prompts, *a, **k: calls.append((prompts, a, k)) or "answer", PAD)
+    assert generate([prompt, prompt], "sampling", use_tqdm=False) == "answer"
+    assert calls == [([sent, sent], ("sampling",), {"use_tqdm": False})]
+    assert prompt == sent or prompt["prompt_token_ids"] == EXPANDED  # TRL's own prompt is left as it was
+
+
+@pytest.mark.parametrize(
+    "generation,wrapped",
+    [
+        (None, False),
+        (SimpleNamespace(mode="server"), False),
+        (SimpleNamespace(mode="server", llm=SimpleNamespace(generate=print)), False),  # TRL's server client: no LLM
+        (SimpleNamespace(mode="colocate", llm=None), False),
+        (SimpleNamespace(mode="colocate", llm=SimpleNamespace(generate=print)), True),
+    ],
+)
+def test_only_a_colocated_engine_is_wrapped_and_only_once(generation, wrapped):
+    trainer = SimpleNamespace(vllm_generation=generation) if generation is not None else SimpleNamespace()
+    assert fix_colocated_vllm_prompts(trainer, PAD) is wrapped
+    assert fix_colocated_vllm_prompts(trainer, PAD) is wrapped  # a second call (a second trainer setup) adds nothing
+    llm = getattr(generation, "llm", None)
+    if wrapped:
+        assert llm.generate.wrapped is print  # one wrapper, around the engine's own generate
+    elif llm is not None:
+        assert llm.generate is print
 
 
 class RecordingLLM:
