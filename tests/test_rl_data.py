@@ -26,7 +26,17 @@ def test_parse_strata():
     s = parse_strata("1-5:500,6-10:1000,11-20:1000,21-200:2500,miss:2000")
     assert s[0] == ("1-5", 1, 5, 500) and s[-1] == ("miss", None, None, 2000)
     assert parse_strata("1-1:3,2-200:4") == [("1-1", 1, 1, 3), ("2-200", 2, 200, 4)]  # one rank is a bucket
-    for bad in ["1-5", "a-b:3", "5-1:3", "0-5:3", "1-5:-1", "1-5:3,4-8:3", "1-5:2,miss:3,miss:3", "1-5:2,1-5:1"]:
+    for bad in [
+        "1-5",
+        "a-b:3",
+        "5-1:3",
+        "0-5:3",
+        "1-5:-1",
+        "1-5:3,4-8:3",
+        "1-5:3,5-8:3",
+        "1-5:2,miss:3,miss:3",
+        "1-5:2,1-5:1",
+    ]:
         with pytest.raises(ValueError, match="--strata"):
             parse_strata(bad)
 
@@ -46,6 +56,8 @@ def test_stratified_sample_fills_what_it_can_and_is_seeded():
     assert report["1-5"]["taken"] == 2 and report["miss"]["taken"] == 1 and report["21-200"]["taken"] == 1
     assert len(chosen) == 6 and chosen == sorted(chosen) and 9 not in chosen  # rank 300 is in no bucket
     assert stratified_sample(ranks, strata, seed=0)[0] == chosen
+    whole = stratified_sample([3, 1, 4, 1, 5, 2], parse_strata("1-5:6"), seed=0)[0]
+    assert whole == [0, 1, 2, 3, 4, 5]  # a bucket taken whole holds each question once
 
 
 def write_rows(path, rows):

@@ -521,6 +521,7 @@ def test_each_node_has_its_own_vllm_folder(index, processes, local, folder, tmp_
         (None, None, None),  # no budget: the processor's own
         (3136, 802816, {"min_pixels": 3136, "max_pixels": 802816}),
         (12544, 12544, {"min_pixels": 12544, "max_pixels": 12544}),  # one size
+        (1, 802816, {"min_pixels": 1, "max_pixels": 802816}),  # as few as the processor allows
         (None, 802816, "--min_pixels must be a positive integer .* got None"),
         (3136, None, "--max_pixels must be a positive integer .* got None"),
         (0, 802816, "--min_pixels must be a positive integer"),
@@ -801,6 +802,55 @@ def test_an_eval_file_that_is_never_evaluated_is_left_as_it_is():
     ]
     on = SimpleNamespace(**{**vars(off), "eval_strategy": "steps", "per_device_eval_batch_size": 5})
     assert len(whole_round_eval(questions, on, 2, said.append)) == 6  # rounds of 2 questions × 5 generations
+
+
+@pytest.mark.parametrize(
+    "questions,per_device,processes,generations,generations_eval,kept,said",
+    [
+        (7, 5, 2, 5, None, 6, ["eval: the first 6 of 7 questions, whole rounds of 5 × 2 completions"]),
+        (6, 5, 2, 5, None, 6, []),  # whole rounds already: nothing said
+        (7, 2, 2, 5, 2, 6, ["eval: the first 6 of 7 questions, whole rounds of 2 × 2 completions"]),  # eval's own
+        (1, 3, 1, 3, None, 1, []),  # one process takes a short last batch as it is
+        (1, 4, 2, 4, None, "fewer than one evaluation round", []),
+    ],
+)
+def test_whole_round_eval_keeps_whole_rounds_and_says_so(
+    questions, per_device, processes, generations, generations_eval, kept, said
+):
+    from types import SimpleNamespace
+
+    from datasets import Dataset
+
+    from rl.trainer_parts import whole_round_eval
+
+    args = SimpleNamespace(
+        eval_strategy="steps",
+        num_generations=generations,
+        num_generations_eval=generations_eval,
+        per_device_eval_batch_size=per_device,
+    )
+    data, heard = Dataset.from_dict({"id": list(range(questions))}), []
+    assert whole_round_eval(None, args, processes, heard.append) is None
+    if isinstance(kept, str):
+        with pytest.raises(ValueError, match=rf"eval_file: {questions} usable questions, {kept}"):
+            whole_round_eval(data, args, processes, heard.append)
+    else:
+        assert whole_round_eval(data, args, processes, heard.append)["id"] == list(range(kept))
+        assert [line.split(" (")[0] for line in heard] == said
+
+
+@pytest.mark.parametrize("questions,refused", [(1, True), (2, False), (3, False)])
+def test_a_train_file_is_refused_only_below_one_generation_batch_of_prompts(questions, refused):
+    from types import SimpleNamespace
+
+    from rl.trainer_parts import check_train_fills_a_generation
+
+    args = SimpleNamespace(generation_batch_size=8, num_generations=4)  # 2 prompts a generation batch
+    if refused:
+        with pytest.raises(ValueError, match=rf"train_file: {questions} usable questions, fewer than the 2 prompts"):
+            check_train_fills_a_generation(list(range(questions)), args)
+    else:
+        check_train_fills_a_generation(list(range(questions)), args)
 
 
 def test_a_train_file_smaller_than_one_generation_batch_is_refused_before_any_model_loads(
