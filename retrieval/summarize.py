@@ -30,6 +30,7 @@ from common.llm import replier
 from common.prompts import load_prompt, wording
 from retrieval.encoders import TextEncoder
 from retrieval.kb import entry_text
+from retrieval.ranking import check_k
 
 SUMMARY_PROMPT = {
     "name": "section_summary",
@@ -108,6 +109,8 @@ def summarize_kb(args: SummarizeArgs, log=print, summarize=None, count_tokens=No
     require_file(args.kb, "kb")
     if not args.out:
         raise ValueError("--out is required")
+    for name in ("max_tokens", "max_new_tokens", "batch_size"):  # a batch size below 1 summarised nothing, silently
+        check_k(getattr(args, name), f"--{name}")
     if summarize is None and not (args.summarizer_url and args.summarizer_model) and not args.summarizer:
         raise ValueError("give --summarizer_url and --summarizer_model (an endpoint) or --summarizer (a local model)")
     prompt = (

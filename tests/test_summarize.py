@@ -184,6 +184,13 @@ def long_kb(tmp_path):
         (dict(), "give --summarizer_url and --summarizer_model"),
         (dict(summarizer_url="http://h/v1"), "give --summarizer_url and --summarizer_model"),
         (dict(summarizer_model="m"), "give --summarizer_url and --summarizer_model"),
+        (
+            dict(batch_size=-1, summarizer="local/llm"),
+            "--batch_size must be a positive integer, got -1",
+        ),  # summarised nothing
+        (dict(batch_size=0, summarizer="local/llm"), "--batch_size must be a positive integer, got 0"),
+        (dict(max_tokens=0, summarizer="local/llm"), "--max_tokens must be a positive integer, got 0"),
+        (dict(max_new_tokens=0, summarizer="local/llm"), "--max_new_tokens must be a positive integer, got 0"),
     ],
 )
 def test_missing_inputs_or_summariser_are_named(tmp_path, monkeypatch, given, error):
