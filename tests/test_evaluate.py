@@ -18,6 +18,7 @@ QUIET = dict(log=lambda *a: None)
         ([None, None], [1], {"R@1": 0.0}),
         ([3], [1, 3], {"R@1": 0.0, "R@3": 100.0}),
         ([], [1], {"R@1": 0.0}),
+        ([1, None, 4], [1, 5], {"R@1": 100 / 3, "R@5": 200 / 3}),  # a share of 3 is no whole percent
     ],
 )
 def test_recall_at(ranks, ks, expected):
@@ -29,6 +30,10 @@ def test_pseudo_recall_is_case_insensitive_and_respects_k():
     answers = [["mossy caves"], ["paris"]]
     assert pseudo_recall_at(texts, answers, [1, 2]) == pytest.approx({"PR@1": 50.0, "PR@2": 100.0})
     assert pseudo_recall_at([["x"]], [[""]], [1]) == {"PR@1": 0.0}  # an empty answer never matches
+    assert pseudo_recall_at([["in Paris"]], [["paris"]], [1]) == {"PR@1": 100.0}  # one question
+    assert pseudo_recall_at([], [], [1]) == {"PR@1": 0.0}  # no question
+    thirds = pseudo_recall_at([["Paris"], ["Rome"], ["Oslo"]], [["paris"], ["oslo"], ["oslo"]], [1])
+    assert thirds == pytest.approx({"PR@1": 200 / 3})  # a share of 3 is no whole percent
 
 
 @pytest.mark.parametrize(
