@@ -8,7 +8,16 @@ import numpy as np
 import pytest
 import torch
 
-from gate.scoring import decisions, first_token_scores, verbaliser_ids
+from gate.scoring import (
+    DEFAULT_THRESHOLDS,
+    GATE_FILE,
+    decisions,
+    first_token_scores,
+    gate_of,
+    generate_parsed,
+    load_gate,
+    verbaliser_ids,
+)
 from gate.train.evaluation import sweep
 from gate.variants import spec
 
@@ -46,17 +55,31 @@ def images(tiny_world):
     return [Image.open(p).convert("RGB") for p in sorted((tiny_world / "images").glob("*.png"))[:3]]
 
 
+def gate_folder(tiny_gate_vlm, folder, info: dict | None):
+    """The toy gate VLM copied to ``folder`` with ``info`` as its gate.json (none when None)."""
+    import shutil
+
+    from common.files import write_json_atomic
+
+    shutil.copytree(tiny_gate_vlm, folder)
+    if info is not None:
+        write_json_atomic(folder / GATE_FILE, info)
+    return folder
+
+
 def test_binary_score_is_the_positive_share_of_the_two_verbalisers(processor, images):
     s = spec("hkb")
     yes, no = verbaliser_ids(processor.tokenizer, s)
     # other tokens are far more likely; only the two verbalisers count: P = e^log3 / (e^log3 + e^0) = 0.75
     model = SetLogits(len(processor.tokenizer), {yes: math.log(3.0), no: 0.0}, background=8.0)
     questions = ["Where does this creature live?", "What?", "What colour is this creature, exactly, please?"]
+    processor.tokenizer.padding_side = "right"  # a gate folder saved padding on the right (the toy's pads left)
     scores = first_token_scores(model, processor, s, images, questions, batch_size=3)
     assert scores == pytest.approx([0.75] * 3, abs=1e-6)
     ids = model.seen[0]
     assert (ids[:, -1] != processor.tokenizer.pad_token_id).all()  # left padding: the last position is real
     assert decisions(scores, 0.5).all() and not decisions(scores, 0.8).any()
+    assert first_token_scores(model, processor, s, [], []).shape == (0,)  # no question, no score
 
 
 def test_skb_score_is_the_expected_digit(processor, images):
@@ -101,9 +124,50 @@ def test_verbalisers_that_start_with_one_token_are_named(tiny_refiner):
         verbaliser_ids(tok, spec("ret", ["Ret", "Rel"]))
 
 
+def test_a_verbaliser_the_tokenizer_merges_with_the_prefix_is_named(tiny_refiner):
+    """The Inspector's prefix ends in ``Ġ"``; after it ``}`` is tokenized ``Ġ`` + ``"}``: its first token is not the
+    verbaliser's, so its score would be read from the wrong token."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_refiner))
+    with pytest.raises(ValueError, match=r"merges verbaliser\(s\) '}' with the completion prefix '\{\"pass\": \"'"):
+        verbaliser_ids(tok, spec("inspector", ["}", "false"]))
+
+
+@pytest.mark.parametrize(
+    "info,error",
+    [
+        (None, "no gate.json"),
+        ({"variant": "hkb", "verbalisers": ["yes", "yet"]}, "start with different tokens"),  # y + es, y + et
+        ({"variant": "skb", "verbalisers": ["yes", "yet", "3", "4", "5"]}, "start with different tokens"),
+        ({"variant": "mct"}, None),  # generated and parsed: no verbalisers to check
+    ],
+)
+def test_a_gate_folder_is_refused_when_loaded_not_when_first_scored(tiny_gate_vlm, tmp_path, info, error):
+    folder = gate_folder(tiny_gate_vlm, tmp_path / "gate", info)
+    if error is None:
+        assert load_gate(folder, device="cpu")[2]["name"] == info["variant"]
+    else:
+        with pytest.raises(ValueError, match=error):
+            load_gate(folder, device="cpu")
+
+
+def test_a_pipeline_stage_refuses_a_gate_of_another_variant(tiny_gate_vlm, tmp_path):
+    folder = gate_folder(tiny_gate_vlm, tmp_path / "gate", {"variant": "hkb"})
+    with pytest.raises(ValueError, match=r"is a hkb gate; expected inspector or mct"):
+        gate_of(str(folder), "cpu", None, "inspector", "mct")
+    assert gate_of(str(folder), "cpu", None, "ret", "hkb")[2]["name"] == "hkb"
+
+
 def test_a_score_that_reaches_the_threshold_is_positive():
     assert decisions([0.49, 0.5, 0.51], 0.5).tolist() == [False, True, True]
     assert decisions([2.99, 3.0], 3.0).tolist() == [False, True]  # skb: the expected digit against ε
+
+
+def test_skb_is_scored_against_the_same_epsilon_its_training_labels_used():
+    from gate.train.build_data import BuildDataArgs
+
+    assert DEFAULT_THRESHOLDS["skb"] == BuildDataArgs().epsilon == 3.0
 
 
 def test_sweep_from_one_set_of_scores():
@@ -115,15 +179,10 @@ def test_sweep_from_one_set_of_scores():
 def test_a_failed_section_gets_the_inspectors_answer_after_a_written_fail(tiny_gate_vlm, images, tmp_path):
     """At a threshold above P(pass), the Inspector fails every section; its answer is generated after the FAIL verdict
     written for it (free generation at P(pass) > 0.5 would write PASS and no answer)."""
-    import shutil
-
-    from common.files import write_json_atomic
     from gate.pipeline.stages import Inspector
-    from gate.scoring import GATE_FILE
 
-    shutil.copytree(tiny_gate_vlm, tmp_path / "inspector")
-    write_json_atomic(tmp_path / "inspector" / GATE_FILE, {"variant": "inspector"})
-    inspector = Inspector(str(tmp_path / "inspector"), threshold=1.01, device="cpu", dtype=None)
+    folder = gate_folder(tiny_gate_vlm, tmp_path / "inspector", {"variant": "inspector"})
+    inspector = Inspector(str(folder), threshold=1.01, device="cpu", dtype=None)
     seen, generate = [], inspector.model.generate
 
     def recording(**kw):
@@ -143,16 +202,11 @@ def test_the_inspector_generates_as_long_a_reply_as_it_was_trained_on(
 ):
     """Its answer sentences (expand writes up to 128 tokens) ran past a fixed 48 tokens: no closing brace, no JSON, and
     the answer was lost. A gate folder records its longest SFT target; one that does not gets the default."""
-    import shutil
-
-    from common.files import write_json_atomic
     from gate.pipeline.stages import Inspector
-    from gate.scoring import GATE_FILE
 
-    shutil.copytree(tiny_gate_vlm, tmp_path / "inspector")
     info = {"variant": "inspector"} | ({"longest_completion_tokens": recorded} if recorded is not None else {})
-    write_json_atomic(tmp_path / "inspector" / GATE_FILE, info)
-    inspector = Inspector(str(tmp_path / "inspector"), threshold=1.01, device="cpu", dtype=None)
+    folder = gate_folder(tiny_gate_vlm, tmp_path / "inspector", info)
+    inspector = Inspector(str(folder), threshold=1.01, device="cpu", dtype=None)
     asked, generate = [], inspector.model.generate
 
     def recording(**kw):
@@ -162,6 +216,28 @@ def test_the_inspector_generates_as_long_a_reply_as_it_was_trained_on(
     inspector.model.generate = recording
     inspector(images[:1], ["Where?"], ["Holhol: lives in caves"])
     assert asked == [expected]
+
+
+def test_generate_and_parse_asks_the_question_with_its_context_and_the_length_given(tiny_gate_vlm, images, tmp_path):
+    """The user turn is the question with its context; the consistency stage passes its --consistency_max_new_tokens
+    (the recorded longest target and its margin are the default); an Inspector without a context is named."""
+    info = {"variant": "inspector", "longest_completion_tokens": 7}
+    model, processor, s = load_gate(gate_folder(tiny_gate_vlm, tmp_path / "gate", info), device="cpu")
+    asked, prompts, generate = [], [], model.generate
+
+    def recording(**kw):
+        asked.append(kw["max_new_tokens"])
+        prompts.extend(processor.tokenizer.batch_decode(kw["input_ids"]))
+        return generate(**{**kw, "max_new_tokens": 2})
+
+    model.generate = recording
+    generate_parsed(model, processor, s, images[:1], ["Where?"], ["Holhol: lives in caves"], max_new_tokens=5)
+    generate_parsed(model, processor, s, images[:1], ["Where?"], ["Holhol: lives in caves"])
+    assert asked == [5, 7 + 16]
+    user_turn = prompts[0].split("<|im_start|>user")[1]
+    assert "Where?" in user_turn and "Holhol: lives in caves" in user_turn
+    with pytest.raises(ValueError, match="variant inspector needs a context"):
+        generate_parsed(model, processor, s, images[:1], ["Where?"])
 
 
 def test_held_out_truth_is_read_from_the_gates_own_verbalisers():
