@@ -2,11 +2,14 @@
 
 import json
 import re
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 import retrieval.evaluate as ev
 from retrieval.evaluate import EvalArgs, parse_ks, parse_sweep, pseudo_recall_at, recall_at
+from retrieval.ranking import Ranked
 
 QUIET = dict(log=lambda *a: None)
 
@@ -34,6 +37,18 @@ def test_pseudo_recall_is_case_insensitive_and_respects_k():
     assert pseudo_recall_at([], [], [1]) == {"PR@1": 0.0}  # no question
     thirds = pseudo_recall_at([["Paris"], ["Rome"], ["Oslo"]], [["paris"], ["oslo"], ["oslo"]], [1])
     assert thirds == pytest.approx({"PR@1": 200 / 3})  # a share of 3 is no whole percent
+
+
+def test_evaluate_ranked_cuts_ranks_at_the_depth_and_reads_the_top_k_sections():
+    """Gold B ranked 2nd (at the depth: a hit), gold C 3rd (past the depth: a miss), gold X not in the index; PR@K
+    reads the best section of each of the top K entities; a question without answers is a PR miss."""
+    index = SimpleNamespace(entity_index={"A": 0, "B": 1, "C": 2}, entry_ids=["a0", "b0", "c0"])
+    abc = Ranked(entities=np.array([0, 1, 2]), rows=np.array([0, 1, 2]), scores=np.array([3.0, 2.0, 1.0]))
+    rows = [{"entity_id": "B", "answers": ["paris"]}, {"entity_id": "C", "answers": ["oslo"]}, {"entity_id": "X"}]
+    texts = {"a0": "Rome", "b0": "It is in Paris.", "c0": "Oslo"}
+    out = ev.evaluate_ranked(index, [abc] * 3, rows, [1, 2], depth=2, entry_texts=texts)
+    assert out["ranks"] == [2, None, None]
+    assert out["metrics"] == pytest.approx({"R@1": 0.0, "R@2": 100 / 3, "PR@1": 0.0, "PR@2": 100 / 3, "n": 3})
 
 
 @pytest.mark.parametrize(
@@ -208,6 +223,29 @@ def test_a_k_deeper_than_the_depth_is_refused(tiny_index_dir, tiny_world):
         ev.run(EvalArgs(index=str(tiny_index_dir), queries=str(tiny_world / "test.jsonl"), alpha=0.5, k="1,250"))
 
 
+def test_the_deepest_k_may_equal_the_depth_and_a_gold_entity_ranked_there_is_a_hit(
+    tiny_index_dir, tiny_world, tmp_path, monkeypatch, encoders
+):
+    real_load = ev.MultimodalIndex.load
+    monkeypatch.setattr(ev.MultimodalIndex, "load", lambda p, **k: real_load(p, *encoders))
+    run(tiny_index_dir, tiny_world / "test.jsonl", tmp_path, alpha=0.5)
+    ranks = [json.loads(line)["rank_question"] for line in open(tmp_path / "ev" / "ranks.jsonl", encoding="utf-8")]
+    depth = max(r for r in ranks if r is not None)  # some question's gold entity is ranked exactly there
+    res = run(tiny_index_dir, tiny_world / "test.jsonl", tmp_path, alpha=0.5, k=f"1,{depth}", depth=depth)
+    found = 100 * sum(r is not None for r in ranks) / len(ranks)
+    assert res["results"]["0.5"]["question"][f"R@{depth}"] == pytest.approx(found)
+
+
+def test_results_go_to_outputs_eval_and_the_queries_name_by_default(
+    tiny_index_dir, tiny_world, tmp_path, monkeypatch, encoders
+):
+    real_load = ev.MultimodalIndex.load
+    monkeypatch.setattr(ev.MultimodalIndex, "load", lambda p, **k: real_load(p, *encoders))
+    monkeypatch.chdir(tmp_path)
+    res = ev.run(EvalArgs(index=str(tiny_index_dir), queries=str(tiny_world / "test.jsonl"), alpha=0.5), **QUIET)
+    assert json.loads((tmp_path / "outputs" / "eval" / "test" / "metrics.json").read_text(encoding="utf-8")) == res
+
+
 @pytest.mark.parametrize("before,after,expected", [([5, None, 1], [1, 3, None], [4, 198, -200]), ([], [], [])])
 def test_rank_changes(before, after, expected):
     assert ev.rank_changes(before, after, depth=200) == expected
@@ -220,6 +258,8 @@ def test_rank_changes(before, after, expected):
         (dict(alpha=0.5, k="0"), "--k"),
         (dict(), "--alpha is required"),
         (dict(alpha=0.5, alpha_sweep="x"), "alpha_sweep"),
+        (dict(alpha=0.5, depth=0), "depth must be a positive integer, got 0"),
+        (dict(alpha=0.5, images_root="/no/such/folder"), "--images_root: folder /no/such/folder does not exist"),
     ],
 )
 def test_invalid_settings_fail_before_loading(tiny_index_dir, tiny_world, tmp_path, monkeypatch, kw, match):
@@ -286,7 +326,7 @@ def test_questions_without_answers_are_counted_for_pseudo_recall(
     q = write_rows(tmp_path / "q.jsonl", rows)
     args = dict(index=str(tiny_index_dir), queries=str(q), images_root=str(tiny_world), alpha=0.5)
     res = ev.run(EvalArgs(**args, out=str(tmp_path / "some")), log=lines.append)
-    assert res["without_answers"] == 2 and "PR@1" in res["results"]["0.5"]["question"]
+    assert res["without_answers"] == 2 and 0 < res["results"]["0.5"]["question"]["PR@20"] <= 100 * 4 / 6
     assert "pseudo-recall: 2 of 6 question(s) have no answers: each counts as a miss in PR@K" in lines
     for r in rows:
         r.pop("answers", None)
