@@ -336,6 +336,13 @@ def test_questions_without_answers_are_counted_for_pseudo_recall(
     assert f"pseudo-recall skipped: no question in {q} has answers" in lines
 
 
+def test_a_queries_file_without_an_evaluable_question_is_refused_before_loading(tiny_index_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(ev.MultimodalIndex, "load", lambda *a, **k: pytest.fail("the index was loaded"))
+    q = write_rows(tmp_path / "q.jsonl", [{"id": i, "entity_id": "E", "image": f"{i}.png"} for i in "ab"])
+    with pytest.raises(ValueError, match=re.escape(f"no question in {q} can be evaluated ({{'image missing': 2}})")):
+        run(tiny_index_dir, q, tmp_path, alpha=0.5)
+
+
 def test_missing_index_or_queries_named(tiny_index_dir, tmp_path):
     with pytest.raises(ValueError, match="--index"):
         ev.run(EvalArgs(index=str(tmp_path), queries="x", alpha=0.5))
