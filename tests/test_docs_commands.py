@@ -2,9 +2,12 @@
 their python or accelerate is in, ``make demo`` and the ``make demo ARGS="…"`` the prose quotes) parses as written:
 its module exists, and every flag and config key it names is a field of that job's arguments (TRL's parser refuses
 unknown ones), with the checks a job makes on its settings alone. Each command stops right after its arguments are
-parsed: no model loads and no data file is read, so the downloads the commands name need not exist."""
+parsed: no model loads and no data file is read, so the downloads the commands name need not exist. Every job
+(documented or not) calls its ``main`` when run as a script."""
 
+import ast
 import importlib
+import importlib.util
 import itertools
 import re
 import shlex
@@ -160,3 +163,68 @@ def test_a_documented_command_parses(doc, module, argv, monkeypatch):
     monkeypatch.setattr(job, "parse", parse_then_stop)
     with pytest.raises(Parsed):
         job.main(argv)
+
+
+def runs_main_as_a_script(source: str) -> bool:
+    """Whether the module's top level calls ``main`` when it runs as a script: a ``__main__.py`` anywhere at its top
+    level, any other module inside ``if __name__ == "__main__":`` (``main()``, or ``main`` handed to a runner)."""
+    tree = ast.parse(source)
+
+    def calls_main(nodes) -> bool:
+        return any(
+            isinstance(n, ast.Call)
+            and (
+                isinstance(n.func, ast.Name)
+                and n.func.id == "main"
+                or any(isinstance(a, ast.Name) and a.id == "main" for a in n.args)
+            )
+            for node in nodes
+            for n in ast.walk(node)
+        )
+
+    guards = [
+        node.body
+        for node in tree.body
+        if isinstance(node, ast.If) and ast.unparse(node.test).replace("'", '"') == '__name__ == "__main__"'
+    ]
+    return any(calls_main(body) for body in guards) or (
+        not any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body) and calls_main(tree.body)
+    )
+
+
+def script_path(module: str) -> Path:
+    spec = importlib.util.find_spec(module)
+    return Path(spec.submodule_search_locations[0]) / "__main__.py" if spec.submodule_search_locations else spec.origin
+
+
+# every job: the modules the docs run, and every module or benchmark with a main (one a comment names, say)
+JOBS = {module: script_path(module) for _, module, _ in COMMANDS} | {
+    ".".join(path.relative_to(REPO).with_suffix("").parts): path
+    for path in sorted(REPO.glob("*/**/*.py"))
+    if path.relative_to(REPO).parts[0] not in ("tests", ".venv")
+    and re.search(r"^def main\(", path.read_text(encoding="utf-8"), re.M)
+}
+
+
+@pytest.mark.parametrize("module", sorted(JOBS))
+def test_every_job_runs_its_main_as_a_script(module):
+    assert runs_main_as_a_script(Path(JOBS[module]).read_text(encoding="utf-8")), (
+        f"`python -m {module}` would not run main"
+    )
+
+
+@pytest.mark.parametrize(
+    "source,runs",
+    [
+        ('def main(): pass\nif __name__ == "__main__":\n    main()\n', True),
+        ('def main(): pass\nif __name__ == "__main__":\n    from common.cli import run\n    run(main)\n', True),
+        ("def main(): pass\nif __name__ == '__main__':\n    run(main)\n", True),
+        ('def main(): pass\nif __name__ == "__main__":\n    pass\n', False),  # the guard, without the call
+        ('def main(): pass\nif __name__ != "__main__":\n    main()\n', False),
+        ("def main(): pass\nif False:\n    main()\n", False),
+        ("def main(): pass\n", False),
+        ("from a import main\nrun(main)\n", True),  # a package's __main__.py
+    ],
+)
+def test_the_script_check_reads_each_form(source, runs):
+    assert runs_main_as_a_script(source) is runs
