@@ -2,17 +2,22 @@
 another process renamed first), a bounded wait for a path another process writes, atomic files' permissions, and the
 resume of a JSONL file an interrupted job appended to."""
 
+import os
 import re
 import stat
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+import common.files as files
 from common.files import (
     append_jsonl,
     atomic_folder,
+    atomic_path,
     completed_ids,
     read_jsonl,
+    replace_folder,
     wait_for_path,
     write_json_atomic,
     write_jsonl_atomic,
@@ -85,6 +90,61 @@ def test_waiting_for_a_path_returns_it_once_there_and_names_what_it_waited_for_i
     assert wait_for_path(tmp_path / "done", 0, "x") == tmp_path / "done"
     with pytest.raises(TimeoutError, match=r"missing did not appear within 0 s: waiting for process 0 to build it"):
         wait_for_path(tmp_path / "missing", 0, "process 0 to build it")
+
+
+class FakeClock:
+    """``time`` for ``common.files``: each sleep moves the clock 0.5 s on and runs ``on_sleep`` (another process at
+    work); a loop that reads the clock without ever sleeping fails instead of spinning."""
+
+    def __init__(self, on_sleep=lambda slept: None):
+        self.now, self.slept, self.reads, self.on_sleep = 0.0, [], 0, on_sleep
+
+    def monotonic(self):
+        self.reads += 1
+        assert self.reads < 100, "the wait reads the clock without sleeping"
+        return self.now
+
+    def sleep(self, s):
+        self.slept.append(s)
+        self.now += 0.5
+        self.on_sleep(len(self.slept))
+
+
+def test_a_wait_polls_until_the_path_appears(tmp_path, monkeypatch):
+    done = tmp_path / "done"
+    clock = FakeClock(on_sleep=lambda n: n == 3 and done.write_text(""))  # written during the third sleep
+    monkeypatch.setattr(files, "time", clock)
+    assert wait_for_path(done, 10, "x") == done
+    assert clock.slept == [0.1] * 3
+
+
+def test_a_wait_gives_up_no_sooner_than_its_timeout_and_within_one_poll_after(tmp_path, monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(files, "time", clock)
+    with pytest.raises(TimeoutError, match="missing did not appear within 1 s: waiting for process 0"):
+        wait_for_path(tmp_path / "missing", 1.0, "process 0")
+    assert 1.0 <= clock.now <= 1.5
+
+
+@pytest.fixture
+def umask_027():
+    """The process's umask set to 0o027 for the test (``common.files`` reads it once: that reading is cleared)."""
+    files._umask.cache_clear()
+    before = os.umask(0o027)
+    yield
+    os.umask(before)
+    files._umask.cache_clear()
+
+
+def test_atomic_writes_follow_the_umask_and_leave_it_as_it_was(tmp_path, umask_027):
+    """An atomic file and folder get what ``open`` and ``mkdir`` would give them under the process's umask, and
+    reading the umask (which means setting it) puts it back: later files are not more open than asked."""
+    write_text_atomic(tmp_path / "out.txt", "x")
+    with atomic_folder(tmp_path / "model") as tmp:
+        (tmp / "config.json").write_text("{}")
+    assert stat.S_IMODE((tmp_path / "out.txt").stat().st_mode) == 0o640
+    assert stat.S_IMODE((tmp_path / "model").stat().st_mode) == 0o750
+    assert current_umask() == 0o027
 
 
 def test_an_atomic_file_gets_an_ordinary_files_permissions(tmp_path):
@@ -239,3 +299,56 @@ def test_a_figure_that_cannot_be_written_is_closed_all_the_same(tmp_path):
         save_figure(fig, tmp_path / "not_a_folder" / "plot.png")
     assert fig.number not in plt.get_fignums()
     assert not list(tmp_path.glob("**/*.png"))
+
+
+@pytest.mark.parametrize("kind", [str, Path])
+def test_atomic_writes_take_a_str_or_a_path_and_make_the_missing_folders(tmp_path, kind):
+    write_text_atomic(kind(tmp_path / "a" / "b" / "out.txt"), "x")
+    with atomic_folder(kind(tmp_path / "c" / "d" / "model")) as tmp:
+        (tmp / "config.json").write_text("new")
+    (tmp_path / "e").mkdir()
+    replace_folder(kind(tmp_path / "e"), kind(tmp_path / "c" / "d" / "model"))
+    assert (tmp_path / "a" / "b" / "out.txt").read_text() == "x"
+    assert sorted(p.name for p in (tmp_path / "c" / "d").iterdir()) == ["model"]
+    assert not list((tmp_path / "c" / "d" / "model").iterdir())  # the empty folder renamed over it
+
+
+@pytest.mark.parametrize("suffix,ends", [("", ".tmp"), (".npy", ".npy")])
+def test_the_temporary_lies_beside_the_target_and_ends_with_the_suffix_asked_for(tmp_path, suffix, ends):
+    with atomic_path(tmp_path / "out.bin", suffix=suffix) as tmp:
+        assert tmp.parent == tmp_path and tmp.name.startswith(".out.bin.") and tmp.suffix == ends
+
+
+def test_an_array_written_with_np_save_lands_at_the_target(tmp_path):
+    """np.save adds ".npy" to a name without it: the array went beside the temporary, and the empty temporary was
+    renamed into place (``retrieval.build_shards`` asks for the suffix)."""
+    with atomic_path(tmp_path / "shard.npy", suffix=".npy") as tmp:
+        np.save(tmp, np.arange(3))
+    assert np.load(tmp_path / "shard.npy").tolist() == [0, 1, 2]
+    assert [p.name for p in tmp_path.iterdir()] == ["shard.npy"]
+
+
+def test_atomic_writes_leave_no_file_descriptor_open(tmp_path):
+    before = sorted(os.listdir("/proc/self/fd"))
+    for i in range(3):
+        write_text_atomic(tmp_path / f"out{i}.txt", "x")
+    assert sorted(os.listdir("/proc/self/fd")) == before
+
+
+def test_a_failed_atomic_write_leaves_the_old_file_and_no_temporary(tmp_path):
+    (tmp_path / "out.txt").write_text("old")
+    with pytest.raises(RuntimeError, match="crashed"), atomic_path(tmp_path / "out.txt") as tmp:
+        tmp.write_text("half")
+        raise RuntimeError("crashed")
+    assert [p.name for p in tmp_path.iterdir()] == ["out.txt"]
+    assert (tmp_path / "out.txt").read_text() == "old"
+
+
+def test_keeping_a_first_finished_folder_does_not_hide_another_failure(tmp_path):
+    """With ``replace=False`` a failed rename is taken for another process's finished folder only when a folder is
+    there: a file in its place is an error, not finished work silently thrown away."""
+    (tmp_path / "model").write_text("not a folder")
+    with pytest.raises(NotADirectoryError), atomic_folder(tmp_path / "model", replace=False) as tmp:
+        (tmp / "config.json").write_text("new")
+    assert (tmp_path / "model").read_text() == "not a folder"
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]
