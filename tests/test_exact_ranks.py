@@ -315,6 +315,147 @@ def test_threads_per_process(cores, procs, threads):
     assert placement.threads_per_process(cores, procs) == threads
 
 
+@pytest.mark.parametrize("env,processes", [(None, 1), ("4", 4), ("0", 1)])
+def test_threads_default_to_usable_cores_over_the_nodes_processes(monkeypatch, env, processes):
+    import os
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    if env is not None:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", env)
+    assert placement.local_world_size() == processes
+    assert placement.threads_per_process() == max(1, len(os.sched_getaffinity(0)) // processes)
+    assert placement.threads_per_process(16) == 16 // processes
+    assert placement.decode_workers(None) == placement.threads_per_process()
+
+
+@pytest.mark.parametrize("setting", [0, 3])
+def test_decode_workers_as_set(setting):
+    assert placement.decode_workers(setting) == setting  # 0: decoded in the process itself
+
+
+def test_configure_threads_sets_faiss_and_torch_alike():
+    from common.faiss_lib import faiss
+
+    before = torch.get_num_threads()
+    try:
+        assert placement.configure_threads(1) == 1 and torch.get_num_threads() == 1
+        assert faiss.omp_get_max_threads() == 1
+        n = placement.configure_threads()
+        assert n == placement.threads_per_process() and torch.get_num_threads() == n
+    finally:
+        placement.configure_threads(before)
+
+
+@pytest.mark.parametrize("device,ordinal", [("cuda:3", 3), ("cuda:0", 0), ("cpu", None)])
+def test_gpu_ordinal(device, ordinal):
+    assert placement.gpu_ordinal(device) == ordinal
+
+
+@pytest.mark.parametrize(
+    "name,device,dtype",
+    [
+        (None, "cpu", torch.float32),
+        ("auto", "cpu", torch.float32),
+        (None, "cuda:1", torch.bfloat16),
+        ("auto", "cuda", torch.bfloat16),
+        ("bf16", "cpu", torch.bfloat16),
+        ("fp16", "cpu", torch.float16),
+        ("float32", "cuda:0", torch.float32),
+    ],
+)
+def test_resolve_dtype(name, device, dtype):
+    assert placement.resolve_dtype(name, device) == dtype
+    assert placement.dtype_name(dtype) == str(dtype).removeprefix("torch.")
+
+
+def test_dtype_names_and_a_bad_one():
+    assert [placement.dtype_name(d) for d in (torch.bfloat16, torch.float16)] == ["bfloat16", "float16"]
+    with pytest.raises(ValueError, match="dtype must be one of auto, bfloat16, bf16, .*got 'half'"):
+        placement.resolve_dtype("half")
+
+
+class WaitingState:
+    """An accelerate state whose ``wait_for_everyone`` raises ``error`` (None: returns), counting its calls."""
+
+    def __init__(self, rank=1, count=2, error=None):
+        self.process_index, self.num_processes, self.error, self.waits = rank, count, error, 0
+
+    def wait_for_everyone(self):
+        self.waits += 1
+        if self.error is not None:
+            raise self.error
+
+
+@pytest.mark.parametrize("state,waits", [(None, 0), (WaitingState(0, 1), 0), (WaitingState(1, 2), 1)])
+def test_a_barrier_waits_only_with_other_processes(state, waits):
+    processes = placement.Processes(state)
+    processes.barrier("x")
+    assert (processes.rank, processes.count) == ((state.process_index, state.num_processes) if state else (0, 1))
+    assert (state.waits if state else 0) == waits
+
+
+@pytest.mark.parametrize("said", ["[gloo] Timeout waiting for key", "Wait timed out after 600000 ms"])
+def test_a_barrier_past_its_timeout_names_the_step_awaited(said):
+    state = WaitingState(1, 2, RuntimeError(said))
+    with pytest.raises(
+        TimeoutError, match=rf"^process 1/2: .* at the barrier after the merge within .*: {re.escape(said)}$"
+    ):
+        placement.Processes(state).barrier("the merge")
+
+
+def test_another_barrier_failure_is_raised_as_it_is():
+    error = RuntimeError("Connection reset by peer")
+    with pytest.raises(RuntimeError) as raised:
+        placement.Processes(WaitingState(1, 2, error)).barrier("the merge")
+    assert raised.value is error
+
+
+@pytest.mark.parametrize("initialized", [False, True])
+def test_one_process_raises_its_own_error_or_nothing(monkeypatch, initialized):
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: initialized)
+    error = FileNotFoundError("kb.jsonl")
+    for processes in (placement.Processes(), placement.Processes(WaitingState(0, 1))):
+        processes.raise_everywhere(None)
+        with pytest.raises(FileNotFoundError) as raised:
+            processes.raise_everywhere(error)
+        assert raised.value is error
+
+
+@pytest.mark.parametrize(
+    "said,kind",
+    [
+        (("FileNotFoundError", "no kb.jsonl"), FileNotFoundError),
+        (("ValueError", "no kb.jsonl"), ValueError),
+        (("TimeoutError", "no kb.jsonl"), TimeoutError),
+        (("KeyError", "no kb.jsonl"), RuntimeError),
+    ],
+)
+def test_process_0s_error_is_raised_on_the_others_as_its_kind(monkeypatch, said, kind):
+    """Several processes in a process group: what process 0 broadcast (here a stand-in for the broadcast) is raised
+    on process 1 with process 0's kind, when it is one a caller tells apart, else as a RuntimeError; process 0
+    raises its own error; nothing broadcast, nothing raised."""
+    import accelerate.utils
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    sent = []
+    monkeypatch.setattr(
+        accelerate.utils, "broadcast_object_list", lambda objects, from_process: sent.append(objects) or [said]
+    )
+    with pytest.raises(kind, match=r"^process 0: no kb\.jsonl$") as raised:
+        placement.Processes(WaitingState(1, 2)).raise_everywhere(None)
+    assert type(raised.value) is kind and sent == [[None]]
+    own = KeyError("k")
+    with pytest.raises(KeyError) as raised:
+        placement.Processes(WaitingState(0, 2)).raise_everywhere(own)
+    assert raised.value is own and sent[-1] == [("KeyError", "'k'")]
+    monkeypatch.setattr(accelerate.utils, "broadcast_object_list", lambda objects, from_process: [None])
+    placement.Processes(WaitingState(1, 2)).raise_everywhere(None)  # process 0 succeeded
+
+
 class ZeRO3Config:
     """What accelerate registers with transformers under ``zero3_init_flag: true``, reduced to what transformers reads
     (no batch sizes: DeepSpeed's partitioned init, when installed, refuses it; without DeepSpeed, the import fails)."""
