@@ -289,6 +289,22 @@ def test_process_device_is_this_ranks_gpu(monkeypatch, env, cuda, expected, bare
 
 
 @pytest.mark.parametrize(
+    "device,expected",
+    [
+        (None, "cpu"),
+        ("auto", "cpu"),
+        (torch.device("cpu"), "cpu"),
+        ("cpu:0", "cpu"),
+        (torch.device("cuda", 2), "cuda:2"),
+    ],
+)
+def test_a_device_is_resolved_from_none_auto_or_a_torch_device(monkeypatch, device, expected):
+    """accelerate's state hands a torch.device; None and auto are this process's own (here without CUDA)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert placement.resolve_device(device) == expected
+
+
+@pytest.mark.parametrize(
     "requested,processes,device,expected",
     [
         (None, 1, "cuda", "cuda:0"),  # accelerate's one-process device is a bare "cuda"
@@ -326,6 +342,15 @@ def test_threads_default_to_usable_cores_over_the_nodes_processes(monkeypatch, e
     assert placement.threads_per_process() == max(1, len(os.sched_getaffinity(0)) // processes)
     assert placement.threads_per_process(16) == 16 // processes
     assert placement.decode_workers(None) == placement.threads_per_process()
+
+
+@pytest.mark.parametrize("cpu_count,cores", [(6, 6), (None, 1)])
+def test_usable_cores_without_an_affinity_call_are_the_cpu_count(monkeypatch, cpu_count, cores):
+    import os
+
+    monkeypatch.delattr(os, "sched_getaffinity")  # not Linux
+    monkeypatch.setattr(os, "cpu_count", lambda: cpu_count)
+    assert placement.usable_cores() == cores
 
 
 @pytest.mark.parametrize("setting", [0, 3])

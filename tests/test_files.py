@@ -19,6 +19,7 @@ from common.files import (
     read_jsonl,
     replace_folder,
     wait_for_path,
+    without_lone_surrogates,
     write_json_atomic,
     write_jsonl_atomic,
     write_text_atomic,
@@ -267,6 +268,26 @@ def test_a_record_holding_a_lone_surrogate_is_written_escaped_and_read_back_as_a
 
 
 @pytest.mark.parametrize(
+    "value,kept",
+    [
+        ("cut \ud83d", "cut \ufffd"),
+        ({"k\udc00": ["x\ud800", 1, None, {"y": "\udfff"}]}, {"k\ufffd": ["x\ufffd", 1, None, {"y": "\ufffd"}]}),
+        ([3, 1.5, True], [3, 1.5, True]),
+        ("Zürich \U0001f600", "Zürich \U0001f600"),
+    ],
+)
+def test_lone_surrogates_become_replacement_characters_at_any_depth(value, kept):
+    assert without_lone_surrogates(value) == kept
+
+
+def test_json_is_written_indented_and_jsonl_one_record_a_line_counted(tmp_path):
+    write_json_atomic(tmp_path / "a.json", {"a": [1]})
+    assert (tmp_path / "a.json").read_text() == '{\n  "a": [\n    1\n  ]\n}\n'
+    assert write_jsonl_atomic(tmp_path / "b.jsonl", (r for r in [{"a": 1}, {"b": "ü"}])) == 2
+    assert (tmp_path / "b.jsonl").read_text(encoding="utf-8") == '{"a": 1}\n{"b": "ü"}\n'
+
+
+@pytest.mark.parametrize(
     "lines,required,what,error",
     [
         (['{"id": 1, "question": "q"}'], ("id", "question"), None, None),
@@ -275,6 +296,8 @@ def test_a_record_holding_a_lone_surrogate_is_written_escaped_and_read_back_as_a
         (['{"id": 1, "question": ""}'], ("question",), None, None),  # empty is the reader's to judge, not missing
         (['{"id": 1}'], ("prompt",), "not a rendered file", ':1 lacks "prompt": not a rendered file'),
         (['{"id": 1}'], (), None, None),
+        (['{"id": 1}', '["id"]'], (), None, ":2: expected a JSON object, got list"),
+        (['{"id": 1'], (), None, ":1: not valid JSON (Expecting ',' delimiter)"),
     ],
 )
 def test_read_jsonl_names_the_line_and_field_a_record_lacks(tmp_path, lines, required, what, error):

@@ -107,6 +107,62 @@ def test_only_a_colocated_engine_is_wrapped_and_only_once(generation, wrapped):
         assert llm.generate is print
 
 
+@pytest.fixture(scope="module")
+def probe_processor(tiny_refiner):
+    """The refiner's processor under the 56²–112² px budget (the probe image: 12 image tokens), the budget, its pad."""
+    from transformers import AutoProcessor
+
+    from rl.image_budget import apply_image_budget, check_budget
+
+    budget = check_budget(3136, 12544)
+    processor = apply_image_budget(AutoProcessor.from_pretrained(str(tiny_refiner)), budget)
+    return processor, budget, processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+
+
+def split_run(ids: list[int], pad: int) -> list[int]:
+    """As many tokens, the image's run cut in two (its sixth pad another token)."""
+    i = ids.index(pad) + 5
+    return ids[:i] + [ids[0]] + ids[i + 1 :]
+
+
+@pytest.mark.parametrize(
+    "mode,sampled_from,served,refused",
+    [
+        ("colocate", lambda ids, pad: ids, None, None),
+        ("colocate", lambda ids, pad: [*ids, ids[-1]], None, r"runs \[12\], the trainer's \d+ with \[12\]"),
+        ("colocate", split_run, None, r"runs \[5, 6\], the trainer's \d+ with \[12\]"),
+        ("server", lambda ids, pad: ids, [12], None),
+        ("server", lambda ids, pad: ids, [16], r"the vLLM server makes \[16\] image tokens .* the trainer \[12\]"),
+        ("server", split_run, [12], r"vLLM \(server\) samples from another prompt"),
+    ],
+)
+def test_the_probe_compares_vllms_prompt_with_the_trainers(probe_processor, mode, sampled_from, served, refused):
+    """The start-up probe on a stand-in of TRL's ``vllm_generation`` (its ``generate`` reports the prompt vLLM
+    sampled from; in server mode the client reports the placeholder lengths of the server's own render): vLLM's
+    prompt must be the trainer's in length and in its runs of image tokens, and a server must make as many image
+    tokens of the image; anything else stops the run. A colocated engine has no server to ask."""
+    from rl.vllm_prompts import probe_vllm_prompt
+
+    processor, budget, pad = probe_processor
+    client = SimpleNamespace(
+        image_features=lambda images: [{"mm_placeholders": {"image": [{"length": n} for n in served]}}]
+    )
+    generation = SimpleNamespace(
+        mode=mode,
+        generate=lambda prompts, images, num_generations: ([sampled_from(list(prompts[0]), pad)], None),
+        accelerator=SimpleNamespace(is_main_process=True),
+        **({"vllm_client": client} if mode == "server" else {}),
+    )
+    trainer = SimpleNamespace(vllm_generation=generation)
+    if refused:
+        with pytest.raises(RuntimeError, match=refused):
+            probe_vllm_prompt(trainer, processor, budget)
+    else:
+        probe = probe_vllm_prompt(trainer, processor, budget)
+        assert probe["image_tokens"] == [12] and probe["probe_size"] == [261, 224] and probe["prompt_tokens"] > 12
+    assert probe_vllm_prompt(SimpleNamespace(), processor, budget) is None  # no vLLM, nothing to compare
+
+
 class RecordingLLM:
     """vLLM's ``LLM`` at its boundary: what TRL constructs it with and every ``generate`` call, answered with one
     fixed completion per prompt (logprobs included, for TRL's importance-sampling correction)."""
