@@ -31,6 +31,7 @@ WARM_START_STEPS = 12  # the runs below, shortened (the embedded default takes 1
         (32, 2, 2, 8),
         (16, 8, 1, 2),
         (160, 8, 1, 20),
+        (1, 1, 1, 1),
     ],
 )
 def test_per_device_batch_splits_the_total(total, processes, accumulation, per_device):
@@ -38,7 +39,7 @@ def test_per_device_batch_splits_the_total(total, processes, accumulation, per_d
     assert per_device * processes * accumulation == total
 
 
-@pytest.mark.parametrize("total,processes,accumulation", [(32, 3, 1), (0, 1, 1), (16, 2, 3), (-8, 2, 1)])
+@pytest.mark.parametrize("total,processes,accumulation", [(32, 3, 1), (0, 1, 1), (16, 2, 3), (-8, 2, 1), (6, 2, 2)])
 def test_per_device_batch_refuses_an_uneven_split_naming_the_setting(total, processes, accumulation):
     with pytest.raises(ValueError, match=r"completions_per_step \(" + str(total)):
         per_device_batch(total, processes, accumulation, "completions_per_step")

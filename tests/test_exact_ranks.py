@@ -324,6 +324,7 @@ def test_a_jobs_device_is_the_flag_else_its_processs_own(monkeypatch, requested,
 def test_one_gpu_named_for_several_processes_is_refused():
     with pytest.raises(ValueError, match="--device cuda:1 with 2 processes would put every process on one GPU"):
         placement.job_device("cuda:1", SimpleNamespace(num_processes=2, device="cuda:0"))
+    assert placement.job_device("cuda:1", None) == "cuda:1"  # one process, no launcher
 
 
 @pytest.mark.parametrize("cores,procs,threads", [(2, 1, 2), (2, 2, 1), (192, 8, 24), (4, 8, 1)])

@@ -15,10 +15,15 @@ from common.files import (
     append_jsonl,
     atomic_folder,
     atomic_path,
+    check_unique_ids,
     completed_ids,
+    file_fingerprint,
     read_jsonl,
+    readable_records,
+    repair_jsonl,
     replace_folder,
     wait_for_path,
+    weights_fingerprint,
     without_lone_surrogates,
     write_json_atomic,
     write_jsonl_atomic,
@@ -327,6 +332,9 @@ def test_a_figure_that_cannot_be_written_is_closed_all_the_same(tmp_path):
 @pytest.mark.parametrize("kind", [str, Path])
 def test_atomic_writes_take_a_str_or_a_path_and_make_the_missing_folders(tmp_path, kind):
     write_text_atomic(kind(tmp_path / "a" / "b" / "out.txt"), "x")
+    append_jsonl(kind(tmp_path / "f" / "g" / "out.jsonl"), [{"id": "a"}])
+    assert repair_jsonl(kind(tmp_path / "f" / "g" / "out.jsonl")) == [{"id": "a"}]
+    assert repair_jsonl(kind(tmp_path / "missing.jsonl")) == []
     with atomic_folder(kind(tmp_path / "c" / "d" / "model")) as tmp:
         (tmp / "config.json").write_text("new")
     (tmp_path / "e").mkdir()
@@ -375,3 +383,81 @@ def test_keeping_a_first_finished_folder_does_not_hide_another_failure(tmp_path)
         (tmp / "config.json").write_text("new")
     assert (tmp_path / "model").read_text() == "not a folder"
     assert [p.name for p in tmp_path.iterdir()] == ["model"]
+
+
+@pytest.mark.parametrize(
+    "text,key,records,error",
+    [
+        ('{"id": "a"}\n{"id": "b"}\n{"id": "c', "id", ["a", "b"], None),  # the last line cut: only it dropped
+        ('{"id": "a"}\n[1]\n{"id": "b"}\n', "id", None, "line 2 is not a JSON record with an id"),
+        ('{"id": "a"}\n{"x": 1}\n{"id": "b"}\n', "id", None, "line 2 is not a JSON record with an id"),
+        ('{"x": 1}\n{"id": "a"}\n{"x": 2}\n', "x", None, "line 2 is not a JSON record with a x"),
+        ('{"x": 1}\n[1]\n{"id": "a"}\n', None, None, "line 2 is not a JSON record;"),
+        ('{"x": 1}\n{"id": "a"}\n', None, [None, "a"], None),
+    ],
+)
+def test_a_bad_line_before_the_last_is_an_error_naming_it(tmp_path, text, key, records, error):
+    path = tmp_path / "out.jsonl"
+    path.write_text(text)
+    if error:
+        with pytest.raises(ValueError, match=re.escape(f"{path}: {error}")):
+            repair_jsonl(path, key=key)
+        assert path.read_text() == text
+    else:
+        assert [r.get("id") for r in repair_jsonl(path, key=key)] == records
+
+
+def test_readable_records_pass_over_any_line_that_is_not_an_object(tmp_path):
+    (tmp_path / "log.jsonl").write_text('{"a": 1}\n[1]\n"x"\n{"b"\n\n{"c": 2}\n')
+    assert readable_records(tmp_path / "log.jsonl") == [{"a": 1}, {"c": 2}]
+
+
+def test_fingerprints_of_a_file_and_of_a_models_weights(tmp_path):
+    import hashlib
+
+    (tmp_path / "a.bin").write_bytes(b"abc")
+    assert file_fingerprint(tmp_path / "a.bin") == "sha256:" + hashlib.sha256(b"abc").hexdigest()
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    assert weights_fingerprint(model) is None  # no weights file
+    (model / "model.safetensors").write_bytes(b"w" * 8)
+    first = weights_fingerprint(model)
+    assert re.fullmatch("[0-9a-f]{24}", first)
+    (model / "config.json").write_text('{"x": 1}')
+    (model / "extra.bin").mkdir()  # a folder, not a weights file
+    assert weights_fingerprint(model) == first
+    (model / "model.safetensors").write_bytes(b"w" * 9)  # the size tells it apart, whatever the clock's resolution
+    assert weights_fingerprint(model) != first
+
+
+@pytest.mark.parametrize(
+    "ids,shown,error",
+    [
+        (["a", "b", "c"], 10, None),
+        (["a", "b", "a", "b", "a"], 10, "2 id value(s) occur more than once: a, b (ids must be unique)"),
+        (["b", "a", "a", "b"], 2, "2 id value(s) occur more than once: a, b (ids"),  # all shown, no ellipsis
+        (["a", "b", "a", "b"], 1, "2 id value(s) occur more than once: a … (ids"),
+    ],
+)
+def test_duplicate_ids_are_named_first_ones_first(ids, shown, error):
+    rows = [{"id": i} for i in ids]
+    if error is None:
+        check_unique_ids(rows, "q.jsonl", shown=shown)
+    else:
+        with pytest.raises(ValueError, match=re.escape(f"q.jsonl: {error}")):
+            check_unique_ids(rows, "q.jsonl", shown=shown)
+
+
+def test_a_figure_is_written_as_png_on_the_agg_backend(tmp_path):
+    import matplotlib
+
+    from common.files import pyplot, save_figure
+
+    matplotlib.use("svg")
+    plt = pyplot()
+    assert matplotlib.get_backend().lower() == "agg"
+    fig, _ = plt.subplots()
+    save_figure(fig, tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["plot.png"]
