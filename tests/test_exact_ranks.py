@@ -436,17 +436,41 @@ def test_another_barrier_failure_is_raised_as_it_is():
     assert raised.value is error
 
 
-@pytest.mark.parametrize("initialized", [False, True])
-def test_one_process_raises_its_own_error_or_nothing(monkeypatch, initialized):
+def no_distributed():
+    raise AttributeError("torch built without distributed support has no is_initialized")
+
+
+@pytest.mark.parametrize(
+    "count,available,initialized",
+    [(1, True, lambda: False), (1, True, lambda: True), (2, True, lambda: False), (2, False, no_distributed)],
+)
+def test_without_a_process_group_a_process_raises_its_own_error_or_nothing(monkeypatch, count, available, initialized):
+    """One process, or several without a process group: nothing is broadcast, an error is raised where it is."""
+    import accelerate.utils
     import torch.distributed as dist
 
-    monkeypatch.setattr(dist, "is_initialized", lambda: initialized)
+    monkeypatch.setattr(dist, "is_available", lambda: available)
+    monkeypatch.setattr(dist, "is_initialized", initialized)
+    monkeypatch.setattr(accelerate.utils, "broadcast_object_list", lambda *a, **k: pytest.fail("broadcast"))
     error = FileNotFoundError("kb.jsonl")
-    for processes in (placement.Processes(), placement.Processes(WaitingState(0, 1))):
+    for processes in (placement.Processes(), placement.Processes(WaitingState(0, count))):
         processes.raise_everywhere(None)
         with pytest.raises(FileNotFoundError) as raised:
             processes.raise_everywhere(error)
         assert raised.value is error
+
+
+@pytest.mark.parametrize("only", [{0}, None])
+def test_usable_cores_are_this_processs_affinity(only):
+    """A process pinned to some cores (taskset, a scheduler's cgroup) uses those, not the machine's."""
+    import os
+
+    before = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, only or before)
+        assert placement.usable_cores() == len(only or before)
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 @pytest.mark.parametrize(

@@ -163,6 +163,22 @@ def test_the_probe_compares_vllms_prompt_with_the_trainers(probe_processor, mode
     assert probe_vllm_prompt(SimpleNamespace(), processor, budget) is None  # no vLLM, nothing to compare
 
 
+def test_a_server_render_is_asked_by_process_0_and_broadcast_to_the_others(monkeypatch):
+    """On a process other than 0, which holds no client, the placeholder lengths come from process 0's broadcast
+    (here a stand-in that fills the list in place, as torch's does)."""
+    import accelerate.utils
+
+    from rl.vllm_prompts import server_image_tokens
+
+    def broadcast(objects, from_process):
+        assert from_process == 0
+        objects[0] = [12]
+
+    monkeypatch.setattr(accelerate.utils, "broadcast_object_list", broadcast)
+    generation = SimpleNamespace(accelerator=SimpleNamespace(is_main_process=False))  # no vllm_client
+    assert server_image_tokens(generation, None) == [12]
+
+
 class RecordingLLM:
     """vLLM's ``LLM`` at its boundary: what TRL constructs it with and every ``generate`` call, answered with one
     fixed completion per prompt (logprobs included, for TRL's importance-sampling correction)."""
