@@ -493,15 +493,17 @@ def test_process_0s_error_is_raised_on_the_others_as_its_kind(monkeypatch, said,
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     sent = []
     monkeypatch.setattr(
-        accelerate.utils, "broadcast_object_list", lambda objects, from_process: sent.append(objects) or [said]
+        accelerate.utils,
+        "broadcast_object_list",
+        lambda objects, from_process: sent.append((objects, from_process)) or [said],
     )
     with pytest.raises(kind, match=r"^process 0: no kb\.jsonl$") as raised:
         placement.Processes(WaitingState(1, 2)).raise_everywhere(None)
-    assert type(raised.value) is kind and sent == [[None]]
+    assert type(raised.value) is kind and sent == [([None], 0)]
     own = KeyError("k")
     with pytest.raises(KeyError) as raised:
         placement.Processes(WaitingState(0, 2)).raise_everywhere(own)
-    assert raised.value is own and sent[-1] == [("KeyError", "'k'")]
+    assert raised.value is own and sent[-1] == ([("KeyError", "'k'")], 0)
     monkeypatch.setattr(accelerate.utils, "broadcast_object_list", lambda objects, from_process: [None])
     placement.Processes(WaitingState(1, 2)).raise_everywhere(None)  # process 0 succeeded
 
