@@ -259,6 +259,36 @@ def test_placement_puts_one_replica_on_this_ranks_gpu(monkeypatch, caplog):
     assert "cannot live on a GPU" in caplog.text and len(calls) == 1
 
 
+def copy_fails(*a):
+    raise RuntimeError(
+        "Error in void faiss::gpu::allocMemory\nat faiss/gpu/utils/DeviceUtils.cu:71\n\ncudaMalloc: out of memory\n"
+    )
+
+
+@pytest.mark.parametrize(
+    "gpus,copy,said",
+    [
+        (None, None, "this FAISS build has no GPU support"),  # faiss-cpu: no index_cpu_to_gpu at all
+        (0, lambda *a: pytest.fail("copied"), "this FAISS build has no GPU support"),
+        (1, copy_fails, "IndexFlat cannot be copied to cuda:0 (cudaMalloc: out of memory); it stays on the CPU"),
+    ],
+)
+def test_an_index_that_cannot_go_to_the_gpu_stays_on_the_cpu_saying_why(monkeypatch, caplog, gpus, copy, said):
+    from common.faiss_lib import faiss
+
+    if gpus is None:
+        monkeypatch.delattr(faiss, "index_cpu_to_gpu", raising=False)
+    else:
+        monkeypatch.setattr(faiss, "get_num_gpus", lambda: gpus, raising=False)
+        monkeypatch.setattr(faiss, "index_cpu_to_gpu", copy, raising=False)
+        monkeypatch.setattr(faiss, "StandardGpuResources", lambda: "res", raising=False)
+        monkeypatch.setattr(faiss, "GpuClonerOptions", lambda: SimpleNamespace(), raising=False)
+    flat = build_faiss_index(np.eye(4, dtype=np.float32), "Flat")
+    with caplog.at_level(logging.WARNING, logger="refine_rl.placement"):
+        assert placement.index_to_device(flat, "cuda:0") == (flat, "cpu")
+    assert said in caplog.text
+
+
 @pytest.mark.parametrize("device", ["cuda:abc", "cuda:", "cuda:-1", "cuda:0:1", "cuda:1.5", "cpufoo", "tpu"])
 def test_a_malformed_device_is_named(device):
     with pytest.raises(
