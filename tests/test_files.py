@@ -408,7 +408,7 @@ def test_a_bad_line_before_the_last_is_an_error_naming_it(tmp_path, text, key, r
 
 
 def test_readable_records_pass_over_any_line_that_is_not_an_object(tmp_path):
-    (tmp_path / "log.jsonl").write_text('{"a": 1}\n[1]\n"x"\n{"b"\n\n{"c": 2}\n')
+    (tmp_path / "log.jsonl").write_text('{"a": 1}\n{"b"\n[1]\n"x"\n\n{"c": 2}\n')
     assert readable_records(tmp_path / "log.jsonl") == [{"a": 1}, {"c": 2}]
 
 
