@@ -405,6 +405,7 @@ def test_a_bad_line_before_the_last_is_an_error_naming_it(tmp_path, text, key, r
         assert path.read_text() == text
     else:
         assert [r.get("id") for r in repair_jsonl(path, key=key)] == records
+        assert path.read_text() == "".join(text.splitlines(keepends=True)[: len(records)])  # the cut line only
 
 
 def test_readable_records_pass_over_any_line_that_is_not_an_object(tmp_path):
