@@ -147,7 +147,8 @@ def load_questions(path: Path, fields: list[str], images_root: Path):
         excluded[reason] = excluded.get(reason, 0) + 1
 
     for rec in read_jsonl(path, REQUIRED, "retrieval.evaluate needs each question's id and gold entity"):
-        if not rec.get("image") or not (images_root / rec["image"]).is_file():
+        image = rec.get("image")  # a number or a list is no path: missing, as "" (the root) is
+        if not isinstance(image, str) or not (images_root / image).is_file():
             drop("image missing")
         elif isinstance(rec.get("entity_id"), list):
             drop("2-hop question (one gold entity per hop; Recall@K ranks one)")

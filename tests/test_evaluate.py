@@ -436,3 +436,33 @@ def test_an_approximate_index_is_reported_against_flat(
         assert agreement < 100
     assert any("same rank as an exact search over the same vectors" in x for x in lines)
     assert "| question (Flat reference) |" in "\n".join(lines)
+
+
+@pytest.mark.parametrize(
+    "change,kept,excluded",  # a field changed to ... is left out of the row
+    [
+        ({}, True, {}),
+        ({"image": ...}, False, {"image missing": 1}),
+        ({"image": None}, False, {"image missing": 1}),
+        ({"image": ""}, False, {"image missing": 1}),
+        ({"image": 5}, False, {"image missing": 1}),
+        ({"image": ["images/a.png"]}, False, {"image missing": 1}),
+        ({"image": "images/none.png"}, False, {"image missing": 1}),
+        ({"entity_id": ["E1", "E2"]}, False, {"2-hop question (one gold entity per hop; Recall@K ranks one)": 1}),
+        ({"question": ...}, False, {"empty or missing text field (question, refined)": 1}),
+        ({"question": None}, False, {"empty or missing text field (question, refined)": 1}),
+        ({"question": "  "}, False, {"empty or missing text field (question, refined)": 1}),
+        ({"question": 5}, False, {"empty or missing text field (question, refined)": 1}),
+        ({"refined": ""}, False, {"empty or missing text field (question, refined)": 1}),
+    ],
+)
+def test_load_questions_keeps_a_row_only_with_an_image_one_gold_entity_and_every_text_field(
+    tiny_world, tmp_path, change, kept, excluded
+):
+    image = "images/" + next((tiny_world / "images").iterdir()).name
+    good = {"id": "q0", "entity_id": "E1", "image": image, "question": "what is this?", "refined": "a red bird"}
+    bad = {k: v for k, v in {**good, **change}.items() if v is not ...}
+    q = write_rows(tmp_path / "q.jsonl", [good, bad | {"id": "q1"}, good | {"id": "q2"}, bad | {"id": "q3"}])
+    rows, dropped = ev.load_questions(q, ["question", "refined"], tiny_world)
+    assert [r["id"] for r in rows] == (["q0", "q1", "q2", "q3"] if kept else ["q0", "q2"])
+    assert dropped == {reason: 2 * count for reason, count in excluded.items()}
