@@ -2,6 +2,7 @@
 
 import json
 import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -466,3 +467,81 @@ def test_load_questions_keeps_a_row_only_with_an_image_one_gold_entity_and_every
     rows, dropped = ev.load_questions(q, ["question", "refined"], tiny_world)
     assert [r["id"] for r in rows] == (["q0", "q1", "q2", "q3"] if kept else ["q0", "q2"])
     assert dropped == {reason: 2 * count for reason, count in excluded.items()}
+
+
+def test_main_runs_the_evaluation_its_flags_describe(monkeypatch):
+    seen = []
+    monkeypatch.setattr(ev, "run", seen.append)
+    ev.main(["--index", "idx", "--queries", "q.jsonl", "--alpha", "0.25", "--compare", "refined_query"])
+    assert seen == [EvalArgs(index="idx", queries="q.jsonl", alpha=0.25, compare="refined_query")]
+
+
+def test_metrics_csv_rounds_to_four_places_and_leaves_a_metric_a_row_lacks_empty(tmp_path):
+    ev._write_csv(
+        tmp_path / "metrics.csv",
+        {
+            "question": {"R@1": 12.345678, "PR@1": 50.0, "n": 3, "same_rank_as_flat": 200 / 3},
+            "question (Flat reference)": {"R@1": 100 / 3, "n": 3},
+        },
+    )
+    assert (tmp_path / "metrics.csv").read_text(encoding="utf-8").splitlines() == [
+        "field,R@1,PR@1,n,same_rank_as_flat",
+        "question,12.3457,50.0,3,66.6667",
+        "question (Flat reference),33.3333,,3,",
+    ]
+
+
+def saved_figures(monkeypatch) -> dict:
+    """File name → the figure evaluate saved there (still written to disk)."""
+    figures = {}
+    real = ev.save_figure
+
+    def keep(fig, path, **kw):
+        figures[Path(path).name] = fig
+        real(fig, path, **kw)
+
+    monkeypatch.setattr(ev, "save_figure", keep)
+    return figures
+
+
+def test_rank_change_summary_and_histogram(tmp_path, monkeypatch):
+    figures = saved_figures(monkeypatch)
+    before, after = [3, 4, 5, 7, 2, None, 1], [2, 2, 6, 7, 2, 1, None]  # moved up 1, 2, -1, 0, 0, 10, -10 (depth 10)
+    summary = ev._write_rank_change(tmp_path / "rank_change.png", before, after, 10, "question", "refined")
+    assert summary == pytest.approx({"improved": 3 / 7, "unchanged": 2 / 7, "worse": 2 / 7, "median": 0.0})
+    assert (tmp_path / "rank_change.png").stat().st_size > 1000
+    (ax,) = figures["rank_change.png"].axes
+    assert sum(p.get_height() for p in ax.patches) == 7  # every question in the histogram
+    assert ax.get_xlabel() == "rank improvement (question rank − refined rank)"
+    assert list(ax.lines[0].get_xdata()) == [0, 0]  # the no-change line
+    no_questions = ev._write_rank_change(tmp_path / "none.png", [], [], 10, "question", "refined")
+    assert no_questions == {"improved": 0.0, "unchanged": 0.0, "worse": 0.0, "median": 0.0}
+
+
+@pytest.mark.parametrize("fields", [["question"], ["question", "refined"]])
+def test_alpha_sweep_csv_table_and_plot(tmp_path, monkeypatch, fields):
+    figures = saved_figures(monkeypatch)
+    metrics = {(0.0, "question"): (10.0, 20.125), (0.5, "question"): (30.0, 40.0)}
+    metrics |= {(0.0, "refined"): (12.5, 25.0), (0.5, "refined"): (50.0, 62.5)}
+    results = {a: {f: {"metrics": dict(zip(["R@1", "R@5"], metrics[a, f]))} for f in fields} for a in (0.0, 0.5)}
+    lines = []
+    ev._write_sweep(tmp_path, [0.0, 0.5], fields, [1, 5], results, lines.append)
+    rows = [(a, f) for a in (0.0, 0.5) for f in fields]
+    assert (tmp_path / "alpha_sweep.csv").read_text(encoding="utf-8").splitlines() == ["alpha,field,R@1,R@5"] + [
+        f"{a},{f},{metrics[a, f][0]:.2f},{metrics[a, f][1]:.2f}" for a, f in rows
+    ]
+    assert lines == [
+        "\n".join(
+            ["| α | field | R@1 | R@5 |", "|---|---|---|---|"]
+            + [f"| {a:g} | {f} | {metrics[a, f][0]:.1f} | {metrics[a, f][1]:.1f} |" for a, f in rows]
+        )
+    ]
+    (ax,) = figures["alpha_sweep.png"].axes
+    curves = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in ax.lines}
+    label = "{k} ({f})" if len(fields) > 1 else "{k}"
+    assert curves == {
+        label.format(k=k, f=f): ([0.0, 0.5], [metrics[0.0, f][i], metrics[0.5, f][i]])
+        for f in fields
+        for i, k in enumerate(["R@1", "R@5"])
+    }
+    assert (tmp_path / "alpha_sweep.png").stat().st_size > 1000
