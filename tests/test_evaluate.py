@@ -545,3 +545,54 @@ def test_alpha_sweep_csv_table_and_plot(tmp_path, monkeypatch, fields):
         for i, k in enumerate(["R@1", "R@5"])
     }
     assert (tmp_path / "alpha_sweep.png").stat().st_size > 1000
+
+
+def test_pseudo_recall_reads_the_kb_given_or_is_skipped_without_one_and_metrics_md_is_the_table(
+    tiny_index_dir, tiny_world, tmp_path, monkeypatch, encoders
+):
+    real_load = ev.MultimodalIndex.load
+    monkeypatch.setattr(ev.MultimodalIndex, "load", lambda p, **k: real_load(p, *encoders))
+    q = tiny_world / "test.jsonl"
+    lines = []
+    args = dict(index=str(tiny_index_dir), queries=str(q), alpha=0.5)
+    own = ev.run(EvalArgs(**args, out=str(tmp_path / "own")), log=lines.append)["results"]["0.5"]["question"]
+    assert own["PR@20"] > own["PR@1"] > 0  # the answers of sections ranked 2nd to 20th are read too
+    assert not any("no row in the index" in x for x in lines)  # every gold entity has one
+    kb = [{**r, "text": ""} for r in map(json.loads, open(tiny_world / "kb.jsonl", encoding="utf-8"))]
+    write_rows(tmp_path / "kb.jsonl", kb)  # no section holds an answer
+    blank = ev.run(EvalArgs(**args, kb=str(tmp_path / "kb.jsonl"), out=str(tmp_path / "blank")), **QUIET)
+    blank = blank["results"]["0.5"]["question"]
+    assert blank == {**own, "PR@1": 0.0, "PR@5": 0.0, "PR@10": 0.0, "PR@20": 0.0}
+    lines.clear()
+    missing = ev.run(EvalArgs(**args, kb=str(tmp_path / "none.jsonl"), out=str(tmp_path / "none")), log=lines.append)
+    assert missing["results"]["0.5"]["question"] == {k: v for k, v in own.items() if not k.startswith("PR@")}
+    assert f"pseudo-recall skipped: KB file {tmp_path / 'none.jsonl'} not found (pass --kb)" in lines
+    table = ev.format_table(missing["results"]["0.5"], [1, 5, 10, 20])
+    assert (tmp_path / "none" / "metrics.md").read_text(encoding="utf-8") == f"α = 0.5\n\n{table}\n"
+
+
+def test_questions_without_a_readable_image_are_named_and_none_left_is_refused(
+    tiny_index_dir, tiny_world, tmp_path, monkeypatch, encoders
+):
+    real_load = ev.MultimodalIndex.load
+    monkeypatch.setattr(ev.MultimodalIndex, "load", lambda p, **k: real_load(p, *encoders))
+    rows = [json.loads(x) for x in open(tiny_world / "test.jsonl", encoding="utf-8")][:7]
+    for i, r in enumerate(rows[:6]):
+        (tmp_path / f"broken{i}.png").write_bytes(b"not a png")
+        r["image"] = str(tmp_path / f"broken{i}.png")
+    rows[6]["entity_id"] = "E9999"
+    q = write_rows(tmp_path / "q.jsonl", rows)
+    lines = []
+    res = ev.run(
+        EvalArgs(
+            index=str(tiny_index_dir), queries=str(q), alpha=0.5, images_root=str(tiny_world), out=str(tmp_path / "ev")
+        ),
+        log=lines.append,
+    )
+    assert res["excluded"] == {"image unreadable": 6} and res["gold_not_in_index"] == 1
+    named = [x for x in lines if x.startswith("excluded: ")]
+    assert len(named) == 5 and all("broken" in x for x in named)  # the first five are named
+    assert "1 of 1 question(s) have a gold entity with no row in the index: counted as misses" in lines
+    write_rows(q, rows[:6])
+    with pytest.raises(ValueError, match=re.escape(f"no question in {q} has a readable image")):
+        run(tiny_index_dir, q, tmp_path, alpha=0.5, images_root=str(tiny_world))
