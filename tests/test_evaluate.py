@@ -514,6 +514,8 @@ def test_rank_change_summary_and_histogram(tmp_path, monkeypatch):
     assert sum(p.get_height() for p in ax.patches) == 7  # every question in the histogram
     assert ax.get_xlabel() == "rank improvement (question rank − refined rank)"
     assert list(ax.lines[0].get_xdata()) == [0, 0]  # the no-change line
+    one = ev._write_rank_change(tmp_path / "one.png", [2], [1], 10, "question", "refined")
+    assert one == {"improved": 1.0, "unchanged": 0.0, "worse": 0.0, "median": 1.0}
     no_questions = ev._write_rank_change(tmp_path / "none.png", [], [], 10, "question", "refined")
     assert no_questions == {"improved": 0.0, "unchanged": 0.0, "worse": 0.0, "median": 0.0}
 
