@@ -557,8 +557,15 @@ def test_pseudo_recall_reads_the_kb_given_or_is_skipped_without_one_and_metrics_
     q = tiny_world / "test.jsonl"
     lines = []
     args = dict(index=str(tiny_index_dir), queries=str(q), alpha=0.5)
+    seen = []  # (index, ranking, section texts) of each evaluation
+    real_evaluate = ev.evaluate_ranked
+    monkeypatch.setattr(
+        ev, "evaluate_ranked", lambda i, rk, *a: seen.append((i, rk, a[-1])) or real_evaluate(i, rk, *a)
+    )
     own = ev.run(EvalArgs(**args, out=str(tmp_path / "own")), log=lines.append)["results"]["0.5"]["question"]
-    assert own["PR@20"] > own["PR@1"] > 0  # the answers of sections ranked 2nd to 20th are read too
+    assert own["PR@20"] > own["PR@1"] > 0
+    ((index, ranking, texts),) = seen  # the text of every section ranked in a question's top 20 is read
+    assert all(index.entry_ids[row] in texts for rk in ranking for row in rk.rows[:20])
     assert not any("no row in the index" in x or "have no answers" in x for x in lines)  # every question has both
     kb = [{**r, "text": ""} for r in map(json.loads, open(tiny_world / "kb.jsonl", encoding="utf-8"))]
     write_rows(tmp_path / "kb.jsonl", kb)  # no section holds an answer
