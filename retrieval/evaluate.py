@@ -109,7 +109,22 @@ def compare_fields(text: str | None, text_field: str) -> list[str]:
     for f in fields:
         if f == text_field or fields.count(f) > 1:
             raise ValueError(f"--compare: field {f!r} is given twice (or is --text_field)")
+    rank_change_files(fields)  # refused now, before the index loads, if two would write one histogram
     return fields
+
+
+def rank_change_files(fields: list[str]) -> dict[str, str]:
+    """{compared field: its rank-change histogram}: ``rank_change.png`` for one field, ``rank_change_<field>.png`` for
+    several (a character a file name should not hold as ``_``); two fields with one file are refused."""
+    names = {
+        f: "rank_change.png" if len(fields) == 1 else f"rank_change_{re.sub(r'[^A-Za-z0-9_.+-]', '_', f)}.png"
+        for f in fields
+    }
+    for f in fields:
+        same = [g for g in fields if names[g] == names[f]]
+        if len(same) > 1:
+            raise ValueError(f"--compare: fields {same} would both write {names[f]}; rename one of them")
+    return names
 
 
 def recall_at(ranks: list[int | None], ks: list[int]) -> dict[str, float]:
@@ -304,12 +319,7 @@ def run(args: EvalArgs, log=print) -> dict:
                 fh.writelines(json.dumps(p) + "\n" for p in per_question)
             _write_csv(new / "metrics.csv", {f: r["metrics"] for f, r in results[alphas[0]].items()})
             per = results[alphas[0]]
-            for f in compared:  # one histogram per compared field: rank_change.png, or rank_change_<field>.png
-                name = (
-                    "rank_change.png"
-                    if len(compared) == 1
-                    else f"rank_change_{re.sub(r'[^A-Za-z0-9_.+-]', '_', f)}.png"
-                )
+            for f, name in rank_change_files(compared).items():  # one histogram per compared field
                 before, after = (f, args.text_field) if f == ORIGINAL else (args.text_field, f)
                 summary.setdefault("rank_change", {})[f] = _write_rank_change(
                     new / name, per[before]["ranks"], per[after]["ranks"], args.depth, before, after

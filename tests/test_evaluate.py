@@ -104,6 +104,27 @@ def test_compare_fields(text, fields):
         assert ev.compare_fields(text, "question") == fields
 
 
+@pytest.mark.parametrize(
+    "fields,files",
+    [
+        ([], {}),
+        (["query caption"], {"query caption": "rank_change.png"}),
+        (["refined_query", "a/b"], {"refined_query": "rank_change_refined_query.png", "a/b": "rank_change_a_b.png"}),
+        (["a b", "a_b"], None),  # one file name for two fields: the second histogram would overwrite the first
+        (["x", "a:b", "a?b"], None),
+    ],
+)
+def test_each_compared_field_has_its_own_histogram(fields, files):
+    if files is None:
+        with pytest.raises(
+            ValueError, match=r"--compare: fields \['a.b', 'a.b'\] would both write rank_change_a_b.png"
+        ):
+            ev.compare_fields(",".join(fields), "question")
+    else:
+        assert ev.rank_change_files(fields) == files
+        assert ev.compare_fields(",".join(fields), "question") == fields
+
+
 def test_format_table_shows_the_columns_some_row_has_and_a_dash_where_a_row_lacks_one():
     results = {"question": {"R@1": 12.345, "R@5": 50.0, "PR@1": 7.0, "n": 4}, "refined": {"R@1": 100.0, "n": 4}}
     assert ev.format_table(results, [1, 5], label="method").splitlines() == [
