@@ -12,7 +12,14 @@ from hypothesis import strategies as st
 
 from common.files import read_jsonl
 from retrieval.upstream.convert import ConvertArgs, convert
-from retrieval.upstream.questions import ImageFinder, evqa_image_candidates, evqa_questions, infoseek_image_candidates
+from retrieval.upstream.questions import (
+    ImageFinder,
+    evqa_image_candidates,
+    evqa_questions,
+    infoseek_image_candidates,
+    parse_subdirs,
+    section_index,
+)
 
 REAL = Path(__file__).resolve().parent / "data" / "realdata"  # real rows, their sources in SOURCES.md
 EVQA_COLUMNS = [
@@ -120,6 +127,7 @@ def test_evqa_csv_per_dataset_image_rules_ids_and_upstream_names(tmp_path):
     assert first["id"] == "evqa-test-0" and first["upstream_id"] == "E-VQA_0"
     assert first["image"] == "inaturalist/1234.JPEG" and first["answers"] == ["Europe", "European continent"]
     assert first["entity_id"] == "https://en.wikipedia.org/wiki/X" and first["evidence_section_id"] == 3
+    assert "answer_parts" not in first  # only a row whose answer has `&&` parts carries them
     multi = rows["Which two?"]
     assert multi["image"] == f"landmarks/8/b/3/{LANDMARK}.jpg" and multi["upstream_id"] == "E-VQA_1"
     assert multi["answer_parts"] == [["red", "blue"], ["blue", "red"]] and multi["id"] == "evqa-test-2"
@@ -484,22 +492,125 @@ def test_landmark_images_nested_or_flat(tmp_path, layout, path):
 
 
 @pytest.mark.parametrize(
-    "qtype,value,section",
+    "qtype,value,section,warns",
     [
-        ("templated", "3", 3),
-        ("templated", "3.0", 3),  # what pandas writes for an integer column with gaps
-        ("templated", " 3 ", 3),
-        ("templated", "", None),
-        ("2_hop", "2|5", [2, 5]),
-        ("2_hop", "2.0|5.0", [2, 5]),
+        ("templated", "3", 3, False),
+        ("templated", "3.0", 3, False),  # what pandas writes for an integer column with gaps
+        ("templated", " 3 ", 3, False),
+        ("templated", "", None, False),
+        ("2_hop", "2|5", [2, 5], False),
+        ("2_hop", "2.0|5.0", [2, 5], False),
+        ("templated", "Distribution", None, True),  # not an index: the row is kept without one, the log names it
+        ("2_hop", "2|x", [2, None], True),
     ],
 )
-def test_evidence_section_id_written_as_a_float_keeps_its_section(tmp_path, qtype, value, section):
+def test_evidence_section_id_written_as_a_float_keeps_its_section(tmp_path, caplog, qtype, value, section, warns):
     url = (
         "https://en.wikipedia.org/wiki/A|https://en.wikipedia.org/wiki/B"
         if qtype == "2_hop"
         else "https://en.wikipedia.org/wiki/A"
     )
     rows = [evqa_row(question_type=qtype, evidence_section_id=value, wikipedia_url=url)]
-    (q,) = evqa_questions(rows, ImageFinder(None), quiet, split="val", include_two_hop=True)
+    with caplog.at_level("WARNING", logger="refine_rl.convert"):
+        (q,) = evqa_questions(rows, ImageFinder(None), quiet, split="val", include_two_hop=True)
     assert q.get("evidence_section_id") == section
+    assert ("row 0: evidence_section_id" in caplog.text) == warns
+
+
+@pytest.mark.parametrize(
+    "text,index",
+    [("3", 3), ("3.0", 3), (" 0 ", 0), ("0.0", 0), ("3.5", None), ("-1", None), ("nan", None), ("Habitat", None)],
+)
+def test_section_index_is_a_whole_non_negative_number_or_none(text, index):
+    assert section_index(text) == index
+
+
+@pytest.mark.parametrize(
+    "text,subdirs",
+    [
+        (None, {}),
+        ("", {}),
+        ("landmarks=gldv2, inaturalist = inat/ ,", {"landmarks": "gldv2", "inaturalist": "inat"}),
+        ("landmarks=", {"landmarks": ""}),  # the dataset's images straight under the root
+        ("landmarks", ValueError),
+        ("=gldv2", ValueError),
+    ],
+)
+def test_image_dirs_parse_into_a_folder_per_dataset(text, subdirs):
+    if subdirs is ValueError:
+        with pytest.raises(ValueError, match="--image_dirs: expected name=folder pairs"):
+            parse_subdirs(text)
+    else:
+        assert parse_subdirs(text) == subdirs
+
+
+@pytest.mark.parametrize(
+    "image_id,dataset,id2name,candidates",
+    [
+        ("abc", "landmarks", None, ["a/b/c/abc.jpg", "a/b/c/abc.JPEG", "abc.jpg", "abc.JPEG"]),
+        ("ab", "landmarks", None, []),  # too short for GLDv2's nesting: no name, the row is listed
+        ("1234", "inaturalist", {"1234": "val/x/a.jpg"}, ["val/x/a.jpg"]),
+        ("1234", "inaturalist", {"9": "val/x/a.jpg"}, []),
+        ("1234", "inaturalist", None, ["1234.jpg", "1234.JPEG"]),
+        ("oven_1", "infoseek", {"oven_1": "elsewhere.jpg"}, ["oven_1.jpg", "oven_1.JPEG"]),  # the iNat map is iNat's
+        ("x", "imagenet", None, ValueError),
+    ],
+)
+def test_evqa_image_candidates_per_dataset(image_id, dataset, id2name, candidates):
+    if candidates is ValueError:
+        with pytest.raises(ValueError, match="unknown E-VQA dataset_name 'imagenet'"):
+            evqa_image_candidates(image_id, dataset, id2name)
+    else:
+        assert evqa_image_candidates(image_id, dataset, id2name) == candidates
+
+
+def test_infoseek_image_layout_must_be_oven_or_flat():
+    assert infoseek_image_candidates("oven_04990048", "flat") == ["oven_04990048.jpg", "oven_04990048.JPEG"]
+    with pytest.raises(ValueError, match="--image_layout must be oven or flat, got 'nested'"):
+        infoseek_image_candidates("oven_04990048", "nested")
+
+
+def test_without_an_images_root_the_first_candidate_is_taken():
+    assert ImageFinder(None)(["a.jpg", "a.JPEG"], "inaturalist") == ("a.jpg", None)
+    assert ImageFinder(None, {"inaturalist": "inat"})(["a.jpg"], "inaturalist") == ("inat/a.jpg", None)
+    assert ImageFinder(None)([], "inaturalist") == (None, "no image name for this id in the inaturalist map")
+
+
+@pytest.mark.parametrize(
+    "row,reason",
+    [
+        (evqa_row(wikipedia_url=""), "no wikipedia_url"),
+        (evqa_row(dataset_image_ids=" | "), "no dataset_image_ids"),
+    ],
+)
+def test_a_row_without_an_entity_or_an_image_id_is_listed(row, reason):
+    skipped = []
+    assert list(evqa_questions([evqa_row(), row], ImageFinder(None), skipped.append, split="val")) != []
+    assert skipped == [{"row": 1, "reason": reason}]
+
+
+@pytest.mark.parametrize(
+    "dataset,data_id,qid",
+    [
+        ("infoseek", "infoseek_val_00000007", "infoseek_val_00000007"),  # EchoSight's InfoSeek CSV keeps its id
+        ("infoseek", "", "evqa-val-0"),
+        ("inaturalist", "infoseek_val_00000007", "evqa-val-0"),  # only an InfoSeek row is named by its data_id
+    ],
+)
+def test_a_row_is_named_by_its_data_id_only_when_it_is_an_infoseek_row(dataset, data_id, qid):
+    row = evqa_row(dataset_name=dataset, dataset_image_ids="oven_05050169", data_id=data_id)
+    (q,) = evqa_questions([row], ImageFinder(None), quiet, split="val")
+    assert q["id"] == qid
+
+
+@pytest.mark.parametrize(
+    "answer,answers,parts",
+    [
+        ("Europe|European continent", ["Europe", "European continent"], None),
+        ("red && blue|purple", ["red && blue", "purple"], [["red", "blue"], ["purple"]]),
+        (None, [], None),  # a short CSV row (no answer cell): no answers, not the string "None"
+    ],
+)
+def test_answer_alternatives_and_parts(answer, answers, parts):
+    (q,) = evqa_questions([evqa_row(answer=answer)], ImageFinder(None), quiet, split="val")
+    assert q["answers"] == answers and q.get("answer_parts") == parts
