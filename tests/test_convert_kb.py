@@ -873,6 +873,8 @@ def test_fetch_images_backs_off_on_429(tmp_path, monkeypatch, responses, sleeps,
     [
         ("truncated gz", "truncated or corrupt"),
         ("zip of two data files", "one .json/.jsonl/.csv file, found a.jsonl, b.jsonl"),
+        ("zip of no data file", "one .json/.jsonl/.csv file, found README.txt;"),
+        ("empty zip", "one .json/.jsonl/.csv file, found nothing;"),
     ],
 )
 def test_a_damaged_or_ambiguous_download_is_refused_naming_it(tmp_path, damage, match):
@@ -886,8 +888,11 @@ def test_a_damaged_or_ambiguous_download_is_refused_naming_it(tmp_path, damage, 
     else:
         path = tmp_path / "kb.zip"
         with zipfile.ZipFile(path, "w") as z:
-            z.writestr("a.jsonl", rows)
-            z.writestr("b.jsonl", rows)
+            if damage == "zip of two data files":
+                z.writestr("a.jsonl", rows)
+                z.writestr("b.jsonl", rows)
+            elif damage == "zip of no data file":
+                z.writestr("README.txt", "see the website")
     with pytest.raises(ValueError, match=f"{path.name}.*{match}"):
         convert(ConvertArgs(format="wiki6m", input=str(path), out=str(tmp_path / "kb.jsonl")), log=quiet)
     assert not (tmp_path / "kb.jsonl").exists()

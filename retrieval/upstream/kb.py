@@ -34,7 +34,8 @@ from retrieval.kb import kb_entry
 
 # --------------------------------------------------------------------------- reading
 
-GZIP_MAGIC, ZIP_MAGIC = b"\x1f\x8b", b"PK\x03\x04"
+GZIP_MAGIC = b"\x1f\x8b"
+ZIP_MAGICS = (b"PK\x03\x04", b"PK\x05\x06")  # a member first; an empty archive is its end record alone
 DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".tsv")
 SVG_SUFFIXES = (".svg", ".svgz")
 
@@ -50,7 +51,7 @@ def open_upstream(path: str | Path, text: bool = True):
         magic = f.read(4)
     if magic[:2] == GZIP_MAGIC:
         raw, name = gzip.open(path, "rb"), path.name.removesuffix(".gz")
-    elif magic == ZIP_MAGIC:
+    elif magic in ZIP_MAGICS:
         archive = zipfile.ZipFile(path)
         members = [
             m
@@ -81,7 +82,7 @@ def open_upstream(path: str | Path, text: bool = True):
         ) from None
     finally:
         stream.close()
-        if magic == ZIP_MAGIC:
+        if magic in ZIP_MAGICS:
             archive.close()
 
 
