@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from common.files import json_record, read_jsonl
 from retrieval.upstream.articles import ArticleStore, store_from_kb_rows, store_path_for
 from retrieval.upstream.convert import ConvertArgs, convert
-from retrieval.upstream.kb import canonical_url, url_hash, wiki6m_url
+from retrieval.upstream.kb import canonical_url, iter_evqa_kb, read_upstream_jsonl, title_images, url_hash, wiki6m_url
 from tests.upstream_site import serve_in_background
 
 REAL = Path(__file__).resolve().parent / "data" / "realdata"  # real rows, their sources in SOURCES.md
@@ -128,6 +128,20 @@ def test_evqa_kb_with_title_keyed_image_csvs(tmp_path):
     rows = list(read_jsonl(tmp_path / "kb.jsonl"))
     assert n == 2 and [r["image"] for r in rows] == ["split1/zorvak_0.jpg", "split1/zorvak_1.jpg"]
     assert all(r["section"] == 0 and r["entity_id"] == ZORVAK for r in rows)
+
+
+def test_evqa_kb_images_through_an_image_map(tmp_path):
+    (tmp_path / "kb.json").write_text(json.dumps(EVQA_KB))
+    (tmp_path / "url2path.json").write_text(json.dumps({"http://img/a.jpg": "w/a.jpg", "http://img/c.jpg": "w/c.jpg"}))
+    args = dict(format="evqa-kb", input=str(tmp_path / "kb.json"), out=str(tmp_path / "kb.jsonl"))
+    n = convert(ConvertArgs(**args, image_map=str(tmp_path / "url2path.json")), log=quiet)
+    rows = [(r["entry_id"], r["image"], r["section"]) for r in read_jsonl(tmp_path / "kb.jsonl")]
+    assert n == 2 and rows == [(f"{ZORVAK}#image0", "w/a.jpg", 1), (f"{ZORVAK}#image2", "w/c.jpg", 0)]
+    skipped = [s["entry_id"] for s in read_jsonl(tmp_path / "kb.jsonl.skipped.jsonl")]
+    assert skipped == [f"{ZORVAK}#image{j}" for j in (1, 3, 4)]
+    (tmp_path / "list.json").write_text('["w/a.jpg"]')
+    with pytest.raises(ValueError, match="--image_map: .*list.json is not a JSON object"):
+        convert(ConvertArgs(**args, image_map=str(tmp_path / "list.json")), log=quiet)
 
 
 def test_evqa_kb_needs_exactly_one_image_source(tmp_path):
@@ -581,7 +595,8 @@ def test_svg_kb_images_become_png_or_are_listed(tmp_path, monkeypatch, case):
 
 
 def pack(path: Path, packing: str) -> Path:
-    """The file as the downloads pack it: as it is, gzipped (.gz) or inside a .zip."""
+    """The file as the downloads pack it: as it is, gzipped (.gz) or inside a .zip; ``mac zip``: as a Mac packs a
+    folder (folder entries, and an AppleDouble ``._`` file beside the data file and under ``__MACOSX/``)."""
     import gzip
     import zipfile
 
@@ -593,9 +608,40 @@ def pack(path: Path, packing: str) -> Path:
     else:
         out = path.with_name(path.stem + ".zip")
         with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as z:
+            if packing == "mac zip":
+                for folder in ("some_folder/", "__MACOSX/", "__MACOSX/some_folder/"):
+                    z.writestr(folder, "")
+                z.writestr(f"__MACOSX/some_folder/._{path.name}", b"\x00\x05\x16\x07")
+                z.writestr(f"some_folder/._{path.name}", b"\x00\x05\x16\x07")
             z.write(path, f"some_folder/{path.name}")
     path.unlink()
     return out
+
+
+@pytest.mark.parametrize("packing", ["plain", "gz", "zip", "mac zip"])
+def test_every_article_of_a_kb_past_its_first_kilobyte_is_read(tmp_path, packing):
+    """The E-VQA KB's first kilobyte is read to tell JSON from anything else, then streamed on from there."""
+    kb = {f"https://en.wikipedia.org/wiki/A{i}": {**EVQA_KB[ZORVAK], "title": f"A{i}"} for i in range(30)}
+    path = tmp_path / "encyclopedic_kb_wiki.json"
+    path.write_text(json.dumps(kb))
+    assert path.stat().st_size > 10 * 1024
+    assert list(iter_evqa_kb(pack(path, packing))) == list(kb.items())
+
+
+def test_upstream_jsonl_skips_blank_lines_and_names_a_bad_one(tmp_path):
+    rows = [{"wikidata_id": "Q1"}, {"wikidata_id": "Q2"}]
+    path = tmp_path / "Wiki6M_ver_1_0.jsonl"
+    path.write_text(json.dumps(rows[0]) + "\n\n  \n" + json.dumps(rows[1]) + "\n")
+    assert list(read_upstream_jsonl(path)) == rows
+    path.write_text(path.read_text() + "{oops\n")
+    with pytest.raises(ValueError, match="Wiki6M_ver_1_0.jsonl:5: not valid JSON"):
+        list(read_upstream_jsonl(path))
+    kb = tmp_path / "kb.jsonl"  # mKG-RAG's E-VQA KB variant, one {url: article} a line
+    kb.write_text("\n".join(["", json.dumps({ZORVAK: EVQA_KB[ZORVAK]}), " ", "[1]", ""]))
+    with pytest.raises(ValueError, match="kb.jsonl:4: expected a JSON object"):
+        list(iter_evqa_kb(kb))
+    kb.write_text("\n".join(["", json.dumps({ZORVAK: EVQA_KB[ZORVAK]}), " ", ""]))
+    assert list(iter_evqa_kb(kb)) == [(ZORVAK, EVQA_KB[ZORVAK])]
 
 
 @pytest.mark.parametrize(
@@ -770,6 +816,31 @@ def test_a_duplicate_among_the_last_rows_leaves_no_temporary_store(tmp_path):
     del writer  # held above, so the check did not rest on garbage collection
 
 
+def test_title_keyed_image_csvs_keep_the_first_images_of_a_title_and_list_short_rows(tmp_path):
+    for name in "abcd":
+        (tmp_path / f"{name}.jpg").write_bytes(b"x")
+    with open(tmp_path / "part_1.csv", "w", encoding="utf-8", newline="") as f:
+        csv.writer(f).writerows(
+            [
+                ["title", "url", "path"],
+                ["Zorvak", "u0", "a.jpg"],  # exactly the three columns read
+                ["Zorvak", "u1"],
+                ["Zorvak", "u2", "b.jpg", "a caption"],
+                ["Zorvak", "u3", "c.jpg"],  # a third image, past per_title=2
+                ["Paris", "u4", "d.jpg"],
+            ]
+        )
+    skipped = []
+    assert title_images([tmp_path / "part_1.csv"], tmp_path, skipped.append, per_title=2) == {
+        "Zorvak": ["a.jpg", "b.jpg"],
+        "Paris": ["d.jpg"],
+    }
+    assert [(s["row"], s["reason"].split(" (")[0]) for s in skipped] == [
+        (3, "fewer than 3 columns"),
+        (5, "more than 2 images for this title"),
+    ]
+
+
 @pytest.mark.parametrize(
     "image,file,outcome",
     [
@@ -803,9 +874,11 @@ def test_title_keyed_image_csvs_list_what_they_leave_out(tmp_path, image, file, 
     assert len(no_image) == 1 and "no image" in no_image[0]["reason"]  # an article that gets no image is listed
     if outcome == "row":
         assert n == 1 and next(read_jsonl(tmp_path / "kb.jsonl"))["image"] == image
+        assert skipped == no_image  # the header row is no image
     else:
         (left,) = [s for s in skipped if s.get("image") == image]
         assert n == 0 and outcome in left["reason"] and left["csv"].endswith("wiki_image_url_part_1.csv")
+        assert left["row"] == 2  # the CSV's line, its header line 1
         zorvak = [s for s in skipped if s.get("entity_id") == ZORVAK]
         assert len(zorvak) == 1 and "no image" in zorvak[0]["reason"]
 
@@ -935,6 +1008,9 @@ def test_odd_kb_entries_convert_or_are_named():
         skipped.append,
     )
     assert art["sections"] == [(0, "Intro", "Some lead text")]
+    art, rows = evqa_article("https://x/wiki/D", {"section_texts": ["Lead."], "image_urls": ["u"]}, str, quiet)
+    assert art["entity_id"] == rows[0]["entity_id"] == "https://x/wiki/D"  # no "url": the KB's key
+    assert art["title"] == rows[0]["title"] == ""
     art = {
         "title": "C",
         "section_titles": ["Intro", "Habitat"],

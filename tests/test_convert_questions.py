@@ -17,7 +17,9 @@ from retrieval.upstream.questions import (
     evqa_image_candidates,
     evqa_questions,
     infoseek_image_candidates,
+    infoseek_questions,
     parse_subdirs,
+    read_id2name,
     section_index,
 )
 
@@ -201,8 +203,9 @@ def test_evqa_ids_unique_across_splits_and_all_images():
     per_image = list(evqa_questions(rows[:1], find, quiet, split="train", all_images=True))
     assert [r["id"] for r in per_image] == ["evqa-train-0-0", "evqa-train-0-1"]
     assert {r["upstream_id"] for r in per_image} == {"E-VQA_0"}
-    with pytest.raises(ValueError, match="split must name"):
-        list(evqa_questions(rows, find, quiet, split="my split"))
+    for split in ("my split", "", None):
+        with pytest.raises(ValueError, match="split must name"):
+            list(evqa_questions(rows, find, quiet, split=split))
 
 
 def test_echosight_infoseek_csv_keeps_its_data_id(tmp_path):
@@ -367,6 +370,57 @@ def test_numeric_answer_eval_object_is_kept_as_is(tmp_path):
     assert out[0]["entity_text"] == rows[0]["entity_text"]
 
 
+def test_infoseek_rows_convert_without_a_withkb_or_qtype_map():
+    """Called without the withkb / qtype maps, rows keep what they carry themselves (test rows: no entity)."""
+    rows = list(read_jsonl(REAL / "infoseek_test_sample.jsonl"))
+    out = list(infoseek_questions(rows, ImageFinder(None), quiet, require_entity=False))
+    assert [q["id"] for q in out] == [r["data_id"] for r in rows] and all(q["entity_id"] is None for q in out)
+
+
+@pytest.mark.parametrize("field", ["data_id", "image_id", "question"])
+def test_an_infoseek_row_without_an_id_image_or_question_is_listed(field):
+    rows = list(read_jsonl(REAL / "infoseek_val_sample.jsonl"))[:3]
+    rows[0][field] = ""
+    del rows[1][field]
+    skipped = []
+    out = list(infoseek_questions(rows, ImageFinder(None), skipped.append, require_entity=False))
+    assert [q["id"] for q in out] == [rows[2]["data_id"]]
+    ids = [r.get("data_id") or None for r in rows[:2]]
+    assert skipped == [{"id": i, "reason": "row lacks data_id, image_id or question"} for i in ids]
+
+
+def test_an_infoseek_row_whose_image_is_not_there_is_listed(tmp_path):
+    rows = list(read_jsonl(REAL / "infoseek_val_sample.jsonl"))[:2]
+    root = infoseek_images(tmp_path, rows[1:], "oven")
+    skipped = []
+    out = list(infoseek_questions(rows, ImageFinder(root), skipped.append, require_entity=False))
+    assert [q["id"] for q in out] == [rows[1]["data_id"]]
+    assert [(s["id"], s["image_id"]) for s in skipped] == [(rows[0]["data_id"], rows[0]["image_id"])]
+    assert "no image file under" in skipped[0]["reason"]
+
+
+@pytest.mark.parametrize("flag,lacks", [("withkb", "entity_id"), ("withkb", "data_id"), ("qtype", "question_type")])
+def test_a_withkb_or_qtype_row_without_its_field_is_named(tmp_path, flag, lacks):
+    source = REAL / f"infoseek_val_{flag}_sample.jsonl"
+    rows = list(read_jsonl(source))[:2]
+    del rows[1][lacks]
+    (tmp_path / source.name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = dict(withkb=str(REAL / "infoseek_val_withkb_sample.jsonl")) | {flag: str(tmp_path / source.name)}
+    needed = "entity_id" if flag == "withkb" else "question_type"
+    with pytest.raises(ValueError, match=f"{source.name}: row 2 has no 'data_id' / '{needed}' field"):
+        convert(
+            ConvertArgs(
+                format="infoseek", input=str(REAL / "infoseek_val_sample.jsonl"), out=str(tmp_path / "q"), **args
+            )
+        )
+
+
+def test_an_id2name_file_that_is_not_a_map_is_named(tmp_path):
+    (tmp_path / "val_id2name.json").write_text('["val/x/a.jpg"]')
+    with pytest.raises(ValueError, match="val_id2name.json: expected a JSON object mapping iNaturalist image ids"):
+        read_id2name(tmp_path / "val_id2name.json")
+
+
 def test_real_train_rows_with_the_train_withkb(tmp_path):
     n = convert(
         ConvertArgs(
@@ -390,6 +444,8 @@ def test_infoseek_without_withkb_needs_require_entity_false(tmp_path):
     "args,match",
     [
         (dict(format="nope", input="x", out="y"), "--format"),
+        (dict(format="infoseek", out="y"), "--input and --out are required"),
+        (dict(format="infoseek", input=__file__), "--input and --out are required"),
         (dict(format="infoseek", input="/does/not/exist", out="y"), "--input"),
         (dict(format="evqa-questions", input=__file__, out="y"), "--split"),
         (
@@ -600,7 +656,13 @@ def test_a_row_without_an_entity_or_an_image_id_is_listed(row, reason):
 def test_a_row_is_named_by_its_data_id_only_when_it_is_an_infoseek_row(dataset, data_id, qid):
     row = evqa_row(dataset_name=dataset, dataset_image_ids="oven_05050169", data_id=data_id)
     (q,) = evqa_questions([row], ImageFinder(None), quiet, split="val")
-    assert q["id"] == qid
+    assert q["id"] == qid and q["dataset_name"] == dataset
+
+
+@pytest.mark.parametrize("row_split,split", [("test", "test"), ("", "val")])
+def test_a_row_keeps_its_own_encyclopedic_vqa_split(row_split, split):
+    (q,) = evqa_questions([evqa_row(encyclopedic_vqa_split=row_split)], ImageFinder(None), quiet, split="val")
+    assert q["split"] == split and q["id"] == "evqa-val-0"  # the id names the file's split
 
 
 @pytest.mark.parametrize(
