@@ -14,11 +14,24 @@ from hypothesis import strategies as st
 from common.files import json_record, read_jsonl
 from retrieval.upstream.articles import ArticleStore, store_from_kb_rows, store_path_for
 from retrieval.upstream.convert import ConvertArgs, convert
-from retrieval.upstream.kb import canonical_url, iter_evqa_kb, read_upstream_jsonl, title_images, url_hash, wiki6m_url
+from retrieval.upstream.kb import (
+    canonical_url,
+    evqa_article,
+    image_resolver,
+    iter_evqa_kb,
+    read_entity_map,
+    read_upstream_jsonl,
+    title_images,
+    url_hash,
+    wiki6m_article,
+    wiki6m_image_finder,
+    wiki6m_url,
+)
 from tests.upstream_site import serve_in_background
 
 REAL = Path(__file__).resolve().parent / "data" / "realdata"  # real rows, their sources in SOURCES.md
 ZORVAK = "https://en.wikipedia.org/wiki/Zorvak"
+PARIS = "https://en.wikipedia.org/wiki/Paris"
 EVQA_KB = {
     ZORVAK: {
         "title": "Zorvak",
@@ -128,15 +141,18 @@ def test_evqa_kb_with_title_keyed_image_csvs(tmp_path):
     rows = list(read_jsonl(tmp_path / "kb.jsonl"))
     assert n == 2 and [r["image"] for r in rows] == ["split1/zorvak_0.jpg", "split1/zorvak_1.jpg"]
     assert all(r["section"] == 0 and r["entity_id"] == ZORVAK for r in rows)
+    assert {(r["section_title"], r["text"]) for r in rows} == {("Zorvak", "The Zorvak is a red star.")}
 
 
 def test_evqa_kb_images_through_an_image_map(tmp_path):
     (tmp_path / "kb.json").write_text(json.dumps(EVQA_KB))
     (tmp_path / "url2path.json").write_text(json.dumps({"http://img/a.jpg": "w/a.jpg", "http://img/c.jpg": "w/c.jpg"}))
     args = dict(format="evqa-kb", input=str(tmp_path / "kb.json"), out=str(tmp_path / "kb.jsonl"))
-    n = convert(ConvertArgs(**args, image_map=str(tmp_path / "url2path.json")), log=quiet)
+    store = tmp_path / "elsewhere" / "store.sqlite"
+    n = convert(ConvertArgs(**args, image_map=str(tmp_path / "url2path.json"), articles=str(store)), log=quiet)
     rows = [(r["entry_id"], r["image"], r["section"]) for r in read_jsonl(tmp_path / "kb.jsonl")]
     assert n == 2 and rows == [(f"{ZORVAK}#image0", "w/a.jpg", 1), (f"{ZORVAK}#image2", "w/c.jpg", 0)]
+    assert ArticleStore(store).counts()["entries"] == 2 and not store_path_for(tmp_path / "kb.jsonl").exists()
     skipped = [s["entry_id"] for s in read_jsonl(tmp_path / "kb.jsonl.skipped.jsonl")]
     assert skipped == [f"{ZORVAK}#image{j}" for j in (1, 3, 4)]
     (tmp_path / "list.json").write_text('["w/a.jpg"]')
@@ -148,6 +164,16 @@ def test_evqa_kb_needs_exactly_one_image_source(tmp_path):
     (tmp_path / "kb.json").write_text(json.dumps(EVQA_KB))
     with pytest.raises(ValueError, match="exactly one of --image_map, --image_dir, --image_csv"):
         convert(ConvertArgs(format="evqa-kb", input=str(tmp_path / "kb.json"), out=str(tmp_path / "kb.jsonl")))
+    with pytest.raises(ValueError, match="--image_csv: no file matches .*wiki_image_url_part_"):
+        convert(
+            ConvertArgs(
+                format="evqa-kb",
+                input=str(tmp_path / "kb.json"),
+                image_csv=str(tmp_path / "wiki_image_url_part_*.csv"),
+                images_root=str(tmp_path),
+                out=str(tmp_path / "kb.jsonl"),
+            )
+        )
     (tmp_path / "list.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match="JSON object keyed by Wikipedia URL"):
         convert(
@@ -328,19 +354,22 @@ def test_kb_check_reports_nothing_when_every_gold_entity_is_there(tmp_path, caps
         ),
         log=quiet,
     )
+    (tmp_path / "q.jsonl.absent.jsonl").write_text('{"id": "x", "entity_id": ["Q3"]}\n')  # an earlier run's
     rows = [r for r in read_jsonl(tmp_path / "val.jsonl") if r["data_id"] != "infoseek_val_00000003"]
+    rows.append({**rows[0], "data_id": "infoseek_val_00000009"})  # no withkb row: no gold entity to miss
     (tmp_path / "val2.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     convert(
         ConvertArgs(
             format="infoseek",
             input=str(tmp_path / "val2.jsonl"),
             withkb=str(tmp_path / "val_withkb.jsonl"),
+            require_entity=False,
             kb=str(tmp_path / "kb.jsonl"),
             out=str(tmp_path / "q.jsonl"),
         ),
         log=quiet,
     )
-    assert "0 of 2 questions have a gold entity the KB has no row for" in capsys.readouterr().out
+    assert "0 of 3 questions have a gold entity the KB has no row for" in capsys.readouterr().out
     assert not (tmp_path / "q.jsonl.absent.jsonl").exists()
 
 
@@ -712,6 +741,89 @@ def test_fetch_images_reads_a_gzipped_wiki6m(tmp_path):
     assert counts["fetched"] == 1 and (tmp_path / "imgs" / f"{url_hash(site.url('/e.png'))}.png").is_file()
 
 
+def test_a_wiki6m_row_without_a_qid_is_named_and_one_without_a_title_has_an_empty_one():
+    with pytest.raises(ValueError, match="Wiki6M row without wikidata_id"):
+        wiki6m_article({"wikipedia_title": "Paris", "wikipedia_summary": "A city."}, None, quiet)
+    row = {"wikidata_id": "Q90", "wikipedia_title": None, "wikipedia_summary": "A city."}
+    article, rows = wiki6m_article(row, lambda r: ("Q90/Q90.jpg", None), quiet)
+    assert article["title"] == rows[0]["title"] == "" and article["url"] is None
+
+
+def test_wiki6m_images_through_an_image_map(tmp_path):
+    root, _ = write_wiki6m(tmp_path)
+    (tmp_path / "url2path.json").write_text(json.dumps({"http://img/eiffel.jpg": "w/eiffel.jpg"}))
+    args = dict(format="wiki6m", input=str(tmp_path / "Wiki6M_ver_1_0.jsonl"), out=str(tmp_path / "kb.jsonl"))
+    convert(ConvertArgs(**args, images_root=str(root), image_map=str(tmp_path / "url2path.json")), log=quiet)
+    assert {r["entity_id"]: r["image"] for r in read_jsonl(tmp_path / "kb.jsonl")} == {
+        "Q243": "w/eiffel.jpg",
+        "Q90": "Q90/Q90.jpg",
+    }
+
+
+@pytest.mark.parametrize(
+    "name,text,mapping",
+    [
+        ("m.json", '{"Q90": "https://en.wikipedia.org/wiki/Paris", "Q1": 7}', {"Q90": PARIS, "Q1": "7"}),
+        ("m.tsv", f"qid\turl\nQ90\t{PARIS}\nQ91\nQ9x\tx\n12\tx\n", {"Q90": PARIS}),  # header, short, no QIDs
+        ("m.csv", f"Q90,{PARIS},extra\n", {"Q90": PARIS}),
+        ("m.json", '[["Q90", "https://en.wikipedia.org/wiki/Paris"]]', "expected a JSON object mapping QIDs"),
+        ("m.csv", "qid,url\n", "no QID,URL rows found"),
+    ],
+)
+def test_entity_maps_read_as_json_csv_or_tsv(tmp_path, name, text, mapping):
+    (tmp_path / name).write_text(text)
+    if isinstance(mapping, str):
+        with pytest.raises(ValueError, match=f"{name}: {mapping}"):
+            read_entity_map(tmp_path / name)
+    else:
+        assert read_entity_map(tmp_path / name) == mapping
+
+
+@pytest.mark.parametrize(
+    "qid,url,image,why",
+    [
+        ("Q90", "http://img/a.jpg", f"{url_hash('http://img/a.jpg')}.jpg", None),  # the URL's file first
+        ("Q90", "http://img/flag.svg", "Q90/Q90.jpg", None),  # an SVG (PIL cannot read it): UniIR's layout
+        ("Q91", "http://img/flag.svg", None, "SVG image "),
+        ("Q91", "http://img/gone.jpg", None, "no local file for http://img/gone.jpg and none of Q91/Q91.jpg, "),
+        ("Q91", None, None, "no image url and none of Q91/Q91.jpg, Q91/Q91.JPEG under "),
+    ],
+)
+def test_a_wiki6m_image_is_the_urls_file_else_unirs_layout(tmp_path, qid, url, image, why):
+    folder = image_folder(tmp_path, ["http://img/a.jpg"])
+    (folder / f"{url_hash('http://img/flag.svg')}.svg").write_bytes(b"<svg/>")
+    (tmp_path / "Q90").mkdir()
+    (tmp_path / "Q90" / "Q90.jpg").write_bytes(b"x")
+    find = wiki6m_image_finder(tmp_path, image_resolver(None, folder))
+    found, reason = find({"wikidata_id": qid, "wikipedia_image_url": url})
+    assert found == image and (reason is None if why is None else reason.startswith(why))
+
+
+@pytest.mark.parametrize(
+    "index,section",
+    [
+        (1, 1),
+        (3, 3),  # the last section
+        (4, 0),  # past the last: the first section
+        (-1, 0),  # not an index into the sections (Python's last): the first section
+        (2, 0),  # an empty section: the first
+        ("1", 0),
+    ],
+)
+def test_an_evqa_image_is_paired_with_its_section_or_the_first(index, section):
+    art = {**EVQA_KB[ZORVAK], "image_urls": ["http://img/a.jpg"], "image_section_indices": [index]}
+    _, (row,) = evqa_article(ZORVAK, art, lambda u: "a.jpg", quiet)
+    assert row["section"] == section and row["text"] == EVQA_KB[ZORVAK]["section_texts"][section]
+
+
+def test_an_evqa_article_with_images_but_no_section_text_is_listed():
+    skipped = []
+    art = {"title": "Empty", "section_texts": [], "image_urls": ["http://img/a.jpg"], "image_section_indices": [0]}
+    article, rows = evqa_article("https://x/wiki/Empty", art, lambda u: "a.jpg", skipped.append)
+    assert rows == [] and article["sections"] == []
+    assert skipped == [{"entry_id": "https://x/wiki/Empty#image0", "reason": "article has no section text"}]
+
+
 @pytest.mark.parametrize(
     "summary,content,sections,text",
     [
@@ -721,6 +833,7 @@ def test_fetch_images_reads_a_gzipped_wiki6m(tmp_path):
         ("A tower.", "", ["A tower."], "A tower."),
         ("A tower.", "A tower.", ["A tower."], "A tower."),
         ("", "", [""], None),  # nothing to embed: listed, article kept
+        ("", None, [""], None),
     ],
 )
 def test_wiki6m_index_row_text_is_the_store_section(tmp_path, summary, content, sections, text):
@@ -740,7 +853,7 @@ def test_wiki6m_index_row_text_is_the_store_section(tmp_path, summary, content, 
         log=quiet,
     )
     store = ArticleStore(store_path_for(tmp_path / "kb.jsonl"))
-    assert [s["text"] for s in store.sections("Q243")] == sections
+    assert [(s["section"], s["text"]) for s in store.sections("Q243")] == list(enumerate(sections))
     rows = list(read_jsonl(tmp_path / "kb.jsonl"))
     if text is None:
         (skip,) = read_jsonl(tmp_path / "kb.jsonl.skipped.jsonl")
@@ -1018,8 +1131,9 @@ def test_odd_kb_entries_convert_or_are_named():
         "image_urls": ["https://img/c.jpg"],
         "image_section_indices": [1],
     }
-    _, rows = evqa_article("https://x/wiki/C", art, lambda u: "c.jpg", skipped.append)
+    art, rows = evqa_article("https://x/wiki/C", art, lambda u: "c.jpg", skipped.append)
     assert [r["section"] for r in rows] == [0] and rows[0]["text"] and "None" not in rows[0]["text"]
+    assert art["sections"] == [(0, "Intro", "Lead."), (1, "Habitat", "")]
 
 
 def test_an_empty_body_or_a_page_without_content_type_is_not_saved_as_an_image(tmp_path):
@@ -1205,6 +1319,7 @@ def test_which_download_errors_may_pass(error, passes, monkeypatch):
         ("image file missing: /data/q.png", "image file missing"),
         ("article has no section text", "article has no section text"),
         ("(odd)", "(odd)"),  # nothing before the details: the reason itself
+        (": odd", ": odd"),
     ],
 )
 def test_the_skipped_summary_counts_each_reason_without_its_details(reason, kind):

@@ -111,7 +111,7 @@ def evqa_files(tmp_path):
     return root
 
 
-def test_evqa_csv_per_dataset_image_rules_ids_and_upstream_names(tmp_path):
+def test_evqa_csv_per_dataset_image_rules_ids_and_upstream_names(tmp_path, caplog):
     root = evqa_files(tmp_path)
     n = convert(
         ConvertArgs(
@@ -139,6 +139,7 @@ def test_evqa_csv_per_dataset_image_rules_ids_and_upstream_names(tmp_path):
     assert [(s["row"], s.get("image_id")) for s in skipped] == [(1, None), (3, "9999")]  # the 2-hop row is listed too
     assert "2_hop" in skipped[0]["reason"]
     assert "inaturalist/9999.jpg" in skipped[1]["reason"] and "inaturalist/9999.JPEG" in skipped[1]["reason"]
+    assert "images_root" not in caplog.text  # the files were checked
 
 
 def test_evqa_two_hop_gives_lists_never_joined_strings(tmp_path):
@@ -239,14 +240,18 @@ def test_echosight_infoseek_csv_keeps_its_data_id(tmp_path):
     assert q["id"] == q["upstream_id"] == "infoseek_val_00000007" and q["image"] == "infoseek/oven_05050169.JPEG"
 
 
-def test_unknown_dataset_or_question_type_is_listed_not_raised(tmp_path):
+def test_unknown_dataset_or_question_type_is_listed_not_raised(tmp_path, caplog):
     write_csv(tmp_path / "t.csv", [evqa_row(dataset_name="imagenet"), evqa_row(question_type="weird"), evqa_row()])
-    n = convert(
-        ConvertArgs(format="evqa-questions", input=str(tmp_path / "t.csv"), split="val", out=str(tmp_path / "q.jsonl")),
-        log=quiet,
-    )
+    with caplog.at_level("WARNING", logger="refine_rl.convert"):
+        n = convert(
+            ConvertArgs(
+                format="evqa-questions", input=str(tmp_path / "t.csv"), split="val", out=str(tmp_path / "q.jsonl")
+            ),
+            log=quiet,
+        )
     reasons = [s["reason"] for s in read_jsonl(tmp_path / "q.jsonl.skipped.jsonl")]
     assert n == 1 and any("imagenet" in r for r in reasons) and any("weird" in r for r in reasons)
+    assert "no --images_root: image files are not checked" in caplog.text
 
 
 # --------------------------------------------------------------------------- InfoSeek: the real rows
