@@ -19,6 +19,7 @@ from retrieval.upstream.kb import (
     evqa_article,
     image_resolver,
     iter_evqa_kb,
+    qid_map_from_wiki6m,
     read_entity_map,
     read_upstream_jsonl,
     title_images,
@@ -457,9 +458,11 @@ def test_qid_map_from_echosight_csv_joined_with_withkb(tmp_path):
                 "question_type": "infoseek",
             }
         )  # no withkb row: no pair
+        w.writerow({"data_id": "infoseek_val_3", "wikipedia_url": "", "question_type": "infoseek"})  # no URL: no pair
     (tmp_path / "withkb.jsonl").write_text(
         '{"data_id": "infoseek_val_2", "entity_id": "Q90", "entity_text": "Paris"}\n'
         '{"data_id": "infoseek_val_1", "entity_id": "Q90", "entity_text": "Paris"}\n'
+        '{"data_id": "infoseek_val_3", "entity_id": "Q5", "entity_text": "Human"}\n'
     )
     n = convert(
         ConvertArgs(
@@ -760,11 +763,20 @@ def test_wiki6m_images_through_an_image_map(tmp_path):
     }
 
 
+def test_the_qid_map_from_wiki6m_takes_rows_with_a_qid_and_a_title():
+    rows = [
+        {"wikidata_id": "Q1", "wikipedia_title": "Eiffel Tower"},
+        {"wikidata_id": "Q2", "wikipedia_title": ""},
+        {"wikipedia_title": "Paris"},
+    ]
+    assert list(qid_map_from_wiki6m(rows)) == [("Q1", "https://en.wikipedia.org/wiki/Eiffel_Tower")]
+
+
 @pytest.mark.parametrize(
     "name,text,mapping",
     [
         ("m.json", '{"Q90": "https://en.wikipedia.org/wiki/Paris", "Q1": 7}', {"Q90": PARIS, "Q1": "7"}),
-        ("m.tsv", f"qid\turl\nQ90\t{PARIS}\nQ91\nQ9x\tx\n12\tx\n", {"Q90": PARIS}),  # header, short, no QIDs
+        ("m.tsv", f"qid\turl\nQ90\t{PARIS}\nQ91\nQx9\tx\n12\tx\n", {"Q90": PARIS}),  # header, short, no QIDs
         ("m.csv", f"Q90,{PARIS},extra\n", {"Q90": PARIS}),
         ("m.json", '[["Q90", "https://en.wikipedia.org/wiki/Paris"]]', "expected a JSON object mapping QIDs"),
         ("m.csv", "qid,url\n", "no QID,URL rows found"),
