@@ -126,6 +126,20 @@ def test_a_row_without_a_field_its_job_reads_is_named(job, key, tiny_world, tiny
         job(q, tmp_path, tiny_world, tiny_index_dir, monkeypatch)
 
 
+@pytest.mark.parametrize("job", [refine, baselines, gate_retrieve])
+def test_a_row_whose_image_is_not_there_is_named_before_a_model_loads(
+    job, tiny_world, tiny_index_dir, tmp_path, monkeypatch
+):
+    rows = list(read_jsonl(tiny_world / "test.jsonl"))[:3]
+    rows[1]["image"] = "gone.png"
+    q = tmp_path / "q.jsonl"
+    write_jsonl_atomic(q, rows)
+    with pytest.raises(
+        ValueError, match=f"1 question\\(s\\) in {re.escape(str(q))} have no image file: {rows[1]['id']} → "
+    ):
+        job(q, tmp_path, tiny_world, tiny_index_dir, monkeypatch)
+
+
 @pytest.mark.parametrize(
     "metric,record,refused",
     [
