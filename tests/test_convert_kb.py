@@ -22,6 +22,7 @@ from retrieval.upstream.kb import (
     qid_map_from_wiki6m,
     read_entity_map,
     read_upstream_jsonl,
+    remap_entity,
     title_images,
     url_hash,
     wiki6m_article,
@@ -770,6 +771,20 @@ def test_the_qid_map_from_wiki6m_takes_rows_with_a_qid_and_a_title():
         {"wikipedia_title": "Paris"},
     ]
     assert list(qid_map_from_wiki6m(rows)) == [("Q1", "https://en.wikipedia.org/wiki/Eiffel_Tower")]
+
+
+@pytest.mark.parametrize(
+    "entity,kb_keys,remapped",
+    [
+        ("Q90", None, PARIS),
+        ("Q3", None, "Q3"),  # unmapped: unchanged
+        (None, None, None),  # a test question's entity
+        (["Q90", "Q3"], None, [PARIS, "Q3"]),  # 2-hop: per hop
+        ("Q90", {canonical_url(PARIS): "http://en.wikipedia.org/wiki/Paris"}, "http://en.wikipedia.org/wiki/Paris"),
+    ],
+)
+def test_an_entity_goes_through_the_qid_map_to_the_kbs_own_key(entity, kb_keys, remapped):
+    assert remap_entity(entity, {"Q90": PARIS}, kb_keys) == remapped
 
 
 @pytest.mark.parametrize(
