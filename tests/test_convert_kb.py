@@ -402,10 +402,23 @@ def test_store_keeps_each_entrys_own_section_index(tmp_path):
         dict(entry_id="c", entity_id="F", title="F", section_title="lead", text="x", image="c.png", section=1),
         dict(entry_id="d", entity_id="F", title="F", section_title="more", text="y", image="d.png"),
     ]
-    store_from_kb_rows(rows, tmp_path / "a.sqlite")
+    assert store_from_kb_rows(rows, tmp_path / "a.sqlite") == {"articles": 2, "sections": 4, "entries": 4}
     store = ArticleStore(tmp_path / "a.sqlite")
     assert [store.entry(i)["section"] for i in "abcd"] == [4, 7, 1, 0]
     assert store.entry("d")["text"] == "y" and store.entry("c")["text"] == "x"
+
+
+def test_a_null_title_or_text_is_stored_empty(tmp_path):
+    """An upstream null (a section title, a text, an article title) is stored as "", so the title filter and the
+    entries' text read it as any other section."""
+    from retrieval.upstream.articles import ArticleWriter
+
+    with ArticleWriter(tmp_path / "a.sqlite") as w:
+        w.add_article("E", None, None, [(0, None, None), (1, "References", "Smith.")])
+        w.add_entry("E#image0", "E", 0, "a.jpg")
+    store = ArticleStore(tmp_path / "a.sqlite")
+    assert [(s["section_title"], s["text"]) for s in store.sections("E", skip_titles=["references"])] == [("", "")]
+    assert store.entry("E#image0")["title"] == "" and store.article("E")["title"] == ""
 
 
 def test_store_refuses_interleaved_entities_and_leaves_nothing(tmp_path):

@@ -13,6 +13,28 @@ def test_check_images_names_the_missing_files(tmp_path):
     check_images(rows[:1], tmp_path, "q.jsonl")
 
 
+@pytest.mark.parametrize(
+    "entity,stored",
+    [("Q90", "Q90"), (90, "90"), (["Q1", 2], ["Q1", "2"]), (None, None)],  # 2-hop: one per hop; test rows: none
+)
+def test_a_question_record_keeps_ids_as_strings(entity, stored):
+    from retrieval.kb import question_record
+
+    rec = question_record(7, "a.jpg", "Where?", entity, ("x",), question_type="String", answer_eval=None)
+    assert rec == {"id": "7", "image": "a.jpg", "question": "Where?", "entity_id": stored, "answers": ["x"]} | {
+        "question_type": "String"
+    }
+
+
+def test_a_kb_entry_carries_its_section_only_when_known():
+    from retrieval.kb import kb_entry
+
+    assert "section" not in kb_entry(1, 2, "T", "S", "text", "a.jpg")
+    assert kb_entry(1, 2, "T", "S", "text", "a.jpg", section=0) == dict(
+        entry_id="1", entity_id="2", title="T", section_title="S", text="text", image="a.jpg", section=0
+    )
+
+
 def test_load_image_names_missing_and_corrupt_images(tmp_path):
     from PIL import Image
 
