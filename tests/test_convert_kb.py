@@ -5,6 +5,7 @@ through the store unchanged."""
 
 import csv
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -114,7 +115,7 @@ def test_evqa_kb_rows_and_every_section_in_the_store(tmp_path, variant):
     for r in rows:  # every index row is reachable by its entry id, with the same text
         e = store.entry(r["entry_id"])
         assert {k: e[k] for k in r} == r
-    assert store.entry("nope") is None and "nope" not in store and ZORVAK in store
+    assert store.entry("nope") is None and store.article("nope") is None and "nope" not in store and ZORVAK in store
 
 
 def test_evqa_kb_with_title_keyed_image_csvs(tmp_path):
@@ -956,15 +957,22 @@ def test_sections_skipped_when_the_title_contains_a_skipped_word(tmp_path, title
     assert titles == (["Entity", title] if kept else ["Entity"])
 
 
-def test_a_duplicate_among_the_last_rows_leaves_no_temporary_store(tmp_path):
-    """The rows still pending at the end are written as the writer closes: a duplicate key there is refused, and the
-    half-written temporary beside the store went only when the writer was garbage-collected."""
+@pytest.mark.parametrize(
+    "table,key", [("articles", "entity_id"), ("sections", "(entity_id, idx)"), ("entries", "entry_id")]
+)
+def test_a_duplicate_among_the_last_rows_leaves_no_temporary_store(tmp_path, table, key):
+    """The rows still pending at the end are written as the writer closes: a duplicate key there is refused, naming
+    the key, and the half-written temporary beside the store went only when the writer was garbage-collected."""
     from retrieval.upstream.articles import ArticleWriter
 
     writer = ArticleWriter(tmp_path / "a.sqlite")
-    with pytest.raises(ValueError, match="a duplicate entity_id in articles"), writer as w:
-        w.add_article("E", "Entity", None, [(0, "Entity", "lead")])
-        w.add_article("E", "Entity", None, [(0, "Entity", "lead")])
+    with pytest.raises(ValueError, match=re.escape(f"a duplicate {key} in {table} (")), writer as w:
+        w.add_article("E", "Entity", None, [(0, "Entity", "lead")] * (2 if table == "sections" else 1))
+        w.add_entry("E#image0", "E", 0, "a.jpg")
+        if table == "articles":
+            w.add_article("E", "Entity", None, [])
+        if table == "entries":
+            w.add_entry("E#image0", "E", 0, "b.jpg")
     assert sorted(p.name for p in tmp_path.iterdir()) == []
     del writer  # held above, so the check did not rest on garbage collection
 

@@ -8,9 +8,42 @@ def test_check_images_names_the_missing_files(tmp_path):
 
     (tmp_path / "ok.png").write_bytes(b"x")
     rows = [{"id": "a", "image": "ok.png"}, {"id": "b", "image": "gone.png"}]
-    with pytest.raises(ValueError, match=r"1 question\(s\) in q.jsonl have no image file: b → .*gone.png"):
-        check_images(rows, tmp_path, "q.jsonl")
+    with pytest.raises(ValueError, match=r"1 question\(s\) in q.jsonl have no image file: b → .*gone.png$"):
+        check_images(rows, str(tmp_path), "q.jsonl")  # a root given as a string, as the CLIs pass it
     check_images(rows[:1], tmp_path, "q.jsonl")
+    gone = [{"id": str(i), "image": f"gone{i}.png"} for i in range(6)]
+    with pytest.raises(ValueError) as e:
+        check_images(gone[:5], tmp_path, "q.jsonl")
+    assert str(e.value).count(" → ") == 5 and not str(e.value).endswith("…")
+    with pytest.raises(ValueError, match=r"^6 question\(s\) .*gone4.png …$") as e:  # the first five named
+        check_images(gone, tmp_path, "q.jsonl")
+    assert str(e.value).count(" → ") == 5
+
+
+@pytest.mark.parametrize(
+    "entry,text",
+    [
+        ({"title": "Paris", "section_title": "History", "text": "Founded."}, "Paris. History. Founded."),
+        ({"title": "Paris", "section_title": None, "text": "Founded."}, "Paris. . Founded."),  # null: empty, not "None"
+        ({"title": None, "text": "Founded."}, ". . Founded."),
+        ({"title": "Paris", "section_title": "Paris", "text": None}, "Paris. Paris."),
+    ],
+)
+def test_entry_text_is_title_section_and_text_with_nulls_empty(entry, text):
+    from retrieval.kb import entry_text
+
+    assert entry_text(entry) == text
+    assert entry_text(entry, "{text}|{title}") == "|".join(entry.get(k) or "" for k in ("text", "title"))
+
+
+@pytest.mark.parametrize(
+    "record,gold",
+    [({"answers": ["x"]}, True), ({"answer_eval": ["x"]}, True), ({"answers": [], "answer_eval": []}, False)],
+)
+def test_has_gold_is_an_answer_or_an_answer_eval(record, gold):
+    from retrieval.kb import has_gold
+
+    assert has_gold(record) is gold
 
 
 @pytest.mark.parametrize(
