@@ -730,6 +730,21 @@ def test_kb_inputs_are_read_as_downloaded(tmp_path, fmt, packing):
     assert run(tmp_path / "packed") == run(tmp_path / "plain")
 
 
+def test_the_image_urls_to_fetch_are_each_articles_once(tmp_path):
+    from retrieval.upstream.fetch_images import kb_image_urls
+
+    (tmp_path / "w.jsonl").write_text("".join(json.dumps(r) + "\n" for r in wiki6m_rows()))
+    assert list(kb_image_urls(tmp_path / "w.jsonl", "wiki6m")) == ["http://img/eiffel.jpg"]  # null URLs left out
+    kb = {
+        ZORVAK: EVQA_KB[ZORVAK] | {"image_urls": ["http://img/a.jpg", "http://img/b.jpg", "http://img/a.jpg"]},
+        "https://en.wikipedia.org/wiki/Null": {"title": "Null", "image_urls": None},
+    }
+    (tmp_path / "kb.json").write_text(json.dumps(kb))
+    assert list(kb_image_urls(tmp_path / "kb.json", "evqa-kb")) == ["http://img/a.jpg", "http://img/b.jpg"]
+    with pytest.raises(ValueError, match="--kb_format must be evqa-kb or wiki6m, got 'oven'"):
+        list(kb_image_urls(tmp_path / "kb.json", "oven"))
+
+
 def test_fetch_images_reads_a_gzipped_wiki6m(tmp_path):
     import gzip
 
