@@ -745,6 +745,30 @@ def test_the_image_urls_to_fetch_are_each_articles_once(tmp_path):
         list(kb_image_urls(tmp_path / "kb.json", "oven"))
 
 
+UPLOAD = "https://upload.wikimedia.org/wikipedia"
+
+
+@pytest.mark.parametrize(
+    "url,png",
+    [
+        (f"{UPLOAD}/commons/a/ab/Flag.svg", f"{UPLOAD}/commons/thumb/a/ab/Flag.svg/960px-Flag.svg.png"),
+        (f"{UPLOAD}/en/a/ab/Flag.svg?x=1", f"{UPLOAD}/en/thumb/a/ab/Flag.svg/960px-Flag.svg.png"),
+        (f"{UPLOAD}/commons/a/ab/Flag.png", None),  # not an SVG
+        (f"{UPLOAD}/commons/thumb/ab/Flag.svg", None),  # already a thumbnail folder
+        ("https://upload.wikimedia.org/w/commons/a/ab/Flag.svg", None),
+        (f"{UPLOAD}/commons/x/a/ab/Flag.svg", None),  # one folder too many
+        (f"{UPLOAD}/a/ab/Flag.svg", None),  # one too few
+        (f"{UPLOAD}/commons/aa/ab/Flag.svg", None),  # <x> is one character,
+        (f"{UPLOAD}/commons/a/abc/Flag.svg", None),  # <xy> two,
+        (f"{UPLOAD}/commons/a/bc/Flag.svg", None),  # beginning with <x>
+    ],
+)
+def test_an_svg_in_wikimedias_upload_layout_has_a_png_rendering(url, png):
+    from retrieval.upstream.fetch_images import wikimedia_png
+
+    assert wikimedia_png(url, 960) == png
+
+
 def test_fetch_images_reads_a_gzipped_wiki6m(tmp_path):
     import gzip
 
