@@ -422,6 +422,22 @@ def test_a_null_title_or_text_is_stored_empty(tmp_path):
     assert store.entry("E#image0")["title"] == "" and store.article("E")["title"] == ""
 
 
+def test_a_kb_without_its_store_gets_one_built_beside_it_unless_one_is_named(tmp_path):
+    from retrieval.upstream.articles import open_store
+
+    rows = [dict(entry_id="a", entity_id="E", title="E", section_title="s", text="t", image="a.png", section=0)]
+    (tmp_path / "kb.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    with pytest.raises(ValueError, match="--articles: .*elsewhere.sqlite does not exist"):
+        open_store(tmp_path / "kb.jsonl", tmp_path / "elsewhere.sqlite", log=quiet)
+    said = []
+    store = open_store(tmp_path / "kb.jsonl", log=said.append)
+    assert store.path == store_path_for(tmp_path / "kb.jsonl") and store.entry("a") == rows[0]
+    assert "built from" in said[0] and "1 articles, 1 sections" in said[0]
+    said.clear()
+    open_store(tmp_path / "kb.jsonl", log=said.append)
+    assert said == []  # there now: opened, not built again
+
+
 def test_store_refuses_interleaved_entities_and_leaves_nothing(tmp_path):
     rows = [
         dict(entry_id=f"e{i}", entity_id=ent, title=ent, section_title="s", text="t", image="x.png")
@@ -1242,6 +1258,15 @@ def test_an_empty_body_or_a_page_without_content_type_is_not_saved_as_an_image(t
         assert fetch("/notype/page") == "not an image (no Content-Type, and PIL cannot read the body as one)"
         assert fetch("/notype/ok") is None
         assert [p.name for p in out.iterdir()] == [file_name(site.url("/notype/ok"))]
+
+
+def test_a_content_type_is_read_without_its_parameters_or_case(tmp_path):
+    from retrieval.upstream.fetch_images import fetch_one, file_name
+    from tests.upstream_site import Site, ok, png_bytes
+
+    with Site({"/a.png": [ok(png_bytes(), "Image/PNG; charset=binary")]}) as site:
+        assert fetch_one(site.url("/a.png"), tmp_path, 5, UA) is None
+        assert (tmp_path / file_name(site.url("/a.png"))).read_bytes() == png_bytes()
 
 
 def test_a_url_with_non_ascii_characters_or_spaces_is_fetched_under_the_name_of_the_url_as_listed(tmp_path):
