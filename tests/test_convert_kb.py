@@ -775,6 +775,7 @@ UPLOAD = "https://upload.wikimedia.org/wikipedia"
         (f"{UPLOAD}/commons/x/a/ab/Flag.svg", None),  # one folder too many
         (f"{UPLOAD}/a/ab/Flag.svg", None),  # one too few
         (f"{UPLOAD}/commons/aa/ab/Flag.svg", None),  # <x> is one character,
+        (f"{UPLOAD}/commons/ab/ab/Flag.svg", None),
         (f"{UPLOAD}/commons/a/abc/Flag.svg", None),  # <xy> two,
         (f"{UPLOAD}/commons/a/bc/Flag.svg", None),  # beginning with <x>
     ],
