@@ -1261,6 +1261,16 @@ def test_an_empty_body_or_a_page_without_content_type_is_not_saved_as_an_image(t
         assert [p.name for p in out.iterdir()] == [file_name(site.url("/notype/ok"))]
 
 
+def test_an_svg_served_without_a_content_type_is_rasterised_by_its_name(tmp_path, monkeypatch):
+    import retrieval.upstream.fetch_images as fi
+    from tests.upstream_site import SVG, Site, png_bytes
+
+    monkeypatch.setattr(fi, "svg_rasteriser", lambda: lambda data, width: png_bytes())
+    with Site({"/static/logo.svg": [(200, {}, SVG)]}) as site:
+        assert fi.fetch_one(site.url("/static/logo.svg"), tmp_path, 5, UA) is None
+    assert [p.name for p in tmp_path.iterdir()] == [f"{url_hash(site.url('/static/logo.svg'))}.png"]
+
+
 def test_a_content_type_is_read_without_its_parameters_or_case(tmp_path):
     from retrieval.upstream.fetch_images import fetch_one, file_name
     from tests.upstream_site import Site, ok, png_bytes
