@@ -1101,6 +1101,27 @@ def test_title_keyed_image_csvs_list_what_they_leave_out(tmp_path, image, file, 
 
 
 @pytest.mark.parametrize(
+    "changes,match",
+    [
+        (dict(kb=None), "--kb: None is not a file"),
+        (dict(kb="/nonexistent/gone.json"), "--kb: /nonexistent/gone.json is not a file"),
+        (dict(out=None), "--out: a folder is required"),
+        (dict(workers=0), "--workers must be ≥ 1, got 0"),
+        (dict(max_retries=-1), "--max_retries must be ≥ 0 and --svg_width ≥ 1, got -1, 960"),
+        (dict(svg_width=0), "--max_retries must be ≥ 0 and --svg_width ≥ 1, got 5, 0"),
+    ],
+)
+def test_fetch_images_refuses_bad_arguments_before_fetching(tmp_path, changes, match):
+    from retrieval.upstream.fetch_images import FetchArgs, fetch_images
+
+    kb = kb_with_images(tmp_path, ["http://127.0.0.1:9/a.png"])
+    args = dict(kb=str(kb), out=str(tmp_path / "imgs"), user_agent=UA) | changes
+    with pytest.raises(ValueError, match=match):
+        fetch_images(FetchArgs(**args), log=quiet)
+    assert not (tmp_path / "imgs").exists()
+
+
+@pytest.mark.parametrize(
     "user_agent,ok",
     [
         (None, False),
