@@ -786,6 +786,22 @@ def test_an_svg_in_wikimedias_upload_layout_has_a_png_rendering(url, png):
     assert wikimedia_png(url, 960) == png
 
 
+def test_a_url_shared_by_articles_is_fetched_once_and_limit_stops_the_run(tmp_path):
+    from retrieval.upstream.fetch_images import FetchArgs, fetch_images
+    from tests.upstream_site import Site, ok, png_bytes
+
+    with Site({f"/{x}.png": [ok(png_bytes())] * 2 for x in "abc"}) as site:
+        a, b, c = (site.url(f"/{x}.png") for x in "abc")
+        kb = {ZORVAK: {**EVQA_KB[ZORVAK], "image_urls": [a]}, PARIS: {**EVQA_KB[ZORVAK], "image_urls": [a, b, c]}}
+        (tmp_path / "kb.json").write_text(json.dumps(kb))
+        args = dict(kb=str(tmp_path / "kb.json"), user_agent=UA, workers=1)
+        assert fetch_images(FetchArgs(**args, out=str(tmp_path / "all")), log=quiet)["fetched"] == 3
+        assert sorted(site.paths()) == ["/a.png", "/b.png", "/c.png"]
+        trial = fetch_images(FetchArgs(**args, out=str(tmp_path / "trial"), limit=3), log=quiet)  # a, a, b
+    assert trial == {"fetched": 2, "failed": 0, "already there": 1, "failed before": 0}
+    assert sorted(p.name for p in (tmp_path / "trial").iterdir()) == sorted(f"{url_hash(u)}.png" for u in (a, b))
+
+
 def test_fetch_images_reads_a_gzipped_wiki6m(tmp_path):
     import gzip
 
@@ -1118,6 +1134,7 @@ def test_fetch_images_refuses_bad_arguments_before_fetching(tmp_path, changes, m
     kb = kb_with_images(tmp_path, ["http://127.0.0.1:9/a.png"])  # nothing listens there: refused at once
     args = FetchArgs(**dict(kb=str(kb), out=str(tmp_path / "imgs"), user_agent=UA) | changes)
     if match is None:
+        args.out = str(tmp_path / "data" / "evqa" / "kb_images")  # as the recipe names it, its parents made
         assert fetch_images(args, log=quiet)["failed"] == 1
     else:
         with pytest.raises(ValueError, match=match):
