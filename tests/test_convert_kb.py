@@ -1310,7 +1310,8 @@ def test_an_svg_served_without_a_content_type_is_rasterised_by_its_name(tmp_path
     monkeypatch.setattr(fi, "svg_rasteriser", lambda: lambda data, width: png_bytes())
     with Site({"/static/logo.svg": [(200, {}, SVG)]}) as site:
         assert fi.fetch_one(site.url("/static/logo.svg"), tmp_path, 5, UA) is None
-    assert [p.name for p in tmp_path.iterdir()] == [f"{url_hash(site.url('/static/logo.svg'))}.png"]
+    (saved,) = tmp_path.iterdir()
+    assert saved.name == f"{url_hash(site.url('/static/logo.svg'))}.png" and saved.read_bytes() == png_bytes()
 
 
 def test_a_content_type_is_read_without_its_parameters_or_case(tmp_path):
