@@ -1269,6 +1269,10 @@ def test_odd_kb_entries_convert_or_are_named():
     assert art["sections"] == [(0, "Intro", "Some lead text")]
     art, rows = evqa_article("https://x/wiki/D", {"section_texts": ["Lead."], "image_urls": ["u"]}, str, quiet)
     assert art["entity_id"] == rows[0]["entity_id"] == "https://x/wiki/D"  # no "url": the KB's key
+    # an entry whose own "url" differs from its key is the entity of its "url", as EchoSight's loader reads it
+    # (WikipediaKnowledgeBaseEntry.url: the id its retrieval returns and its recall compares with wikipedia_url)
+    own, _ = evqa_article("https://x/wiki/Key", {"url": "https://x/wiki/Own", "section_texts": ["L."]}, str, quiet)
+    assert own["entity_id"] == own["url"] == "https://x/wiki/Own"
     assert art["title"] == rows[0]["title"] == ""
     art = {
         "title": "C",

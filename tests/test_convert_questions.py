@@ -460,9 +460,11 @@ def test_infoseek_without_withkb_needs_require_entity_false(tmp_path):
         (dict(format="evqa-questions", input=__file__, out="y", split="val", image_dirs="landmarks"), "--image_dirs"),
     ],
 )
-def test_convert_refuses_bad_arguments(args, match):
+def test_convert_refuses_bad_arguments(args, match, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the relative --out "y": were a check to let it through, nothing lands in the repo
     with pytest.raises(ValueError, match=match):
         convert(ConvertArgs(**args))
+    assert list(tmp_path.iterdir()) == []  # refused before anything is written
 
 
 @given(st.from_regex(r"[0-9a-f]{16}", fullmatch=True))

@@ -239,7 +239,7 @@ def evqa_article(
     """
     if not isinstance(art, dict):
         raise ValueError(f"E-VQA KB: the entry for {url!r} is {type(art).__name__}, not an article object")
-    entity = art.get("url") or url
+    entity = art.get("url") or url  # its own url first, as EchoSight's loader reads it (the ids its retrieval returns)
     title = art.get("title") or ""
     titles, texts = (art.get(k) or [] for k in ("section_titles", "section_texts"))
     titles, texts = ([x] if isinstance(x, str) else list(x) for x in (titles, texts))  # one section as a bare string
