@@ -24,10 +24,8 @@ miss, as in the reference evaluation; the count is logged and written as ``gold_
 
 from __future__ import annotations
 
-import csv
 import json
 import os
-import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,9 +33,10 @@ from pathlib import Path
 import numpy as np
 
 from common.cli import parse, require_file
-from common.files import atomic_path, pyplot, read_jsonl, save_figure, write_json_atomic, write_text_atomic
+from common.files import atomic_path, read_jsonl, write_json_atomic, write_text_atomic
 from common.placement import decode_workers
 from retrieval.answers import answer_in_passage
+from retrieval.eval_report import format_table, rank_change_files, write_csv, write_rank_change, write_sweep
 from retrieval.index import MultimodalIndex, require_index
 from retrieval.ranking import check_alpha, check_k, ranks_of
 
@@ -113,20 +112,6 @@ def compare_fields(text: str | None, text_field: str) -> list[str]:
     return fields
 
 
-def rank_change_files(fields: list[str]) -> dict[str, str]:
-    """{compared field: its rank-change histogram}: ``rank_change.png`` for one field, ``rank_change_<field>.png`` for
-    several (a character a file name should not hold as ``_``); two fields with one file are refused."""
-    names = {
-        f: "rank_change.png" if len(fields) == 1 else f"rank_change_{re.sub(r'[^A-Za-z0-9_.+-]', '_', f)}.png"
-        for f in fields
-    }
-    for f in fields:
-        same = [g for g in fields if names[g] == names[f]]
-        if len(same) > 1:
-            raise ValueError(f"--compare: fields {same} would both write {names[f]}; rename one of them")
-    return names
-
-
 def recall_at(ranks: list[int | None], ks: list[int]) -> dict[str, float]:
     n = max(len(ranks), 1)
     return {f"R@{k}": 100.0 * sum(1 for r in ranks if r is not None and r <= k) / n for k in ks}
@@ -198,18 +183,6 @@ def evaluate_ranked(
         metrics.update(pseudo_recall_at(hit_texts, [r.get("answers") or [] for r in rows], ks))
     metrics["n"] = len(rows)
     return {"metrics": metrics, "ranks": ranks}
-
-
-def format_table(results: dict[str, dict], ks: list[int], label: str = "field") -> str:
-    cols = [f"R@{k}" for k in ks] + [f"PR@{k}" for k in ks]
-    cols = [c for c in cols if any(c in m for m in results.values())]
-    head = f"| {label} | n | " + " | ".join(cols) + " |"
-    sep = "|" + "---|" * (len(cols) + 2)
-    body = [
-        f"| {name} | {m['n']} | " + " | ".join(f"{m[c]:.1f}" if c in m else "—" for c in cols) + " |"
-        for name, m in results.items()
-    ]
-    return "\n".join([head, sep, *body])
 
 
 ORIGINAL = "question"  # the field a rank change is measured from when it is one of the two
@@ -317,15 +290,15 @@ def run(args: EvalArgs, log=print) -> dict:
             ]
             with atomic_path(new / "ranks.jsonl") as tmp, open(tmp, "w", encoding="utf-8") as fh:
                 fh.writelines(json.dumps(p) + "\n" for p in per_question)
-            _write_csv(new / "metrics.csv", {f: r["metrics"] for f, r in results[alphas[0]].items()})
+            write_csv(new / "metrics.csv", {f: r["metrics"] for f, r in results[alphas[0]].items()})
             per = results[alphas[0]]
             for f, name in rank_change_files(compared).items():  # one histogram per compared field
                 before, after = (f, args.text_field) if f == ORIGINAL else (args.text_field, f)
-                summary.setdefault("rank_change", {})[f] = _write_rank_change(
+                summary.setdefault("rank_change", {})[f] = write_rank_change(
                     new / name, per[before]["ranks"], per[after]["ranks"], args.depth, before, after
                 )
         else:
-            _write_sweep(new, alphas, list(results[alphas[0]]), ks, results, log)
+            write_sweep(new, alphas, list(results[alphas[0]]), ks, results, log)
         write_json_atomic(new / "metrics.json", summary)
         replace_outputs(new, out)
     log(f"wrote {out}/metrics.json")
@@ -341,75 +314,6 @@ def replace_outputs(new: Path, out: Path) -> None:
     for stale in [out / name for name in OUTPUT_FILES] + list(out.glob("rank_change*.png")):
         if stale.name not in written:
             stale.unlink(missing_ok=True)
-
-
-def rank_changes(before: list[int | None], after: list[int | None], depth: int) -> list[int]:
-    """Per question, how many places the gold entity moved up (a miss counts as rank depth + 1)."""
-    return [(depth + 1 if b is None else b) - (depth + 1 if a is None else a) for b, a in zip(before, after)]
-
-
-def _write_csv(path: Path, metrics: dict[str, dict]) -> None:
-    keys = list(dict.fromkeys(k for m in metrics.values() for k in m))
-    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8", newline="") as fh:
-        w = csv.writer(fh)
-        w.writerow(["field", *keys])
-        w.writerows([f, *(round(m[k], 4) if k in m else "" for k in keys)] for f, m in metrics.items())
-
-
-def _write_rank_change(path: Path, before, after, depth: int, before_name: str, after_name: str) -> dict:
-    """Histogram of per-question rank change from ``before_name`` to ``after_name``; returns its summary."""
-    changes = rank_changes(before, after, depth)
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.hist(changes, bins=41, color="#3b75af")
-    ax.axvline(0, color="k", lw=0.8)
-    ax.set_xlabel(f"rank improvement ({before_name} rank − {after_name} rank)")
-    ax.set_ylabel("questions")
-    fig.tight_layout()
-    save_figure(fig, path)
-    n = max(len(changes), 1)
-    return {
-        "improved": sum(c > 0 for c in changes) / n,
-        "unchanged": sum(c == 0 for c in changes) / n,
-        "worse": sum(c < 0 for c in changes) / n,
-        "median": float(np.median(changes)) if changes else 0.0,
-    }
-
-
-def _write_sweep(out: Path, alphas, fields, ks, results, log) -> None:
-    plt = pyplot()
-
-    keys = [f"R@{k}" for k in ks]
-    with atomic_path(out / "alpha_sweep.csv") as tmp, open(tmp, "w", encoding="utf-8", newline="") as fh:
-        w = csv.writer(fh)
-        w.writerow(["alpha", "field", *keys])
-        for a in alphas:
-            for f in fields:
-                w.writerow([a, f, *(f"{results[a][f]['metrics'][k]:.2f}" for k in keys)])
-    lines = ["| α | field | " + " | ".join(keys) + " |", "|" + "---|" * (len(keys) + 2)]
-    lines += [
-        f"| {a:g} | {f} | " + " | ".join(f"{results[a][f]['metrics'][k]:.1f}" for k in keys) + " |"
-        for a in alphas
-        for f in fields
-    ]
-    log("\n".join(lines))
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for f in fields:
-        for k in keys:
-            ax.plot(
-                alphas,
-                [results[a][f]["metrics"][k] for a in alphas],
-                marker="o",
-                ms=3,
-                label=f"{k} ({f})" if len(fields) > 1 else k,
-            )
-    ax.set_xlabel("α (image weight)")
-    ax.set_ylabel("recall (%)")
-    ax.set_title("Recall@K against α")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    save_figure(fig, out / "alpha_sweep.png", dpi=120)
 
 
 def main(argv=None) -> None:

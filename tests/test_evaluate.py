@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+import retrieval.eval_report as report
 import retrieval.evaluate as ev
 from retrieval.evaluate import EvalArgs, parse_ks, parse_sweep, pseudo_recall_at, recall_at
 from retrieval.ranking import Ranked
@@ -121,13 +122,13 @@ def test_each_compared_field_has_its_own_histogram(fields, files):
         ):
             ev.compare_fields(",".join(fields), "question")
     else:
-        assert ev.rank_change_files(fields) == files
+        assert report.rank_change_files(fields) == files
         assert ev.compare_fields(",".join(fields), "question") == fields
 
 
 def test_format_table_shows_the_columns_some_row_has_and_a_dash_where_a_row_lacks_one():
     results = {"question": {"R@1": 12.345, "R@5": 50.0, "PR@1": 7.0, "n": 4}, "refined": {"R@1": 100.0, "n": 4}}
-    assert ev.format_table(results, [1, 5], label="method").splitlines() == [
+    assert report.format_table(results, [1, 5], label="method").splitlines() == [
         "| method | n | R@1 | R@5 | PR@1 |",
         "|---|---|---|---|---|",
         "| question | 4 | 12.3 | 50.0 | 7.0 |",
@@ -270,7 +271,7 @@ def test_results_go_to_outputs_eval_and_the_queries_name_by_default(
 
 @pytest.mark.parametrize("before,after,expected", [([5, None, 1], [1, 3, None], [4, 198, -200]), ([], [], [])])
 def test_rank_changes(before, after, expected):
-    assert ev.rank_changes(before, after, depth=200) == expected
+    assert report.rank_changes(before, after, depth=200) == expected
 
 
 @pytest.mark.parametrize(
@@ -329,7 +330,7 @@ def test_an_earlier_run_is_removed_only_once_the_new_results_are_written(
     def disk_full(*a):
         raise OSError("No space left on device")
 
-    monkeypatch.setattr(ev, "_write_csv", disk_full)
+    monkeypatch.setattr(ev, "write_csv", disk_full)
     with pytest.raises(OSError):
         run(tiny_index_dir, q, tmp_path, alpha=0.25)
     assert {p.name: p.read_bytes() for p in (tmp_path / "ev").iterdir() if p.name in before} == before
@@ -502,7 +503,7 @@ def test_main_runs_the_evaluation_its_flags_describe(monkeypatch):
 
 
 def test_metrics_csv_rounds_to_four_places_and_leaves_a_metric_a_row_lacks_empty(tmp_path):
-    ev._write_csv(
+    report.write_csv(
         tmp_path / "metrics.csv",
         {
             "question": {"R@1": 12.345678, "PR@1": 50.0, "n": 3, "same_rank_as_flat": 200 / 3},
@@ -519,29 +520,29 @@ def test_metrics_csv_rounds_to_four_places_and_leaves_a_metric_a_row_lacks_empty
 def saved_figures(monkeypatch) -> dict:
     """File name → the figure evaluate saved there (still written to disk)."""
     figures = {}
-    real = ev.save_figure
+    real = report.save_figure
 
     def keep(fig, path, **kw):
         figures[Path(path).name] = fig
         real(fig, path, **kw)
 
-    monkeypatch.setattr(ev, "save_figure", keep)
+    monkeypatch.setattr(report, "save_figure", keep)
     return figures
 
 
 def test_rank_change_summary_and_histogram(tmp_path, monkeypatch):
     figures = saved_figures(monkeypatch)
     before, after = [3, 4, 5, 7, 2, None, 1], [2, 2, 6, 7, 2, 1, None]  # moved up 1, 2, -1, 0, 0, 10, -10 (depth 10)
-    summary = ev._write_rank_change(tmp_path / "rank_change.png", before, after, 10, "question", "refined")
+    summary = report.write_rank_change(tmp_path / "rank_change.png", before, after, 10, "question", "refined")
     assert summary == pytest.approx({"improved": 3 / 7, "unchanged": 2 / 7, "worse": 2 / 7, "median": 0.0})
     assert (tmp_path / "rank_change.png").stat().st_size > 1000
     (ax,) = figures["rank_change.png"].axes
     assert sum(p.get_height() for p in ax.patches) == 7  # every question in the histogram
     assert ax.get_xlabel() == "rank improvement (question rank − refined rank)"
     assert list(ax.lines[0].get_xdata()) == [0, 0]  # the no-change line
-    one = ev._write_rank_change(tmp_path / "one.png", [2], [1], 10, "question", "refined")
+    one = report.write_rank_change(tmp_path / "one.png", [2], [1], 10, "question", "refined")
     assert one == {"improved": 1.0, "unchanged": 0.0, "worse": 0.0, "median": 1.0}
-    no_questions = ev._write_rank_change(tmp_path / "none.png", [], [], 10, "question", "refined")
+    no_questions = report.write_rank_change(tmp_path / "none.png", [], [], 10, "question", "refined")
     assert no_questions == {"improved": 0.0, "unchanged": 0.0, "worse": 0.0, "median": 0.0}
 
 
@@ -552,7 +553,7 @@ def test_alpha_sweep_csv_table_and_plot(tmp_path, monkeypatch, fields):
     metrics |= {(0.0, "refined"): (12.5, 25.0), (0.5, "refined"): (50.0, 62.5)}
     results = {a: {f: {"metrics": dict(zip(["R@1", "R@5"], metrics[a, f]))} for f in fields} for a in (0.0, 0.5)}
     lines = []
-    ev._write_sweep(tmp_path, [0.0, 0.5], fields, [1, 5], results, lines.append)
+    report.write_sweep(tmp_path, [0.0, 0.5], fields, [1, 5], results, lines.append)
     rows = [(a, f) for a in (0.0, 0.5) for f in fields]
     assert (tmp_path / "alpha_sweep.csv").read_text(encoding="utf-8").splitlines() == ["alpha,field,R@1,R@5"] + [
         f"{a},{f},{metrics[a, f][0]:.2f},{metrics[a, f][1]:.2f}" for a, f in rows
@@ -601,7 +602,7 @@ def test_pseudo_recall_reads_the_kb_given_or_is_skipped_without_one_and_metrics_
     missing = ev.run(EvalArgs(**args, kb=str(tmp_path / "none.jsonl"), out=str(tmp_path / "none")), log=lines.append)
     assert missing["results"]["0.5"]["question"] == {k: v for k, v in own.items() if not k.startswith("PR@")}
     assert f"pseudo-recall skipped: KB file {tmp_path / 'none.jsonl'} not found (pass --kb)" in lines
-    table = ev.format_table(missing["results"]["0.5"], [1, 5, 10, 20])
+    table = report.format_table(missing["results"]["0.5"], [1, 5, 10, 20])
     assert (tmp_path / "none" / "metrics.md").read_text(encoding="utf-8") == f"α = 0.5\n\n{table}\n"
 
 
