@@ -7,16 +7,8 @@ import pytest
 from PIL import Image
 
 from common.files import check_unique_ids
-from rl.data import (
-    NOT_IN_INDEX,
-    RLDataArgs,
-    bucket_of,
-    build_rl_data,
-    held_out_sample,
-    parse_strata,
-    question_dataset,
-    stratified_sample,
-)
+from rl.data import NOT_IN_INDEX, RLDataArgs, build_rl_data, question_dataset
+from rl.strata import bucket_of, held_out_sample, parse_strata, stratified_sample
 from toy.refiner import COLOUR_SHIFT, attribute_stats, learning_row, warm_start_rows
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
