@@ -434,3 +434,78 @@ def test_a_question_image_in_a_mode_no_png_holds_reaches_a_vllm_server_as_rgb(ti
         messages = [{"role": "user", "content": [{"type": "image", "image": im}, {"type": "text", "text": "?"}]}]
         (sent,) = to_openai_messages(messages)
         assert sent["content"][0]["image_url"]["url"].startswith("data:image/png;base64,")
+
+
+def test_question_dataset_takes_the_path_as_a_string(tiny_world, tmp_path):
+    """rl.train_grpo passes --train_file as the string it was given."""
+    rows = [json.loads(x) for x in open(tiny_world / "test.jsonl", encoding="utf-8")][:2]
+    rows[1]["image"] = "images/gone.png"
+    queries = str(write_rows(tmp_path / "q.jsonl", rows))
+    lines = []
+    ds = question_dataset(queries, images_root=tiny_world, prompt="toy", bad_images_dir=tmp_path, log=lines.append)
+    assert ds["id"] == [rows[0]["id"]] and (tmp_path / "q.bad_images.jsonl").exists()
+    listed = tmp_path / "q.bad_images.jsonl"
+    assert lines == [f"{queries}: left out 1 question(s) whose image is missing or unreadable, listed in {listed}"]
+
+
+def test_a_plain_question_image_is_held_by_its_path_not_copied_into_the_dataset(tiny_world, tmp_path):
+    """Only an image no PNG holds, or one past PIL's limit, goes in as bytes: every question image held in memory
+    would grow the dataset by the whole image folder."""
+    from datasets import Image as ImageColumn
+
+    rows = [json.loads(x) for x in open(tiny_world / "test.jsonl", encoding="utf-8")][:1]
+    Image.open(tiny_world / rows[0]["image"]).convert("L").save(tmp_path / "grey.png")
+    rows.append({**rows[0], "id": "grey", "image": str(tmp_path / "grey.png")})
+    ds = question_dataset(write_rows(tmp_path / "q.jsonl", rows), images_root=tiny_world, prompt="toy")
+    stored = ds.cast_column("image", ImageColumn(decode=False))["image"]
+    assert stored == [
+        {"path": str((tiny_world / rows[0]["image"]).resolve()), "bytes": None},
+        {"path": str(tmp_path / "grey.png"), "bytes": None},
+    ]
+    assert ds[1]["image"].mode == "L"  # the file's own pixels; the processor converts them as it does any image
+
+
+def test_image_column_value_names_why_an_image_in_a_mode_no_png_holds_does_not_load(tmp_path):
+    """A CMYK JPEG whose header reads but whose data is cut short: a ValueError saying so, not an AttributeError."""
+    import io
+
+    import numpy as np
+
+    from rl.data import image_column_value
+
+    pixels = np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels, "RGB").convert("CMYK").save(buffer, "JPEG")
+    (tmp_path / "cut.jpg").write_bytes(buffer.getvalue()[:-2000])
+    assert Image.open(tmp_path / "cut.jpg").mode == "CMYK"
+    with pytest.raises(ValueError, match=r"^image unreadable: .*cut\.jpg .*truncated"):
+        image_column_value(str(tmp_path / "cut.jpg"))
+
+
+class EntitiesOf:
+    def __init__(self, *known):
+        self.known = set(known)
+
+    def has_entity(self, entity_id):
+        return entity_id in self.known
+
+
+@pytest.mark.parametrize(
+    "absent,shown",
+    [
+        (["E1"], "E1"),
+        ([f"E{i}" for i in range(1, 6)], "E1, E2, E3, E4, E5"),
+        ([f"E{i}" for i in range(1, 7)], "E1, E2, E3, E4, E5 …"),
+    ],
+)
+def test_warn_absent_entities_counts_each_entity_once_and_shows_five(capsys, absent, shown):
+    from rl.data import warn_absent_entities
+
+    data = {"entity_id": ["K1", *absent, *absent, "K2"]}  # two questions about each
+    warn_absent_entities(EntitiesOf("K1", "K2"), data, "train_file")
+    assert capsys.readouterr().out == (
+        f"warning: train_file: {len(absent)} gold entities are not in the index (their questions always miss): "
+        f"{shown}; python -m rl.data drops such questions\n"
+    )
+    warn_absent_entities(EntitiesOf("K1", "K2", *absent), data, "train_file")
+    assert capsys.readouterr().out == ""
