@@ -175,13 +175,14 @@ class RLDataArgs:
 
 
 def image_size(path) -> tuple[int, int]:
-    """An image file's (width, height) from its header; (1, 1) past PIL's pixel limit (its aspect is checked where it
-    is decoded, downscaled: ``verify_images``)."""
+    """An image file's (width, height) from its header; past PIL's pixel limit, that of the downscaled picture
+    ``load_image`` gives, whose aspect ``verify_images`` checks in training ((1, 1) if it does not load)."""
     try:
         with Image.open(path) as image:
             return image.size
     except Image.DecompressionBombError:
-        return 1, 1
+        image, _ = load_image(path)
+        return image.size if image is not None else (1, 1)
 
 
 def skip_record(rec: dict, reason: str) -> dict:

@@ -509,3 +509,34 @@ def test_warn_absent_entities_counts_each_entity_once_and_shows_five(capsys, abs
     )
     warn_absent_entities(EntitiesOf("K1", "K2", *absent), data, "train_file")
     assert capsys.readouterr().out == ""
+
+
+def test_an_image_past_pils_limit_is_kept_or_left_out_as_training_will_read_it(
+    tiny_world, tiny_index_dir, tmp_path, shared_encoders, monkeypatch
+):
+    """Training decodes an image past PIL's limit downscaled (``load_image``) and checks that picture's aspect
+    (``verify_images``): the RL file keeps exactly the questions training will keep, ranked."""
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 5_000)  # PIL refuses more than twice this: 10,000 pixels
+    rows = [json.loads(x) for x in open(tiny_world / "train.jsonl", encoding="utf-8")][:3]
+    Image.new("RGB", (200, 100), "red").save(tmp_path / "big.png")  # 20,000 pixels, 2:1
+    Image.new("RGB", (4000, 10), "red").save(tmp_path / "thin.png")  # 40,000 pixels, 400:1 (333:1 downscaled)
+    rows[0]["image"], rows[1]["image"] = str(tmp_path / "big.png"), str(tmp_path / "thin.png")
+    queries = write_rows(tmp_path / "q.jsonl", rows)
+    out = tmp_path / "o.jsonl"
+    args = RLDataArgs(
+        queries=str(queries),
+        index=str(tiny_index_dir),
+        alpha=0.5,
+        strata="1-1000:100,miss:100",
+        depth=1000,
+        out=str(out),
+        images_root=str(tiny_world),
+        embed_images=False,
+    )
+    build_rl_data(args, log=lambda *a: None)
+    written = [json.loads(x)["id"] for x in open(out, encoding="utf-8")]
+    (skipped,) = map(json.loads, open(f"{out}.skipped.jsonl", encoding="utf-8"))
+    assert written == [rows[0]["id"], rows[2]["id"]]
+    assert skipped["id"] == rows[1]["id"] and "aspect ratio past 200:1" in skipped["reason"]
+    ds = question_dataset(out, images_root=tiny_world, prompt="toy", log=lambda *a: None)
+    assert ds["id"] == written  # training leaves none of them out
