@@ -28,7 +28,7 @@ from common.job_parts import JobParts
 from common.placement import Processes, decode_workers, dist_timeout_field, job_device, process_state
 from retrieval.index import MultimodalIndex, require_index
 from retrieval.kb import GOLD_KEYS, downscaled_jpeg, load_image
-from retrieval.ranking import check_alpha
+from retrieval.ranking import check_alpha, check_k
 from rl.image_budget import aspect_problem
 from rl.image_embeddings import embed_images, image_path_of
 from rl.prompts import prompt_messages, prompt_spec
@@ -268,6 +268,7 @@ def build_rl_data(args: RLDataArgs, log=print, state=None) -> dict:
         raise ValueError("--out is required")
     if args.eval_out and (args.eval_questions <= 0 or Path(args.eval_out).resolve() == Path(args.out).resolve()):
         raise ValueError("--eval_out needs --eval_questions > 0 and a file other than --out")
+    check_k(args.depth, "--depth")  # before the index loads and the baseline's settings are recorded
     strata = parse_strata(args.strata)
     deepest = max((hi for _, _, hi, _ in strata if hi is not None), default=0)
     if deepest > args.depth:  # ranks past depth come back as misses: that bucket would be filled from misses' place

@@ -540,3 +540,61 @@ def test_an_image_past_pils_limit_is_kept_or_left_out_as_training_will_read_it(
     assert skipped["id"] == rows[1]["id"] and "aspect ratio past 200:1" in skipped["reason"]
     ds = question_dataset(out, images_root=tiny_world, prompt="toy", log=lambda *a: None)
     assert ds["id"] == written  # training leaves none of them out
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (dict(queries="none.jsonl"), r"^--queries: file 'none.jsonl' does not exist"),
+        (dict(index="no_index"), r"^--index: 'no_index' is not a finished index directory"),
+        (dict(alpha=None), r"^--alpha is required"),
+        (dict(alpha=1.5), r"^alpha must be in \[0, 1\], got 1.5"),
+        (dict(out=None), r"^--out is required"),
+        (dict(eval_out="held.jsonl", eval_questions=0), r"^--eval_out needs --eval_questions > 0"),
+        (dict(eval_out="held.jsonl", eval_questions=-1), r"^--eval_out needs --eval_questions > 0"),
+        (dict(strata="miss:3", depth=0), r"^--depth must be a positive integer, got 0"),
+    ],
+)
+def test_build_rl_data_refuses_bad_arguments_before_any_retrieval(
+    tiny_world, tiny_index_dir, tmp_path, monkeypatch, change, message
+):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "q.jsonl").write_text((tiny_world / "train.jsonl").read_text(encoding="utf-8"), encoding="utf-8")
+    args = dict(queries="q.jsonl", index=str(tiny_index_dir), alpha=0.5, out="o.jsonl", images_root=str(tiny_world))
+    with pytest.raises(ValueError, match=message):
+        build_rl_data(RLDataArgs(**{**args, **change}), log=lambda *a: None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q.jsonl"]  # nothing recorded, nothing written
+
+
+def test_build_rl_data_resumes_its_baseline_and_refuses_one_made_with_other_settings(
+    tiny_world, tiny_index_dir, tmp_path, shared_encoders
+):
+    """An interrupted run goes on from ``<out>.baseline.jsonl``; records made with another α are refused, not mixed
+    in. A 2-hop question (a list of gold entities) is listed with its own reason, and one held-out question is
+    asked and given."""
+    rows = [json.loads(x) for x in open(tiny_world / "train.jsonl", encoding="utf-8")][:4]
+    rows[3]["entity_id"] = [rows[0]["entity_id"], rows[1]["entity_id"]]
+    queries, out = write_rows(tmp_path / "q.jsonl", rows), tmp_path / "o.jsonl"
+    settings = {"queries": str(queries.resolve()), "index": str(tiny_index_dir.resolve()), "alpha": 0.5}
+    settings["depth"] = 1000
+    baseline = tmp_path / "o.jsonl.baseline.jsonl"
+    recorded = tmp_path / "o.jsonl.baseline.settings.json"
+    args = dict(queries=str(queries), index=str(tiny_index_dir), strata="1-699:0,700-1000:9", depth=1000, out=str(out))
+    args.update(images_root=str(tiny_world), embed_images=False, eval_out=str(tmp_path / "held.jsonl"))
+    for alpha, rank in ((0.5, 777), (0.3, 1)):
+        recorded.write_text(json.dumps({**settings, "alpha": alpha}), encoding="utf-8")
+        baseline.write_text(json.dumps({"id": rows[0]["id"], "rank": rank}) + "\n", encoding="utf-8")
+        lines = []
+        if alpha != 0.5:
+            with pytest.raises(ValueError, match=r"other settings \(alpha: 0.3 then, 0.5 now\)"):
+                build_rl_data(RLDataArgs(alpha=0.5, **args), log=lines.append)
+            continue
+        summary = build_rl_data(RLDataArgs(alpha=0.5, eval_questions=1, **args), log=lines.append)
+        assert "baseline retrieval, process 0/1: 1 of 3 done" in "\n".join(lines)
+        written = {r["id"]: r["baseline_rank"] for r in map(json.loads, open(out, encoding="utf-8"))}
+        held = {r["id"]: r["baseline_rank"] for r in map(json.loads, open(tmp_path / "held.jsonl", encoding="utf-8"))}
+        assert written == {rows[0]["id"]: 777}  # its rank taken from the file, not ranked again (24 entities)
+        assert summary["held_out"] == 1 and set(held) <= {rows[1]["id"], rows[2]["id"]}
+        (skipped,) = map(json.loads, open(f"{out}.skipped.jsonl", encoding="utf-8"))
+        assert skipped["id"] == rows[3]["id"] and skipped["reason"].startswith("2-hop question")
+        assert not baseline.exists() and not recorded.exists()  # removed once the file is written
