@@ -114,8 +114,10 @@ def test_build_rl_data_writes_an_empty_skip_list_and_refuses_when_nothing_is_usa
 ):
     rows = [json.loads(x) for x in open(tiny_world / "train.jsonl", encoding="utf-8")][:2]
     args = dict(index=str(tiny_index_dir), alpha=0.5, images_root=str(tiny_world), out=str(tmp_path / "o.jsonl"))
-    build_rl_data(RLDataArgs(queries=str(write_rows(tmp_path / "q.jsonl", rows)), **args), log=lambda *a: None)
+    lines = []
+    build_rl_data(RLDataArgs(queries=str(write_rows(tmp_path / "q.jsonl", rows)), **args), log=lines.append)
     assert (tmp_path / "o.jsonl.skipped.jsonl").read_text() == ""
+    assert not any("left out" in line for line in lines)  # nothing to say
     bad = [{**r, "entity_id": "E9999"} for r in rows]
     with pytest.raises(ValueError, match="no question is usable"):
         build_rl_data(RLDataArgs(queries=str(write_rows(tmp_path / "bad.jsonl", bad)), **args), log=lambda *a: None)
@@ -151,7 +153,7 @@ def test_check_unique_ids_names_the_first_ten_duplicates_and_the_source():
 
 
 def test_build_rl_data_writes_buckets(tiny_world, tiny_index_dir, tmp_path, shared_encoders):
-    out = tmp_path / "rl.jsonl"
+    out, lines = tmp_path / "rl.jsonl", []
     summary = build_rl_data(
         RLDataArgs(
             queries=str(tiny_world / "train.jsonl"),
@@ -161,9 +163,18 @@ def test_build_rl_data_writes_buckets(tiny_world, tiny_index_dir, tmp_path, shar
             out=str(out),
             seed=1,
         ),
-        log=lambda *a: None,
+        log=lines.append,
     )
     rows = [json.loads(x) for x in open(out, encoding="utf-8")]
+    assert json.loads((tmp_path / "rl.jsonl.buckets.json").read_text(encoding="utf-8")) == summary
+    b = summary["buckets"]
+    assert b["1-5"]["available"] > 3 and b["6-24"]["available"] < 100  # one bucket filled, one short
+    start = lines.index("     1-5:      3 of      3")  # then the image embeddings' own lines
+    assert lines[start : start + 3] == [
+        "     1-5:      3 of      3",
+        f"    6-24: {b['6-24']['taken']:6d} of    100   (only {b['6-24']['available']} available)",
+        f"wrote {len(rows)} questions to {out}",
+    ]
     assert (
         summary["sampled"]
         == len(rows)
@@ -387,8 +398,9 @@ def test_held_out_questions_are_never_in_the_rl_sample(tiny_world, tiny_index_di
     assert len(rows) == summary["held_out"] == 12 and not train & {r["id"] for r in rows}
     assert all("baseline_rank" in r for r in rows)
     manifest = json.loads((tiny_index_dir / "manifest.json").read_text())
-    assert {r["image"] for r in rows} <= set(load_store(held, manifest))
+    assert {r["image"] for r in rows} == set(load_store(held, manifest))  # each file's own images, no others
     train_images = {r["image"] for r in map(json.loads, open(out, encoding="utf-8"))}
+    assert train_images == set(load_store(out, manifest))
     assert not train_images & {r["image"] for r in rows}
     said = []  # fewer left than asked for: said, not only counted
     more = dict(strata="1-5:5,6-24:5,miss:5", out=str(tmp_path / "rl2.jsonl"), eval_out=str(held), eval_questions=999)
@@ -598,3 +610,4 @@ def test_build_rl_data_resumes_its_baseline_and_refuses_one_made_with_other_sett
         (skipped,) = map(json.loads, open(f"{out}.skipped.jsonl", encoding="utf-8"))
         assert skipped["id"] == rows[3]["id"] and skipped["reason"].startswith("2-hop question")
         assert not baseline.exists() and not recorded.exists()  # removed once the file is written
+        assert not (tmp_path / "o.jsonl.image-embeddings").exists()  # --embed_images false
