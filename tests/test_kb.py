@@ -78,19 +78,31 @@ def test_load_image_names_missing_and_corrupt_images(tmp_path):
     image, reason = load_image(tmp_path / "ok.png")
     assert reason is None and image.mode == "RGB" and image.size == (4, 3)
     assert load_image(tmp_path / "gone.png")[1] == f"image file missing: {tmp_path / 'gone.png'}"
+    assert load_image(str(tmp_path / "ok.png"))[0].size == (4, 3)  # a path as a string (the datasets' columns)
     assert load_image(tmp_path / "bad.jpg")[1].startswith(f"image unreadable: {tmp_path / 'bad.jpg'} (")
 
 
 @pytest.mark.parametrize(
-    "fmt,size,loads",
+    "fmt,mode,size,decoded",
     [
-        ("JPEG", (300, 200), True),  # over PIL's decompression-bomb limit: decoded downscaled (JPEG draft)
-        ("PNG", (300, 200), True),  # … (PNG: decoded, then reduced)
-        ("PNG", (80, 60), True),  # under the limit: as before, full size
-        ("PNG", (1000, 800), False),  # over this module's bound too: refused with the reason
+        ("PNG", "RGB", (80, 60), (80, 60)),  # under PIL's decompression-bomb limit: as before, full size
+        ("PNG", "RGB", (230, 200), (58, 50)),  # over it: decoded, then reduced by ceil(sqrt(46,000 / 5,000)) = 4
+        ("PNG", "RGB", (101, 197), (26, 50)),  # reduce(2) rounds up to 51×99 = 5,049 pixels: halved once more
+        ("PNG", "RGB", (200, 100), (100, 50)),  # reduced by 2 to exactly 5,000 pixels: within, not halved again
+        ("PNG", "P", (300, 140), (100, 47)),  # a palette image: to RGB before it is reduced (PIL reduces no P)
+        ("PNG", "RGB", (500, 400), (72, 58)),  # exactly this module's bound: still decoded
+        ("JPEG", "RGB", (300, 140), (75, 35)),  # a JPEG: decoded at 1/2 scale (draft), 150×70, then reduced by 2
+        ("JPEG", "RGB", (330, 250), (42, 32)),  # … at 1/4 scale, 83×63, then reduced by 2
+        ("JPEG", "RGB", (143, 140), (48, 47)),  # 72×70 at 1/2 scale would round up past the limit: whole, by 3
+        ("JPEG", "RGB", (140, 143), (47, 48)),  # … turned
+        ("JPEG", "CMYK", (300, 140), (75, 35)),  # a CMYK JPEG comes back RGB
+        ("PNG", "RGB", (1000, 800), None),  # over this module's bound too: refused with the reason
     ],
 )
-def test_kb_images_over_the_pixel_limit_decode_downscaled(tmp_path, monkeypatch, fmt, size, loads):
+def test_kb_images_over_the_pixel_limit_decode_downscaled(tmp_path, monkeypatch, fmt, mode, size, decoded):
+    """The exact size every encoder sees for an image past PIL's limit (down to within ``Image.MAX_IMAGE_PIXELS``),
+    in its colour, as RGB, whatever the file's mode."""
+    import numpy as np
     from PIL import Image
 
     import retrieval.kb as kb
@@ -98,20 +110,50 @@ def test_kb_images_over_the_pixel_limit_decode_downscaled(tmp_path, monkeypatch,
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 5_000)  # PIL refuses more than twice this: 10,000 pixels
     monkeypatch.setattr(kb, "LARGE_IMAGE_PIXELS", 200_000)  # the bound for images decoded past PIL's limit
     path = tmp_path / f"big.{fmt.lower()}"
+    colour = (10, 120, 200)
     with monkeypatch.context() as m:
         m.setattr(Image, "MAX_IMAGE_PIXELS", None)
-        Image.new("RGB", size, (10, 120, 200)).save(path, format=fmt)
+        if mode == "P":
+            im = Image.new("P", size, 0)
+            im.putpalette(colour)
+        else:
+            im = Image.new("RGB", size, colour).convert(mode)
+        im.save(path, format=fmt)
     image, reason = kb.load_image(path)
-    if not loads:
+    if decoded is None:
         assert image is None and "800000 pixels" in reason and "200000" in reason
         return
-    assert reason is None and image.mode == "RGB"
-    w, h = image.size
-    if size[0] * size[1] <= 2 * 5_000:
-        assert image.size == size
-    else:
-        assert w * h <= 5_000 * 2 and abs(w / h - size[0] / size[1]) < 0.1  # downscaled, aspect kept
+    assert reason is None and image.mode == "RGB" and image.size == decoded
+    assert size[0] * size[1] <= 2 * 5_000 or decoded[0] * decoded[1] <= 5_000  # within PIL's limit once downscaled
+    tolerance = 0 if fmt == "PNG" else 8  # JPEG's lossy colour
+    assert np.abs(np.asarray(image, dtype=np.int16) - np.array(colour)).max() <= tolerance
     assert Image.MAX_IMAGE_PIXELS == 5_000  # PIL's own limit restored
+
+
+def test_downscaled_jpeg_is_load_images_picture_at_quality_95_or_names_why_not(tmp_path, monkeypatch):
+    """Training's image column holds an image past PIL's limit as these bytes (rl.data.image_column_value): the
+    picture ``load_image`` gives the index and the reward, as a quality-95 JPEG; a file that does not load is named."""
+    import io
+
+    from PIL import Image
+
+    import retrieval.kb as kb
+
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 5_000)
+    path = tmp_path / "big.png"
+    with monkeypatch.context() as m:
+        m.setattr(Image, "MAX_IMAGE_PIXELS", None)
+        Image.new("RGB", (230, 200), (10, 120, 200)).save(path)
+    expected = io.BytesIO()
+    kb.load_image(path)[0].save(expected, format="JPEG", quality=95)
+    data = kb.downscaled_jpeg(str(path))
+    assert data == expected.getvalue()
+    assert Image.open(io.BytesIO(data)).size == (58, 50)
+    with pytest.raises(ValueError, match="image file missing: .*gone.png"):
+        kb.downscaled_jpeg(tmp_path / "gone.png")
+    (tmp_path / "bad.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
+    with pytest.raises(ValueError, match="image unreadable: .*bad.jpg"):
+        kb.downscaled_jpeg(tmp_path / "bad.jpg")
 
 
 @pytest.mark.parametrize("orientation,size", [(None, (40, 24)), (1, (40, 24)), (3, (40, 24)), (6, (24, 40))])
