@@ -26,6 +26,7 @@ import numpy as np
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 REPO = Path(__file__).resolve().parent.parent
+from common.files import read_json
 from toy.world import make_entities, sections
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -110,7 +111,7 @@ def build(
     if p.returncode != 0:
         sys.exit(f"build failed ({p.returncode}):\n{log[-5000:]}")
     results = [json.loads(x[len("RESULT ") :]) for x in p.stdout.splitlines() if x.startswith("RESULT ")]
-    manifest = json.loads((out / "manifest.json").read_text(encoding="utf-8"))
+    manifest = read_json(out / "manifest.json")
     waits = [int(w) for w in re.findall(r"encoder waited for decoded images (\d+)%", log)]
     encode_s = [float(s) for s in re.findall(r"images encoded in ([0-9.]+)s", log)]
     built_s = float(re.search(r"texts encoded for [0-9,]+ rows, ([0-9.]+)s", log).group(1))

@@ -20,7 +20,6 @@ Run it on an otherwise idle machine: anything else running takes the same cores.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import resource
@@ -30,6 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
+from common.files import read_json
 from toy.refiner import ATTRIBUTES
 
 PHASES = {"warm start s": r"^warm start \(SFT\): \d+ steps in (\d+) s", "GRPO s": r"^GRPO: \d+ steps in (\d+) s"}
@@ -56,7 +56,7 @@ def run_seed(seed: int, out: Path) -> dict:
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    table = json.loads((out / "learning.json").read_text(encoding="utf-8"))
+    table = read_json(out / "learning.json")
     text = (out / "run.log").read_text(encoding="utf-8").replace("\r", "\n")
     return {
         "seed": seed,

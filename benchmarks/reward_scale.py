@@ -34,6 +34,7 @@ import torch
 from timing import best_time
 
 from common.faiss_lib import faiss
+from common.files import read_json
 from common.placement import configure_threads, usable_cores
 from retrieval.faiss_build import build_faiss_index_from_chunks, read_faiss
 from retrieval.index import MultimodalIndex
@@ -220,7 +221,7 @@ for n in [int(s) for s in args.sizes.split(",")]:
                 why = f"ended with return code {ended[0]}{killed}" if ended else f"wrote nothing in {CHILD_TIMEOUT_S} s"
                 sys.exit(f"N = {n:,}, {procs} process(es): a memory-measuring child {why} before writing its figures")
             time.sleep(0.2)
-        stats = [json.loads(o.read_text(encoding="utf-8")) for o in outs]
+        stats = [read_json(o) for o in outs]
         for o in outs:
             o.with_suffix(".release").touch()
         for c in children:

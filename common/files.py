@@ -124,6 +124,11 @@ def write_json_atomic(path: str | Path, obj) -> None:
     write_text_atomic(path, json_text(obj, indent=2) + "\n")
 
 
+def read_json(path: str | Path):
+    """A JSON file (a manifest, a record, a trainer state), read as UTF-8 whatever the locale."""
+    return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
 def write_jsonl_atomic(path: str | Path, records: Iterable[dict]) -> int:
     n = 0
     with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:

@@ -23,6 +23,7 @@ from common.files import (
     append_jsonl,
     check_unique_ids,
     jsonl_lines,
+    read_json,
     repair_jsonl,
     write_json_atomic,
     write_jsonl_atomic,
@@ -73,7 +74,7 @@ class JobParts(Processes):
                 "away"
             )
         if self.started() and recorded.exists():
-            before = json.loads(recorded.read_text(encoding="utf-8"))
+            before = read_json(recorded)
             changed = changed_keys(before, settings)
             if changed:
                 said = "; ".join(f"{k}: {before.get(k)!r} then, {settings.get(k)!r} now" for k in changed)

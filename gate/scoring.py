@@ -13,11 +13,11 @@ threshold sweep: gate.train.evaluation.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
+from common.files import read_json
 from common.placement import resolve_device
 from gate.variants import BINARY, messages, parse_completion, spec
 from rl.generate import generate_completions
@@ -63,7 +63,7 @@ def load_gate(path, device: str | None = None, dtype: str | None = None):
     path = Path(path)
     if not (path / GATE_FILE).is_file():
         raise ValueError(f"gate model {path}: no {GATE_FILE} (a folder written by gate/train/sft.py)")
-    info = json.loads((path / GATE_FILE).read_text(encoding="utf-8"))
+    info = read_json(path / GATE_FILE)
     s = spec(info["variant"], info.get("verbalisers"), info.get("prompt"))
     model, processor = load_model(str(path), dtype=dtype, device=resolve_device(device))
     if info["variant"] in BINARY or info["variant"] == "skb":

@@ -6,14 +6,13 @@ presence means the index is complete.
 
 from __future__ import annotations
 
-import json
 import time
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 
-from common.files import atomic_path, write_json_atomic, write_jsonl_atomic
+from common.files import atomic_path, read_json, write_json_atomic, write_jsonl_atomic
 from retrieval.build_shards import shard_paths
 from retrieval.encoders import query_instruction_of
 from retrieval.faiss_build import build_faiss_index_from_chunks
@@ -29,9 +28,7 @@ def assemble(out: Path, build_dir: Path, scan: KBScan, items, settings: dict, ar
 
     from common.faiss_lib import faiss
 
-    text_metas = [
-        json.loads(shard_paths(build_dir, k, i)[1].read_text(encoding="utf-8")) for k, i in items if k == "text"
-    ]
+    text_metas = [read_json(shard_paths(build_dir, k, i)[1]) for k, i in items if k == "text"]
     image_shards = [i for k, i in items if k == "image"]
     S = args.shard_size
 
@@ -55,7 +52,7 @@ def assemble(out: Path, build_dir: Path, scan: KBScan, items, settings: dict, ar
     schema = pa.schema([("entry_id", pa.string()), ("entity_id", pa.string()), ("title", pa.string())])
     with atomic_path(out / ROWS_FILE) as tmp, pq.ParquetWriter(tmp, schema) as writer:
         for i in image_shards:
-            meta = json.loads(shard_paths(build_dir, "image", i)[1].read_text(encoding="utf-8"))
+            meta = read_json(shard_paths(build_dir, "image", i)[1])
             writer.write_table(
                 pa.table(
                     {"entry_id": meta["entry_ids"], "entity_id": meta["entity_ids"], "title": meta["titles"]},

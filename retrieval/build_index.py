@@ -26,7 +26,6 @@ kept) and its query instruction (``auto``: the model's own query prompt), the im
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -35,7 +34,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from common.cli import parse, require_file
-from common.files import file_fingerprint, write_json_atomic
+from common.files import file_fingerprint, read_json, write_json_atomic
 from common.placement import (
     Processes,
     configure_threads,
@@ -256,7 +255,7 @@ def build_index(args: BuildArgs, log=print, encoders=None, state=None) -> dict |
     build_dir = out / "build"
     manifest_path, state_path = index_files(out)
     if manifest_path.exists():
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        manifest = read_json(manifest_path)
         built = manifest.get("build", manifest)
         if all(built.get(k) == v for k, v in settings.items() if k not in IDENTITY_IGNORES):
             log(f"index in {out} is already built from this KB with these settings; nothing to do")
@@ -268,7 +267,7 @@ def build_index(args: BuildArgs, log=print, encoders=None, state=None) -> dict |
             "pass --overwrite to replace it or choose another --out"
         )
     if state_path.exists():
-        previous = json.loads(state_path.read_text(encoding="utf-8"))
+        previous = read_json(state_path)
         # a setting the partial build did not record (an older version) is not held against it
         diff = sorted(k for k in settings if k in previous and previous[k] != settings[k] and k not in ASSEMBLY_ONLY)
         if diff:

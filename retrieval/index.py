@@ -12,12 +12,12 @@ Index directory:
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
+from common.files import read_json
 from common.placement import (
     configure_threads,
     dtype_name,
@@ -113,7 +113,7 @@ class MultimodalIndex:
         manifest_path = path / MANIFEST_FILE
         if not manifest_path.exists():
             raise FileNotFoundError(f"{path} is not a finished index directory: {manifest_path} is missing")
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        manifest = read_json(manifest_path)
         for side, given in (("image", image_encoder), ("text", text_encoder)):
             name = getattr(given, "name", given)
             if name is not None and name != manifest[f"{side}_encoder"]:
@@ -382,4 +382,4 @@ def require_index(value, flag: str = "index") -> dict:
     manifest = Path(value or "") / MANIFEST_FILE
     if not value or not manifest.is_file():
         raise ValueError(f"--{flag}: {value!r} is not a finished index directory (no {MANIFEST_FILE})")
-    return json.loads(manifest.read_text(encoding="utf-8"))
+    return read_json(manifest)

@@ -29,7 +29,7 @@ from pathlib import Path
 from PIL import Image
 
 from common.cli import check_choices, parse
-from common.files import atomic_folder, write_json_atomic
+from common.files import atomic_folder, read_json, write_json_atomic
 from common.model_card import write_card
 from common.placement import DTYPE_NAMES, resolve_dtype
 from rewards import parse_query
@@ -74,7 +74,7 @@ def resolve_checkpoint(path: Path) -> Path:
     for cut in (c for c in checkpoints if c not in saved):
         print(f"{cut} has no trainer_state.json (its save was cut short): not exported")
     if saved:
-        state = json.loads((saved[-1] / "trainer_state.json").read_text(encoding="utf-8"))
+        state = read_json(saved[-1] / "trainer_state.json")
         best = state.get("best_model_checkpoint")  # output_dir/checkpoint-N, output_dir as the run was given it
         if best and (path / Path(best).name).is_dir():  # in this folder: the recorded path may name another run's
             return path / Path(best).name
@@ -100,7 +100,7 @@ def step_and_metrics(ckpt: Path) -> tuple[int | None, dict]:
     )
     if state_file is None:
         return None, {}
-    state = json.loads(state_file.read_text(encoding="utf-8"))
+    state = read_json(state_file)
     step = state.get("global_step")
     return step, held_out(state.get("log_history", []), step)
 
@@ -114,7 +114,7 @@ def load_for_export(ckpt: Path, record: dict, dtype: str):
     if adapter.exists():
         from peft import PeftModel
 
-        base = json.loads(adapter.read_text(encoding="utf-8")).get("base_model_name_or_path")
+        base = read_json(adapter).get("base_model_name_or_path")
         candidates = [b for b in (base, record.get("base_model")) if b]
         base = next((b for b in candidates if Path(b).exists()), candidates[0] if candidates else None)
         if base is None:
@@ -195,7 +195,7 @@ def verify(folder: Path, image_path: str | None = None, question: str = "What is
     import torch
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    spec = json.loads((folder / "refiner.json").read_text(encoding="utf-8"))
+    spec = read_json(folder / "refiner.json")
     model = AutoModelForImageTextToText.from_pretrained(str(folder), dtype=torch.float32)
     processor = AutoProcessor.from_pretrained(str(folder))
     image = open_vlm_image(image_path) if image_path else Image.new("RGB", (224, 224), (128, 128, 128))

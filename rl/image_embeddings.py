@@ -32,7 +32,7 @@ import numpy as np
 from tqdm import tqdm
 
 from common.cli import parse, require_file
-from common.files import atomic_path, read_jsonl, readable_records, write_json_atomic, write_text_atomic
+from common.files import atomic_path, read_json, read_jsonl, readable_records, write_json_atomic, write_text_atomic
 from common.job_parts import JobParts
 from common.placement import decode_workers, dist_timeout_field, job_device, process_state
 from retrieval.index import MultimodalIndex, require_index
@@ -67,7 +67,7 @@ def store_manifest(queries: str | Path, manifest: dict) -> dict | None:
     """The store's own manifest for this index's encoder (None when there is no store); refuses another encoder's."""
     folder = store_dir(queries, manifest)
     try:
-        meta = json.loads((folder / MANIFEST_FILE).read_text(encoding="utf-8"))
+        meta = read_json(folder / MANIFEST_FILE)
     except FileNotFoundError:
         return None
     if {k: meta.get(k) for k in encoder_identity(manifest)} != encoder_identity(manifest):
@@ -85,7 +85,7 @@ def load_store(queries: str | Path, manifest: dict, meta: dict | None = None) ->
     meta = meta or store_manifest(queries, manifest)
     if meta is None:
         return {}
-    images = json.loads((folder / meta.get("images_file", IMAGES_FILE)).read_text(encoding="utf-8"))
+    images = read_json(folder / meta.get("images_file", IMAGES_FILE))
     emb = np.load(folder / meta.get("embeddings_file", EMBEDDINGS_FILE), allow_pickle=False)
     if emb.shape != (len(images), int(manifest["image_dim"])) or meta.get("count", len(images)) != len(images):
         raise ValueError(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import json
 import logging
 import re
 import warnings
@@ -12,6 +11,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
+from common.files import read_json
 from common.placement import dtype_name, outside_zero3_init, resolve_dtype
 from retrieval.kb import downscaled_jpeg, to_rgb, upright
 from rl.image_budget import aspect_problem
@@ -198,7 +198,7 @@ def load_trained(folder, dtype: str | None = None, device: str = "cpu", base: st
         from peft import PeftModel
         from transformers import AutoProcessor
 
-        base = base or json.loads(adapter.read_text(encoding="utf-8")).get("base_model_name_or_path")
+        base = base or read_json(adapter).get("base_model_name_or_path")
         model, processor = load_model(base, dtype, device)
         model = PeftModel.from_pretrained(model, str(folder)).merge_and_unload()
     if (folder / "tokenizer_config.json").exists():

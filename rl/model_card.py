@@ -14,6 +14,7 @@ import re
 import shlex
 from pathlib import Path
 
+from common.files import read_json
 from common.model_card import code_block, figures_table, format_rate, format_value, render_card, write_card
 from rewards.format import INVALID_REWARD, MAX_QUERY_TOKENS, PARSER_VERSION, VALID_REWARD
 from rewards.rank import DEFAULT_MISS, DEFAULT_TIERS, max_depth, parse_tiers
@@ -251,7 +252,7 @@ def write_run_cards(output_dir, log_history: list[dict], best_step: int | None =
     ``best_step``: the step whose weights ``final/`` holds when the trainer loaded the best checkpoint at the end
     (``load_best_model_at_end``): the card names it and that step's evaluation, not the last ones."""
     output_dir = Path(output_dir)
-    record = json.loads((output_dir / RUN_RECORD).read_text(encoding="utf-8"))
+    record = read_json(output_dir / RUN_RECORD)
     text = refiner_card(
         record,
         held_out(log_history, best_step),

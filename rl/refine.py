@@ -19,7 +19,6 @@ Python API: ``Refiner.load(path)`` and ``refiner.refine(images, questions) -> li
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,7 +26,7 @@ import torch
 from tqdm import tqdm
 
 from common.cli import parse, require_file, require_other_file
-from common.files import check_unique_ids, input_settings, read_jsonl, weights_fingerprint
+from common.files import check_unique_ids, input_settings, read_json, read_jsonl, weights_fingerprint
 from common.job_parts import JobParts
 from common.placement import dist_timeout_field, process_state, resolve_device
 from retrieval.kb import QUESTION_KEYS, check_images
@@ -53,7 +52,7 @@ def load_spec(path: Path, say=print) -> dict:
     model, or a checkpoint moved out of its run folder) our wikiseeker prompt and ``FALLBACK_GENERATION``, said in one
     line: a refiner trained on another prompt, or on longer replies, is then refined otherwise than it was trained."""
     if (path / "refiner.json").exists():
-        return json.loads((path / "refiner.json").read_text(encoding="utf-8"))
+        return read_json(path / "refiner.json")
     rec = find_run_record(path)
     if rec is not None:
         return {

@@ -3,11 +3,10 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict
 from pathlib import Path
 
-from common.files import file_fingerprint, readable_records, write_json_atomic, write_jsonl_atomic
+from common.files import file_fingerprint, read_json, readable_records, write_json_atomic, write_jsonl_atomic
 from retrieval.index import MANIFEST_FILE
 from rl.prompts import prompt_spec
 
@@ -80,7 +79,7 @@ def check_output_dir(output_dir: Path, record: dict) -> None:
     trained = [p.name for p in (*checkpoints, output_dir / "final", output_dir / "metrics.json") if p.exists()]
     if not trained:
         return
-    saved = json.loads(path.read_text(encoding="utf-8"))
+    saved = read_json(path)
     differ = resume_differences(saved, record)
     for name, key in (("base model", "base_model"), ("--seed", "seed"), ("--max_steps", "max_steps")):
         a = saved.get(key, saved.get("optimisation", {}).get(key))
@@ -129,7 +128,7 @@ def saved_step(checkpoint) -> int | None:
 def checkpoint_step(checkpoint) -> int | None:
     """The optimizer step a checkpoint folder was saved at (its trainer_state.json), None when it has none."""
     state = Path(checkpoint) / "trainer_state.json"
-    return json.loads(state.read_text(encoding="utf-8")).get("global_step") if state.is_file() else None
+    return read_json(state).get("global_step") if state.is_file() else None
 
 
 def make_run_record(
@@ -140,7 +139,7 @@ def make_run_record(
     precision: str | None = None,
 ) -> dict:
     """What ``write_run_record`` writes."""
-    manifest = json.loads((Path(args.index) / MANIFEST_FILE).read_text(encoding="utf-8"))
+    manifest = read_json(Path(args.index) / MANIFEST_FILE)
     return {
         "base_model": str(Path(model_path).resolve()) if Path(model_path).exists() else model_path,
         "refiner_args": asdict(args),
@@ -184,5 +183,5 @@ def find_run_record(path: Path) -> dict | None:
     """The record of the run a checkpoint (or final folder, or run dir) belongs to, if there is one."""
     for folder in (path, path.parent, path.parent.parent):
         if (folder / RUN_RECORD).exists():
-            return json.loads((folder / RUN_RECORD).read_text(encoding="utf-8"))
+            return read_json(folder / RUN_RECORD)
     return None

@@ -8,12 +8,11 @@ fix that from the retrieval reward alone, since stating a wrong colour ranks the
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
-from common.files import read_jsonl, write_json_atomic
+from common.files import read_json, read_jsonl, write_json_atomic
 from common.placement import Processes
 from retrieval.evaluate import recall_at
 from rewards.format import format_completion, parse_query
@@ -89,7 +88,7 @@ def run_warm_start(
     done = out / "warm_start.json"
     procs.barrier(f"each process reached the warm start in {out}")  # every process sees the same folder
     if done.exists():
-        previous = json.loads(done.read_text(encoding="utf-8")).get("settings")
+        previous = read_json(done).get("settings")
         if previous is None:
             raise ValueError(
                 f"{out} holds a warm start from an earlier version that recorded no settings: delete it "

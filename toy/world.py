@@ -15,7 +15,6 @@ attributes helps — the properties a refiner needs to be able to learn from ret
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +23,7 @@ import numpy as np
 from tqdm import tqdm
 
 from common.cli import parse
-from common.files import file_fingerprint, write_json_atomic, write_jsonl_atomic
+from common.files import file_fingerprint, read_json, write_json_atomic, write_jsonl_atomic
 from retrieval.build_index import BuildArgs, build_index
 from retrieval.encoder_names import check_image_encoder_name, check_text_encoder_name
 from retrieval.index import MultimodalIndex
@@ -174,7 +173,7 @@ def generate(args: ToyWorldArgs, log=print) -> dict:
     }
     settings["version"] = WORLD_VERSION
     world_file = out / "world.json"
-    done = json.loads(world_file.read_text(encoding="utf-8")) if world_file.exists() else {}
+    done = read_json(world_file) if world_file.exists() else {}
     if done.get("settings") == settings:
         log(f"toy world in {out} already generated")
         return done
@@ -263,10 +262,10 @@ def build(args: ToyWorldArgs, log=print) -> dict:
         ),
         log=log,
     )
-    built = json.loads((index_dir / "manifest.json").read_text(encoding="utf-8"))["created"]
+    built = read_json(index_dir / "manifest.json")["created"]
     previous = out / "calibration.json"
     if previous.exists():
-        report = json.loads(previous.read_text(encoding="utf-8"))
+        report = read_json(previous)
         if (report.get("index_created"), report.get("alpha"), report.get("depth")) == (built, args.alpha, args.depth):
             report["median_rank_by_correct_attributes"] = {
                 int(k): v for k, v in report["median_rank_by_correct_attributes"].items()
@@ -285,7 +284,7 @@ def world_args(out: str, alpha: float) -> ToyWorldArgs:
     """The settings of the world already generated in ``out`` (kept as it is), or the defaults for a folder with none
     (or with a world from an older generator, which is regenerated)."""
     world_file = Path(out) / "world.json"
-    settings = json.loads(world_file.read_text(encoding="utf-8")).get("settings", {}) if world_file.exists() else {}
+    settings = read_json(world_file).get("settings", {}) if world_file.exists() else {}
     if settings.get("version") != WORLD_VERSION:
         return ToyWorldArgs(out=str(out), alpha=alpha)
     return ToyWorldArgs(out=str(out), alpha=alpha, **{k: v for k, v in settings.items() if k != "version"})
@@ -296,7 +295,7 @@ def _index_stale(index_dir: Path, args: ToyWorldArgs) -> bool:
     manifest = index_dir / "manifest.json"
     if not manifest.exists():
         return False
-    m = json.loads(manifest.read_text(encoding="utf-8"))
+    m = read_json(manifest)
     return (m.get("image_encoder"), m.get("text_encoder"), m.get("kb_fingerprint")) != (
         args.image_encoder,
         args.text_encoder,

@@ -4,12 +4,11 @@ named and present, and a resumed output folder that holds predictions from these
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from common.cli import check_choices, require_file
-from common.files import file_fingerprint, weights_fingerprint, write_json_atomic
+from common.files import file_fingerprint, read_json, weights_fingerprint, write_json_atomic
 from common.job_parts import JobParts, changed_keys
 from common.placement import dist_timeout_field
 from gate.pipeline.consistency import STRATEGIES
@@ -220,7 +219,7 @@ def check_same_config(out: Path, args: PipelineArgs) -> None:
         current["generator_prompt_content"] = file_fingerprint(args.generator_prompt)
     path = out / "pipeline_config.json"
     if path.is_file():
-        before = json.loads(path.read_text(encoding="utf-8"))
+        before = read_json(path)
         changed = changed_keys(before, current)
         if "weights" in changed:  # which model folder's weights: a model exported again into the same folder
             old, new = before.get("weights") or {}, current["weights"]

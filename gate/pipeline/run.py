@@ -30,7 +30,15 @@ import numpy as np
 from tqdm import tqdm
 
 from common.cli import parse
-from common.files import check_unique_ids, pyplot, read_jsonl, save_figure, write_json_atomic, write_text_atomic
+from common.files import (
+    check_unique_ids,
+    pyplot,
+    read_json,
+    read_jsonl,
+    save_figure,
+    write_json_atomic,
+    write_text_atomic,
+)
 from common.job_parts import JobParts
 from common.llm import request_failed
 from common.placement import job_device, process_state
@@ -314,7 +322,7 @@ def report(records: list[dict], out: Path, args: PipelineArgs, log=print, withou
     if both and gate_scores:
         metrics["threshold_curve"] = threshold_curve(records, threshold_grid(gate_scores))
     if (out / PLACEMENT_FILE).is_file():
-        metrics["placement"] = json.loads((out / PLACEMENT_FILE).read_text(encoding="utf-8"))
+        metrics["placement"] = read_json(out / PLACEMENT_FILE)
     write_json_atomic(out / "metrics.json", metrics)
     system = f"pipeline (gate: {gate_name(args.gate)})"
     table = format_table(metrics, system) if "accuracy" in metrics else "no answered questions"
@@ -342,7 +350,7 @@ def gate_name(gate: str) -> str:
     info = Path(gate) / "gate.json"
     if gate in ("always", "never") or not info.is_file():
         return gate
-    return f"{json.loads(info.read_text(encoding='utf-8'))['variant']}, {gate}"
+    return f"{read_json(info)['variant']}, {gate}"
 
 
 def _summarize_chosen(records: list[dict]) -> dict:

@@ -6,11 +6,10 @@ rows with an image (``<variant>.<split>.jsonl``, gate.train.render). ``args`` is
 from __future__ import annotations
 
 import glob
-import json
 import zlib
 from pathlib import Path
 
-from common.files import read_jsonl, write_json_atomic, write_jsonl_atomic
+from common.files import read_json, read_jsonl, write_json_atomic, write_jsonl_atomic
 from common.job_parts import JobParts
 from gate.pipeline.context import answered_other_sections, section_text
 from gate.train.answer_expansion import EXPANDED_FILE, expanded_targets
@@ -171,9 +170,7 @@ def same_judge(judged: Path, contexts: Path) -> None:
     judged by one judge, or a document that changed nothing reads as one that did."""
     recorded = [JobParts(f).settings_file for f in (judged, contexts)]
     made = [
-        {k: v for k, v in json.loads(r.read_text(encoding="utf-8")).items() if k in ("judge", "judge_model")}
-        if r.is_file()
-        else None
+        {k: v for k, v in read_json(r).items() if k in ("judge", "judge_model")} if r.is_file() else None
         for r in recorded
     ]
     if None not in made and made[0] != made[1]:
@@ -195,7 +192,7 @@ def stage_label(args, out: Path, log=print) -> int:
                 f"label mct: {cons_path} does not exist (run --stage consistency first, or set --mct_rule gold-entity)"
             )
         recorded = JobParts(cons_path).settings_file
-        made_with = json.loads(recorded.read_text(encoding="utf-8")).get("mct_gamma") if recorded.is_file() else None
+        made_with = read_json(recorded).get("mct_gamma") if recorded.is_file() else None
         if made_with is not None and made_with != args.mct_gamma:
             raise ValueError(
                 f"label mct: {cons_path} was made with γ = {made_with} (its summaries cover the documents with P(Rel) "

@@ -9,9 +9,9 @@ save, so ours must come last).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from common.files import read_json
 from common.model_card import code_block, figures_table, format_rate, format_value, render_card, write_card
 from gate.scoring import DEFAULT_THRESHOLDS, GATE_FILE
 from gate.variants import BINARY, spec
@@ -229,7 +229,7 @@ def gate_card(info: dict, metrics: dict | None, *, name: str, folder) -> str:
 def write_gate_cards(output_dir, metrics: dict | None) -> str:
     """Our card over TRL's in a gate's ``final/`` folder and its output dir (main process, after final/ is saved)."""
     output_dir = Path(output_dir)
-    info = json.loads((output_dir / "final" / GATE_FILE).read_text(encoding="utf-8"))
+    info = read_json(output_dir / "final" / GATE_FILE)
     text = gate_card(info, metrics, name=output_dir.resolve().name, folder=(output_dir / "final").resolve())
     for folder in (output_dir / "final", output_dir):
         write_card(folder, text)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.cli import check_choices, parse, require_file
-from common.files import atomic_folder, write_json_atomic
+from common.files import atomic_folder, read_json, write_json_atomic
 from common.placement import Processes, outside_zero3_init
 from gate.scoring import GATE_FILE, verbaliser_ids
 from gate.train.evaluation import evaluate_gate, evaluate_generated
@@ -170,7 +170,7 @@ def rendered_prompt(train_file: str, variant: str) -> dict | None:
     render), so the trained gate is scored with it; None for rows rendered before that file existed."""
 
     path = prompt_file_for(Path(train_file).parent, variant)
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+    return read_json(path) if path.is_file() else None
 
 
 def rendered_verbalisers(args: GateArguments) -> None:

@@ -21,7 +21,6 @@ import csv
 import gzip
 import hashlib
 import io
-import json
 import urllib.parse
 import zipfile
 import zlib
@@ -29,7 +28,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from common.files import json_record, without_lone_surrogates
+from common.files import json_record, read_json, without_lone_surrogates
 from retrieval.kb import kb_entry
 
 # --------------------------------------------------------------------------- reading
@@ -369,7 +368,7 @@ def read_entity_map(path: str | Path) -> dict[str, str]:
     not a QID)."""
     path = Path(path)
     if path.suffix == ".json":
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = read_json(path)
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a JSON object mapping QIDs to URLs")
         return {str(k): str(v) for k, v in data.items()}
