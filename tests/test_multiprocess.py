@@ -324,7 +324,10 @@ def test_a_launch_whose_port_was_taken_meanwhile_goes_on_with_another(tmp_path, 
     then fails at its rendezvous, before any process of the job starts, and ``two_processes`` launches again on
     another port."""
     script = tmp_path / "hello.py"
-    script.write_text("import os\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])\n")
+    # one write per line: both processes share the pipe, unbuffered, and print(a, b) writes its pieces one by one
+    script.write_text(
+        "import os, sys\nsys.stdout.write(f\"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}\\n\")\n"
+    )
     with socket.socket() as taken:
         taken.bind(("", 0))
         taken.listen()
