@@ -239,3 +239,21 @@ def test_a_question_labelled_again_with_another_answer_is_expanded_again(tmp_pat
     stage_render(render, tmp_path, log=lambda *a: None)
     rendered = "\n".join(json.dumps(r) for r in read_jsonl(tmp_path / "inspector.train.jsonl"))
     assert "Tower 1 is 12 m tall." in rendered and "10 m tall" not in rendered
+
+
+@pytest.mark.parametrize(
+    "device,dtype,loaded",
+    [(None, "auto", ("cuda:0", None)), ("cpu", "auto", ("cpu", None)), ("cuda:1", "bf16", ("cuda:1", "bf16"))],
+)
+def test_a_local_expander_loads_on_this_processs_device_unless_told(device, dtype, loaded, monkeypatch):
+    """``--expander MODEL`` without ``--device`` loaded the text LLM on the CPU (in fp32) on a GPU machine, where
+    every other model of the gate data takes this process's own device."""
+    import common.placement
+    import gate.train.answer_expansion as expansion
+
+    monkeypatch.setattr(common.placement, "process_device", lambda: "cuda:0")  # a machine with a GPU
+    calls = []
+    monkeypatch.setattr(expansion, "replier", lambda *a, **k: calls.append(k) or (lambda users: []))
+    args = BuildDataArgs(stage="expand", out="unused", expander="local-llm", device=device, dtype=dtype)
+    expansion.expander(args, expansion.EXPANSION_PROMPT)
+    assert [(k["device"], k["dtype"]) for k in calls] == [loaded]

@@ -23,6 +23,7 @@ from tqdm import tqdm
 from common.files import append_jsonl, read_jsonl, repair_jsonl
 from common.job_parts import JobParts
 from common.llm import replier
+from common.placement import resolve_device
 from common.prompts import json_objects, load_prompt, wording
 from retrieval.answers import answer_in_passage
 
@@ -64,7 +65,7 @@ def expander(args, prompt: dict):
         args.expander_model,
         args.judge_key_env,
         args.expander,
-        device=args.device or "cpu",
+        device=resolve_device(args.device),  # this process's own (a GPU's), as every other gate-data model
         dtype=None if args.dtype == "auto" else args.dtype,
     )
     return lambda questions, answers: reply(

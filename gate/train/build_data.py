@@ -68,11 +68,17 @@ class BuildDataArgs:
     )
     device: str = field(
         default=None,
-        metadata={"help": "sample/context: the VLM's device (default: this process's own, cuda:LOCAL_RANK or cpu)"},
+        metadata={
+            "help": "sample/context/consistency/expand: the model's device (default: this process's own, "
+            "cuda:LOCAL_RANK or cpu)"
+        },
     )
     dtype: str = field(
         default="auto",
-        metadata={"help": "sample/context: the VLM's weights: auto (bf16 on a GPU, fp32 on the CPU), bf16, fp16, fp32"},
+        metadata={
+            "help": "sample/context/consistency/expand: the model's weights: auto (bf16 on a GPU, fp32 on the CPU), "
+            "bf16, fp16, fp32"
+        },
     )
     max_new_tokens: int = field(default=32, metadata={"help": "sample/context: answer length"})
     batch_size: int = field(default=8, metadata={"help": "questions per batch"})
