@@ -153,9 +153,11 @@ def test_render_and_class_caps():
         (None, False, {"false": 5, "true": 15}),
         (3, False, {"false": 3, "true": 3}),
         (10, True, {"false": 5, "true": 5}),
+        (1, False, {"false": 1, "true": 1}),  # the smallest cap there is
         (0, False, "got 0"),  # emptied the data without a word
         (-2, False, "got -2"),  # took all but the last two of each class
         (True, False, "got True"),
+        (2.5, False, "got 2.5"),  # a float cap was a TypeError from a slice
     ],
 )
 def test_max_per_class_caps_each_class_or_is_refused(cap, balance, expected):
@@ -347,3 +349,18 @@ def test_holdout_moves_whole_questions_the_same_in_every_variant():
     for bad in (0, 1, 1.5):
         with pytest.raises(ValueError, match="fraction in"):
             hold_out({"train": one_each}, bad, seed=0)
+
+
+@pytest.mark.parametrize(
+    "rec,target,cls",
+    [
+        ({"answers": ["mossy caves", "caves"], "question_type": "habitat"}, "mossy caves", "habitat"),
+        ({"answers": ["reefs"], "question_type": None}, "reefs", "answer"),
+        ({"answers": ["reefs"]}, "reefs", "answer"),
+    ],
+)
+def test_the_answerers_rows_target_the_first_gold_answer_and_count_by_question_type(rec, target, cls):
+    """toy.gates' answerer rows: the first of the gold answers is the target; the class is the question type."""
+    (row,) = render_rows("answer", [{**record(0, None), **rec, "context": "Holhol lives in caves"}])
+    assert row["completion"] == [{"role": "assistant", "content": target}] and row["class"] == cls
+    assert row["prompt"][1]["content"] == "Context: Holhol lives in caves\nQuestion: Where?"
