@@ -157,3 +157,14 @@ def generate_parsed(
 def decisions(scores, threshold: float) -> np.ndarray:
     """Positive (search / relevant / pass) when the score reaches the threshold."""
     return np.asarray(scores, dtype=float) >= threshold
+
+
+def threshold_grid(scores, soft: bool | None = None, points: int = 21) -> np.ndarray:
+    """``points`` thresholds over the gate's scale (``soft``: skb's 1–5, else 0–1; by default skb's when a score
+    exceeds 1), the first lowered to the lowest score and one past the highest added: swept with ``decisions``, the
+    curve starts with every example positive (All RAG) and ends with none (No RAG) exactly (a float32 softmax gives
+    1.0 exactly, and skb's probabilities may sum to just under 1)."""
+    soft = max(scores) > 1 if soft is None else soft
+    grid = np.linspace(1, 5, points) if soft else np.linspace(0, 1, points)
+    grid[0] = min(grid[0], min(scores))
+    return np.append(grid, np.nextafter(max(grid[-1], max(scores)), np.inf))

@@ -57,6 +57,7 @@ from gate.pipeline.end_to_end import (
 )
 from gate.pipeline.metrics import refuses_unanswered
 from gate.pipeline.stages import Stages
+from gate.scoring import threshold_grid
 from retrieval.kb import QUESTION_KEYS, has_gold
 from rl.model import usable_batch
 
@@ -298,15 +299,6 @@ def run(args: PipelineArgs, log=print, stages: Stages | None = None, state=None)
             f"failed after its retries): run again with the same --out to do those again"
         )
     return report(records, out, args, log, without_answers=unanswered)
-
-
-def threshold_grid(scores) -> np.ndarray:
-    """21 thresholds over the gate's scale (skb's 1–5, else 0–1), the first lowered to the lowest score and one past
-    the highest added: the curve starts at All RAG and ends at No RAG exactly (a float32 softmax gives 1.0 exactly,
-    and skb's probabilities may sum to just under 1)."""
-    grid = np.linspace(1, 5, 21) if max(scores) > 1 else np.linspace(0, 1, 21)
-    grid[0] = min(grid[0], min(scores))
-    return np.append(grid, np.nextafter(max(grid[-1], max(scores)), np.inf))
 
 
 PLACEMENT_FILE = "placement.json"  # each stage's device and dtype, as the latest run that answered placed them

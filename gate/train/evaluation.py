@@ -14,7 +14,14 @@ import numpy as np
 
 from common.cli import parse, require_file, run
 from common.files import pyplot, save_figure, write_json_atomic, write_jsonl_atomic, write_text_atomic
-from gate.scoring import DEFAULT_THRESHOLDS, decisions, first_token_scores, generate_parsed, load_gate
+from gate.scoring import (
+    DEFAULT_THRESHOLDS,
+    decisions,
+    first_token_scores,
+    generate_parsed,
+    load_gate,
+    threshold_grid,
+)
 from gate.train.render import read_rows
 from gate.variants import BINARY, parse_completion
 from retrieval.answers import normalize_answer
@@ -134,8 +141,7 @@ class ScoringArgs:
 
 
 def write_sweep(out: Path, scores, truth, name: str) -> list[dict]:
-    grid = np.linspace(1, 5, 41) if name == "skb" else np.linspace(0, 1, 41)
-    rows = sweep(scores, truth, grid)
+    rows = sweep(scores, truth, threshold_grid(scores, soft=name == "skb", points=41))  # both ends of the curve
     write_text_atomic(
         out / "sweep.csv",
         "threshold,positive_ratio,accuracy\n"
