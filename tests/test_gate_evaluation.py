@@ -4,8 +4,10 @@ given scores or parsed outputs, and the threshold sweep (its ends included)."""
 import numpy as np
 import pytest
 
-from gate.train.evaluation import sweep, write_sweep
+from gate.train import evaluation
+from gate.train.evaluation import sweep, true_labels, write_sweep
 from gate.train.render import render_rows
+from gate.variants import spec
 
 
 def rows_of(variant, labels, **kw):
@@ -52,3 +54,122 @@ def test_the_sweep_runs_from_every_example_positive_to_none(name, scores, tmp_pa
     lines = (tmp_path / "sweep.csv").read_text().splitlines()
     assert lines[0] == "threshold,positive_ratio,accuracy" and len(lines) == len(rows) + 1
     assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "variant,labels,kw,truth,values",
+    [
+        ("hkb", [True, False], {}, [True, False], None),
+        ("kbm-acc", [True, False], {}, [True, False], None),  # unknown (search) first
+        ("hkb", [True, False], {"verbalisers": ["yes", "no"]}, [True, False], None),
+        ("skb", [3.0, 3.5, 5.0, 1.0], {}, [False, True, True, False], [3.0, 3.5, 5.0, 1.0]),  # the score, > t
+        ("skb", [2.6], {"skb_target": "round"}, [False], [2.6]),
+    ],
+)
+def test_true_labels(variant, labels, kw, truth, values):
+    s = spec(variant, kw.get("verbalisers"))
+    got, scores = true_labels(s, rows_of(variant, labels, **kw), 3.0 if variant == "skb" else 0.5)
+    assert got.tolist() == truth
+    assert scores is None if values is None else scores.tolist() == pytest.approx(values)
+
+
+def test_skb_rows_without_a_target_are_read_by_their_digit():
+    rows = [{**r, "completion": [{"role": "assistant", "content": d}]} for r, d in zip(rows_of("skb", [1, 1]), "45")]
+    rows = [{k: v for k, v in r.items() if k != "target"} for r in rows]
+    truth, values = true_labels(spec("skb"), rows, 4.0)
+    assert truth.tolist() == [False, True] and values.tolist() == [4.0, 5.0]
+
+
+def test_the_inspectors_truth_is_pass():
+    recs = [
+        {"id": f"q{i}", "question": "Q?", "image_path": "/x.png", "context": "c", "inspector": label}
+        for i, label in enumerate([{"pass": "true"}, {"pass": "false", "answer": "caves"}])
+    ]
+    truth, values = true_labels(spec("inspector"), render_rows("inspector", recs), 0.5)
+    assert truth.tolist() == [True, False] and values is None
+
+
+def images(tmp_path, rows):
+    from PIL import Image
+
+    Image.new("RGB", (4, 4)).save(tmp_path / "x.png")
+    return [{**r, "image": str(tmp_path / "x.png")} for r in rows]
+
+
+@pytest.mark.parametrize(
+    "variant,labels,scores,threshold,expected",
+    [
+        # truth T T T F; decisions (≥ 0.5) T T F F: accuracy 3/4, recalls 2/3 and 1
+        (
+            "hkb",
+            [True, True, True, False],
+            [0.9, 0.5, 0.2, 0.1],
+            None,
+            {"accuracy": 0.75, "balanced_accuracy": 5 / 6, "majority_baseline": 0.75, "predicted_positive_ratio": 0.5},
+        ),
+        (
+            "hkb",
+            [False, False, True],
+            [0.9, 0.5, 0.2],
+            0.6,
+            {
+                "accuracy": 1 / 3,
+                "balanced_accuracy": 0.25,
+                "majority_baseline": 2 / 3,
+                "predicted_positive_ratio": 1 / 3,
+            },
+        ),
+        ("hkb", [True, True], [0.9, 0.1], None, {"accuracy": 0.5, "balanced_accuracy": 0.5, "majority_baseline": 1.0}),
+        # skb: truth target > 3 (F T T), decisions expected digit ≥ 3 (T F F); MAE |3−3| |2.5−4| |2−5|
+        ("skb", [3.0, 4.0, 5.0], [3.0, 2.5, 2.0], None, {"accuracy": 0.0, "mae": 1.5, "true_positive_ratio": 2 / 3}),
+    ],
+)
+def test_held_out_metrics_from_the_gates_scores(variant, labels, scores, threshold, expected, tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr(
+        evaluation, "first_token_scores", lambda m, p, s, imgs, *a: seen.append(len(imgs)) or np.asarray(scores)
+    )
+    rows = images(tmp_path, rows_of(variant, labels, skb_target="round"))
+    out = evaluation.evaluate_gate(None, None, spec(variant), rows, threshold)
+    assert seen == [len(rows)] and out["n"] == len(rows) and out["variant"] == variant
+    assert out["threshold"] == (threshold if threshold is not None else 3.0 if variant == "skb" else 0.5)
+    assert {k: out[k] for k in expected} == pytest.approx(expected)
+    assert out["scores"] == pytest.approx(scores)
+    assert ("mae" in out) == (variant == "skb")
+
+
+@pytest.mark.parametrize(
+    "variant,targets,got,expected",
+    [
+        ("answer", ["The Caves", "reef"], ["caves", "coral"], {"accuracy": 0.5, "parsed": 1.0}),  # normalised
+        (
+            "mct",
+            [{"consistent": [2, 1], "summary": "a"}, {"consistent": [1, 3]}],
+            [{"consistent": [2, 1], "summary": "other words"}, {"consistent": [3, 1], "summary": None}],
+            {"accuracy": 0.5, "parsed": 1.0},  # the documents in order; the summary is not compared
+        ),
+    ],
+)
+def test_held_out_accuracy_of_generated_outputs(variant, targets, got, expected, tmp_path, monkeypatch):
+    monkeypatch.setattr(evaluation, "generate_parsed", lambda *a, **k: got)
+    recs = [
+        {
+            "id": f"q{i}",
+            "question": "Q?",
+            "image_path": "/x.png",
+            "context": "c",
+            **({"answers": [t]} if variant == "answer" else t),
+            "question_type": "t",
+        }
+        for i, t in enumerate(targets)
+    ]
+    out = evaluation.evaluate_generated(None, None, spec(variant), images(tmp_path, render_rows(variant, recs)))
+    assert {k: out[k] for k in expected} == pytest.approx(expected) and out["n"] == len(recs)
+
+
+def test_generated_outputs_are_scored_against_targets_the_gate_can_read(tmp_path, monkeypatch):
+    """mct rows of another variant parsed to None and counted as misses: accuracy 0 with no word."""
+    monkeypatch.setattr(evaluation, "generate_parsed", lambda *a, **k: pytest.fail("generated"))
+    rows = images(tmp_path, rows_of("hkb", [True]))
+    with pytest.raises(ValueError, match=r"1 of 1 rows have a completion the mct gate cannot read \(its JSON\)"):
+        evaluation.evaluate_generated(None, None, spec("mct"), rows)

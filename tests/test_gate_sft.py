@@ -260,3 +260,18 @@ def test_render_records_the_verbalisers_in_order(tmp_path):
     args = BuildDataArgs(stage="render", variant="hkb", verbalisers=["no", "yes"])
     stage_render(args, tmp_path, log=lambda *a: None)
     assert json.loads(prompt_file_for(tmp_path, "hkb").read_text())["verbalisers"] == ["no", "yes"]
+
+
+def test_held_out_rows_the_gate_cannot_read_are_refused_before_a_model_loads(tiny_world, tmp_path):
+    """An eval_file rendered for another variant or with other verbalisers was read only after training, when the
+    held-out check raised: the run's evaluation and its card were lost after the whole training."""
+    from gate.train.sft import main
+
+    recs = gate_records(tiny_world)
+    other = tmp_path / "kbm-acc.test.jsonl"
+    write_jsonl_atomic(other, render_rows("kbm-acc", recs))  # unknown / known
+    argv = sft_config(tmp_path, "/no/such/model", "hkb", render_rows("hkb", recs), eval_file=str(other))
+    with pytest.raises(
+        ValueError, match=r"8 of 8 rows have a completion the hkb gate cannot read .* row q0, 'unknown'"
+    ):
+        main(argv)

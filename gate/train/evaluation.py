@@ -44,22 +44,29 @@ def sweep(scores, labels, thresholds) -> list[dict]:
     return rows
 
 
-def true_labels(s: dict, rows: list[dict], threshold: float) -> tuple[np.ndarray, np.ndarray | None]:
-    """From rendered rows: the positive/negative truth, and for skb the target score (the row's non-integer
-    ``target`` when it has one, else the completion's digit). skb's truth is "search" when the target exceeds the
-    threshold: 6 − mean > 3 is mean < 3, hkb's label at ε = 3, so both variants call the same questions "search"
-    (15 of 30 answers right, a mean of exactly 3 with the exact judge, is "no search" in both). A completion that is
-    none of the gate's verbalisers (rows rendered for another variant, or with other ``--verbalisers``) is an error
-    naming the row, not a negative."""
+def read_targets(s: dict, rows: list[dict]) -> list:
+    """Each rendered row's target as the gate reads its own output (``parse_completion``). A completion the gate
+    cannot read (rows rendered for another variant, or with other ``--verbalisers``) is an error naming the row, not
+    a negative or a miss; gate/train/sft.py calls this on its eval_file before any model loads."""
     targets = [parse_completion(s, r["completion"][0]["content"]) for r in rows]
     unread = [(r.get("id"), r["completion"][0]["content"]) for r, t in zip(rows, targets) if t is None]
     if unread:
         (first_id, first_text), n = unread[0], len(unread)
+        words = f"its verbalisers: {', '.join(map(str, s['verbalisers']))}" if s["verbalisers"] else "its JSON"
         raise ValueError(
-            f"{n} of {len(rows)} rows have a completion the {s['name']} gate cannot read (its verbalisers: "
-            f"{', '.join(map(str, s['verbalisers']))}); first: row {first_id}, {first_text!r}: rows rendered for "
-            "another variant, or with other --verbalisers?"
+            f"{n} of {len(rows)} rows have a completion the {s['name']} gate cannot read ({words}); first: row "
+            f"{first_id}, {first_text!r}: rows rendered for another variant, or with other --verbalisers?"
         )
+    return targets
+
+
+def true_labels(s: dict, rows: list[dict], threshold: float) -> tuple[np.ndarray, np.ndarray | None]:
+    """From rendered rows: the positive/negative truth, and for skb the target score (the row's non-integer
+    ``target`` when it has one, else the completion's digit). skb's truth is "search" when the target exceeds the
+    threshold: 6 − mean > 3 is mean < 3, hkb's label at ε = 3, so both variants call the same questions "search"
+    (15 of 30 answers right, a mean of exactly 3 with the exact judge, is "no search" in both). A completion the gate
+    cannot read is an error (``read_targets``)."""
+    targets = read_targets(s, rows)
     if s["name"] == "skb":
         values = np.asarray([r.get("target", t) for r, t in zip(rows, targets)], dtype=float)
         return values > threshold, values
@@ -101,11 +108,11 @@ def evaluate_gate(
 def evaluate_generated(model, processor, s: dict, rows: list[dict], batch_size: int = 16) -> dict:
     """Held-out accuracy of generate-and-parse: the parsed output equals the parsed target (answers compared after
     InfoSeek normalisation), and the share of outputs that parse."""
+    want = read_targets(s, rows)
     images = [open_vlm_image(r["image"]) for r in rows]
     got = generate_parsed(
         model, processor, s, images, [r["question"] for r in rows], [r.get("context") for r in rows], batch_size
     )
-    want = [parse_completion(s, r["completion"][0]["content"]) for r in rows]
     if s["name"] == "answer":
         got, want = [normalize_answer(g) for g in got], [normalize_answer(w) for w in want]
     if s["name"] == "mct":  # the documents listed, in order; the free-text summary is not compared

@@ -29,7 +29,7 @@ from common.cli import check_choices, parse, require_file
 from common.files import atomic_folder, read_json, write_json_atomic
 from common.placement import Processes, outside_zero3_init
 from gate.scoring import GATE_FILE, verbaliser_ids
-from gate.train.evaluation import evaluate_gate, evaluate_generated
+from gate.train.evaluation import evaluate_gate, evaluate_generated, read_targets
 from gate.train.model_card import write_gate_cards
 from gate.train.render import class_balance, format_balance, read_rows
 from gate.variants import BINARY, VARIANTS, completion, prompt_file_for, spec
@@ -162,7 +162,10 @@ def validate(args: GateArguments, training_args, model_args) -> tuple[list[dict]
     rendered_verbalisers(args)
     rows = read_rows(args.train_file)
     check_balance(args, rows)
-    return rows, read_rows(args.eval_file) if args.eval_file else None
+    eval_rows = read_rows(args.eval_file) if args.eval_file else None
+    if eval_rows:  # held-out rows the gate cannot read: refused now, not when training is over
+        read_targets(spec(args.variant, args.verbalisers), eval_rows)
+    return rows, eval_rows
 
 
 def rendered_prompt(train_file: str, variant: str) -> dict | None:
