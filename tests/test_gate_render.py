@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from gate.train.build_data import BuildDataArgs
 from gate.train.labelling import label_records
-from gate.train.render import cap_classes, class_balance, render_rows
+from gate.train.render import cap_classes, class_balance, format_balance, hold_out, render_rows
 from gate.variants import BINARY, VARIANTS, completion, messages, parse_completion, spec
 
 
@@ -364,3 +364,39 @@ def test_the_answerers_rows_target_the_first_gold_answer_and_count_by_question_t
     (row,) = render_rows("answer", [{**record(0, None), **rec, "context": "Holhol lives in caves"}])
     assert row["completion"] == [{"role": "assistant", "content": target}] and row["class"] == cls
     assert row["prompt"][1]["content"] == "Context: Holhol lives in caves\nQuestion: Where?"
+
+
+@pytest.mark.parametrize("fraction", [0.05, 0.25, 0.5])
+def test_holdout_takes_its_share_of_the_questions(fraction):
+    held = hold_out({"train": [record(i, True) for i in range(4000)]}, fraction, seed=3)["test"]
+    assert len(held) / 4000 == pytest.approx(fraction, abs=0.03)  # binomial sd ≤ 0.008
+
+
+@pytest.mark.parametrize("fraction,n", [(0.001, 5), (0.999, 5), (0.5, 1)])
+def test_a_holdout_that_would_empty_a_split_is_refused(fraction, n):
+    with pytest.raises(ValueError, match=f"--holdout {fraction}: the train split's {n} examples would leave a split"):
+        hold_out({"train": [record(i, True) for i in range(n)]}, fraction, seed=0)
+
+
+@pytest.mark.parametrize(
+    "balance,shown",
+    [
+        ({"false": 1, "true": 3}, "false: 1 (25.0 %), true: 3 (75.0 %)"),
+        ({"false": 0}, "false: 0 (0.0 %)"),
+        ({}, "none"),
+    ],
+)
+def test_format_balance(balance, shown):
+    assert format_balance(balance) == shown
+
+
+def test_caps_count_every_class_apart():
+    """skb's five digits: each class capped by its own rows (a cap over two classes could swap them unseen)."""
+    scores = [1.0] * 7 + [2.0] * 6 + [3.0] * 5
+    rows = render_rows(
+        "skb", [{**record(i, None), "search_score": x} for i, x in enumerate(scores)], skb_target="round"
+    )
+    assert class_balance(rows) == {"1": 7, "2": 6, "3": 5}
+    assert class_balance(cap_classes(rows, 6, False, seed=0)) == {"1": 6, "2": 6, "3": 5}
+    assert class_balance(cap_classes(rows, None, True, seed=0)) == {"1": 5, "2": 5, "3": 5}
+    assert cap_classes([], None, True, seed=0) == []

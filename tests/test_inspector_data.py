@@ -58,6 +58,11 @@ def test_any_reply_gives_a_target(short, reply):
         ({"pass": 10, "fail": 30}, {"pass": 0.5, "fail": 0.5}, {"pass": 10, "fail": 10}),  # shares
         ({"pass": 300, "fail": 1000}, {"pass": 0.375, "fail": 0.625}, {"pass": 300, "fail": 500}),
         ({"pass": 5, "fail": 5}, {"pass": 1.0, "fail": 0.0}, {"pass": 5, "fail": 0}),
+        ({"pass": 4000, "fail": 4500}, {"pass": 3000, "fail": 0}, {"pass": 3000, "fail": 0}),  # counts, one of 0
+        ({"pass": 10, "fail": 10}, {"pass": 2, "fail": 2}, {"pass": 2, "fail": 2}),  # the smallest counts
+        ({"pass": 4000}, {"pass": 3000, "fail": 5000}, {"pass": 3000}),  # a class named but absent
+        # the largest total the shares fit, 10 / 0.375 = 26.7, not 26; then each share of it rounded down
+        ({"pass": 10, "fail": 100}, {"pass": 0.375, "fail": 0.625}, {"pass": 10, "fail": 16}),
     ],
 )
 def test_class_targets(available, targets, taken):
@@ -82,8 +87,30 @@ def test_bad_targets_are_named():
         class_targets({"pass": 1, "fail": 1}, {"pass": 3})
     with pytest.raises(ValueError, match="shares that sum to 1"):
         class_targets({"pass": 1, "fail": 1}, {"pass": 0.5, "fail": 0.2})
-    with pytest.raises(ValueError, match="class:count or class:share"):
-        parse_class_targets("pass:many")
+    with pytest.raises(ValueError, match="shares that sum to 1"):  # a count beside a share
+        class_targets({"pass": 1, "fail": 1}, {"pass": 3000, "fail": 0.5})
+    for text in ("pass:many", "pass"):
+        with pytest.raises(ValueError, match=f"{text!r} must look like class:count or class:share"):
+            parse_class_targets(text)
+    for text in (":5", "pass:-1"):
+        with pytest.raises(ValueError, match=f"{text!r} needs a class name and a value ≥ 0"):
+            parse_class_targets(f"fail:2,{text}")
+
+
+def test_parse_class_targets():
+    assert parse_class_targets(" pass : 3000,fail:5000") == {"pass": 3000.0, "fail": 5000.0}
+    assert parse_class_targets("pass:0.375,fail:0.625") == {"pass": 0.375, "fail": 0.625}
+
+
+def test_class_targets_without_a_report_to_fill():
+    from gate.train.render import render_rows
+
+    recs = [
+        {"id": f"q{i}", "question": "Q?", "image_path": "/x.png", "context": "c", **r}
+        for i, r in enumerate(label_rows(6))
+    ]
+    rows = render_rows("inspector", recs, targets={"pass": 1.0, "fail": 0.0}, seed=0)
+    assert [r["class"] for r in rows] == ["pass", "pass"]
 
 
 class Interrupted(Exception):
