@@ -100,6 +100,7 @@ def test_bad_targets_are_named():
 def test_parse_class_targets():
     assert parse_class_targets(" pass : 3000,fail:5000") == {"pass": 3000.0, "fail": 5000.0}
     assert parse_class_targets("pass:0.375,fail:0.625") == {"pass": 0.375, "fail": 0.625}
+    assert parse_class_targets("pass:1,fail:0") == {"pass": 1.0, "fail": 0.0}  # a class left out on purpose
 
 
 def test_class_targets_without_a_report_to_fill():
