@@ -400,3 +400,21 @@ def test_caps_count_every_class_apart():
     assert class_balance(cap_classes(rows, 6, False, seed=0)) == {"1": 6, "2": 6, "3": 5}
     assert class_balance(cap_classes(rows, None, True, seed=0)) == {"1": 5, "2": 5, "3": 5}
     assert cap_classes([], None, True, seed=0) == []
+
+
+@pytest.mark.parametrize("shaping", [{"max_per_class": 2}, {"balance": True}])
+def test_class_targets_beside_a_cap_or_balance_are_refused(shaping, tmp_path):
+    """--class_targets sets every class's count itself: a --max_per_class or --balance given with it was dropped
+    without a word (3 of each class taken under a cap of 2)."""
+    from common.files import write_jsonl_atomic
+    from gate.train.build_data import build
+
+    recs = [record(i, i % 2 == 0) for i in range(6)]
+    with pytest.raises(ValueError, match="--class_targets sets each class's count: leave out --max_per_class and"):
+        render_rows("hkb", recs, targets={"true": 3, "false": 3}, seed=0, **shaping)
+    write_jsonl_atomic(tmp_path / "labels-hkb.jsonl", recs)
+    (tmp_path / "hkb.test.jsonl").write_text("an earlier render's held-out split\n")
+    args = BuildDataArgs(stage="render", out=str(tmp_path), variant="hkb", class_targets="true:3,false:3", **shaping)
+    with pytest.raises(ValueError, match="--class_targets sets each class's count: leave out --max_per_class and"):
+        build(args, log=print)
+    assert (tmp_path / "hkb.test.jsonl").read_text() == "an earlier render's held-out split\n"

@@ -42,7 +42,7 @@ from gate.pipeline.context import load_questions, stage_context, stage_retrieve,
 from gate.pipeline.judges import judge_all, judge_from_args, judge_settings
 from gate.train.answer_expansion import stage_expand
 from gate.train.labelling import LABEL_SOURCES, stage_label, stage_render
-from gate.train.render import check_max_per_class
+from gate.train.render import check_shaping
 from retrieval.kb import has_gold
 from rl.model import open_vlm_image
 
@@ -308,7 +308,7 @@ def build(args: BuildDataArgs, log=print, state=None) -> int:
     ):
         if not lo <= getattr(args, name) <= hi:
             raise ValueError(f"--{name} must lie in [{lo:g}, {hi:g}], got {getattr(args, name)}")
-    check_max_per_class(args.max_per_class)  # before render removes an earlier render's other splits
+    check_shaping(args.max_per_class, args.balance, args.class_targets)  # before render removes other splits
     if args.stage in ("label", "render") and not args.variant:
         raise ValueError(f"--stage {args.stage} needs --variant ({', '.join(LABEL_SOURCES)})")
     if args.stage in ("judge", "context"):

@@ -71,6 +71,16 @@ def check_max_per_class(value) -> int | None:
     return value
 
 
+def check_shaping(max_per_class, balance: bool, targets) -> None:
+    """How the train split's classes are shaped: a cap (``--max_per_class``), ``--balance``, or ``--class_targets``,
+    which sets every class's count itself (a cap or balance beside it was dropped without a word)."""
+    check_max_per_class(max_per_class)
+    if targets and (max_per_class is not None or balance):
+        raise ValueError(
+            "--class_targets sets each class's count: leave out --max_per_class and --balance, or --class_targets"
+        )
+
+
 def cap_classes(rows: list[dict], max_per_class: int | None, balance: bool, seed: int | None) -> list[dict]:
     """At most ``max_per_class`` rows per class (``balance``: the smallest class's size), chosen with ``seed``;
     input order is kept."""
@@ -146,6 +156,7 @@ def render_rows(
 ) -> list[dict]:
     """SFT rows; ``targets`` (``class_targets``) samples each class to its count or share, and ``report`` gets
     {class: {available, wanted, taken}}; ``prompt`` replaces the variant's."""
+    check_shaping(max_per_class, balance, targets)
     rows = [render_row(variant, r, verbalisers, skb_target, prompt) for r in recs]
     if targets is None:
         return cap_classes(rows, max_per_class, balance, seed)
