@@ -51,6 +51,7 @@ def test_the_sweep_runs_from_every_example_positive_to_none(name, scores, tmp_pa
     expected digit just under 1 negative at every one, so sweep.csv and its plot missed one end of the curve."""
     rows = write_sweep(tmp_path, scores, [True] * len(scores), name)
     assert rows[0]["positive_ratio"] == 1.0 and rows[-1]["positive_ratio"] == 0.0
+    assert len(rows) == 42 and rows[20]["threshold"] == pytest.approx(3.0 if name == "skb" else 0.5)  # its scale
     lines = (tmp_path / "sweep.csv").read_text().splitlines()
     assert lines[0] == "threshold,positive_ratio,accuracy" and len(lines) == len(rows) + 1
     assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -139,18 +140,19 @@ def test_held_out_metrics_from_the_gates_scores(variant, labels, scores, thresho
 
 
 @pytest.mark.parametrize(
-    "variant,targets,got,expected",
+    "variant,targets,got,expected,by_class",
     [
-        ("answer", ["The Caves", "reef"], ["caves", "coral"], {"accuracy": 0.5, "parsed": 1.0}),  # normalised
+        ("answer", ["The Caves", "reef"], ["caves", "coral"], {"accuracy": 0.5, "parsed": 1.0}, {"t0": 1.0, "t1": 0.0}),
         (
             "mct",
-            [{"consistent": [2, 1], "summary": "a"}, {"consistent": [1, 3]}],
-            [{"consistent": [2, 1], "summary": "other words"}, {"consistent": [3, 1], "summary": None}],
-            {"accuracy": 0.5, "parsed": 1.0},  # the documents in order; the summary is not compared
+            [{"consistent": [2, 1], "summary": "a"}, {"consistent": [1, 3]}, {"consistent": [1, 2]}],
+            [{"consistent": [2, 1], "summary": "other words"}, {"consistent": [3, 1], "summary": None}, None],
+            {"accuracy": 1 / 3, "parsed": 2 / 3},  # the documents in order; the summary is not compared
+            {"2 consistent": 1 / 3},
         ),
     ],
 )
-def test_held_out_accuracy_of_generated_outputs(variant, targets, got, expected, tmp_path, monkeypatch):
+def test_held_out_accuracy_of_generated_outputs(variant, targets, got, expected, by_class, tmp_path, monkeypatch):
     monkeypatch.setattr(evaluation, "generate_parsed", lambda *a, **k: got)
     recs = [
         {
@@ -159,12 +161,14 @@ def test_held_out_accuracy_of_generated_outputs(variant, targets, got, expected,
             "image_path": "/x.png",
             "context": "c",
             **({"answers": [t]} if variant == "answer" else t),
-            "question_type": "t",
+            "question_type": f"t{i % 2}",
         }
         for i, t in enumerate(targets)
     ]
-    out = evaluation.evaluate_generated(None, None, spec(variant), images(tmp_path, render_rows(variant, recs)))
+    rows = images(tmp_path, render_rows(variant, recs))
+    out = evaluation.evaluate_generated(None, None, spec(variant), rows)
     assert {k: out[k] for k in expected} == pytest.approx(expected) and out["n"] == len(recs)
+    assert out["accuracy_by_class"] == pytest.approx(by_class)
 
 
 def test_generated_outputs_are_scored_against_targets_the_gate_can_read(tmp_path, monkeypatch):
