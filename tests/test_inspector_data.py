@@ -285,3 +285,37 @@ def test_a_local_expander_loads_on_this_processs_device_unless_told(device, dtyp
     args = BuildDataArgs(stage="expand", out="unused", expander="local-llm", device=device, dtype=dtype)
     expansion.expander(args, expansion.EXPANSION_PROMPT)
     assert [(k["device"], k["dtype"]) for k in calls] == [loaded]
+
+
+@pytest.mark.parametrize(
+    "flags,refused",
+    [
+        ({}, True),
+        ({"expander_url": "http://x"}, True),  # an endpoint needs its model's name
+        ({"expander_model": "m"}, True),
+        ({"expander_url": "http://x", "expander_model": "m"}, False),
+        ({"expander": "local-llm"}, False),
+    ],
+)
+def test_expand_needs_an_endpoint_and_its_model_or_a_local_model(flags, refused, tmp_path, monkeypatch):
+    import gate.train.answer_expansion as expansion
+
+    args = BuildDataArgs(stage="expand", out=str(tmp_path), **flags)
+    with pytest.raises(ValueError, match=r"labels-inspector.jsonl does not exist \(run --stage label --variant insp"):
+        stage_expand(args, tmp_path, log=lambda *a: None)
+    write_jsonl_atomic(tmp_path / "labels-inspector.jsonl", label_rows(2))  # q1 FAIL
+    monkeypatch.setattr(expansion, "replier", lambda *a, **k: lambda users: ['{"expanded_answer": "It is 10 m."}'])
+    if refused:
+        with pytest.raises(ValueError, match="expand: give --expander_url and --expander_model .* or --expander"):
+            stage_expand(args, tmp_path, log=lambda *a: None)
+    else:
+        assert stage_expand(args, tmp_path, log=lambda *a: None) == 1
+
+
+def test_nothing_left_to_expand_loads_no_model(tmp_path, monkeypatch):
+    import gate.train.answer_expansion as expansion
+
+    write_jsonl_atomic(tmp_path / "labels-inspector.jsonl", label_rows(1))  # q0 PASS only
+    monkeypatch.setattr(expansion, "replier", lambda *a, **k: pytest.fail("a model was loaded"))
+    args = BuildDataArgs(stage="expand", out=str(tmp_path), expander="local-llm")
+    assert stage_expand(args, tmp_path, log=lambda *a: None) == 0
