@@ -275,3 +275,78 @@ def test_held_out_rows_the_gate_cannot_read_are_refused_before_a_model_loads(tin
         ValueError, match=r"8 of 8 rows have a completion the hkb gate cannot read .* row q0, 'unknown'"
     ):
         main(argv)
+
+
+def rendered(variant, labels, **kw):
+    key = {"srt": "relevant"}.get(variant, "search")
+    recs = [
+        {
+            "id": f"q{i}",
+            "question": "Q?",
+            "image_path": "/x.png",
+            "context": "c",
+            key: v,
+            "inspector": {"pass": "true"} if v else {"pass": "false", "answer": "a"},
+        }
+        for i, v in enumerate(labels)
+    ]
+    return render_rows(variant, recs, **kw)
+
+
+@pytest.mark.parametrize(
+    "variant,labels,kw,said",
+    [
+        ("hkb", [True, False, True], {}, {"false": 1, "true": 2}),
+        ("inspector", [True, False], {}, {"fail": 1, "pass": 1}),
+        ("srt", [True, False], {"verbalisers": ["yes", "no"]}, {"no": 1, "yes": 1}),
+        ("hkb", [True, True], {}, "class \\['false'\\] has no example"),
+        ("inspector", [False], {}, "class \\['pass'\\] has no example"),
+        ("hkb", [True, True], {"allow_single_class": True}, {"true": 2}),
+        ("hkb", [True, False], {"rows_with": ["yes", "no"]}, "classes \\['no', 'yes'\\] are not verbalisers of hkb"),
+    ],
+)
+def test_the_class_balance_is_checked_before_a_model_loads(variant, labels, kw, said):
+    from gate.train.sft import GateArguments, check_balance
+
+    rows = rendered(variant, labels, verbalisers=kw.get("rows_with", kw.get("verbalisers")))
+    args = GateArguments(
+        variant=variant,
+        train_file="t.jsonl",
+        verbalisers=kw.get("verbalisers"),
+        allow_single_class=bool(kw.get("allow_single_class")),
+    )
+    lines = []
+    if isinstance(said, str):
+        with pytest.raises(ValueError, match=said):
+            check_balance(args, rows, log=lines.append)
+    else:
+        assert check_balance(args, rows, log=lines.append) == said
+        assert lines[0].startswith(f"{variant} training data: {len(rows)} rows; classes ")
+
+
+@pytest.mark.parametrize(
+    "recorded,given,taken",
+    [
+        (None, None, None),  # rows rendered before the record existed
+        (["true", "false"], None, ["true", "false"]),
+        (["yes", "no"], ["yes", "no"], ["yes", "no"]),
+        (["true", "false"], ["false", "true"], "--verbalisers \\['false', 'true'\\]: .* rendered with"),
+        (["true", "false"], ["yes", "no"], "in that order; give those or none"),
+    ],
+)
+def test_the_verbalisers_come_from_the_renders_record(recorded, given, taken, tmp_path):
+    from common.files import write_json_atomic
+    from gate.train.sft import GateArguments, rendered_verbalisers
+    from gate.variants import prompt_file_for
+
+    if recorded is not None:
+        write_json_atomic(
+            prompt_file_for(tmp_path, "hkb"), {"system": "s", "user_template": "{question}", "verbalisers": recorded}
+        )
+    args = GateArguments(variant="hkb", train_file=str(tmp_path / "hkb.train.jsonl"), verbalisers=given)
+    if isinstance(taken, str):
+        with pytest.raises(ValueError, match=taken):
+            rendered_verbalisers(args)
+    else:
+        rendered_verbalisers(args)
+        assert args.verbalisers == taken
