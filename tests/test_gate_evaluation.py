@@ -177,3 +177,32 @@ def test_generated_outputs_are_scored_against_targets_the_gate_can_read(tmp_path
     rows = images(tmp_path, rows_of("hkb", [True]))
     with pytest.raises(ValueError, match=r"1 of 1 rows have a completion the mct gate cannot read \(its JSON\)"):
         evaluation.evaluate_generated(None, None, spec("mct"), rows)
+
+
+@pytest.mark.parametrize(
+    "variant,threshold,said",
+    [
+        ("skb", 0.5, r"--threshold 0.5 is off the skb gate's scale \[1, 5\]"),  # γ's default: accuracy 1.0 before
+        ("hkb", 3.0, r"--threshold 3 is off the hkb gate's scale \[0, 1\]"),  # skb's t: every example negative
+        ("inspector", -0.1, r"--threshold -0.1 is off the inspector gate's scale \[0, 1\]"),
+    ],
+)
+def test_a_threshold_off_the_gates_scale_is_refused_before_the_gate_loads(
+    variant, threshold, said, tmp_path, monkeypatch
+):
+    """An skb gate scored with --threshold 0.5 (the binary gates' γ) called every example "search" against a truth
+    of target > 0.5, every example too: accuracy, balanced accuracy and the majority baseline all 1.0."""
+    import json
+
+    from common.files import write_jsonl_atomic
+
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    (gate / "gate.json").write_text(json.dumps({"variant": variant}))
+    write_jsonl_atomic(tmp_path / "rows.jsonl", images(tmp_path, rows_of("hkb", [True])))
+    monkeypatch.setattr(evaluation, "load_gate", lambda *a, **k: pytest.fail("the gate was loaded"))
+    args = evaluation.ScoringArgs(model=str(gate), data=str(tmp_path / "rows.jsonl"), out=str(tmp_path / "o"))
+    with pytest.raises(ValueError, match=said):
+        evaluation.score_file(evaluation.ScoringArgs(**{**vars(args), "threshold": threshold}))
+    with pytest.raises(ValueError, match=said):
+        evaluation.evaluate_gate(None, None, spec(variant), [], threshold)

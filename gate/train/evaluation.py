@@ -13,9 +13,10 @@ from pathlib import Path
 import numpy as np
 
 from common.cli import parse, require_file, run
-from common.files import pyplot, save_figure, write_json_atomic, write_jsonl_atomic, write_text_atomic
+from common.files import pyplot, read_json, save_figure, write_json_atomic, write_jsonl_atomic, write_text_atomic
 from gate.scoring import (
     DEFAULT_THRESHOLDS,
+    GATE_FILE,
     decisions,
     first_token_scores,
     generate_parsed,
@@ -75,13 +76,25 @@ def true_labels(s: dict, rows: list[dict], threshold: float) -> tuple[np.ndarray
     return np.asarray(targets, dtype=bool), None
 
 
+def check_threshold(name: str, threshold: float | None) -> float:
+    """The gate's threshold (its default when None), refused off its scale: skb's expected digit 1–5, else a
+    probability. (skb at the binary gates' 0.5 called every example "search" against a truth, target > 0.5, that
+    every example meets: accuracy, balanced accuracy and the majority baseline all 1.0.)"""
+    if threshold is None:
+        return DEFAULT_THRESHOLDS.get(name, 0.5)
+    lo, hi = (1.0, 5.0) if name == "skb" else (0.0, 1.0)
+    if not lo <= threshold <= hi:
+        raise ValueError(f"--threshold {threshold:g} is off the {name} gate's scale [{lo:g}, {hi:g}]")
+    return threshold
+
+
 def evaluate_gate(
     model, processor, s: dict, rows: list[dict], threshold: float | None = None, batch_size: int = 16
 ) -> dict:
     """Held-out metrics of a gate on rendered rows: accuracy and balanced accuracy (mean recall of the two classes)
     at the threshold, the positive ratio predicted and true, the majority-class accuracy to beat, and (skb) the mean
     absolute error of the expected score."""
-    threshold = DEFAULT_THRESHOLDS.get(s["name"], 0.5) if threshold is None else threshold
+    threshold = check_threshold(s["name"], threshold)
     images = [open_vlm_image(r["image"]) for r in rows]
     questions = [r["question"] for r in rows]
     contexts = [r.get("context") for r in rows]
@@ -169,6 +182,8 @@ def score_file(args: ScoringArgs, log=print) -> dict:
     if not args.out:
         raise ValueError("--out is required")
     rows = read_rows(args.data)  # an empty file wrote NaN metrics over an earlier run's
+    if (Path(args.model) / GATE_FILE).is_file():  # before the model loads (load_gate names a folder without it)
+        check_threshold(read_json(Path(args.model) / GATE_FILE).get("variant"), args.threshold)
     model, processor, s = load_gate(args.model, device=args.device, dtype=args.dtype)
     if s["name"] not in BINARY and s["name"] != "skb":
         raise ValueError(f"variant {s['name']} has no first-token score (generate-and-parse only)")
