@@ -278,7 +278,7 @@ def test_held_out_rows_the_gate_cannot_read_are_refused_before_a_model_loads(tin
 
 
 def rendered(variant, labels, **kw):
-    key = {"srt": "relevant"}.get(variant, "search")
+    key = {"srt": "relevant", "skb": "search_score"}.get(variant, "search")
     recs = [
         {
             "id": f"q{i}",
@@ -302,6 +302,7 @@ def rendered(variant, labels, **kw):
         ("hkb", [True, True], {}, "class \\['false'\\] has no example"),
         ("inspector", [False], {}, "class \\['pass'\\] has no example"),
         ("hkb", [True, True], {"allow_single_class": True}, {"true": 2}),
+        ("skb", [1.0, 5.0, 5.0], {}, {"1": 1, "5": 2}),  # digits: no two classes to check
         ("hkb", [True, False], {"rows_with": ["yes", "no"]}, "classes \\['no', 'yes'\\] are not verbalisers of hkb"),
     ],
 )
@@ -350,3 +351,40 @@ def test_the_verbalisers_come_from_the_renders_record(recorded, given, taken, tm
     else:
         rendered_verbalisers(args)
         assert args.verbalisers == taken
+
+
+@pytest.mark.parametrize(
+    "given,filled",
+    [
+        (
+            {"variant": "srt", "dataset": "evqa", "train_file": "d/{dataset}/{variant}.train.jsonl"},
+            {"train_file": "d/evqa/srt.train.jsonl", "eval_file": None, "output_dir": "o/{x}", "run_name": None},
+        ),
+        (
+            {
+                "variant": "hkb",
+                "eval_file": "{variant}.test.jsonl",
+                "output_dir": "o/{variant}",
+                "run_name": "r-{variant}",
+            },
+            {"train_file": None, "eval_file": "hkb.test.jsonl", "output_dir": "o/hkb", "run_name": "r-hkb"},
+        ),
+        ({"variant": "hkb", "train_file": "d/{dataset}/t.jsonl"}, "--train_file 'd/{dataset}/t.jsonl' holds {dataset}"),
+        ({"output_dir": "o/{variant}"}, "--output_dir 'o/{variant}' holds {variant}: give --variant"),
+        ({"variant": "hkb", "dataset": "../x"}, "--dataset must be a plain name"),
+    ],
+)
+def test_fill_placeholders(given, filled):
+    from types import SimpleNamespace
+
+    from gate.train.sft import GateArguments, fill_placeholders
+
+    args = GateArguments(**{k: v for k, v in given.items() if k not in ("output_dir", "run_name")})
+    training = SimpleNamespace(output_dir=given.get("output_dir", "o/{x}"), run_name=given.get("run_name"))
+    if isinstance(filled, str):
+        with pytest.raises(ValueError, match=re.escape(filled)):
+            fill_placeholders(args, training)
+        return
+    fill_placeholders(args, training)
+    got = {"train_file": args.train_file, "eval_file": args.eval_file, **vars(training)}
+    assert got == filled
