@@ -121,6 +121,9 @@ def test_sample_with_a_real_tiny_vlm(questions, tiny_world, tiny_refiner, tmp_pa
         (dict(stage="label", out="X", variant="srt"), "run the earlier stages first"),
         (dict(stage="render", out="X", variant="hkb"), "--stage label --variant hkb"),
         (dict(stage="sample", out="X", k=0), "must be positive"),
+        (dict(stage="sample", out="X", samples=0), "--samples, --batch_size and --k must be positive"),
+        (dict(stage="judge", out="X", batch_size=-1), "--samples, --batch_size and --k must be positive"),
+        (dict(stage="judge", out=None), "--out is required"),
         # off their scales, every question got one label (an ε of 30 on the judge's 1–5 scores: all "search")
         (dict(stage="label", out="X", variant="hkb", epsilon=30), r"--epsilon must lie in \[1, 5\], got 30"),
         (dict(stage="label", out="X", variant="ret", correct_score=9), r"--correct_score must lie in \[1, 5\]"),
@@ -130,7 +133,7 @@ def test_sample_with_a_real_tiny_vlm(questions, tiny_world, tiny_refiner, tmp_pa
     ],
 )
 def test_bad_input(kw, match, tmp_path):
-    kw = {**kw, "out": str(tmp_path / kw["out"])}
+    kw = {**kw, "out": kw["out"] and str(tmp_path / kw["out"])}
     with pytest.raises(ValueError, match=match):
         build(BuildDataArgs(**kw), **QUIET)
 
@@ -598,3 +601,19 @@ def test_context_answers_are_made_again_for_failed_judgements_and_sections_retri
     write_jsonl_atomic(tmp_path / "contexts.jsonl", [legacy])
     assert stage_context(args, tmp_path, generate=generate, **QUIET) == 1
     assert [len(r["doc_scores"]) for r in read_jsonl(tmp_path / "contexts.jsonl")] == [2]
+
+
+@pytest.mark.parametrize(
+    "rec,again",
+    [
+        ({"judge": "exact", "scores": [5.0, None]}, True),  # a sample's judgement failed
+        ({"judge": "exact", "scores": [5.0], "greedy": "x", "greedy_score": None}, True),  # the greedy answer's
+        ({"judge": "exact", "scores": [5.0], "greedy": "x", "greedy_score": 4.0}, False),
+        ({"judge": "exact", "scores": [1.0]}, False),  # sampled before the greedy answer was recorded
+        ({"judge": None, "scores": [None, None], "greedy": "x", "greedy_score": None}, False),  # no gold: done
+    ],
+)
+def test_judge_failed(rec, again):
+    from gate.train.build_data import judge_failed
+
+    assert judge_failed(rec) is again
