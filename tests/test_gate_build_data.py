@@ -130,6 +130,17 @@ def test_sample_with_a_real_tiny_vlm(questions, tiny_world, tiny_refiner, tmp_pa
         (dict(stage="label", out="X", variant="kbm-acc", tau=5), r"--tau must lie in \[0, 1\], got 5"),
         (dict(stage="consistency", out="X", mct_gamma=-0.5), r"--mct_gamma must lie in \[0, 1\]"),
         (dict(stage="label", out="X", variant="mct", mct_negative_ratio=2), r"--mct_negative_ratio must lie in"),
+        (dict(stage="label", out="X", variant="mct", mct_negative_ratio=1.2), r"--mct_negative_ratio must lie in"),
+        # every setting at an end of its scale is taken: the stage then finds no earlier stage's file
+        (
+            dict(stage="label", out="X", variant="hkb", epsilon=5, correct_score=1, tau=1, mct_gamma=0),
+            "run the earlier stages first",
+        ),
+        (
+            dict(stage="label", out="X", variant="kbm-acc", epsilon=1, correct_score=5, tau=0, mct_negative_ratio=1),
+            "run the earlier stages first",
+        ),
+        (dict(stage="label", out="X", variant="hkb", mct_gamma=1, mct_negative_ratio=0), "run the earlier stages"),
     ],
 )
 def test_bad_input(kw, match, tmp_path):
