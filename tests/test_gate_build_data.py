@@ -123,6 +123,8 @@ def test_sample_with_a_real_tiny_vlm(questions, tiny_world, tiny_refiner, tmp_pa
         (dict(stage="sample", out="X", k=0), "must be positive"),
         (dict(stage="sample", out="X", samples=0), "--samples, --batch_size and --k must be positive"),
         (dict(stage="judge", out="X", batch_size=-1), "--samples, --batch_size and --k must be positive"),
+        (dict(stage="judge", out="X", batch_size=0), "--samples, --batch_size and --k must be positive"),
+        (dict(stage="label", out="X", variant="hkb", samples=1, batch_size=1, k=1), "run the earlier stages first"),
         (dict(stage="judge", out=None), "--out is required"),
         # off their scales, every question got one label (an ε of 30 on the judge's 1–5 scores: all "search")
         (dict(stage="label", out="X", variant="hkb", epsilon=30), r"--epsilon must lie in \[1, 5\], got 30"),
