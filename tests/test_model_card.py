@@ -296,17 +296,44 @@ GENERATED_EVAL = {"variant": "mct", "n": 4, "accuracy": 0.5, "parsed": 0.75, "ac
                 "first_token_scores(model, processor, spec, images, questions)",
                 "decisions(scores, 0.5)",
                 "python -m gate.train.evaluation --model /o/hkb/final",
+                "positive when it reaches the threshold γ (default 0.5).",
+                "accuracy at the default threshold, next to the majority-class baseline to beat",
+                "User turn (`{question}` filled in)",
             ],
         ),
         ("skb", None, ["`1`, `2`, `3`, `4`, `5`", "decisions(scores, 3)", "No held-out figures"]),
         ("kbm-cert", None, ["`unknown` (positive: search needed) or `known`", "certainty C = 1 − H/Hmax"]),
         ("ret", None, ["`Ret` (positive: retrieval needed) or `NoRet`"]),
-        ("srt", None, ["`Rel` (positive: relevant) or `NoRel`", "questions, contexts)", "Context: {context}"]),
-        ("inspector", None, ['`{"pass": "true"}` (positive: pass)', '`{"pass": "false", "answer": "…"}`']),
+        (
+            "srt",
+            None,
+            [
+                "`Rel` (positive: relevant) or `NoRel`",
+                "questions, contexts)",
+                "Context: {context}",
+                "`{context}` filled",
+            ],
+        ),
+        (
+            "inspector",
+            None,
+            [
+                '`{"pass": "true"}` (positive: pass)',
+                '`{"pass": "false", "answer": "…"}`',
+                'read from the first answer token after the JSON opening `{"pass": "`',
+                "A failing section's own answer comes from generating and parsing the JSON.",
+            ],
+        ),
         (
             "mct",
             GENERATED_EVAL,
-            ["generate_parsed(model, processor, spec", "| accuracy_by_class/a | 1 |", "| parsed | 0.75 |"],
+            [
+                "generate_parsed(model, processor, spec",
+                "| accuracy_by_class/a | 1 |",
+                "| parsed | 0.75 |",
+                'JSON `{"consistent": [document numbers], "summary": "…"}`, generated and parsed.',
+                "accuracy of the parsed output",
+            ],
         ),
         ("answer", None, ["A short answer phrase", "generate_parsed("]),
     ],
@@ -326,6 +353,9 @@ def test_gate_card(variant, metrics, present):
     ]:
         assert needed in card, needed
     assert ("No held-out figures" in card) == (metrics is None)
+    reads_a_section = variant in ("srt", "mct", "inspector", "answer")
+    assert ("the question with a retrieved text as context" in card) == reads_a_section
+    assert ("after the JSON opening" in card) == (variant == "inspector")
     assert "| variant |" not in card
     assert_no_placeholder(card)
 
