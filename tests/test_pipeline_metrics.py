@@ -270,3 +270,83 @@ def test_a_run_without_baselines_keeps_the_benchmarks_own_figures():
     assert alone_only["infoseek"] == with_baselines["infoseek"] and alone_only["infoseek"]["final"] > 0
     assert alone_only["accuracy_by_split"] == with_baselines["accuracy_by_split"]
     assert alone_only["accuracy"] == pytest.approx(with_baselines["accuracy"])
+
+
+@pytest.mark.parametrize(
+    "entity,section,gold_entity,gold_section,expected",
+    [
+        ("e1", 3, "e1", 3, True),
+        ("e1", 3, "e1", 4, False),  # the gold article, another section than the evidence
+        ("e2", 3, "e1", 3, False),  # another article
+        ("e2", None, "e1", None, False),
+        ("e1", None, "e1", 3, True),  # the section's index unknown: the article decides
+        ("e1", 3, "e1", None, True),  # no evidence section named (InfoSeek)
+        ("e1", 3, "e1", [3, 5], True),  # a list (a two-hop question's, one per hop): the article decides
+        (7, "3", "7", 3, True),  # ids and indices compared as what they name, whatever JSON made of them
+    ],
+)
+def test_the_gold_section_is_the_evidence_section_of_the_gold_article(
+    entity, section, gold_entity, gold_section, expected
+):
+    from gate.pipeline.end_to_end import is_gold_section
+
+    assert is_gold_section(entity, section, gold_entity, gold_section) is expected
+
+
+def test_summarize_counts_failures_mct_and_leaves_infoseek_figures_to_infoseek_questions():
+    from gate.pipeline.end_to_end import hop_accuracy
+
+    recs = [rec(True, False, False, 0.2, split=None), rec(False, True, True, 0.9), rec(True, True, True, 0.7)]
+    recs[0]["rag"]["failed"] = "HTTP 503"  # one request failed on each path, on different questions
+    recs[1]["alone"]["failed"] = "HTTP 503"
+    recs[0]["rag"]["consistency"] = {"strategy": "filter", "fallback": True, "listed": None}
+    recs[1]["rag"]["consistency"] = {"strategy": "filter", "fallback": False, "listed": [2, 1]}
+    for r, t in zip(recs, ["templated", "automatic", "multi_answer"]):
+        r["question_type"] = t
+    m = summarize(recs)
+    assert m["failed"] == 2
+    assert m["consistency"] == {"strategy": "filter", "n": 2, "fallback_ratio": 0.5, "mean_listed": 1.0}
+    assert m["accuracy_by_split"] == {"all": 1.0, "test": 1.0}  # a question without a split: "all"
+    # E-VQA questions: no InfoSeek figure anywhere, and no note that InfoSeek's are left out
+    assert m["infoseek"] is None and m["infoseek_untyped"] == []
+    assert all("infoseek" not in b for b in m["baselines"].values())
+    assert m["without_inspector"] is None
+    table = format_table(m)
+    assert "InfoSeek" not in table
+    assert "MCT (filter): 1.00 sections listed on average; 50.0 % fell back to the first stage's choice" in table
+    assert hop_accuracy([{"question_type": "automatic"}, {}], [True, False]) == {
+        "single_hop": 0.5,
+        "two_hop": None,
+        "overall": 0.5,
+    }
+    assert summarize([{"id": "a", "skipped": "x"}, {"id": "b", "skipped": "y"}]) == {"n": 0, "skipped": 2}
+
+
+def test_infoseek_questions_without_a_split_are_named_not_scored():
+    recs = [rec(True, True, False, split="val_unseen_question"), rec(True, True, False, split=None, id="q1")]
+    for r in recs:
+        r["question_type"] = "String"
+    m = summarize(recs)
+    assert m["infoseek"] is None and m["infoseek_untyped"] == ["q1"]
+
+
+def test_the_table_holds_every_baseline_and_the_run_without_the_inspector():
+    recs = [dict(r, id=f"q{i}") for i, r in enumerate(RECORDS)] + [{"id": "gone", "skipped": "image missing"}]
+    for r in recs[:5]:
+        r["rag"] = {**r["rag"], "without_inspector": {"answer": "x", "correct": True}}
+    m = summarize(recs)
+    table = format_table(m, "pipeline (gate: hkb)")
+    for row in (
+        "| pipeline (gate: hkb) | 80.0 | 60.0 |",
+        "| No RAG | 40.0 | 0.0 |",
+        "| All RAG | 60.0 | 100.0 |",
+        "| oracle gate | 80.0 | 60.0 |",
+        "| pipeline (gate: hkb), without the Inspector | 80.0 | 60.0 |",
+        "| All RAG, without the Inspector | 100.0 | 100.0 |",
+        "| oracle gate, without the Inspector | 100.0 | 60.0 |",
+        "1 question(s) skipped (image missing or unusable) are in no figure above",
+    ):
+        assert row in table, row
+    assert "| random gate | " in table and "skipped" not in format_table(summarize(recs[:5]))
+    partly = [dict(r, rag={k: v for k, v in r["rag"].items() if k != "without_inspector"}) for r in recs[:1]]
+    assert summarize(partly + recs[1:])["without_inspector"] is None  # every record must carry it
