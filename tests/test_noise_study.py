@@ -154,6 +154,56 @@ def test_an_interrupted_study_resumes_and_scores_by_the_official_rule(tiny_world
         run_study(NoiseArgs(**{**args.__dict__, "n_sections": 10}), generators={"reader": reader}, **QUIET)
 
 
+def test_a_generator_name_resumes_only_its_own_model(tiny_world, tmp_path, monkeypatch):
+    """The answers of a generator are resumed by its name: under that name, another model folder, the same folder
+    with its weights exported again, or another endpoint model answered nothing, and the earlier model's answers
+    made its table row. The endpoint's URL may change."""
+    import gate.pipeline.noise_study as noise_study
+
+    models = {}
+    for name in ("a", "b"):
+        models[name] = tmp_path / name
+        models[name].mkdir()
+        (models[name] / "model.safetensors").write_bytes(b"weights")
+    asked = []
+
+    def fake_load(kind, target, *rest):
+        def generate(images, questions, contexts):
+            asked.append((kind, target, len(questions)))
+            return [("x", None)] * len(questions)
+
+        return generate
+
+    monkeypatch.setattr(noise_study, "load_generator", fake_load)
+    base = dict(
+        queries=str(tiny_world / "test.jsonl"),
+        kb=str(tiny_world / "kb.jsonl"),
+        levels="oracle",
+        limit=2,
+        generator_prompt="toy",
+    )
+
+    def study(out, generators):
+        return run_study(NoiseArgs(**base, out=str(tmp_path / out), generators=generators), **QUIET)
+
+    study("local", f"R=llm:{models['a']}")
+    assert {r["source"] for r in read_jsonl(tmp_path / "local" / "answers.jsonl")} == {
+        noise_study.generator_source("llm", str(models["a"]))
+    }
+    study("local", f"R=llm:{models['a']},S=llm:{models['b']}")  # a generator added: asked, the other resumed
+    assert [a[1] for a in asked] == [str(models["a"]), str(models["b"])]
+    with pytest.raises(ValueError, match=rf"answers of other generators under the same names \('R': llm:{models['a']}"):
+        study("local", f"R=llm:{models['b']}")
+    (models["a"] / "model.safetensors").write_bytes(b"weights, exported again")
+    with pytest.raises(ValueError, match="'R': llm:.* then, llm:.* now"):
+        study("local", f"R=llm:{models['a']}")
+    study("api", "R=endpoint:gpt@http://one")
+    study("api", "R=endpoint:gpt@http://two")  # the same model behind another URL: resumed, not asked
+    assert len(asked) == 3
+    with pytest.raises(ValueError, match="'R': endpoint:gpt then, endpoint:other now"):
+        study("api", "R=endpoint:other@http://one")
+
+
 def test_the_toy_world_study_with_a_vlm_with_and_without_the_image_and_a_text_llm(
     tiny_world, tiny_gate_vlm, tiny_text_llm, tmp_path, monkeypatch
 ):

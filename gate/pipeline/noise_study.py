@@ -29,7 +29,14 @@ from pathlib import Path
 from tqdm import tqdm
 
 from common.cli import parse, require_file
-from common.files import append_jsonl, completed_ids, read_jsonl, write_json_atomic, write_text_atomic
+from common.files import (
+    append_jsonl,
+    read_jsonl,
+    repair_jsonl,
+    weights_fingerprint,
+    write_json_atomic,
+    write_text_atomic,
+)
 from common.job_parts import JobParts
 from common.llm import endpoint_generator, request_failed, text_generator
 from common.placement import resolve_device
@@ -177,6 +184,32 @@ def load_generator(kind: str, target: str, args: NoiseArgs, prompt: dict, device
     return generate
 
 
+def generator_source(kind: str, target: str) -> str:
+    """What a generator's answers are the answers of: its kind and model (an endpoint's model name: its URL may
+    change) and, for a local model folder, its weights (a model exported again into the same folder answers anew)."""
+    if kind == "endpoint":
+        return f"endpoint:{target.partition('@')[0]}"
+    weights = weights_fingerprint(target) if Path(target).is_dir() else None
+    return f"{kind}:{target}" + (f" (weights {weights})" if weights else "")
+
+
+def check_same_generators(written: list[dict], sources: dict[str, str], path: Path) -> None:
+    """Refuse to add to the answers a generator's name already holds (``written``, answers.jsonl's rows) another
+    generator's: its table row would mix two models. A name new to the folder, or rows written before sources were
+    recorded, pass."""
+    earlier: dict[str, str] = {}
+    for r in written:
+        if r.get("source") is not None:
+            earlier.setdefault(r["generator"], r["source"])
+    changed = [n for n, s in sources.items() if earlier.get(n, s) != s]
+    if changed:
+        said = "; ".join(f"{n!r}: {earlier[n]} then, {sources[n]} now" for n in changed)
+        raise ValueError(
+            f"{path} holds answers of other generators under the same names ({said}): give the new one another "
+            "name, use another --out, or delete those answers"
+        )
+
+
 def study_rows(args: NoiseArgs, log) -> tuple[list[dict], list[tuple[str, str]], int]:
     """(questions with their relevant sections, the distractor pool of (entity, section text) — a seeded reservoir
     of at most 20,000 KB sections, shared by every question — and how many questions were left out)."""
@@ -234,8 +267,11 @@ def run_study(args: NoiseArgs, log=print, generators: dict | None = None) -> dic
             "max_new_tokens": args.max_new_tokens,
         }
     )
+    sources = {name: generator_source(*spec) for name, spec in specs.items() if spec is not None}
+    written = repair_jsonl(answers_path, key="id")  # a last line cut short by a crash dropped
+    check_same_generators(written, sources, answers_path)
     rows, pool, left_out = study_rows(args, log)  # the KB read once the settings are known to match
-    done = completed_ids(answers_path)
+    done = {str(r["id"]) for r in written}
     device = resolve_device(args.device)
     failed = 0
     for name, spec in specs.items():
@@ -268,6 +304,7 @@ def run_study(args: NoiseArgs, log=print, generators: dict | None = None) -> dic
                     {
                         "id": f"{name}|{lv}|{q['id']}",
                         "generator": name,
+                        "source": sources.get(name),
                         "level": lv,
                         "question_id": str(q["id"]),
                         "answer": a,
