@@ -2,6 +2,8 @@
 hypothesis), resume after an interruption, and the toy world end to end with a VLM with and without the image and a
 text LLM."""
 
+import json
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -202,6 +204,30 @@ def test_a_generator_name_resumes_only_its_own_model(tiny_world, tmp_path, monke
     assert len(asked) == 3
     with pytest.raises(ValueError, match="'R': endpoint:gpt then, endpoint:other now"):
         study("api", "R=endpoint:other@http://one")
+
+
+def test_a_questions_file_made_again_at_the_same_path_is_not_resumed(tiny_world, tmp_path):
+    """Answers to the questions a file held are not resumed for what it holds now: the study records the file's
+    content and the folder its images resolve against, as the pipeline and the gate-data stages do."""
+    import shutil
+
+    queries = tmp_path / "q.jsonl"
+    rows = list(read_jsonl(tiny_world / "test.jsonl"))
+    write = lambda rs: queries.write_text("".join(json.dumps(r) + "\n" for r in rs))  # noqa: E731
+    write(rows)
+    shutil.copytree(tiny_world / "images", tmp_path / "images")
+    args = NoiseArgs(
+        queries=str(queries), kb=str(tiny_world / "kb.jsonl"), out=str(tmp_path / "out"), levels="oracle", limit=2
+    )
+    reader = {"reader": lambda images, questions, contexts: [("x", None)] * len(questions)}
+    run_study(args, generators=reader, **QUIET)
+    write([{**r, "answers": ["corrected"]} if i == 0 else r for i, r in enumerate(rows)])
+    with pytest.raises(ValueError, match=r"other settings \(queries: 'sha256:"):
+        run_study(args, generators=reader, **QUIET)
+    write(rows)
+    run_study(args, generators=reader, **QUIET)  # the same content again: resumed
+    with pytest.raises(ValueError, match=r"other settings \(images_root: "):
+        run_study(NoiseArgs(**{**args.__dict__, "images_root": str(tiny_world)}), generators=reader, **QUIET)
 
 
 def test_the_toy_world_study_with_a_vlm_with_and_without_the_image_and_a_text_llm(

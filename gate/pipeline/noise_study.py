@@ -31,6 +31,7 @@ from tqdm import tqdm
 from common.cli import parse, require_file
 from common.files import (
     append_jsonl,
+    input_settings,
     read_jsonl,
     repair_jsonl,
     weights_fingerprint,
@@ -259,7 +260,7 @@ def run_study(args: NoiseArgs, log=print, generators: dict | None = None) -> dic
     answers_path = out / "answers.jsonl"
     JobParts(answers_path).same_settings(  # answers to other contexts are not mixed in (generators may be added)
         {
-            "queries": str(args.queries),
+            **input_settings(args.queries, args.images_root or Path(args.queries).parent),
             "kb": str(args.kb),
             "n_sections": args.n_sections,
             "seed": args.seed,
