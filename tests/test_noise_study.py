@@ -35,6 +35,8 @@ def test_levels_and_generators_parse_and_bad_ones_are_named():
     for bad in ["VLM", "VLM=clip:/m", "=vlm:/m", ""]:
         with pytest.raises(ValueError, match="--generators"):
             parse_generators(bad)
+    with pytest.raises(ValueError, match="the name 'VLM' is given twice"):
+        parse_generators("VLM=vlm:/a, VLM =llm:/b")
 
 
 @given(

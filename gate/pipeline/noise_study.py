@@ -106,6 +106,8 @@ def parse_generators(text: str) -> dict[str, tuple[str, str]]:
             raise ValueError(
                 f"--generators: {part!r} must look like name=kind:path with kind one of {', '.join(KINDS)}"
             )
+        if name.strip() in out:  # the later one would replace the earlier without a word
+            raise ValueError(f"--generators: the name {name.strip()!r} is given twice")
         out[name.strip()] = (kind, target)
     if not out:
         raise ValueError("--generators: give at least one name=kind:path")
