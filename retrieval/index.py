@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common.files import read_json
+from common.files import file_fingerprint, read_json
 from common.placement import (
     configure_threads,
     dtype_name,
@@ -383,3 +383,11 @@ def require_index(value, flag: str = "index") -> dict:
     if not value or not manifest.is_file():
         raise ValueError(f"--{flag}: {value!r} is not a finished index directory (no {MANIFEST_FILE})")
     return read_json(manifest)
+
+
+def index_fingerprint(value) -> dict:
+    """What a resumable job over an index folder records of it, cheap to take: its manifest's content and its FAISS
+    file's size (an index built again at the same path, of another KB or other encoders, changes them)."""
+    folder = Path(value)
+    files = [folder / name for name in (MANIFEST_FILE, INDEX_FILE) if (folder / name).is_file()]
+    return {f.name: file_fingerprint(f) if f.suffix == ".json" else f.stat().st_size for f in files}

@@ -311,6 +311,30 @@ def test_retrieve_context_and_the_retrieval_labels(questions, tiny_world, tiny_i
     assert shown[label["consistent"][0] - 1].startswith(hits[2]["title"])  # P(Rel) 0.9 first
 
 
+def test_retrieved_sections_of_an_index_built_again_at_the_same_path_are_not_resumed(
+    questions, tiny_world, tiny_index_dir, tiny_index, tmp_path
+):
+    """retrieved.jsonl recorded its index by path: built again there (another KB, other encoders), the hits of the
+    old index were resumed beside the new one's, and every later stage (context, labels) read them."""
+    import shutil
+
+    from gate.pipeline.context import stage_retrieve
+
+    path, _ = questions
+    index = tmp_path / "index"  # a copy: the shared index stays as it is
+    shutil.copytree(tiny_index_dir, index)
+    args = BuildDataArgs(
+        stage="retrieve", index=str(index), queries=str(path), images_root=str(tiny_world), out=str(tmp_path / "d"),
+        k=2, alpha=0.5,
+    )  # fmt: skip
+    stage_retrieve(args, tmp_path / "d", index=tiny_index, **QUIET)
+    assert stage_retrieve(args, tmp_path / "d", index=tiny_index, **QUIET) == 0  # the same index: resumed
+    manifest = json.loads((index / "manifest.json").read_text())
+    (index / "manifest.json").write_text(json.dumps({**manifest, "built_again": True}))
+    with pytest.raises(ValueError, match=r"other settings \(index_files: "):
+        stage_retrieve(args, tmp_path / "d", index=tiny_index, **QUIET)
+
+
 def test_vllm_sampling_backend_without_vllm_is_a_clear_error(questions, tiny_world, tiny_gate_vlm, tmp_path):
     path, _ = questions
     args = BuildDataArgs(

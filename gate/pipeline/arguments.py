@@ -14,7 +14,7 @@ from common.placement import dist_timeout_field
 from gate.pipeline.consistency import STRATEGIES
 from gate.pipeline.metrics import METRICS
 from gate.pipeline.stages import generator_prompt, parse_stage_gpus
-from retrieval.index import require_index
+from retrieval.index import index_fingerprint, require_index
 from retrieval.ranking import check_alpha
 
 
@@ -211,10 +211,7 @@ def check_same_config(out: Path, args: PipelineArgs) -> None:
     folders = {k: v for k, v in sorted(named.items()) if isinstance(v, str) and Path(v).is_dir()}  # gate:DIR too
     current["weights"] = {k: f for k, v in folders.items() if (f := weights_fingerprint(v))}
     if args.index and Path(args.index).is_dir():  # an index built again at the same path: its manifest and vectors
-        files = [Path(args.index) / n for n in ("manifest.json", "index.faiss") if (Path(args.index) / n).is_file()]
-        current["index_files"] = {
-            f.name: file_fingerprint(f) if f.suffix == ".json" else f.stat().st_size for f in files
-        }
+        current["index_files"] = index_fingerprint(args.index)
     if args.generator_prompt and Path(args.generator_prompt).is_file():  # a prompt file edited at the same path
         current["generator_prompt_content"] = file_fingerprint(args.generator_prompt)
     path = out / "pipeline_config.json"

@@ -21,7 +21,7 @@ from common.job_parts import JobParts
 from common.placement import job_device
 from gate.pipeline.judges import judge_from_args, judge_settings
 from gate.variants import spec, user_text
-from retrieval.index import MultimodalIndex, require_index
+from retrieval.index import MultimodalIndex, index_fingerprint, require_index
 from retrieval.kb import GOLD_KEYS, check_images
 from retrieval.upstream.articles import open_store
 from rl.generate import vlm_generator
@@ -67,6 +67,7 @@ def stage_retrieve(args, out: Path, log=print, index=None, refiner=None) -> int:
     JobParts(target).same_settings(  # hits of another index, refiner (or its weights), α, k or input are not mixed in
         {
             "index": str(args.index),
+            "index_files": index_fingerprint(args.index),  # an index built again at the same path
             "refiner": args.refiner and str(args.refiner),
             "refiner_weights": args.refiner and weights_fingerprint(args.refiner),
             "alpha": args.alpha,
