@@ -537,7 +537,7 @@ def test_judged_relevance_refuses_contexts_that_do_not_match_the_retrieval():
 
     hits = [{"text": t} for t in "abc"]
     contexts = {
-        "q0": {"doc_scores": [5.0, 1.0, None], "hits_digest": hits_digest(hits)},
+        "q0": {"doc_scores": [4.0, 3.9, None], "hits_digest": hits_digest(hits)},  # right: a score ≥ correct_score
         "q1": {"doc_scores": [5.0]},
         "q3": {"doc_scores": [5.0, 5.0, 5.0], "hits_digest": hits_digest([{"text": t} for t in "abd"])},
     }
@@ -566,13 +566,17 @@ def test_consistency_is_made_again_for_sections_retrieved_since_and_label_refuse
     asked = []
 
     def summarise(images, texts, sample):
+        assert sample is False  # a summary is the MLLM's greedy one
         asked.extend(texts)
         return [f"summary {len(asked)}"] * len(texts)
 
     args = BuildDataArgs(stage="consistency", out=str(tmp_path), model="stub", mct_negative_ratio=0.0)
-    relevance = lambda images, batch: [[0.9, 0.8, 0.1] for _ in batch]  # noqa: E731
+    relevance = lambda images, batch: [[0.5, 0.8, 0.1] for _ in batch]  # noqa: E731  (relevant: P(Rel) ≥ γ = 0.5)
     run = lambda: stage_consistency(args, tmp_path, relevance=relevance, summarise=summarise, **QUIET)  # noqa: E731
     assert run() == 1 and run() == 0 and len(asked) == 1
+    assert asked[0] == "Documents:\n[1] T - S: a\n[2] T - S: b\nQuestion: Which?"  # the relevant ones, numbered
+    with pytest.raises(ValueError, match=r"other settings \(mct_gamma: 0.5 then, 0.6 now"):
+        stage_consistency(BuildDataArgs(**{**args.__dict__, "mct_gamma": 0.6}), tmp_path, relevance=relevance, **QUIET)
     write_jsonl_atomic(tmp_path / "retrieved.jsonl", [{**retrieved[0], "hits": [hit(t) for t in "dbc"]}])
     stale = list(read_jsonl(tmp_path / "consistency.jsonl"))
     assert run() == 1 and "T - S: d" in asked[-1]
@@ -584,6 +588,45 @@ def test_consistency_is_made_again_for_sections_retrieved_since_and_label_refuse
     write_jsonl_atomic(tmp_path / "consistency.jsonl", stale)
     with pytest.raises(ValueError, match=r"made 1 question\(s\) \(first: q0\) for other sections"):
         build(BuildDataArgs(stage="label", out=str(tmp_path), variant="mct", mct_negative_ratio=0.0), **QUIET)
+
+
+def test_a_question_qualifies_for_a_summary_with_more_than_one_relevant_section(tiny_world, tmp_path):
+    from common.files import read_jsonl, write_jsonl_atomic
+    from gate.pipeline.consistency import stage_consistency
+
+    image = str(next((tiny_world / "images").glob("*.png")))
+    hits = [{"title": "T", "section_title": "S", "text": t, "entity_id": "E1", "section": 0} for t in "abc"]
+    write_jsonl_atomic(
+        tmp_path / "retrieved.jsonl",
+        [{"id": q, "question": "Which?", "image_path": image, "hits": hits} for q in ("two", "one", "none")],
+    )
+    probs = {"two": [0.5, 0.8, 0.1], "one": [0.9, 0.4999, 0.1], "none": [0.0, 0.2, 0.1]}  # γ = 0.5
+    stage_consistency(
+        BuildDataArgs(stage="consistency", out=str(tmp_path), model="stub"),
+        tmp_path,
+        relevance=lambda images, batch: [probs[r["id"]] for r in batch],
+        summarise=lambda images, texts, sample: ["both say so"] * len(texts),
+        **QUIET,
+    )
+    made = {r["id"]: r for r in read_jsonl(tmp_path / "consistency.jsonl")}
+    assert {q: r["summary"] for q, r in made.items()} == {"two": "both say so", "one": None, "none": None}
+    assert {q: r["rel_probs"] for q, r in made.items()} == probs
+
+
+def test_the_consistency_stage_names_what_it_lacks(tmp_path):
+    from common.files import write_jsonl_atomic
+    from gate.pipeline.consistency import stage_consistency
+
+    def stage(**kw):
+        return stage_consistency(BuildDataArgs(stage="consistency", out=str(tmp_path), **kw), tmp_path, **QUIET)
+
+    with pytest.raises(ValueError, match="retrieved.jsonl does not exist \\(run --stage retrieve first\\)"):
+        stage(model="m")
+    write_jsonl_atomic(tmp_path / "retrieved.jsonl", [{"id": "q0", "question": "Which?", "hits": []}])
+    with pytest.raises(ValueError, match="--model \\(the MLLM that writes the summaries\\) is required"):
+        stage()
+    with pytest.raises(ValueError, match="contexts.jsonl, which does not exist \\(run --stage context first"):
+        stage(model="m")
 
 
 def test_context_answers_are_made_again_for_failed_judgements_and_sections_retrieved_since(

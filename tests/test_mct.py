@@ -55,6 +55,7 @@ def test_stochastic_digit_expectation_and_range():
         ("merge", {"consistent": [3], "summary": None}, [0], None, True),  # merge without a summary
         ("filter", {"consistent": [9, 0], "summary": None}, [0], None, True),  # no valid number
         ("filter", {"consistent": [2, 2], "summary": None}, [1], None, False),  # repeats once
+        ("filter", {"consistent": [4, 5, 1], "summary": None}, [0, 3], None, False),  # the last section is valid
         ("rerank", None, [0], None, True),  # unparseable output
     ],
 )
