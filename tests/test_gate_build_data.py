@@ -613,9 +613,10 @@ def test_a_question_qualifies_for_a_summary_with_more_than_one_relevant_section(
     assert {q: r["rel_probs"] for q, r in made.items()} == probs
 
 
-def test_the_consistency_stage_names_what_it_lacks(tmp_path):
-    from common.files import write_jsonl_atomic
+def test_the_consistency_stage_names_what_it_lacks(tiny_world, tmp_path):
+    from common.files import read_jsonl, write_jsonl_atomic
     from gate.pipeline.consistency import stage_consistency
+    from gate.pipeline.context import hits_digest
 
     def stage(**kw):
         return stage_consistency(BuildDataArgs(stage="consistency", out=str(tmp_path), **kw), tmp_path, **QUIET)
@@ -627,6 +628,20 @@ def test_the_consistency_stage_names_what_it_lacks(tmp_path):
         stage()
     with pytest.raises(ValueError, match="contexts.jsonl, which does not exist \\(run --stage context first"):
         stage(model="m")
+    # with them, relevance is each section's judged answer (a score ≥ correct_score is right)
+    image = str(next((tiny_world / "images").glob("*.png")))
+    hits = [{"title": "T", "section_title": "S", "text": t} for t in "ab"]
+    write_jsonl_atomic(
+        tmp_path / "retrieved.jsonl", [{"id": "q0", "question": "Which?", "image_path": image, "hits": hits}]
+    )
+    write_jsonl_atomic(
+        tmp_path / "contexts.jsonl", [{"id": "q0", "doc_scores": [1.0, 5.0], "hits_digest": hits_digest(hits)}]
+    )
+    summarise = lambda images, texts, sample: ["s"] * len(texts)  # noqa: E731
+    args = BuildDataArgs(stage="consistency", out=str(tmp_path), model="m")
+    assert stage_consistency(args, tmp_path, summarise=summarise, **QUIET) == 1
+    (made,) = read_jsonl(tmp_path / "consistency.jsonl")
+    assert (made["rel_probs"], made["relevance"], made["summary"]) == ([0.0, 1.0], "judged answers", None)
 
 
 def test_context_answers_are_made_again_for_failed_judgements_and_sections_retrieved_since(
