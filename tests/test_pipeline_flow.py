@@ -170,6 +170,9 @@ def test_mct_decides_what_the_generator_reads(strategy, docs, summary, fallback,
     rag = out["q1"]["rag"]
     assert rag["section"] == section and rag["consistency"] == decision
     assert rag["section_right"] is (section == "E1#s1")  # q1's evidence: section 1 of E1
+    # q0 names no evidence section: any section of E0 shown is right, one of them among others too
+    (q0,) = run_batch(stages(mct=mct)[0], QUESTIONS[:1], [None])
+    assert q0["rag"]["section_right"] is (strategy != "rerank")
 
 
 def test_context_of_is_the_chosen_section_unless_mct_lists_others():
@@ -280,3 +283,60 @@ def test_within_the_article_text_similarity_and_text_reranker_by_beta2():
         mixed, _ = ranker(ARTICLES, vectors, text_reranker=text, beta2=beta2)
         assert mixed.within([None], ["q"], query[:1], ["A"])[0]["entry_id"] == expected, beta2
     assert text.asked[-1] == (["q"], [["A - Intro: a0", "A - Diet: a1"]])
+
+
+def test_the_clock_gives_each_stage_its_seconds_per_question(monkeypatch):
+    import gate.pipeline.run as run_module
+    from gate.pipeline.run import Clock
+
+    ticks = iter([10.0, 12.0, 20.0, 26.0, 30.0, 31.0])
+    monkeypatch.setattr(run_module, "time", SimpleNamespace(perf_counter=lambda: next(ticks)))
+    bar = SimpleNamespace(n=0, update=lambda n: setattr(bar, "n", bar.n + n))
+    clock = Clock({"generate": bar})
+    assert clock.time("generate", 2, lambda x, y=0: x + y, 1, y=2) == 3
+    assert clock.time_rows("generate", lambda xs: [x * 10 for x in xs], [2, 0], [1, 2, 3]) == {2: 30, 0: 10}
+    assert clock.time_rows("generate", lambda xs: pytest.fail("not called for no rows"), [], [1]) == {}
+    clock.time("gate", 4, lambda: None)
+    # generate: (12 − 10) + (26 − 20) seconds over 2 + 2 questions; gate: 1 second over 4
+    assert clock.per_question() == {"generate": pytest.approx(2.0), "gate": pytest.approx(0.25)}
+    assert bar.n == 4
+
+
+def test_no_question_to_retrieve_for_calls_no_rag_stage():
+    from gate.pipeline.run import stage_names
+
+    st, calls = stages(gate_scores={"Q0": 0.1, "Q1": 0.2, "Q2": 0.3}, baselines=False)
+    out = run_batch(st, QUESTIONS, [None] * 3)
+    assert [r["answer"] for r in out] == ["alone 0", "alone 1", "alone 2"] and calls == {}
+    assert stage_names(False) == [
+        "gate",
+        "answer alone",
+        "refine",
+        "retrieve",
+        "rerank",
+        "section",
+        "inspect",
+        "generate",
+    ]
+    assert stage_names(True)[5:7] == ["consistency", "section"] and len(stage_names(True)) == 9
+
+
+FAILED = "generator failed after 3 attempts: URLError"
+
+
+@pytest.mark.parametrize(
+    "record,again",
+    [
+        ({"id": "q", "skipped": "image file missing"}, True),
+        ({"id": "q", "alone": {"failed": FAILED}, "rag": None}, True),
+        ({"id": "q", "alone": None, "rag": {"failed": FAILED}}, True),
+        ({"id": "q", "alone": {"answer": "x"}, "rag": {"answer": "y", "without_inspector": {"failed": FAILED}}}, True),
+        ({"id": "q", "alone": {"answer": None, "failed": "empty answer"}, "rag": None}, False),  # the model's answer
+        ({"id": "q", "alone": {"answer": "x"}, "rag": {"answer": None, "failed": "the Inspector failed"}}, False),
+        ({"id": "q", "alone": {"answer": "x"}, "rag": None}, False),
+    ],
+)
+def test_a_prediction_is_made_again_for_a_missing_image_or_a_failed_request(record, again):
+    from gate.pipeline.run import unfinished
+
+    assert unfinished(record) is again
