@@ -340,3 +340,78 @@ def test_a_prediction_is_made_again_for_a_missing_image_or_a_failed_request(reco
     from gate.pipeline.run import unfinished
 
     assert unfinished(record) is again
+
+
+def test_the_threshold_grid_spans_the_gates_scale_and_one_past_its_highest_score():
+    from gate.pipeline.run import threshold_grid
+
+    binary = threshold_grid([1.0, 0.2, 0.7])  # a float32 softmax gives 1.0 exactly: still a probability
+    assert binary[:21] == pytest.approx(np.linspace(0, 1, 21)) and binary[21] == np.nextafter(1.0, 2.0)
+    low = threshold_grid([0.3, -0.0])
+    assert (low[0], low[-1]) == (0.0, np.nextafter(1.0, 2.0))
+    skb = threshold_grid([2.5, 5.0, 0.99999994])  # skb's expected digit, its probabilities summing to under 1
+    assert skb[0] == pytest.approx(0.99999994) and skb[1:21] == pytest.approx(np.linspace(1, 5, 21)[1:])
+    assert skb[21] == np.nextafter(5.0, 6.0)
+
+
+def test_the_report_writes_its_files_and_names_the_gate(tmp_path):
+    import json
+
+    from gate.pipeline.end_to_end import summarize
+    from gate.pipeline.run import report
+
+    def rec(i, alone, rag, retrieve, score):
+        rag = {"answer": "r", "correct": rag, "token_accuracy": 0.0, "section_right": True, "inspector": None}
+        return {"id": f"q{i}", "split": "test", "gate": {"retrieve": retrieve, "score": score}, "latency": {},
+                "alone": {"answer": "a", "correct": alone, "token_accuracy": 0.0}, "rag": rag}  # fmt: skip
+
+    records = [rec(0, True, False, False, 0.2), rec(1, False, True, True, 0.8)]
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    (gate / "gate.json").write_text(json.dumps({"variant": "hkb"}))
+    (tmp_path / "placement.json").write_text(json.dumps({"gate": "cpu float32"}))
+    args = SimpleNamespace(gate=str(gate))
+    metrics = report(records, tmp_path, args, log=lambda *a: None)
+    assert json.loads((tmp_path / "metrics.json").read_text()) == metrics
+    assert metrics["placement"] == {"gate": "cpu float32"} and metrics["accuracy"] == summarize(records)["accuracy"]
+    assert len(metrics["threshold_curve"]) == 22
+    assert f"| pipeline (gate: hkb, {gate}) | 100.0 | 50.0 |" in (tmp_path / "metrics.md").read_text()
+    assert (tmp_path / "accuracy_vs_retrieval.png").stat().st_size > 0
+    # without baselines (each question down its own path): the chosen answers only, no curve and no figure
+    out = tmp_path / "chosen"
+    out.mkdir()
+    chosen = [
+        {**records[0], "rag": None, "answer": "a", "correct": True},
+        {**records[1], "alone": None, "answer": "r", "correct": True},
+    ]
+    metrics = report(chosen, out, SimpleNamespace(gate="always"), log=lambda *a: None)
+    assert (metrics["accuracy"], metrics["baselines"], "threshold_curve" in metrics) == (1.0, {}, False)
+    assert "| pipeline (gate: always) | 100.0 | 50.0 |" in (out / "metrics.md").read_text()
+    assert not (out / "accuracy_vs_retrieval.png").exists() and "placement" not in metrics
+    assert report([{"id": "q", "skipped": "x"}], out, SimpleNamespace(gate="never"), log=lambda *a: None)["n"] == 0
+    assert (out / "metrics.md").read_text() == "no answered questions\n"
+
+
+def test_questions_without_answers_are_counted_or_refused_by_the_rule():
+    from gate.pipeline.run import count_unanswered
+
+    rows = [
+        {"id": "a", "question": "?", "answers": ["x"]},
+        {"id": "b", "question": "?"},
+        {"id": "c", "question": "?", "answer_eval": ["y"]},
+    ]
+    said = []
+    assert count_unanswered(rows, "infoseek", "q.jsonl", said.append) == {"b"}
+    assert said == [
+        "1 of 3 question(s) in q.jsonl have no answers (nor answer_eval): every answer to them is scored wrong, a "
+        "miss in accuracy (unless it is skipped)"
+    ]
+    said.clear()
+    assert count_unanswered(rows[:1], "evqa", "q.jsonl", said.append) == set() and said == []
+    with pytest.raises(
+        ValueError, match=r"q.jsonl: 1 question\(s\) have no answers .* the evqa rule cannot score \(first: b\)"
+    ):
+        count_unanswered(rows, "evqa", "q.jsonl", said.append)
+    typed = [{**rows[1], "question_type": "String"}]
+    with pytest.raises(ValueError, match="the infoseek rule cannot score"):
+        count_unanswered(typed, "infoseek", "q.jsonl", said.append)
