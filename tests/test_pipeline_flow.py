@@ -384,10 +384,14 @@ def test_the_report_writes_its_files_and_names_the_gate(tmp_path):
         {**records[0], "rag": None, "answer": "a", "correct": True},
         {**records[1], "alone": None, "answer": "r", "correct": True},
     ]
-    metrics = report(chosen, out, SimpleNamespace(gate="always"), log=lambda *a: None)
+    metrics = report([*chosen, {"id": "q2", "skipped": "x"}], out, SimpleNamespace(gate="always"), log=lambda *a: None)
     assert (metrics["accuracy"], metrics["baselines"], "threshold_curve" in metrics) == (1.0, {}, False)
+    assert (metrics["n"], metrics["skipped"]) == (2, 1)
+    # with baselines and no gate score (always / never): no curve to draw
+    unscored = [{**r, "gate": {"retrieve": True, "score": None}} for r in records]
+    assert "threshold_curve" not in report(unscored, tmp_path, SimpleNamespace(gate="always"), log=lambda *a: None)
     assert "| pipeline (gate: always) | 100.0 | 50.0 |" in (out / "metrics.md").read_text()
-    assert not (out / "accuracy_vs_retrieval.png").exists() and "placement" not in metrics
+    assert "placement" not in metrics
     assert report([{"id": "q", "skipped": "x"}], out, SimpleNamespace(gate="never"), log=lambda *a: None)["n"] == 0
     assert (out / "metrics.md").read_text() == "no answered questions\n"
 
