@@ -419,3 +419,33 @@ def test_questions_without_answers_are_counted_or_refused_by_the_rule():
     typed = [{**rows[1], "question_type": "String"}]
     with pytest.raises(ValueError, match="the infoseek rule cannot score"):
         count_unanswered(typed, "infoseek", "q.jsonl", said.append)
+
+
+def test_each_question_of_a_batch_reads_its_own_articles_similarities():
+    vectors = {"Intro|a0": [1.0, 0.0], "Diet|a1": [0.6, 0.8], "Intro|b0": [0.0, 1.0]}
+    plain, _ = ranker(ARTICLES, vectors)
+    chosen = plain.within([None] * 2, ["q", "r"], np.array([[0.0, 1.0], [1.0, 0.0]]), ["B", "A"])
+    assert [e["entry_id"] for e in chosen] == ["B#s0", "A#s0"]  # A by a0 · (1, 0) = 1 over a1's 0.6
+
+
+def test_the_judge_scores_by_the_benchmarks_rule_and_tells_no_answer_apart():
+    from gate.pipeline.stages import Judge
+
+    args = SimpleNamespace(metric="infoseek", bem="kortukov/answer-equivalence-bem", bem_device=None, dtype=None)
+    judge = Judge(args, "cpu")
+    assert judge.bem is None  # BEM is E-VQA's
+    pairs = [
+        ({"question": "?", "answers": ["Eiffel Tower"]}, {"answer": "the eiffel tower"}),
+        ({"question": "?", "answers": ["Eiffel Tower"]}, {"answer": "Eiffel"}),
+        ({"question": "?", "answers": ["Eiffel Tower"]}, {"answer": None}),
+        ({"question": "?"}, {"answer": "x"}),
+    ]
+    judge(pairs)
+    assert [(a["correct"], a["token_accuracy"]) for _, a in pairs] == [
+        (True, 1.0),
+        (False, 0.5),
+        (False, 0.0),
+        (False, 0.0),
+    ]
+    judge([])  # nothing to judge: no call
+    assert Judge(SimpleNamespace(**{**args.__dict__, "metric": "evqa", "bem": "none"}), "cpu").bem is None
