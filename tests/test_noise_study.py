@@ -297,3 +297,27 @@ def test_the_toy_config_parses_and_names_its_generators():
     (args,) = parse((NoiseArgs,), ["--config", str(path)])
     assert [k for k, _ in parse_generators(args.generators).values()] == ["vlm", "vlm-text"]
     assert parse_levels(args.levels)[-1] == "oracle" and len(parse_levels(args.levels)) == 11
+
+
+@pytest.mark.parametrize("device,expected", [(None, "cuda:1"), ("cpu", "cpu"), ("cuda:0", "cuda:0")])
+def test_bem_loads_on_this_processs_device_unless_told(monkeypatch, tmp_path, device, expected):
+    """E-VQA's BEM scorer goes where every other model of the study goes: this process's own device (a GPU's on a GPU
+    machine), or --device; it loaded on the CPU whenever --device was left out."""
+    import common.placement
+    import gate.pipeline.noise_study as ns
+
+    monkeypatch.setattr(common.placement, "process_device", lambda: "cuda:1")
+    made = []
+
+    class Loaded(Exception):
+        pass
+
+    def bem_scorer(model, device, batch_size):
+        made.append((model, device))
+        raise Loaded
+
+    monkeypatch.setattr(ns, "BEMScorer", bem_scorer)
+    args = NoiseArgs(metric="evqa", bem="my-bem", device=device, out=str(tmp_path))
+    with pytest.raises(Loaded):
+        ns.score(args, [], ["0.5"], ["reader"], tmp_path / "answers.jsonl", 0, lambda *a: None)
+    assert made == [("my-bem", expected)]

@@ -329,7 +329,7 @@ def score(
 ) -> dict:
     bem = None
     if args.metric == "evqa" and args.bem != "none":
-        bem = BEMScorer(args.bem, device=args.device or "cpu", batch_size=args.batch_size)
+        bem = BEMScorer(args.bem, device=resolve_device(args.device), batch_size=args.batch_size)
     answers = {r["id"]: r["answer"] for r in read_jsonl(answers_path)}
     results: dict[str, dict[str, float]] = {}
     for name in names:
