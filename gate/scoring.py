@@ -154,6 +154,18 @@ def generate_parsed(
     return [parse_completion(s, reply_prefix + t) for t in texts]
 
 
+def check_threshold(name: str, threshold: float | None, flag: str = "--threshold") -> float:
+    """The gate's threshold (its default when None), refused off its scale: skb's expected digit 1–5, else a
+    probability. (skb at the binary gates' 0.5 called every example "search" against a truth, target > 0.5, that
+    every example meets: accuracy, balanced accuracy and the majority baseline all 1.0.)"""
+    if threshold is None:
+        return DEFAULT_THRESHOLDS.get(name, 0.5)
+    lo, hi = (1.0, 5.0) if name == "skb" else (0.0, 1.0)
+    if not lo <= threshold <= hi:
+        raise ValueError(f"{flag} {threshold:g} is off the {name} gate's scale [{lo:g}, {hi:g}]")
+    return threshold
+
+
 def decisions(scores, threshold: float) -> np.ndarray:
     """Positive (search / relevant / pass) when the score reaches the threshold."""
     return np.asarray(scores, dtype=float) >= threshold

@@ -449,3 +449,50 @@ def test_the_judge_scores_by_the_benchmarks_rule_and_tells_no_answer_apart():
     ]
     judge([])  # nothing to judge: no call
     assert Judge(SimpleNamespace(**{**args.__dict__, "metric": "evqa", "bem": "none"}), "cpu").bem is None
+
+
+@pytest.mark.parametrize(
+    "variant,threshold,refused",
+    [
+        ("hkb", None, False),
+        ("hkb", 0.0, False),
+        ("hkb", 1.0, False),
+        ("hkb", 3.0, True),
+        ("kbm", -0.1, True),
+        ("skb", 0.5, True),
+        ("skb", 1.0, False),
+        ("skb", 5.0, False),
+        ("skb", 5.5, True),
+    ],
+)
+def test_a_gate_threshold_off_the_gates_scale_is_refused_before_any_model_loads(
+    tmp_path, monkeypatch, variant, threshold, refused
+):
+    """γ is a probability for the binary gates and skb's expected digit 1–5: an skb gate at the binary gates' 0.5
+    sent every question to retrieval, a binary gate at 3 none, without a word."""
+    import gate.pipeline.arguments as pa
+    from common.files import write_json_atomic
+    from gate.scoring import GATE_FILE
+
+    gate, model, queries = tmp_path / "gate", tmp_path / "vlm", tmp_path / "q.jsonl"
+    for folder in (gate, model):
+        folder.mkdir()
+        (folder / "config.json").write_text("{}")
+    write_json_atomic(gate / GATE_FILE, {"variant": variant})
+    queries.write_text("")
+    monkeypatch.setattr(pa, "require_index", lambda index: None)  # no index needed to check γ
+    args = pa.PipelineArgs(
+        queries=str(queries),
+        out=str(tmp_path / "out"),
+        gate=str(gate),
+        gate_threshold=threshold,
+        answerer=str(model),
+        generator=str(model),
+        index="idx",
+        refiner="none",
+    )
+    if refused:
+        with pytest.raises(ValueError, match=rf"--gate_threshold {threshold:g} is off the {variant} gate's scale"):
+            pa.validate(args)
+    else:
+        pa.validate(args)

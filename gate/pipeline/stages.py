@@ -15,7 +15,7 @@ from gate.pipeline.consistency import ConsistencyChecker
 from gate.pipeline.context import resolve_alpha, section_text, vlm_answerer
 from gate.pipeline.metrics import official_correct, token_accuracy
 from gate.pipeline.rerank import combine, load_reranker, load_text_reranker, within_article
-from gate.scoring import DEFAULT_THRESHOLDS, first_token_scores, gate_of, generate_parsed
+from gate.scoring import check_threshold, first_token_scores, gate_of, generate_parsed
 from gate.variants import completion
 from retrieval.index import MultimodalIndex
 from retrieval.upstream.articles import open_store
@@ -52,7 +52,7 @@ class BoundaryGate:
 
     def __init__(self, path: str, threshold: float | None, device: str, dtype: str | None):
         self.model, self.processor, self.spec = gate_of(path, device, dtype, *BOUNDARY_VARIANTS)
-        self.threshold = threshold if threshold is not None else DEFAULT_THRESHOLDS.get(self.spec["name"], 0.5)
+        self.threshold = check_threshold(self.spec["name"], threshold, "--gate_threshold")
 
     def __call__(self, images, questions) -> list[float]:
         return [

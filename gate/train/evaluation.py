@@ -15,8 +15,8 @@ import numpy as np
 from common.cli import parse, require_file, run
 from common.files import pyplot, read_json, save_figure, write_json_atomic, write_jsonl_atomic, write_text_atomic
 from gate.scoring import (
-    DEFAULT_THRESHOLDS,
     GATE_FILE,
+    check_threshold,
     decisions,
     first_token_scores,
     generate_parsed,
@@ -74,18 +74,6 @@ def true_labels(s: dict, rows: list[dict], threshold: float) -> tuple[np.ndarray
     if s["name"] == "inspector":
         return np.asarray([t["pass"] for t in targets]), None
     return np.asarray(targets, dtype=bool), None
-
-
-def check_threshold(name: str, threshold: float | None) -> float:
-    """The gate's threshold (its default when None), refused off its scale: skb's expected digit 1–5, else a
-    probability. (skb at the binary gates' 0.5 called every example "search" against a truth, target > 0.5, that
-    every example meets: accuracy, balanced accuracy and the majority baseline all 1.0.)"""
-    if threshold is None:
-        return DEFAULT_THRESHOLDS.get(name, 0.5)
-    lo, hi = (1.0, 5.0) if name == "skb" else (0.0, 1.0)
-    if not lo <= threshold <= hi:
-        raise ValueError(f"--threshold {threshold:g} is off the {name} gate's scale [{lo:g}, {hi:g}]")
-    return threshold
 
 
 def evaluate_gate(
