@@ -96,8 +96,10 @@ class ExactRanker:
             raise ValueError(f"{len(rows)} rows but {len(self.row_entity)} row → entity ids")
         self.num_entities = int(num_entities)
         self.chunk_rows = int(chunk_rows)
-        # queries per block, so the (queries × entities) float32 table of best scores stays within block_bytes
-        self.block_queries = max(1, int(block_bytes) // (4 * max(self.num_entities, 1)))
+        # queries per block, so each float32 table a block makes stays within block_bytes: the best score per entity
+        # (queries × entities) and one row chunk's scores (queries × chunk rows)
+        widest = max(self.num_entities, min(len(rows), self.chunk_rows), 1)
+        self.block_queries = max(1, int(block_bytes) // (4 * widest))
 
     @classmethod
     def from_faiss(

@@ -185,6 +185,22 @@ def test_a_16_bit_replica_ranks_like_fp32_up_to_near_ties():
         assert lo <= r <= hi
 
 
+def test_a_block_of_queries_keeps_each_float32_table_within_block_bytes(monkeypatch):
+    """A block's best scores per entity (queries × entities) and one row chunk's scores (queries × chunk rows) each
+    fit in ``block_bytes``. Blocks were sized by the entities alone: 10 entities of 100 rows, 500-row chunks and
+    40 kB made one block of all 100 queries, a 200 kB score table (an approximate index's Flat reference over every
+    question with 10 k entities of 30 rows made 3.5 GB ones at the default 256 MiB)."""
+    rng = np.random.default_rng(0)
+    rows = torch.from_numpy(l2_normalize(rng.normal(size=(1000, 16))))
+    row_entity = np.arange(1000) // 100
+    q, gold = l2_normalize(rng.normal(size=(100, 16))), list(rng.integers(0, 10, 100))
+    sizes, scores = [], ExactRanker.entity_scores
+    monkeypatch.setattr(ExactRanker, "entity_scores", lambda self, qb: sizes.append(len(qb)) or scores(self, qb))
+    blocked = ExactRanker(rows, row_entity, 10, chunk_rows=500, block_bytes=40_000).ranks(q, gold)
+    assert max(sizes) * 500 * 4 <= 40_000 and sum(sizes) == 100
+    assert blocked == ExactRanker(rows, row_entity, 10).ranks(q, gold)
+
+
 class FakeFaissIndex:
     """Wraps a CPU index, records the k of every search."""
 
