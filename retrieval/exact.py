@@ -135,6 +135,8 @@ class ExactRanker:
         q = torch.as_tensor(np.ascontiguousarray(queries, dtype=np.float32), device=self.device)
         if q.ndim != 2 or q.shape[1] != self.rows.shape[1]:
             raise ValueError(f"queries must have shape (n, {self.rows.shape[1]}), got {tuple(q.shape)}")
+        if len(gold) != len(q):
+            raise ValueError(f"{len(q)} queries but {len(gold)} gold entities")
         g = torch.as_tensor(np.asarray(gold, dtype=np.int64), device=self.device)
         out: list[int | None] = []
         for s in range(0, len(q), self.block_queries):

@@ -326,8 +326,10 @@ class MultimodalIndex:
     ) -> tuple[list[list[Hit]], list[int | None]]:
         """``search(…, k)`` and ``entity_ranks(…, depth)`` from one ranking pass (at depth max(k, depth))."""
         alpha, k, depth = check_alpha(alpha), check_k(k), check_k(depth, "depth")
-        ranked = self.rank(self._as_image_emb(images), self._as_text_emb(texts), alpha, max(k, depth))
-        ranks = ranks_of(ranked, [self.entity_index.get(e, -1) for e in entity_ids])
+        image_emb, text_emb = self._as_image_emb(images), self._as_text_emb(texts)
+        gold = self._gold(entity_ids, len(image_emb))
+        ranked = self.rank(image_emb, text_emb, alpha, max(k, depth))
+        ranks = ranks_of(ranked, gold)
         return [self._hits(rk, k) for rk in ranked], [r if r is not None and r <= depth else None for r in ranks]
 
     def top_entities(self, images, texts, alpha: float, k: int) -> list[list[str]]:
@@ -343,6 +345,13 @@ class MultimodalIndex:
         scores = self.exact.entity_scores(torch.as_tensor(q, device=self.exact.device))
         top = scores.topk(min(k, self.num_entities), dim=1).indices.cpu().numpy()
         return [[str(self.entity_names[e]) for e in row] for row in top]
+
+    def _gold(self, entity_ids: Sequence[str], queries: int) -> list[int]:
+        """Each query's gold entity index (−1 for an entity with no row); a count other than the queries' is an error
+        (``zip`` would rank the shorter of the two)."""
+        if len(entity_ids) != queries:
+            raise ValueError(f"got {queries} queries but {len(entity_ids)} gold entity ids")
+        return [self.entity_index.get(e, -1) for e in entity_ids]
 
     def _hits(self, ranked: Ranked, k: int) -> list[Hit]:
         return [
@@ -362,7 +371,7 @@ class MultimodalIndex:
         approximate index; rows are decoded chunk by chunk on the CPU."""
         q, _ = query_vectors(image_emb, text_emb, check_alpha(alpha))
         ranker = ExactRanker(StoredRows(self._cpu_faiss()), self.row_entity, self.num_entities)
-        return ranker.ranks(q, [self.entity_index.get(e, -1) for e in entity_ids])
+        return ranker.ranks(q, self._gold(entity_ids, len(q)))
 
     def entity_ranks(
         self, images, texts, entity_ids: Sequence[str], alpha: float, depth: int = 200
@@ -370,7 +379,7 @@ class MultimodalIndex:
         """1-based rank of each gold entity among unique entities; ``None`` when deeper than ``depth``."""
         alpha, depth = check_alpha(alpha), check_k(depth, "depth")
         image_emb, text_emb = self._as_image_emb(images), self._as_text_emb(texts)
-        gold = [self.entity_index.get(e, -1) for e in entity_ids]
+        gold = self._gold(entity_ids, len(image_emb))
         if self.uses_exact_ranks:
             q, _ = query_vectors(image_emb, text_emb, alpha)
             return [r if r is not None and r <= depth else None for r in self.exact.ranks(q, gold)]

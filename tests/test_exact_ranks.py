@@ -201,6 +201,38 @@ def test_a_block_of_queries_keeps_each_float32_table_within_block_bytes(monkeypa
     assert blocked == ExactRanker(rows, row_entity, 10).ranks(q, gold)
 
 
+@pytest.mark.parametrize("method", ["exact", "search"])
+@pytest.mark.parametrize("given", [1, 5])
+def test_gold_entities_must_be_one_per_query(method, given):
+    """3 queries with 1 or 5 gold entities were ranked as far as ``zip`` went: 1 rank back, or 3 with two gold
+    entities dropped, and no error."""
+    index, rows, ents = make([1, 2, 3] * 5, rank_method=method)
+    q = queries(3)
+    calls = {
+        "entity_ranks": lambda g: index.entity_ranks(q[:, :6], q[:, 6:], g, alpha=0.4),
+        "search_and_rank": lambda g: index.search_and_rank(q[:, :6], q[:, 6:], g, alpha=0.4, k=2),
+        "reference_ranks": lambda g: index.reference_ranks(q[:, :6], q[:, 6:], g, alpha=0.4),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=f"got 3 queries but {given} gold entity ids"):
+            call(ents[:given])
+        got = call(ents[:3])
+        assert len(got[1] if name == "search_and_rank" else got) == 3
+
+
+def test_the_exact_ranker_refuses_rows_queries_and_gold_that_do_not_fit():
+    rows = torch.zeros((5, 4))
+    with pytest.raises(ValueError, match="5 rows but 4 row → entity ids"):
+        ExactRanker(rows, np.zeros(4, int), 1)
+    ranker = ExactRanker(rows, np.zeros(5, int), 1)
+    for bad in (np.zeros((2, 3)), np.zeros(4), np.zeros((1, 2, 4))):
+        with pytest.raises(ValueError, match=r"queries must have shape \(n, 4\), got"):
+            ranker.ranks(bad, [0, 0])
+    with pytest.raises(ValueError, match="2 queries but 1 gold entities"):
+        ranker.ranks(np.zeros((2, 4)), [0])
+    assert ranker.ranks(np.zeros((2, 4)), [0, -1]) == [1, None]
+
+
 class FakeFaissIndex:
     """Wraps a CPU index, records the k of every search."""
 
