@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from common import placement
 from retrieval.encoders import l2_normalize
-from retrieval.exact import ExactRanker, flat_storage, rows_view
+from retrieval.exact import ExactRanker, StoredRows, flat_storage, rows_view
 from retrieval.faiss_build import build_faiss_index
 from retrieval.index import FAISS_GPU_MAX_K, MultimodalIndex
 from retrieval.ranking import query_vectors
@@ -231,6 +231,36 @@ def test_the_exact_ranker_refuses_rows_queries_and_gold_that_do_not_fit():
     with pytest.raises(ValueError, match="2 queries but 1 gold entities"):
         ranker.ranks(np.zeros((2, 4)), [0])
     assert ranker.ranks(np.zeros((2, 4)), [0, -1]) == [1, None]
+
+
+@pytest.mark.parametrize("factory", ["IVF4,Flat", "HNSW8,Flat"])
+def test_an_approximate_indexs_stored_rows_read_in_chunks_rank_as_the_rows_themselves(factory):
+    """The Flat reference of an approximate index (``reference_ranks``) decodes its rows chunk by chunk; these
+    factories store rows exactly, so 7-row chunks rank as the original rows held whole."""
+    index, rows, ents = make([1, 2, 3] * 30, factory=factory, rank_method="search")
+    q = queries(9, seed=5)
+    gold = list(np.random.default_rng(6).integers(0, index.num_entities, 9))
+    stored = StoredRows(index.faiss)
+    assert len(stored) == len(rows) and stored.shape == rows.shape
+    np.testing.assert_array_equal(stored[7:14].numpy(), rows[7:14])
+    np.testing.assert_array_equal(stored[175:200].numpy(), rows[175:])  # a last chunk past the end is cut there
+    whole = ExactRanker(torch.from_numpy(rows), index.row_entity, index.num_entities).ranks(q, gold)
+    assert ExactRanker(stored, index.row_entity, index.num_entities, chunk_rows=7).ranks(q, gold) == whole
+
+
+@pytest.mark.parametrize(
+    "factory,dtype", [("Flat", torch.float16), ("SQfp16", torch.float16), ("SQbf16", torch.bfloat16)]
+)
+def test_a_device_replica_is_a_16_bit_copy_made_chunk_by_chunk(factory, dtype):
+    """What ``from_faiss`` makes for ``cuda:N`` (fp16 for fp32 rows, else the index's own 16 bits, copied 7 rows at a
+    time here), run on a CPU device other than "cpu", which gets the zero-copy view instead."""
+    rows = l2_normalize(np.random.default_rng(0).normal(size=(50, 8)))
+    index = build_faiss_index(rows, factory)
+    view = rows_view(index)
+    replica = ExactRanker.from_faiss(index, np.arange(50) // 2, 25, device="cpu:0", copy_chunk=7).rows
+    assert replica.dtype == dtype and torch.equal(replica, view.to(dtype))
+    assert replica.data_ptr() != view.data_ptr()
+    assert ExactRanker.from_faiss(index, np.arange(50) // 2, 25, device="cpu").rows.data_ptr() == view.data_ptr()
 
 
 class FakeFaissIndex:
