@@ -9,7 +9,6 @@ image encoder over a list of files that way.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -19,6 +18,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
+from common.files import json_record
 from retrieval.kb import load_image
 
 
@@ -64,7 +64,7 @@ class KBImageRows(Dataset):
         if self._fh is None:
             self._fh = open(self.kb, "rb")
         self._fh.seek(int(self.offsets[row]))
-        rec = json.loads(self._fh.readline())
+        rec = json_record(self._fh.readline(), self.kb, f"row {int(row) + 1}")  # as the scan read it
         rel = rec.get("image")
         x, problem = pixels(self.root / rel if rel else None, self.preprocess)
         return {

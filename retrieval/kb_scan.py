@@ -9,7 +9,6 @@ Pure in the sense that matters: the same file and template give the same scan on
 from __future__ import annotations
 
 import hashlib
-import json
 from array import array
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,11 +60,13 @@ class KBScan:
 
 
 def read_rows(path: str | Path, offsets: np.ndarray, rows) -> list[dict]:
+    """Rows read as the scan read them (``json_record``: a lone surrogate escape taken as U+FFFD, which no tokenizer
+    or UTF-8 file refuses)."""
     out = []
     with open(path, "rb") as f:
         for r in rows:
             f.seek(int(offsets[r]))
-            out.append(json.loads(f.readline()))
+            out.append(json_record(f.readline(), path, f"row {int(r) + 1}"))
     return out
 
 

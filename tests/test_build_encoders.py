@@ -50,6 +50,29 @@ def test_scan_finds_each_distinct_text_once(shared_sections_kb):
     assert all(texts[scan.text_rows[scan.text_id[r]]] == texts[r] for r in range(len(rows)))
 
 
+def test_kb_rows_are_read_back_as_the_scan_read_them(tmp_path):
+    """A KB row holding a lone surrogate escape (JSON from elsewhere can hold half a pair): the scan takes it as U+FFFD
+    (``json_record``); the text shard and the image rows read it back with plain ``json.loads``, so the build stopped
+    at the tokenizer (``TypeError: TextEncodeInput must be …``) and rows.parquet could not hold its title."""
+    from retrieval.image_data import KBImageRows
+
+    row = {"entry_id": "e1", "entity_id": "Q1", "title": "T\ud800", "section_title": "", "text": "a \udc00 b"}
+    path = tmp_path / "kb.jsonl"
+    path.write_text('{"entry_id": "e0", "entity_id": "Q0", "text": "x"}\n\n' + json.dumps(row) + "\n")
+    scan = scan_kb(path, TEMPLATE)
+    assert scan.rows == 2 and scan.texts == 2  # the blank line is no row
+    read = scan.read([1])[0]
+    assert (read["title"], read["text"]) == ("T\ufffd", "a \ufffd b")
+    assert entry_text(read, TEMPLATE).encode("utf-8")  # what the text shard tokenizes: valid UTF-8
+    item = KBImageRows(path, scan.offsets, tmp_path, preprocess=None)[1]
+    assert (item["entry_id"], item["entity_id"], item["title"], item["problem"]) == (
+        "e1",
+        "Q1",
+        "T\ufffd",
+        "no image path",
+    )
+
+
 def test_section_dedup_equals_encoding_every_row(shared_sections_kb, tiny_world, tmp_path, encoders, monkeypatch):
     path, rows = shared_sections_kb
     img_enc, txt_enc = encoders
