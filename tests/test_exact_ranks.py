@@ -693,20 +693,47 @@ def test_a_search_that_an_approximate_index_cannot_deepen_stops():
     assert all(0 < len(rk.entities) < 200 for rk in ranked)
 
 
-def test_hnsw_searches_as_deep_as_the_rows_it_is_asked_for(tmp_path):
-    """FAISS's HNSW explores about efSearch candidates (16 unless set); a loaded index raises it to the rows each
-    search asks for, so its depth-200 ranks of a 20-rows-per-entity index agree with the exact ones (at FAISS's 16,
-    11 of these 40 did)."""
+def index_dir(path, index, entity_ids):
+    """``index`` (from ``make``) written as an index directory: index.faiss, rows.parquet, manifest.json."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     from common.faiss_lib import faiss
 
+    faiss.write_index(index.faiss, str(path / "index.faiss"))
+    pq.write_table(pa.table({"entry_id": index.entry_ids, "entity_id": entity_ids}), path / "rows.parquet")
+    (path / "manifest.json").write_text(json.dumps(index.manifest))
+    return path
+
+
+@pytest.mark.parametrize("nprobe,expected", [(2, 2), (32, 16), (1000, 16)])
+def test_load_sets_an_ivf_indexs_nprobe_up_to_its_lists(tmp_path, nprobe, expected):
+    from common.faiss_lib import faiss
+
+    index, rows, ents = make([2] * 200, factory="IVF16,Flat", rank_method="search")
+    loaded = MultimodalIndex.load(index_dir(tmp_path, index, ents), device="cpu", nprobe=nprobe)
+    assert faiss.extract_index_ivf(loaded.faiss).nprobe == expected and loaded.ef_search is None
+
+
+def test_load_refuses_a_folder_without_a_manifest_and_rows_that_are_not_the_indexs(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    index, rows, ents = make([1, 2, 3])
+    with pytest.raises(FileNotFoundError, match="is not a finished index directory: .*manifest.json is missing"):
+        MultimodalIndex.load(tmp_path)
+    index_dir(tmp_path, index, ents)
+    pq.write_table(pa.table({"entry_id": index.entry_ids[:5], "entity_id": ents[:5]}), tmp_path / "rows.parquet")
+    with pytest.raises(ValueError, match="rows.parquet has 5 rows but the FAISS index has 6; rebuild the index"):
+        MultimodalIndex.load(tmp_path, device="cpu")
+
+
+def test_hnsw_searches_as_deep_as_the_rows_it_is_asked_for(tmp_path):
+    """FAISS's HNSW explores about efSearch candidates (16 unless set); a loaded index raises it to the rows each
+    search asks for, so its depth-200 ranks of a 20-rows-per-entity index agree with the exact ones (at FAISS's 16,
+    11 of these 40 did)."""
     index, rows, ents = make([20] * 300, factory="HNSW16,Flat", rank_method="search")
-    faiss.write_index(index.faiss, str(tmp_path / "index.faiss"))
-    pq.write_table(pa.table({"entry_id": index.entry_ids, "entity_id": ents}), tmp_path / "rows.parquet")
-    (tmp_path / "manifest.json").write_text(json.dumps(index.manifest))
-    loaded = MultimodalIndex.load(tmp_path, device="cpu", rank_method="search")
+    loaded = MultimodalIndex.load(index_dir(tmp_path, index, ents), device="cpu", rank_method="search")
     q = queries(40, seed=9)
     gold = [ents[int(i)] for i in np.random.default_rng(3).integers(0, len(ents), 40)]
     got = loaded.entity_ranks(q[:, :6], q[:, 6:], gold, alpha=0.4, depth=200)
