@@ -95,6 +95,10 @@ def test_rank_beyond_depth_is_none_and_unknown_entity_is_none():
     assert idx.entity_ranks(qv, qt, [order[-1]], alpha=0.5, depth=10) == [None]
     assert idx.entity_ranks(qv, qt, [order[3]], alpha=0.5, depth=10) == [4]
     assert idx.entity_ranks(qv, qt, ["not-an-entity"], alpha=0.5, depth=10) == [None]
+    three = np.repeat(qv, 3, 0), np.repeat(qt, 3, 0)  # k deeper than depth: ranks past depth are still misses
+    hits, ranks = idx.search_and_rank(*three, [order[14], order[3], "not-an-entity"], alpha=0.5, k=20, depth=10)
+    assert ranks == [None, 4, None] and [h.entity_id for h in hits[0]] == order[:20]
+    assert idx.has_entity(order[0]) and not idx.has_entity("not-an-entity")
 
 
 def test_query_vector_is_normalised_and_weighted():
@@ -137,6 +141,41 @@ def test_bad_k_and_shapes_are_refused():
         idx.search(qv, qt, alpha=0.5, k=0)
     with pytest.raises(ValueError, match=r"shape \(n, 8\)"):
         idx.search(np.ones((1, 5), np.float32), qt, alpha=0.5, k=3)
+    for bad_v, bad_t, said in [
+        (np.ones((1, 8, 2), np.float32), qt, r"image embeddings must have shape \(n, 8\), got \(1, 8, 2\)"),
+        (qv, np.ones((1, 12, 2), np.float32), r"text embeddings must have shape \(n, 12\), got \(1, 12, 2\)"),
+        (qv, np.ones((1, 5), np.float32), r"text embeddings must have shape \(n, 12\), got \(1, 5\)"),
+        (qv, np.ones((2, 12), np.float32), "got 1 images but 2 texts"),
+    ]:
+        with pytest.raises(ValueError, match=said):
+            idx.search(bad_v, bad_t, alpha=0.5, k=3)
+    for call, said in [
+        (lambda: idx.rank(qv, qt, alpha=0.5, depth=0), "depth must be a positive integer"),
+        (lambda: idx.search_and_rank(qv, qt, ["ent0"], alpha=0.5, k=0), "k must be a positive integer"),
+        (lambda: idx.search_and_rank(qv, qt, ["ent0"], alpha=0.5, k=3, depth=0), "depth must be a positive integer"),
+        (lambda: idx.search_and_rank(qv, qt, ["ent0"], alpha=2, k=3), "alpha must be in"),
+        (lambda: idx.top_entities(qv, qt, alpha=0.5, k=0), "k must be a positive integer"),
+        (lambda: idx.top_entities(qv, qt, alpha=-1, k=3), "alpha must be in"),
+        (lambda: idx.entity_ranks(qv, qt, ["ent0"], alpha=0.5, depth=-2), "depth must be a positive integer"),
+    ]:
+        with pytest.raises(ValueError, match=said):
+            call()
+
+
+@pytest.mark.parametrize("method", ["exact", "search"])
+def test_top_entities_are_the_best_k_entities_on_either_path(method):
+    """Where ranks are exact (a GPU), the top entities come from the exact ranker's per-entity scores; else from
+    FAISS's search: either way the k entities with the best rows, best first (numpy here)."""
+    idx, v, t, ents = make_index(40, 3, seed=6)
+    idx.rank_method = method
+    assert idx.uses_exact_ranks == (method == "exact")
+    rng = np.random.default_rng(7)
+    qv, qt = rng.normal(size=(4, 8)).astype(np.float32), rng.normal(size=(4, 12)).astype(np.float32)
+    for k in (1, 5, 60):  # 60: more than the 40 entities there are
+        top = idx.top_entities(qv, qt, alpha=0.3, k=k)
+        for i, got in enumerate(top):
+            best = numpy_entity_scores(v, t, ents, qv[i], qt[i], 0.3)
+            assert got == sorted(best, key=best.get, reverse=True)[:k]
 
 
 def test_a_trained_factory_learns_from_rows_across_the_whole_kb():
