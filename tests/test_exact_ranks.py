@@ -76,6 +76,7 @@ def test_auto_ranks_exactly_on_a_gpu_and_with_faiss_on_a_cpu():
     hnsw, *_ = make([1, 2] * 20, factory="HNSW8,Flat", rank_method="auto")
     hnsw.device = "cuda:0"
     assert not hnsw.uses_exact_ranks
+    assert hnsw.is_approximate and not index.is_approximate
     with pytest.raises(ValueError, match="exact' needs a Flat"):
         make([1, 2] * 20, factory="HNSW8,Flat", rank_method="exact")[0].uses_exact_ranks  # noqa: B018
 
