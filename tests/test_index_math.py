@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from retrieval.encoders import l2_normalize
 from retrieval.faiss_build import build_faiss_index
-from retrieval.index import MultimodalIndex
+from retrieval.index import MultimodalIndex, require_index
 from retrieval.ranking import check_alpha, check_k, query_vectors
 
 
@@ -99,6 +99,28 @@ def test_rank_beyond_depth_is_none_and_unknown_entity_is_none():
     hits, ranks = idx.search_and_rank(*three, [order[14], order[3], "not-an-entity"], alpha=0.5, k=20, depth=10)
     assert ranks == [None, 4, None] and [h.entity_id for h in hits[0]] == order[:20]
     assert idx.has_entity(order[0]) and not idx.has_entity("not-an-entity")
+    for method in ("search", "exact"):  # every entity is within depth 200: only an unknown one can be None
+        idx.rank_method = method
+        ranks = idx.entity_ranks(*three, [order[0], order[49], "not-an-entity"], alpha=0.5, depth=200)
+        assert ranks == [1, 50, None], method
+
+
+@pytest.mark.parametrize("layout,flag", [("finished", "index"), ("no manifest", "index"), ("none", "retriever"),
+                                         ("empty", "index"), ("file", "index")])  # fmt: skip
+def test_require_index_names_the_flag_of_a_folder_that_is_no_finished_index(tmp_path, layout, flag):
+    folder = tmp_path / "idx"
+    if layout in ("finished", "no manifest"):
+        folder.mkdir()
+    if layout == "finished":
+        (folder / "manifest.json").write_text('{"rows": 3}')
+    if layout == "file":
+        folder.write_text("not a folder")
+    value = {"none": None, "empty": ""}.get(layout, str(folder))
+    if layout == "finished":
+        assert require_index(value, flag) == {"rows": 3}
+        return
+    with pytest.raises(ValueError, match=f"^--{flag}: {re.escape(repr(value))} is not a finished index directory"):
+        require_index(value, flag)
 
 
 def test_query_vector_is_normalised_and_weighted():
