@@ -77,6 +77,8 @@ def test_auto_ranks_exactly_on_a_gpu_and_with_faiss_on_a_cpu():
     hnsw.device = "cuda:0"
     assert not hnsw.uses_exact_ranks
     assert hnsw.is_approximate and not index.is_approximate
+    with pytest.raises(ValueError, match="rank_method must be one of auto, exact, search, got 'fast'"):
+        make([1, 2], rank_method="fast")
     with pytest.raises(ValueError, match="exact' needs a Flat"):
         make([1, 2] * 20, factory="HNSW8,Flat", rank_method="exact")[0].uses_exact_ranks  # noqa: B018
 
@@ -272,7 +274,7 @@ class FakeFaissIndex:
 
     def search(self, q, k):
         self.ks.append(k)
-        assert k <= FAISS_GPU_MAX_K, f"FAISS-GPU refuses k = {k}"
+        assert k <= 2048, f"FAISS-GPU refuses k = {k}"  # faiss/gpu/utils/DeviceDefs.cuh: GPU_MAX_SELECTION_K
         return self.inner.search(q, k)
 
 
@@ -702,7 +704,10 @@ def index_dir(path, index, entity_ids):
     from common.faiss_lib import faiss
 
     faiss.write_index(index.faiss, str(path / "index.faiss"))
-    pq.write_table(pa.table({"entry_id": index.entry_ids, "entity_id": entity_ids}), path / "rows.parquet")
+    titles = [f"Title of {e}" for e in entity_ids]
+    pq.write_table(
+        pa.table({"entry_id": index.entry_ids, "entity_id": entity_ids, "title": titles}), path / "rows.parquet"
+    )
     (path / "manifest.json").write_text(json.dumps(index.manifest))
     return path
 
@@ -714,6 +719,7 @@ def test_load_sets_an_ivf_indexs_nprobe_up_to_its_lists(tmp_path, nprobe, expect
     index, rows, ents = make([2] * 200, factory="IVF16,Flat", rank_method="search")
     loaded = MultimodalIndex.load(index_dir(tmp_path, index, ents), device="cpu", nprobe=nprobe)
     assert faiss.extract_index_ivf(loaded.faiss).nprobe == expected and loaded.ef_search is None
+    assert loaded.entity_titles == {e: f"Title of {e}" for e in ents} and loaded.num_entities == 200
 
 
 def test_load_refuses_a_folder_without_a_manifest_and_rows_that_are_not_the_indexs(tmp_path):

@@ -1,6 +1,7 @@
 """Ranking math of MultimodalIndex against a direct numpy computation of α·cos_image + (1−α)·cos_text."""
 
 import re
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -121,6 +122,22 @@ def test_require_index_names_the_flag_of_a_folder_that_is_no_finished_index(tmp_
         return
     with pytest.raises(ValueError, match=f"^--{flag}: {re.escape(repr(value))} is not a finished index directory"):
         require_index(value, flag)
+
+
+def test_the_encoders_given_encode_queries_and_documents():
+    """Encoders handed to the index are the ones it encodes with (none is built from the manifest's names, here
+    "x" and "y", which name no model); queries carry the instruction, documents never (``is_query``)."""
+    idx, v, t, ents = make_index(5, 2)
+    calls = []
+    text = SimpleNamespace(encode=lambda texts, is_query: calls.append((texts, is_query)) or t[: len(texts)])
+    image = SimpleNamespace(encode=lambda images: calls.append((images, "image")) or v[: len(images)])
+    given = MultimodalIndex(idx.faiss, idx.entry_ids, ents, idx.manifest, image_encoder=image, text_encoder=text)
+    np.testing.assert_array_equal(given.encode_texts(("q",)), t[:1])
+    np.testing.assert_array_equal(given.encode_documents(["d1", "d2"]), t[:2])
+    np.testing.assert_array_equal(given.encode_images(iter(["pic"])), v[:1])
+    assert calls == [(["q"], True), (["d1", "d2"], False), (["pic"], "image")]
+    hits = given.search(["pic"], ["q"], alpha=0.5, k=1)  # images and texts given as such are encoded first
+    assert hits == idx.search(v[:1], t[:1], alpha=0.5, k=1)
 
 
 def test_query_vector_is_normalised_and_weighted():
