@@ -59,7 +59,7 @@ def test_one_entity_owns_more_rows_than_the_gpu_k_cap_allows_at_depth():
     index, rows, ents = make(counts, seed=3)
     q = queries(40, seed=4)
     gold = [ents[int(i)] for i in np.random.default_rng(5).integers(0, len(ents), 40)]
-    assert index.uses_exact_ranks
+    assert index.uses_exact_ranks and index.exact is index.exact  # one replica, made on first use
     ranks = index.exact.ranks(q, [index.entity_index[g] for g in gold])
     for qi, g, r in zip(q, gold, ranks):
         lo, hi = brute_force_bounds(rows, ents, qi, g)
