@@ -208,6 +208,10 @@ def test_top_entities_are_the_best_k_entities_on_either_path(method):
     idx, v, t, ents = make_index(40, 3, seed=6)
     idx.rank_method = method
     assert idx.uses_exact_ranks == (method == "exact")
+    if method == "exact":  # the exact ranker's scores: FAISS (memory-mapped on the CPU in training) is not searched
+        idx.faiss.search = lambda *a: pytest.fail("FAISS searched where ranks are exact")
+    with pytest.raises(ValueError, match="k must be a positive integer"):
+        idx.top_entities(np.ones((1, 8)), np.ones((1, 12)), alpha=0.3, k=0)
     rng = np.random.default_rng(7)
     qv, qt = rng.normal(size=(4, 8)).astype(np.float32), rng.normal(size=(4, 12)).astype(np.float32)
     for k in (1, 5, 60):  # 60: more than the 40 entities there are
