@@ -104,6 +104,9 @@ def test_rank_beyond_depth_is_none_and_unknown_entity_is_none():
         idx.rank_method = method
         ranks = idx.entity_ranks(*three, [order[0], order[49], "not-an-entity"], alpha=0.5, depth=200)
         assert ranks == [1, 50, None], method
+        for bad in [dict(alpha=1.5, depth=10), dict(alpha=0.5, depth=0)]:
+            with pytest.raises(ValueError, match="alpha must be in|depth must be a positive integer"):
+                idx.entity_ranks(*three, order[:3], **bad)
 
 
 @pytest.mark.parametrize("layout,flag", [("finished", "index"), ("no manifest", "index"), ("none", "retriever"),
