@@ -82,7 +82,7 @@ def scan_kb(path: str | Path, template: str) -> KBScan:
                 continue
             rec = json_record(line, path, lineno)
             if rec.get("entry_id") is None:
-                raise ValueError(f"{path}: row {len(offsets) + 1} has no entry_id")
+                raise ValueError(f"{path}:{lineno}: a KB row without an entry_id")  # line, as json_record says
             row = len(offsets)
             offsets.append(start)
             id_keys += digest(str(rec["entry_id"]))

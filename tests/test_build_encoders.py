@@ -3,6 +3,7 @@ image encoder (a tiny transformers CLIP saved locally), the text encoder's lengt
 the manifest and applied at query time — by the reward and by retrieval.evaluate alike — never to KB rows."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -71,6 +72,54 @@ def test_kb_rows_are_read_back_as_the_scan_read_them(tmp_path):
         "T\ufffd",
         "no image path",
     )
+
+
+def row(entry_id, entity_id="Q1", text="t", **kw):
+    return json.dumps({"entry_id": entry_id, "entity_id": entity_id, "title": "T", "text": text, **kw})
+
+
+@pytest.mark.parametrize(
+    "lines,problems,text_id",
+    [
+        ([], {}, []),
+        ([row("a"), row("b"), row("c", text="u")], {}, [0, 0, 1]),
+        (
+            [row("a", entity_id=None), row("b", entity_id=""), row("c", text=" \t")],
+            {0: "no entity_id", 1: "no entity_id", 2: "empty text"},
+            [-1, -1, -1],
+        ),  # fmt: skip
+        (
+            [row("a", text="u"), row("b", entity_id=None), "", row("c", text="u"), row("d")],
+            {1: "no entity_id"},
+            [0, -1, 0, 1],
+        ),  # fmt: skip
+        ([row(7), row("8", text=None, section_title="s")], {1: "empty text"}, [0, -1]),
+    ],
+)
+def test_scan_numbers_distinct_texts_in_order_and_lists_rows_that_cannot_be_indexed(tmp_path, lines, problems, text_id):
+    path = tmp_path / "kb.jsonl"
+    path.write_bytes("".join(x + "\r\n" for x in lines).encode())
+    scan = scan_kb(path, TEMPLATE)
+    records = [json.loads(x) for x in lines if x]
+    assert scan.problems == problems and scan.text_id.tolist() == text_id and scan.rows == len(records)
+    assert scan.read(range(scan.rows)) == records  # each row found again at its offset
+    assert scan.text_rows.tolist() == [text_id.index(u) for u in range(max(text_id, default=-1) + 1)]
+
+
+@pytest.mark.parametrize(
+    "lines,said",
+    [
+        ([row("a"), "", json.dumps({"entity_id": "Q1", "text": "t"})], "kb.jsonl:3: a KB row without an entry_id"),
+        ([row("a"), row("b"), row("a", text="other")], "duplicate entry_id 'a' (rows 1 and 3)"),
+        ([row(7), row("b"), row("7")], "duplicate entry_id '7' (rows 1 and 3)"),  # one id in rows.parquet
+        ([row("a"), "[1, 2]"], "kb.jsonl:2: expected a JSON object, got list"),
+    ],
+)
+def test_scan_refuses_rows_it_cannot_tell_apart_naming_them(tmp_path, lines, said):
+    path = tmp_path / "kb.jsonl"
+    path.write_text("".join(x + "\n" for x in lines))
+    with pytest.raises(ValueError, match=re.escape(said)):
+        scan_kb(path, TEMPLATE)
 
 
 def test_section_dedup_equals_encoding_every_row(shared_sections_kb, tiny_world, tmp_path, encoders, monkeypatch):
