@@ -717,7 +717,7 @@ def test_load_sets_an_ivf_indexs_nprobe_up_to_its_lists(tmp_path, nprobe, expect
     from common.faiss_lib import faiss
 
     index, rows, ents = make([2] * 200, factory="IVF16,Flat", rank_method="search")
-    loaded = MultimodalIndex.load(index_dir(tmp_path, index, ents), device="cpu", nprobe=nprobe)
+    loaded = MultimodalIndex.load(str(index_dir(tmp_path, index, ents)), device="cpu", nprobe=nprobe)  # a str path
     assert faiss.extract_index_ivf(loaded.faiss).nprobe == expected and loaded.ef_search is None
     assert loaded.entity_titles == {e: f"Title of {e}" for e in ents} and loaded.num_entities == 200
 
