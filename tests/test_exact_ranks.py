@@ -720,6 +720,10 @@ def test_load_sets_an_ivf_indexs_nprobe_up_to_its_lists(tmp_path, nprobe, expect
     loaded = MultimodalIndex.load(str(index_dir(tmp_path, index, ents)), device="cpu", nprobe=nprobe)  # a str path
     assert faiss.extract_index_ivf(loaded.faiss).nprobe == expected and loaded.ef_search is None
     assert loaded.entity_titles == {e: f"Title of {e}" for e in ents} and loaded.num_entities == 200
+    # the manifest's encoder names ("x", "y"), or a text encoder object encoding queries as the manifest says
+    text = SimpleNamespace(name="y", query_prompt=None, max_seq_length=128)
+    assert MultimodalIndex.load(tmp_path, image_encoder="x", text_encoder=text).text_encoder is text
+    assert MultimodalIndex.load(tmp_path, image_encoder="x", text_encoder="y")._text_encoder is None  # built on use
 
 
 def test_load_refuses_a_folder_without_a_manifest_and_rows_that_are_not_the_indexs(tmp_path):
