@@ -723,7 +723,8 @@ def test_load_sets_an_ivf_indexs_nprobe_up_to_its_lists(tmp_path, nprobe, expect
     # the manifest's encoder names ("x", "y"), or a text encoder object encoding queries as the manifest says
     text = SimpleNamespace(name="y", query_prompt=None, max_seq_length=128)
     assert MultimodalIndex.load(tmp_path, image_encoder="x", text_encoder=text).text_encoder is text
-    assert MultimodalIndex.load(tmp_path, image_encoder="x", text_encoder="y")._text_encoder is None  # built on use
+    named = MultimodalIndex.load(tmp_path, image_encoder="x", text_encoder="y")
+    assert named._image_encoder is None and named._text_encoder is None  # built from the names on first use
 
 
 def test_load_refuses_a_folder_without_a_manifest_and_rows_that_are_not_the_indexs(tmp_path):
