@@ -112,6 +112,7 @@ def test_scan_numbers_distinct_texts_in_order_and_lists_rows_that_cannot_be_inde
         ([row("a"), "", json.dumps({"entity_id": "Q1", "text": "t"})], "kb.jsonl:3: a KB row without an entry_id"),
         ([row("a"), row("b"), row("a", text="other")], "duplicate entry_id 'a' (rows 1 and 3)"),
         ([row(7), row("b"), row("7")], "duplicate entry_id '7' (rows 1 and 3)"),  # one id in rows.parquet
+        ([row(x) for x in "abbacc"], "duplicate entry_id 'a' (rows 1 and 4)"),  # the first row repeated, named
         ([row("a"), "[1, 2]"], "kb.jsonl:2: expected a JSON object, got list"),
     ],
 )
