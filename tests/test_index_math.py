@@ -224,7 +224,7 @@ def test_top_entities_are_the_best_k_entities_on_either_path(method):
             assert got == sorted(best, key=best.get, reverse=True)[:k]
 
 
-def test_a_trained_factory_learns_from_rows_across_the_whole_kb():
+def test_a_trained_factory_learns_from_rows_across_the_whole_kb(monkeypatch):
     """Four clusters of rows, one after another as a KB groups its articles; IVF4 trained on at most 400 of the 4,000
     rows has a centroid near every cluster (trained on the first 400, all four sat in the first cluster)."""
     from retrieval.faiss_build import build_faiss_index_from_chunks
@@ -238,3 +238,10 @@ def test_a_trained_factory_learns_from_rows_across_the_whole_kb():
         learned = index.quantizer.reconstruct_n(0, 4)
         assert (centres @ l2_normalize(learned).T).max(axis=1).min() > 0.9  # each cluster has its centroid
         assert index.ntotal == len(rows)
+    from common.faiss_lib import faiss
+
+    trained, train = [], faiss.IndexIVFFlat.train
+    monkeypatch.setattr(faiss.IndexIVFFlat, "train", lambda self, x: trained.append(x.copy()) or train(self, x))
+    for most, sample in [(400, rows[::10]), (4000, rows), (5000, rows)]:  # every 10th, wherever the chunks cut
+        build_faiss_index_from_chunks(chunks, "IVF4,Flat", 16, max_train_rows=most)
+        np.testing.assert_array_equal(trained[-1], sample)
