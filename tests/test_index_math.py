@@ -242,6 +242,7 @@ def test_a_trained_factory_learns_from_rows_across_the_whole_kb(monkeypatch):
 
     trained, train = [], faiss.IndexIVFFlat.train
     monkeypatch.setattr(faiss.IndexIVFFlat, "train", lambda self, x: trained.append(x.copy()) or train(self, x))
+    uneven = lambda: (rows[s : s + 333] for s in range(0, len(rows), 333))  # noqa: E731
     for most, sample in [(400, rows[::10]), (4000, rows), (5000, rows)]:  # every 10th, wherever the chunks cut
-        build_faiss_index_from_chunks(chunks, "IVF4,Flat", 16, max_train_rows=most)
+        build_faiss_index_from_chunks(uneven, "IVF4,Flat", 16, max_train_rows=most)
         np.testing.assert_array_equal(trained[-1], sample)
