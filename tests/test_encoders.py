@@ -7,7 +7,22 @@ import pytest
 from PIL import Image
 
 from retrieval.encoder_names import check_image_encoder_name, check_text_encoder_name
-from retrieval.encoders import image_encoder, text_encoder
+from retrieval.encoders import image_encoder, l2_normalize, text_encoder
+
+
+@pytest.mark.parametrize(
+    "x,expected",
+    [
+        ([3.0, 4.0], [0.6, 0.8]),  # one vector, a list
+        (np.array([[3.0, 4.0], [0.0, -2.0]]), [[0.6, 0.8], [0.0, -1.0]]),  # float64 rows
+        (np.zeros((2, 3), np.float32), np.zeros((2, 3))),  # a zero vector stays zero, never NaN
+        (np.ones((2, 1, 4)), np.full((2, 1, 4), 0.5)),  # along the last axis
+    ],
+)
+def test_l2_normalize_is_float32_along_the_last_axis(x, expected):
+    out = l2_normalize(x)
+    assert out.dtype == np.float32
+    np.testing.assert_allclose(out, expected, atol=1e-7)
 
 
 def test_tiny_image_encoder_is_deterministic_and_normalised(encoders):
