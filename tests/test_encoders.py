@@ -14,6 +14,7 @@ from retrieval.encoders import image_encoder, l2_normalize, text_encoder
     "x,expected",
     [
         ([3.0, 4.0], [0.6, 0.8]),  # one vector, a list
+        ([0.003, -0.004], [0.6, -0.8]),  # a short one
         (np.array([[3.0, 4.0], [0.0, -2.0]]), [[0.6, 0.8], [0.0, -1.0]]),  # float64 rows
         (np.zeros((2, 3), np.float32), np.zeros((2, 3))),  # a zero vector stays zero, never NaN
         (np.ones((2, 1, 4)), np.full((2, 1, 4), 0.5)),  # along the last axis
