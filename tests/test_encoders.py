@@ -35,6 +35,7 @@ def test_tiny_image_encoder_is_deterministic_and_normalised(encoders):
     np.testing.assert_allclose(a, b, atol=1e-5)
     # similar colours are closer than different ones
     assert a[0] @ a[1] > a[0] @ a[2]
+    assert encoders[0].encode([]).shape == (0, encoders[0].dim) and encoders[0].encode([]).dtype == np.float32
 
 
 def test_tiny_text_encoder_is_deterministic_and_normalised(encoders):
