@@ -82,6 +82,17 @@ def test_query_prompt_applies_to_queries_only():
     assert not np.allclose(q, d)
 
 
+def test_a_models_default_prompt_never_slips_in():
+    """No query instruction means none, even for a model whose config names a default prompt
+    (sentence-transformers applies ``default_prompt_name`` to any text encoded with ``prompt=None``)."""
+    enc = text_encoder("tiny", device="cpu")
+    plain = enc.encode(["red star"], is_query=True)
+    enc.model.prompts, enc.model.default_prompt_name = {"query": "query: "}, "query"
+    assert enc.query_prompt is None
+    for is_query in (True, False):
+        np.testing.assert_allclose(enc.encode(["red star"], is_query=is_query), plain, atol=1e-6)
+
+
 @pytest.mark.parametrize(
     "name,error",
     [
