@@ -138,6 +138,8 @@ def test_text_encoder_names(name, ok):
         ({"query": "query: ", "passage": "passage: "}, True),
         ({"query": "Instruct: find\nQuery:", "document": ""}, False),  # Qwen3-Embedding's own prompts
         ({}, False),
+        (None, False),  # a model without prompts
+        ({"corpus": "doc: "}, True),
     ],
 )
 def test_a_model_that_prompts_its_documents_is_refused(prompts, refused):
