@@ -82,6 +82,26 @@ def test_query_prompt_applies_to_queries_only():
     assert not np.allclose(q, d)
 
 
+@pytest.mark.parametrize(
+    "setting,prompts,instruction",
+    [
+        (None, {"query": "q: "}, None),
+        ("", {"query": "q: "}, None),
+        ("none", {"query": "q: "}, None),
+        ("auto", {"query": "q: "}, "q: "),
+        ("auto", {"query": ""}, None),
+        ("auto", None, None),
+        ("Find: ", {"query": "q: "}, "Find: "),
+    ],
+)
+def test_a_query_instruction_setting_means_none_the_models_own_or_itself(setting, prompts, instruction):
+    from retrieval.encoders import query_instruction_of, resolve_query_prompt
+
+    assert resolve_query_prompt(setting, prompts) == instruction
+    if setting != "auto":  # needs no model
+        assert query_instruction_of("no-such-model", setting) == instruction
+
+
 def test_a_models_default_prompt_never_slips_in():
     """No query instruction means none, even for a model whose config names a default prompt
     (sentence-transformers applies ``default_prompt_name`` to any text encoded with ``prompt=None``)."""
