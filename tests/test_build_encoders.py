@@ -65,7 +65,9 @@ def test_kb_rows_are_read_back_as_the_scan_read_them(tmp_path):
     read = scan.read([1])[0]
     assert (read["title"], read["text"]) == ("T\ufffd", "a \ufffd b")
     assert entry_text(read, TEMPLATE).encode("utf-8")  # what the text shard tokenizes: valid UTF-8
-    item = KBImageRows(path, scan.offsets, tmp_path, preprocess=None)[1]
+    rows = KBImageRows(path, scan.offsets, tmp_path, preprocess=None)
+    assert rows[0]["title"] == ""  # a row without a title: no "None" in rows.parquet
+    item = rows[1]
     assert (item["entry_id"], item["entity_id"], item["title"], item["problem"]) == (
         "e1",
         "Q1",
