@@ -61,10 +61,10 @@ def test_image_files_are_encoded_in_order_and_the_undecodable_named(tmp_path):
 
 def test_timed_yields_every_batch_and_counts_the_waits_for_them(monkeypatch):
     """On a clock that moves one second a reading: each batch waited one second; another error is raised as it is."""
-    clock = iter(range(100))
+    clock = iter(range(10, 100))
     monkeypatch.setattr("retrieval.image_data.time.perf_counter", lambda: float(next(clock)))
-    waits = Waits()  # reads 0
-    assert list(timed(iter(["a", "b"]), waits)) == ["a", "b"]  # reads 1, 2 | 3, 4 | 5 (the end)
+    waits = Waits()  # reads 10
+    assert list(timed(iter(["a", "b"]), waits)) == ["a", "b"]  # reads 11, 12 | 13, 14 | 15 (the end)
     assert waits.waited == 2.0 and waits.total == 6.0 and 0 < waits.share < 1
 
     def failing():
