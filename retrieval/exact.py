@@ -23,14 +23,14 @@ def flat_storage(index) -> str | None:
     """``fp32`` / ``fp16`` / ``bf16`` when ``index`` stores its rows uncompressed (Flat, SQfp16, SQbf16), else None."""
     from common.faiss_lib import faiss
 
-    index = faiss.downcast_index(index)
-    if isinstance(index, faiss.IndexFlat):
+    typed = faiss.downcast_index(index)  # a view of ``index``, which owns it: ``index`` stays referenced here
+    if isinstance(typed, faiss.IndexFlat):
         return "fp32"
-    if isinstance(index, faiss.IndexScalarQuantizer):
+    if isinstance(typed, faiss.IndexScalarQuantizer):
         qtypes = {faiss.ScalarQuantizer.QT_fp16: "fp16"}
         if hasattr(faiss.ScalarQuantizer, "QT_bf16"):
             qtypes[faiss.ScalarQuantizer.QT_bf16] = "bf16"
-        return qtypes.get(index.sq.qtype)
+        return qtypes.get(typed.sq.qtype)
     return None
 
 
@@ -44,14 +44,14 @@ def rows_view(index) -> torch.Tensor:
         raise ValueError(
             f"exact ranks need a Flat, SQfp16 or SQbf16 index, not {type(faiss.downcast_index(index)).__name__}"
         )
-    index = faiss.downcast_index(index)
-    n, d = index.ntotal, index.d
+    typed = faiss.downcast_index(index)  # as in flat_storage: ``index`` owns it
+    n, d = typed.ntotal, typed.d
     if n == 0:
         return torch.zeros((0, d), dtype=STORAGE[storage])
     if storage == "fp32":
-        flat = faiss.rev_swig_ptr(index.get_xb(), n * d)
+        flat = faiss.rev_swig_ptr(typed.get_xb(), n * d)
         return torch.from_numpy(flat).view(n, d)
-    raw = faiss.rev_swig_ptr(index.codes.data(), n * index.code_size)  # uint8
+    raw = faiss.rev_swig_ptr(typed.codes.data(), n * typed.code_size)  # uint8
     return torch.from_numpy(raw.view(np.int16)).view(STORAGE[storage]).view(n, d)
 
 
