@@ -238,7 +238,8 @@ class MultimodalIndex:
         return exact_possible
 
     def _cpu_faiss(self):
-        """The index as loaded on the CPU (memory-mapped when possible), wherever the search copy lives."""
+        """The index as loaded on the CPU (memory-mapped when possible), wherever the search copy lives; an index
+        given on a GPU is copied back once and kept (the exact ranker's CPU view shares its memory)."""
         cpu = getattr(self, "_faiss_cpu", None)
         if cpu is not None:
             return cpu
@@ -246,7 +247,8 @@ class MultimodalIndex:
             return self.faiss
         from common.faiss_lib import faiss
 
-        return faiss.index_gpu_to_cpu(self.faiss)
+        self._faiss_cpu = faiss.index_gpu_to_cpu(self.faiss)
+        return self._faiss_cpu
 
     @property
     def exact(self):

@@ -300,6 +300,25 @@ def test_search_on_a_gpu_index_never_asks_for_more_than_2048_rows():
     assert max(index.faiss.ks) == FAISS_GPU_MAX_K and len(ranks) == 5
 
 
+def test_an_index_given_on_a_gpu_is_copied_back_once_and_kept(monkeypatch):
+    """Built without ``load`` (no memory-mapped CPU copy beside it), a GPU index was copied back to the CPU at every
+    ``uses_exact_ranks`` / ``is_approximate`` (every reward call), and the exact ranker's zero-copy view on the CPU
+    pointed into a copy nobody kept."""
+    from common.faiss_lib import faiss
+
+    index, rows, ents = make([1, 2, 3] * 20)
+    copies = []
+    monkeypatch.setattr(
+        faiss, "index_gpu_to_cpu", lambda gpu: copies.append(faiss.clone_index(gpu.inner)) or copies[-1], raising=False
+    )
+    index.faiss, index.search_device = FakeFaissIndex(index.faiss), "cuda:0"
+    assert index.uses_exact_ranks and not index.is_approximate and len(copies) == 1
+    q = queries(6, seed=2)
+    gold = list(range(6))
+    assert index.exact.ranks(q, gold) == ExactRanker(torch.from_numpy(rows), index.row_entity, 60).ranks(q, gold)
+    assert len(copies) == 1 and index._cpu_faiss() is copies[0]  # the one the exact ranker's view reads
+
+
 def test_ranks_past_the_gpu_k_cap_come_from_the_cpu_copy():
     """20 rows per entity: 200 entities need ~4,000 rows, past FAISS-GPU's 2048. The queries that hit the cap are
     searched again on the CPU copy, so every rank within depth is the exact one (at the cap, about half of them came
