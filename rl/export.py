@@ -224,6 +224,8 @@ def export(args: ExportArgs, log=print) -> Path:
     if out.exists() and any(out.iterdir()) and not args.force:
         raise ValueError(f"--out: {out} is not empty (pass --force to replace it)")
     ckpt = resolve_checkpoint(Path(args.checkpoint))
+    if out.resolve() == ckpt.resolve() or out.resolve() in ckpt.resolve().parents:  # --force would delete it
+        raise ValueError(f"--out: {out} holds the checkpoint {ckpt} being exported; choose a new folder")
     record = run_record(ckpt)
     step, metrics = step_and_metrics(ckpt)
     log(f"exporting {ckpt} (step {step})")

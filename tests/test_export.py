@@ -127,6 +127,20 @@ def test_refusals(tmp_path):
         export(ExportArgs(checkpoint=str(tmp_path / "ckpt"), out=str(tmp_path / "new")))
 
 
+def test_an_out_that_holds_the_checkpoint_is_refused_even_with_force(tmp_path):
+    """--out naming the run folder (or the checkpoint) with --force replaced it with the export: every checkpoint,
+    the run record and the logs were deleted."""
+    ckpt = tmp_path / "run" / "checkpoint-1"
+    ckpt.mkdir(parents=True)
+    (ckpt / "config.json").write_text("{}")
+    (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": 1}))
+    for out in (tmp_path / "run", ckpt, tmp_path / "run" / "." / "checkpoint-1"):
+        for given in (tmp_path / "run", ckpt):
+            with pytest.raises(ValueError, match="--out: .* holds the checkpoint .*checkpoint-1 being exported"):
+                export(ExportArgs(checkpoint=str(given), out=str(out), force=True), **QUIET)
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoint-1"]
+
+
 def test_corrupt_weights_are_named(config, tmp_path):
     run = train(config, tmp_path, "full")
     weights_file = next((run / "checkpoint-1").glob("*.safetensors"))
