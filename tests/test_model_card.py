@@ -3,6 +3,7 @@
 runs are checked in test_train_grpo.py, test_export.py and test_gate_sft.py."""
 
 import json
+import shlex
 
 import pytest
 import yaml
@@ -204,6 +205,9 @@ def test_refiner_card(record, metrics, export, present, absent):
         "Refine the question.",
         "Training step: 2",
         "12544–12544 pixels",
+        "Sampling in training: temperature 1, top-p 0.9, at most 40 new tokens.",
+        "User turn (`{question}` filled in):\n\n```\n{question}\n```",
+        f"# r: {'exported query refiner' if export else 'query refiner'} trained with GRPO",
         vllm_serve_command(
             "/runs/r/final" if export else "$SERVE_DIR",
             export["dtype"] if export else "bfloat16",
@@ -450,3 +454,22 @@ def test_held_out_figures_of_a_record_without_its_eval_file_say_so():
     card = refiner_card({}, {"step": 3, "eval_reward": 0.0}, name="r", step=3, folder="/x")
     assert "Held-out questions: (file not recorded)" in card
     assert_no_placeholder(card)
+
+
+@pytest.mark.parametrize("budget", [None, {"min_pixels": 3136, "max_pixels": 12544}])
+def test_the_serve_command_limits_one_image_and_carries_the_budget(budget):
+    """vLLM's flags as a shell splits them: one image a prompt, and the training image budget only when there is one."""
+    argv = shlex.split(vllm_serve_command("/x/serve", "bfloat16", budget))
+    assert argv[:7] == ["vllm", "serve", "/x/serve", "--served-model-name", "refiner", "--dtype", "bfloat16"]
+    flags = dict(zip(argv[7::2], argv[8::2]))
+    assert json.loads(flags.pop("--limit-mm-per-prompt")) == {"image": 1}
+    assert (json.loads(flags.pop("--mm-processor-kwargs")) if budget else None) == budget
+    assert flags == {} and len(argv) % 2 == 1
+
+
+def test_a_card_without_an_image_budget_names_none():
+    """A run recorded without a budget (an older record) printed "Image budget: None–None pixels"."""
+    record = run_record()
+    del record["image_budget"]
+    card = refiner_card(record, {}, name="r", step=2, folder="/runs/r/final")
+    assert "Image budget" not in card and "--mm-processor-kwargs" not in card
