@@ -231,3 +231,73 @@ def test_neutral_sampling_is_trls_default():
     from rl.generate import NEUTRAL
 
     assert NEUTRAL == {f.name: f.default for f in fields(GRPOConfig) if f.name in NEUTRAL}
+
+
+@pytest.mark.parametrize(
+    "files,shards_only",
+    [
+        (["latest", "config.json"], True),
+        (["latest", "config.json", "model.safetensors"], False),
+        (["latest", "model-00001-of-00002.safetensors"], False),
+        (["latest", "pytorch_model.bin"], False),
+        (["latest", "pytorch_model-00001-of-00002.bin"], False),
+        (["config.json"], False),
+        (["model.safetensors"], False),
+    ],
+)
+def test_a_checkpoint_is_gathered_from_zero_shards_only_when_it_holds_no_weights(tmp_path, files, shards_only):
+    for name in files:
+        (tmp_path / name).write_text("x")
+    assert ex.zero_shards_only(tmp_path) is shards_only
+
+
+def test_a_run_folder_with_final_only_exports_final_and_one_without_a_record_is_named(tmp_path):
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    assert ex.resolve_checkpoint(run) == run / "final"
+    with pytest.raises(ValueError, match="no refine_rl_run.json next to .*final: export needs the run's record"):
+        ex.run_record(run / "final")
+    (run / "refine_rl_run.json").write_text(json.dumps({"base_model": "b"}))
+    assert ex.run_record(run / "final") == {"base_model": "b"}
+
+
+def test_the_step_and_held_out_figures_are_the_checkpoints(tmp_path):
+    """The step in the checkpoint's own trainer_state.json (its run folder's when it has none) and the last
+    evaluation at or before it."""
+    history = [
+        {"step": 1, "loss": 0.5},
+        {"step": 2, "eval_reward": 1.5, "eval_retrieval/hit@1": 0.25},
+        {"step": 3, "loss": 0.4},
+        {"step": 4, "eval_reward": 2.5},
+    ]
+    ckpt = tmp_path / "run" / "checkpoint-3"
+    ckpt.mkdir(parents=True)
+    assert ex.step_and_metrics(ckpt) == (None, {})
+    (tmp_path / "run" / "trainer_state.json").write_text(json.dumps({"global_step": 4, "log_history": history}))
+    assert ex.step_and_metrics(ckpt) == (4, {"step": 4, "eval_reward": 2.5})
+    (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": 3, "log_history": history}))
+    assert ex.step_and_metrics(ckpt) == (3, {"step": 2, "eval_reward": 1.5, "eval_retrieval/hit@1": 0.25})
+
+
+def test_the_exports_check_skips_rows_without_an_image_or_question_and_reads_the_train_file_too(tiny_world, tmp_path):
+    image = json.loads(open(tiny_world / "test.jsonl", encoding="utf-8").readline())["image"]
+    rows = [["not", "a", "row"], {"image": image}, {"question": "no image?"}, {"image": image, "question": "ok?"}]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = {"eval_file": str(tmp_path / "gone.jsonl"), "train_file": str(tmp_path / "train.jsonl")}
+    assert ex.probe_question({"refiner_args": args}) == (None, "What is shown in this image?")  # not under tmp_path
+    args["images_root"] = str(tiny_world)
+    assert ex.probe_question({"refiner_args": args}) == (str(tiny_world / image), "ok?")
+
+
+@pytest.mark.parametrize("image", ["", "/data/a.png"])
+def test_the_verify_process_reads_its_folder_image_and_question(monkeypatch, capsys, image):
+    asked = []
+    monkeypatch.setattr(ex, "verify", lambda *a: asked.append(a) or "<answer>q</answer>")
+    ex.main([ex.VERIFY_MODE, "/x/serve", image, "which bird?"])
+    assert asked == [(ex.Path("/x/serve"), image or None, "which bird?")]
+    assert capsys.readouterr().out == "generated: <answer>q</answer>\n"
+
+
+def test_the_command_line_reaches_the_export(tmp_path):
+    with pytest.raises(ValueError, match=f"--checkpoint: folder '{tmp_path / 'none'}' does not exist"):
+        ex.main(["--checkpoint", str(tmp_path / "none"), "--out", str(tmp_path / "serve")])

@@ -406,3 +406,111 @@ def test_an_image_past_the_pixel_limit_reaches_the_vlm_as_in_training(tiny_world
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 500)  # the toy image is past it (more than twice the limit)
     trained = Image.open(io.BytesIO(image_column_value(path)["bytes"])).convert("RGB")
     assert np.array_equal(np.asarray(open_vlm_image(path)), np.asarray(trained))
+
+
+class TemplateOnly:
+    """A processor stand-in for the vLLM path, which only renders the chat template (vLLM runs its own processor)."""
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        assert add_generation_prompt and not tokenize
+        return json.dumps(messages)
+
+
+@pytest.mark.parametrize(
+    "do_sample,sampling,expected",
+    [
+        (False, None, dict(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0)),
+        (  # greedy keeps the run's repetition penalty, as generate_completions does, and nothing else
+            False,
+            {"temperature": 0.7, "top_p": 0.9, "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.3},
+            dict(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.3),
+        ),
+        (True, None, dict(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0)),
+        (
+            True,
+            {"temperature": 0.7, "top_p": 0.9, "top_k": -1, "min_p": 0.1, "repetition_penalty": 1.3},
+            dict(temperature=0.7, top_p=0.9, top_k=0, min_p=0.1, repetition_penalty=1.3),
+        ),
+    ],
+)
+def test_vllm_requests_carry_every_decoding_setting(monkeypatch, do_sample, sampling, expected):
+    """generate_vllm's SamplingParams (vLLM replaced by a recording stand-in): greedy is temperature 0 with the run's
+    repetition penalty, sampling takes every recorded setting (top_k -1 as 0, min_p None as 0), each at most
+    max_new_tokens; one image a prompt, the prompt's image block rendered, outputs in input order."""
+    import sys
+    from types import ModuleType, SimpleNamespace
+
+    from rl.generate import generate_vllm
+
+    vllm = ModuleType("vllm")
+    vllm.SamplingParams = lambda **kw: kw
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    received = []
+
+    class RecordingLLM:
+        def generate(self, prompts, params):
+            received.append((prompts, params))
+            return [SimpleNamespace(outputs=[SimpleNamespace(text=f"answer {i}")]) for i in range(len(prompts))]
+
+    images = ["image a", "image b"]
+    out = generate_vllm(RecordingLLM(), TemplateOnly(), images, ["q1", "q2"], "toy", 9, do_sample, sampling)
+    ((prompts, params),) = received
+    assert out == ["answer 0", "answer 1"]
+    assert [p["multi_modal_data"] for p in prompts] == [{"image": "image a"}, {"image": "image b"}]
+    assert all('"type": "image"' in p["prompt"] and f"q{i + 1}" in p["prompt"] for i, p in enumerate(prompts))
+    for p in params:
+        assert {k: v for k, v in p.items() if k != "seed"} == dict(max_tokens=9, **expected)
+        assert (p["seed"] is not None) is do_sample
+
+
+class DrawingRefiner:
+    """A refiner stand-in for refine_file: each output is a draw from torch's generator (what sampling reads), and
+    every other one does not parse."""
+
+    def __init__(self):
+        self.calls = []
+
+    def refine_with_outputs(self, images, questions, batch_size, sample):
+        self.calls.append((len(images), list(questions), batch_size, sample))
+        draws = torch.randint(0, 10**9, (len(questions),)).tolist()
+        return [
+            {"refined_query": f"{q} {d}" if i % 2 == 0 else q, "raw_output": str(d), "format_ok": i % 2 == 0}
+            for i, (q, d) in enumerate(zip(questions, draws))
+        ]
+
+
+def test_refine_file_seeds_each_batch_by_its_position_and_says_its_parse_rate(tiny_world, tmp_path):
+    """What refine_file does around the model, with a stand-in: the records in input order (each the input row plus
+    the refiner's fields), the draw of a sampled batch from --seed + its first question's position (not from what
+    ran before), greedy batches left to the generator as it is, the settings it records and the parse rate it says."""
+    rows = [json.loads(x) for x in open(tiny_world / "test.jsonl", encoding="utf-8")][:5]
+    (tmp_path / "q.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def run(name, **kw):
+        refiner, said = DrawingRefiner(), []
+        args = RefineArgs(
+            queries=str(tmp_path / "q.jsonl"), out=str(tmp_path / name), images_root=str(tiny_world), **kw
+        )
+        torch.manual_seed(99)
+        assert refine_file(args, refiner=refiner, log=said.append) == 5
+        out = [json.loads(x) for x in open(tmp_path / name, encoding="utf-8")]
+        settings = json.loads((tmp_path / name.replace(".jsonl", ".settings.json")).read_text())
+        return refiner, said, out, settings
+
+    refiner, said, out, settings = run("s.jsonl", batch_size=2, sample=True, seed=7)
+    assert [(n, s, b) for n, _, b, s in refiner.calls] == [(2, True, 2), (2, True, 2), (1, True, 2)]
+    expected = []
+    for start in (0, 2, 4):
+        torch.manual_seed(7 + start)
+        expected += torch.randint(0, 10**9, (min(2, 5 - start),)).tolist()
+    assert [r["raw_output"] for r in out] == [str(d) for d in expected]
+    assert [{k: r[k] for k in rows[0]} for r in out] == rows  # every input field kept, in input order
+    assert [r["format_ok"] for r in out] == [True, False, True, False, True]
+    assert [r["refined_query"] == r["question"] for r in out] == [False, True, False, True, False]
+    assert settings["sample"] is True and settings["seed"] == 7 and settings["backend"] == "hf"
+    assert any("refine: 3 of 5 output(s) here parsed (60.0 %); the other 2 kept their question" in s for s in said)
+
+    refiner, _, greedy, settings = run("g.jsonl", batch_size=5, seed=7)  # a seed means nothing without --sample
+    torch.manual_seed(99)
+    assert [r["raw_output"] for r in greedy] == [str(d) for d in torch.randint(0, 10**9, (5,)).tolist()]
+    assert refiner.calls[0][3] is False and settings["sample"] is False and settings["seed"] is None

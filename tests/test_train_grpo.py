@@ -862,3 +862,52 @@ def test_a_train_file_smaller_than_one_generation_batch_is_refused_before_any_mo
     monkeypatch.setattr("rl.trainer_parts.load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     with pytest.raises(ValueError, match=r"train_file: 1 usable questions, fewer than the 2 prompts of one generation"):
         tg.main(config(train_file=str(tmp_path / "one.jsonl"), images_root=str(tiny_world)))
+
+
+SAVED = {
+    "refiner_args": {"alpha": 0.5, "depth": 200, "eval_file": "/a/val.jsonl", "max_pixels": 12544},
+    "index": {"path": "/a/index", "image_encoder": "clip", "text_encoder": "minilm", "alpha": 0.5},
+    "prompt": {"name": "toy"},
+    "generation": {"temperature": 1.0},
+    "optimisation": {"learning_rate": 1e-6, "max_steps": 100},
+    "train_content": "sha256:aa",
+}
+
+
+@pytest.mark.parametrize(
+    "change,differences",
+    [
+        ({}, []),
+        ({"optimisation": {"learning_rate": 1e-6, "max_steps": 300}}, []),  # a run may be extended
+        ({"refiner_args": {**SAVED["refiner_args"], "eval_file": "/b/val.jsonl"}}, []),  # paths move
+        ({"index": {**SAVED["index"], "path": "/b/index"}}, []),
+        ({"refiner_args": {**SAVED["refiner_args"], "alpha": 0.3}}, ["--alpha: 0.5 → 0.3"]),
+        ({"refiner_args": {**SAVED["refiner_args"], "max_pixels": 3136}}, ["--max_pixels: 12544 → 3136"]),
+        ({"index": {**SAVED["index"], "text_encoder": "qwen3"}}, ["index text_encoder: 'minilm' → 'qwen3'"]),
+        ({"prompt": {"name": "wikiseeker"}}, ["prompt: {'name': 'toy'} → {'name': 'wikiseeker'}"]),
+        ({"train_content": "sha256:bb"}, ["train_content: 'sha256:aa' → 'sha256:bb'"]),
+        (
+            {"optimisation": {"learning_rate": 1e-5, "max_steps": 100}, "generation": {"temperature": 0.7}},
+            [
+                "generation: {'temperature': 1.0} → {'temperature': 0.7}",
+                "optimisation: {'learning_rate': 1e-06} → {'learning_rate': 1e-05}",
+            ],
+        ),
+    ],
+)
+def test_a_resume_differs_in_the_settings_that_trained_its_checkpoint(tmp_path, change, differences):
+    from rl.run_record import RUN_RECORD, check_resume, resume_differences
+
+    now = {**SAVED, **change}
+    assert resume_differences(SAVED, now) == differences
+    ckpt = tmp_path / "run" / "checkpoint-2"
+    ckpt.mkdir(parents=True)
+    check_resume(ckpt, now)  # no run record beside it: nothing to compare
+    (tmp_path / "run" / RUN_RECORD).write_text(json.dumps(SAVED))
+    if differences:
+        with pytest.raises(ValueError, match=f"resume_from_checkpoint {ckpt}: its run trained under other settings"):
+            check_resume(ckpt, now)
+    else:
+        check_resume(ckpt, now)
+    older = {k: v for k, v in SAVED.items() if k not in ("train_content", "optimisation")}  # an older record
+    assert [d for d in resume_differences(older, now) if d.startswith(("train_content", "optimisation"))] == []
