@@ -157,15 +157,23 @@ def tiny_index(tiny_index_dir, encoders):
 
 
 @pytest.fixture(scope="session")
-def tiny_refiner(tiny_world, tmp_path_factory):
-    """A tiny Qwen2.5-VL with a short supervised warm start: most of its samples parse, not all."""
-    from toy.refiner import run_warm_start, tokenizer_corpus
+def tiny_vlm(tiny_world, tmp_path_factory):
+    """The tiny Qwen2.5-VL untrained (seconds to build): for tests that need a model folder and its processor, not a
+    model that writes queries."""
+    from toy.refiner import tokenizer_corpus
     from toy.tiny_vlm import build_tiny_vlm
 
+    return build_tiny_vlm(tmp_path_factory.mktemp("tiny-vlm") / "base", tokenizer_corpus(tiny_world))
+
+
+@pytest.fixture(scope="session")
+def tiny_refiner(tiny_vlm, tiny_world, tmp_path_factory):
+    """A tiny Qwen2.5-VL with a short supervised warm start: most of its samples parse, not all."""
+    from toy.refiner import run_warm_start
+
     root = tmp_path_factory.mktemp("refiner")
-    base = build_tiny_vlm(root / "base", tokenizer_corpus(tiny_world))
     return run_warm_start(
-        base,
+        tiny_vlm,
         tiny_world,
         root / "warm",
         steps=150,

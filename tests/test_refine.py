@@ -453,6 +453,7 @@ def test_vllm_requests_carry_every_decoding_setting(monkeypatch, do_sample, samp
             return [SimpleNamespace(outputs=[SimpleNamespace(text=f"answer {i}")]) for i in range(len(prompts))]
 
     images = ["image a", "image b"]
+    torch.manual_seed(5)
     out = generate_vllm(RecordingLLM(), TemplateOnly(), images, ["q1", "q2"], "toy", 9, do_sample, sampling)
     ((prompts, params),) = received
     assert out == ["answer 0", "answer 1"]
@@ -460,7 +461,9 @@ def test_vllm_requests_carry_every_decoding_setting(monkeypatch, do_sample, samp
     assert all('"type": "image"' in p["prompt"] and f"q{i + 1}" in p["prompt"] for i, p in enumerate(prompts))
     for p in params:
         assert {k: v for k, v in p.items() if k != "seed"} == dict(max_tokens=9, **expected)
-        assert (p["seed"] is not None) is do_sample
+    torch.manual_seed(5)
+    seeds = torch.randint(0, 2**31 - 1, (2,)).tolist() if do_sample else [None, None]
+    assert [p["seed"] for p in params] == seeds
 
 
 class DrawingRefiner:

@@ -155,14 +155,23 @@ def test_what_a_new_run_may_replace_and_what_a_resume_keeps_of_the_logs(tmp_path
     with pytest.raises(ValueError, match=r"another run \(base model: '/m/3B' → '/m/7B'\)"):
         check_output_dir(tmp_path, {**record, "base_model": "/m/7B"})
     (tmp_path / "checkpoint-notes.txt").write_text("not a checkpoint")
+    (tmp_path / "checkpoint-9").write_text("a file, not a checkpoint")
+    (tmp_path / "checkpoint-old").mkdir()  # nor a folder without a step in its name
     (tmp_path / "checkpoint-2").mkdir()
     (tmp_path / "checkpoint-2" / "trainer_state.json").write_text('{"glo')  # a save a kill cut short
     with pytest.raises(ValueError, match=r"checkpoint-1, checkpoint-2\. .*resume it .*checkpoint-1\)$"):
         check_output_dir(tmp_path, {**record, "seed": 1})
     log = tmp_path / "completions.rank0.jsonl"
-    log.write_text('{"step": 1, "q": "a"}\n{"step": 2, "q": "b"\n{"step": 1, "q": "c"}\n{"step": 2, "q": "d"}\n')
+    log.write_text(
+        '{"step": 1, "q": "a"}\n{"step": 2, "q": "b"\n{"step": 1, "q": "c"}\n{"step": 2, "q": "d"}\n'
+        '{"step": null, "q": "e"}\n{"q": "f"}\n'
+    )
+    kept = log.read_text()
+    (tmp_path / "checkpoint-3").mkdir()  # no trainer_state.json: its step is unknown, the logs stay as they are
+    trim_run_logs(tmp_path, tmp_path / "checkpoint-3")
+    assert log.read_text() == kept
     trim_run_logs(tmp_path, tmp_path / "checkpoint-1")
-    assert [r["q"] for r in read_jsonl(log)] == ["a", "c"]
+    assert [r["q"] for r in read_jsonl(log)] == ["a", "c", "f"]
     trim_run_logs(tmp_path)  # a new run: its logs start afresh
     assert not log.exists()
 
@@ -601,7 +610,7 @@ def test_model_file_names_vllm_links_are_config_and_weights(name, linked):
     assert is_model_file(name) == linked
 
 
-def test_each_nodes_local_main_process_writes_its_vllm_folder(tiny_refiner, tmp_path, monkeypatch):
+def test_each_nodes_local_main_process_writes_its_vllm_folder(tiny_vlm, tmp_path, monkeypatch):
     """Process 8 of 16 (8 per node) is node 1's local main process: it writes node 1's folder, not process 0."""
     from contextlib import nullcontext
     from types import SimpleNamespace
@@ -611,7 +620,7 @@ def test_each_nodes_local_main_process_writes_its_vllm_folder(tiny_refiner, tmp_
     from rl.image_budget import write_vllm_model
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    processor = AutoProcessor.from_pretrained(str(tiny_refiner))
+    processor = AutoProcessor.from_pretrained(str(tiny_vlm))
     for index in (8, 9):
         state = SimpleNamespace(
             process_index=index,
@@ -619,18 +628,18 @@ def test_each_nodes_local_main_process_writes_its_vllm_folder(tiny_refiner, tmp_
             is_local_main_process=index % 8 == 0,
             local_main_process_first=nullcontext,
         )
-        folder = write_vllm_model(state, str(tiny_refiner), processor, tmp_path / f"p{index}")
+        folder = write_vllm_model(state, str(tiny_vlm), processor, tmp_path / f"p{index}")
         assert folder.name == "vllm-model-node1" and folder.exists() == (index == 8)
     assert (tmp_path / "p8" / "vllm-model-node1" / "config.json").is_symlink()
 
 
-def test_vllm_serve_folder_cli(tiny_refiner, tmp_path, capsys):
+def test_vllm_serve_folder_cli(tiny_vlm, tmp_path, capsys):
     from transformers import AutoProcessor
 
     from rl.image_budget import main as folder_main
 
     folder_main(
-        ["--model", str(tiny_refiner), "--out", str(tmp_path / "v"), "--min_pixels", "3136", "--max_pixels", "50176"]
+        ["--model", str(tiny_vlm), "--out", str(tmp_path / "v"), "--min_pixels", "3136", "--max_pixels", "50176"]
     )
     assert dict(AutoProcessor.from_pretrained(str(tmp_path / "v")).image_processor.size) == {
         "shortest_edge": 3136,
@@ -638,10 +647,10 @@ def test_vllm_serve_folder_cli(tiny_refiner, tmp_path, capsys):
     }
     assert "trl vllm-serve --model" in capsys.readouterr().out
     with pytest.raises(ValueError, match="max_pixels"):
-        folder_main(["--model", str(tiny_refiner), "--out", str(tmp_path / "w"), "--max_pixels", "0"])
+        folder_main(["--model", str(tiny_vlm), "--out", str(tmp_path / "w"), "--max_pixels", "0"])
 
 
-def test_vllm_model_folder_links_only_config_and_weights(tiny_refiner, tmp_path):
+def test_vllm_model_folder_links_only_config_and_weights(tiny_vlm, tmp_path):
     """A hub folder also holds preprocessor_config.json (the 12.8 MP default budget) and chat_template.json: linked
     beside the processor saved with our budget, which one a loader reads would decide the image tokens. Only config and
     weights are linked; every processor, tokenizer and template file is written by save_pretrained."""
@@ -652,7 +661,7 @@ def test_vllm_model_folder_links_only_config_and_weights(tiny_refiner, tmp_path)
     from rl.image_budget import apply_image_budget, vllm_model_folder
 
     hub = tmp_path / "hub"
-    shutil.copytree(tiny_refiner, hub)
+    shutil.copytree(tiny_vlm, hub)
     (hub / "preprocessor_config.json").write_text(json.dumps({"min_pixels": 3136, "max_pixels": 12845056}))
     (hub / "chat_template.json").write_text(json.dumps({"chat_template": "{{ 'hub template' }}"}))
     budget = {"min_pixels": 112 * 112, "max_pixels": 112 * 112}
@@ -911,3 +920,52 @@ def test_a_resume_differs_in_the_settings_that_trained_its_checkpoint(tmp_path, 
         check_resume(ckpt, now)
     older = {k: v for k, v in SAVED.items() if k not in ("train_content", "optimisation")}  # an older record
     assert [d for d in resume_differences(older, now) if d.startswith(("train_content", "optimisation"))] == []
+
+
+def test_the_vllm_folder_is_checked_to_expand_an_image_as_the_trainer_does(tiny_vlm, tmp_path):
+    """What vLLM loads from the folder must make as many image tokens of the probe image as the trainer's processor:
+    a folder written with another budget is refused, naming both counts."""
+    from transformers import AutoProcessor
+
+    from rl.image_budget import (
+        apply_image_budget,
+        check_same_image_tokens,
+        image_token_count,
+        probe_image,
+        vllm_model_folder,
+    )
+
+    small, large = {"min_pixels": 3136, "max_pixels": 12544}, {"min_pixels": 3136, "max_pixels": 50176}
+
+    def processor(budget):
+        return apply_image_budget(AutoProcessor.from_pretrained(str(tiny_vlm)), budget)
+
+    folder = vllm_model_folder(str(tiny_vlm), processor(small), tmp_path / "vllm-model")
+    tokens = check_same_image_tokens(processor(small), folder, small)
+    assert tokens == image_token_count(processor(small), probe_image(small))[0] == 12  # scaled into 12,544 px
+    with pytest.raises(
+        ValueError, match=r"expands a \(\d+, \d+\) image to 12 image tokens, the trainer's processor to"
+    ):
+        check_same_image_tokens(processor(large), folder, large)
+
+
+def test_a_folder_without_a_record_or_an_older_record_takes_a_new_run(tmp_path):
+    """Checkpoints with no run record beside them (another tool's) are not compared; a record written before the seed
+    and max_steps were recorded holds neither against the new run."""
+    from rl.run_record import RUN_RECORD, check_output_dir
+
+    record = {
+        "refiner_args": {"alpha": 0.5},
+        "index": {},
+        "optimisation": {"max_steps": 2},
+        "seed": 0,
+        "base_model": "m",
+    }
+    (tmp_path / "checkpoint-1").mkdir()
+    check_output_dir(tmp_path, record)
+    older = {"refiner_args": {"alpha": 0.5}, "index": {}, "base_model": "m"}
+    (tmp_path / RUN_RECORD).write_text(json.dumps(older))
+    check_output_dir(tmp_path, record)
+    (tmp_path / RUN_RECORD).write_text(json.dumps({**older, "seed": 0}))
+    with pytest.raises(ValueError, match=r"holds another run \(--seed: 0 → 1\)"):
+        check_output_dir(tmp_path, {**record, "seed": 1})
