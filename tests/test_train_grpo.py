@@ -516,6 +516,7 @@ def test_vllm_loads_the_policy_with_the_training_image_budget(config, tiny_refin
         (0, 16, 8, "vllm-model-node0"),
         (8, 16, 8, "vllm-model-node1"),
         (15, 16, 8, "vllm-model-node1"),
+        (1, 2, 1, "vllm-model-node1"),  # two nodes of one process each
     ],
 )
 def test_each_node_has_its_own_vllm_folder(index, processes, local, folder, tmp_path):
@@ -648,6 +649,9 @@ def test_vllm_serve_folder_cli(tiny_vlm, tmp_path, capsys):
     assert "trl vllm-serve --model" in capsys.readouterr().out
     with pytest.raises(ValueError, match="max_pixels"):
         folder_main(["--model", str(tiny_vlm), "--out", str(tmp_path / "w"), "--max_pixels", "0"])
+    for half in (["--model", str(tiny_vlm)], ["--out", str(tmp_path / "w")]):
+        with pytest.raises(ValueError, match="--model and --out are required"):
+            folder_main(half)
 
 
 def test_vllm_model_folder_links_only_config_and_weights(tiny_vlm, tmp_path):
@@ -969,3 +973,25 @@ def test_a_folder_without_a_record_or_an_older_record_takes_a_new_run(tmp_path):
     (tmp_path / RUN_RECORD).write_text(json.dumps({**older, "seed": 0}))
     with pytest.raises(ValueError, match=r"holds another run \(--seed: 0 → 1\)"):
         check_output_dir(tmp_path, {**record, "seed": 1})
+
+
+def test_a_hub_policy_is_linked_from_its_cached_snapshot(tiny_vlm, tmp_path, monkeypatch):
+    """The real configs name the policy by its hub name (Qwen/Qwen2.5-VL-3B-Instruct): the vLLM folder links the
+    files of its snapshot in the Hugging Face cache, where from_pretrained put them (nothing is downloaded)."""
+    import shutil
+
+    from transformers import AutoProcessor
+
+    from rl.image_budget import model_files, vllm_model_folder
+
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--org--tiny" / "snapshots" / "abc123"
+    shutil.copytree(tiny_vlm, snapshot)
+    (cache / "models--org--tiny" / "refs").mkdir()
+    (cache / "models--org--tiny" / "refs" / "main").write_text("abc123")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
+    assert model_files("org/tiny") == snapshot
+    assert model_files(str(tiny_vlm)) == tiny_vlm  # a folder is itself
+    folder = vllm_model_folder("org/tiny", AutoProcessor.from_pretrained(str(tiny_vlm)), tmp_path / "vllm-model")
+    assert (folder / "config.json").resolve() == (snapshot / "config.json").resolve()
