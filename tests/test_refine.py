@@ -517,3 +517,58 @@ def test_refine_file_seeds_each_batch_by_its_position_and_says_its_parse_rate(ti
     torch.manual_seed(99)
     assert [r["raw_output"] for r in greedy] == [str(d) for d in torch.randint(0, 10**9, (5,)).tolist()]
     assert refiner.calls[0][3] is False and settings["sample"] is False and settings["seed"] is None
+
+
+@pytest.mark.parametrize(
+    "do_sample,sampling,expected",
+    [
+        (False, None, dict(do_sample=False, temperature=None, top_p=None, top_k=None, repetition_penalty=1.0)),
+        (
+            False,
+            {"temperature": 0.7, "top_p": 0.9, "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.3},
+            dict(do_sample=False, temperature=None, top_p=None, top_k=None, repetition_penalty=1.3),
+        ),
+        (True, {}, dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0)),
+        (
+            True,
+            {
+                "temperature": 0.7,
+                "top_p": 0.9,
+                "top_k": 5,
+                "min_p": 0.1,
+                "repetition_penalty": 1.3,
+                "max_new_tokens": 9,
+            },
+            dict(do_sample=True, temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, repetition_penalty=1.3),
+        ),
+    ],
+)
+def test_transformers_generate_gets_every_decoding_setting(do_sample, sampling, expected):
+    """Greedy: the run's repetition penalty and nothing a folder's generation_config.json could fill in; sampling:
+    every setting the run recorded, TRL's neutral value for the rest, nothing else (the length is passed apart)."""
+    from rl.generate import hf_decoding
+
+    assert hf_decoding(do_sample, sampling) == expected
+
+
+@pytest.mark.parametrize("budget", [None, {"min_pixels": 3136, "max_pixels": 12544}])
+def test_a_vllm_engine_gets_one_image_no_video_and_the_budget_and_is_one_per_job(monkeypatch, budget):
+    """load_vllm up to vLLM's boundary (``LLM`` a recording stand-in): one image and no video a prompt, the training
+    pixel budget as the processor's kwargs; refused under a launcher of several processes (each engine would start
+    on the same GPU)."""
+    import sys
+    from types import ModuleType
+
+    from rl.generate import load_vllm
+
+    vllm, built = ModuleType("vllm"), []
+    vllm.LLM = lambda **kw: built.append(kw) or "engine"
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert load_vllm("/x/refiner", image_budget=budget) == "engine"
+    expected = {"model": "/x/refiner", "limit_mm_per_prompt": {"image": 1, "video": 0}}
+    assert built == [expected | ({"mm_processor_kwargs": budget} if budget else {})]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="--backend vllm runs one engine per job, but this is one of 2 launched"):
+        load_vllm("/x/refiner", image_budget=budget)
+    assert len(built) == 1
