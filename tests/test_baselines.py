@@ -79,21 +79,22 @@ class Interrupted(Exception):
     pass
 
 
-def test_baselines_resume_and_make_every_method_a_row(tiny_world, tiny_index_dir, encoders, tmp_path, monkeypatch):
-    """A stand-in VLM at the generation boundary (it sees the images and questions, answers JSON for some, junk for
-    others); interrupted after one batch and resumed; then retrieval.evaluate puts all methods in one table."""
-    import retrieval.evaluate as ev
-    from retrieval.evaluate import EvalArgs
-
+def refined_rows(tiny_world, tmp_path) -> list[dict]:
+    """Six test questions with a refined query each, written to tmp_path / q.jsonl."""
     rows = list(read_jsonl(tiny_world / "test.jsonl"))[:6]
     for r in rows:
         r["refined_query"] = r["question"] + " " + " ".join(r["attributes"].values())
     write_jsonl_atomic(tmp_path / "q.jsonl", rows)
-    calls = []
+    return rows
+
+
+def stand_in_vlm(calls: list, crash_at: int | None = None):
+    """A VLM at the generation boundary: it sees the images and questions, answers JSON for every other question and
+    junk for the rest; raises Interrupted at call ``crash_at``."""
 
     def vlm(images, questions):
         calls.append(questions)
-        if len(calls) == 2:  # the first run's second batch: a crash
+        if len(calls) == crash_at:
             raise Interrupted
         assert all(im.mode == "RGB" for im in images) and len(images) == len(questions)
         return [
@@ -101,6 +102,13 @@ def test_baselines_resume_and_make_every_method_a_row(tiny_world, tiny_index_dir
             for i, q in enumerate(questions)
         ]
 
+    return vlm
+
+
+def test_baselines_resume_after_an_interruption_and_only_under_the_same_settings(tiny_world, tmp_path):
+    """Interrupted after one batch and resumed; a resume under another prompt, backend or queries file refused."""
+    rows, calls = refined_rows(tiny_world, tmp_path), []
+    vlm = stand_in_vlm(calls, crash_at=2)  # the first run's second batch: a crash
     prompt = tmp_path / "p.yaml"
     prompt.write_text("system: Published wording.\nuser_template: '{question}'\n")
     args = BaselineArgs(
@@ -130,6 +138,16 @@ def test_baselines_resume_and_make_every_method_a_row(tiny_world, tiny_index_dir
     assert [r["id"] for r in out] == [r["id"] for r in rows]
     assert out[1]["query_zs_expansion+caption"] == rows[1]["question"] + " creature a creature"
     assert out[0]["baseline_fallback"] == list(BASELINES) and out[0]["query_caption"] == rows[0]["question"]
+
+
+def test_every_baseline_is_a_row_of_one_table(tiny_world, tiny_index_dir, encoders, tmp_path, monkeypatch):
+    """retrieval.evaluate puts the refined query and the three baselines in one table."""
+    import retrieval.evaluate as ev
+    from retrieval.evaluate import EvalArgs
+
+    refined_rows(tiny_world, tmp_path)
+    args = BaselineArgs(model="unused", queries=str(tmp_path / "q.jsonl"), out=str(tmp_path / "b.jsonl"))
+    run_baselines(BaselineArgs(**{**vars(args), "images_root": str(tiny_world)}), generate=stand_in_vlm([]), **QUIET)
     real_load = ev.MultimodalIndex.load
     monkeypatch.setattr(ev.MultimodalIndex, "load", lambda p, **k: real_load(p, *encoders))
     lines = []
@@ -188,3 +206,44 @@ def test_the_toy_configs_name_every_table8_row():
     (table,) = parse((EvalArgs,), ["--config", str(configs / "retrieval" / "table8_toy.yaml")])
     assert table.queries == args.out and table.text_field == "question"
     assert compare_fields(table.compare, table.text_field) == ["refined_query", *BASELINES]
+
+
+def test_what_baselines_refuse_record_and_say(tiny_world, tmp_path):
+    """Refused before any model loads: another backend, no queries file, no --out, --out naming the queries, a row
+    whose image is missing, an id given twice. Recorded beside the output: the model and its weights, the backend,
+    the prompt's wording, the answer length and the input. Said: how many answers fell back for a missing field."""
+    from rl.baselines import BASELINE_PROMPT
+
+    rows = refined_rows(tiny_world, tmp_path)
+    args = BaselineArgs(model=str(tmp_path / "vlm"), queries=str(tmp_path / "q.jsonl"), out=str(tmp_path / "b.jsonl"))
+    never = stand_in_vlm([], crash_at=1)
+    for change, message in [
+        ({"backend": "tgi"}, "--backend must be one of hf, vllm, got 'tgi'"),
+        ({"queries": str(tmp_path / "none.jsonl")}, "none.jsonl"),
+        ({"out": None}, "--out is required"),
+        ({"out": args.queries}, "--out"),
+        ({"images_root": str(tmp_path)}, "image"),  # the images are under tiny_world
+    ]:
+        with pytest.raises(ValueError, match=message):
+            run_baselines(BaselineArgs(**{**vars(args), **change}), generate=never, **QUIET)
+    write_jsonl_atomic(tmp_path / "twice.jsonl", rows + rows[:1])
+    with pytest.raises(ValueError, match="twice.jsonl"):
+        run_baselines(
+            BaselineArgs(**{**vars(args), "queries": str(tmp_path / "twice.jsonl"), "images_root": str(tiny_world)}),
+            generate=never,
+            **QUIET,
+        )
+    assert not (tmp_path / "b.jsonl").exists()
+
+    (tmp_path / "vlm").mkdir()
+    (tmp_path / "vlm" / "model.safetensors").write_bytes(b"weights")
+    said = []
+    args = BaselineArgs(**{**vars(args), "images_root": str(tiny_world), "max_new_tokens": 99})
+    assert run_baselines(args, generate=stand_in_vlm([]), log=said.append) == 6
+    settings = json.loads((tmp_path / "b.settings.json").read_text())
+    assert settings["model"] == str(tmp_path / "vlm") and settings["weights"] and settings["backend"] == "hf"
+    assert settings["prompt"]["system"] == BASELINE_PROMPT["system"] and settings["max_new_tokens"] == 99
+    assert settings["queries"].startswith("sha256:") and settings["images_root"] == str(tiny_world.resolve())
+    assert said[0].startswith("query baselines (query_baselines), process 0/1: 0 of 6 done")
+    assert said[-1].startswith("query baselines: 3 of 6 answer(s) here lacked a field and fell back to the question")
+    assert run_baselines(args, log=said.append) == 0  # every question done: no model is loaded

@@ -237,3 +237,101 @@ def test_the_trainer_builds_no_image_encoder_when_every_image_is_stored(
             if k in a:
                 assert b[k] == pytest.approx(a[k], abs=1e-6), k
     assert sum(k in h for h in stored["log_history"] for k in keys) == 4
+
+
+class FakeIndex:
+    """What embed_images uses of an index: its manifest and ``encode_image_files``, here a vector per file name read
+    from the file itself (``unreadable`` files fail), each call recorded."""
+
+    def __init__(self, encoder="fake-clip", processor="proc-a", dim=3):
+        self.manifest = {"image_encoder": encoder, "image_processor": processor, "image_dim": dim}
+        self.calls = []
+
+    def encode_image_files(self, paths, workers=0):
+        self.calls.append([p.name for p in paths])
+        texts = [p.read_text() for p in paths]
+        failed = {j: f"{paths[j].name}: unreadable" for j, t in enumerate(texts) if t == "unreadable"}
+        vectors = [[float(ord(c)) for c in t[:3]] for j, t in enumerate(texts) if j not in failed]
+        return np.asarray(vectors, dtype=np.float32).reshape(-1, self.manifest["image_dim"]), failed
+
+
+def fake_images(root, **contents):
+    for name, text in contents.items():
+        (root / f"{name}.png").write_text(text)
+    return [f"{name}.png" for name in contents]
+
+
+def test_the_store_keeps_what_it_holds_lists_the_unreadable_and_tries_them_again_only_when_asked(tmp_path):
+    from rl.image_embeddings import MANIFEST_FILE, WORK_FILE, store_manifest
+
+    index, queries = FakeIndex(), tmp_path / "q.jsonl"
+    names = fake_images(tmp_path, a="abc", b="bcd", c="unreadable")
+    folder = embed_images(queries, [*names, "a.png"], tmp_path, index, batch_size=2, **QUIET)
+    assert folder == store_dir(queries, index.manifest) and folder.parent.name == "q.jsonl.image-embeddings"
+    assert index.calls == [["a.png", "b.png"], ["c.png"]]  # each image once, in batches
+    stored = load_store(queries, index.manifest)
+    assert sorted(stored) == ["a.png", "b.png"] and stored["b.png"].tolist() == [98.0, 99.0, 100.0]
+    meta = store_manifest(queries, index.manifest)
+    assert meta["unreadable"] == {"c.png": "c.png: unreadable"} and meta["count"] == 2 and meta["dim"] == 3
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        [MANIFEST_FILE, meta["embeddings_file"], meta["images_file"]]
+    )
+    assert not (folder / WORK_FILE).exists()
+
+    names += fake_images(tmp_path, d="def")
+    said = []
+    embed_images(queries, names, tmp_path, index, batch_size=2, log=said.append)
+    assert index.calls[2:] == [["d.png"]]  # neither what the store holds nor what it lists as unreadable
+    assert sorted(load_store(queries, index.manifest)) == ["a.png", "b.png", "d.png"]
+    embed_images(queries, names, tmp_path, index, log=said.append)
+    assert len(index.calls) == 3
+    assert "all 3 readable images already in" in said[-1] and "1 listed unreadable there, not tried again" in said[-1]
+
+    fake_images(tmp_path, c="cde")  # mended
+    embed_images(queries, names, tmp_path, index, retry_unreadable=True, **QUIET)
+    assert index.calls[3:] == [["c.png"]]
+    assert sorted(load_store(queries, index.manifest)) == ["a.png", "b.png", "c.png", "d.png"]
+    assert store_manifest(queries, index.manifest)["unreadable"] == {}
+
+
+def test_a_store_that_does_not_fit_its_manifest_or_the_index_is_refused(tmp_path):
+    from rl.image_embeddings import MANIFEST_FILE
+
+    index, queries = FakeIndex(), tmp_path / "q.jsonl"
+    embed_images(queries, fake_images(tmp_path, a="abc", b="bcd"), tmp_path, index, **QUIET)
+    assert load_store(queries, FakeIndex(processor="proc-b").manifest) == {}  # another processor: another folder
+    with pytest.raises(ValueError, match=r"expected \(2, 4\) for its manifest and the index; delete the folder"):
+        load_store(queries, FakeIndex(dim=4).manifest | {"image_encoder": "fake-clip"})
+    manifest = store_dir(queries, index.manifest) / MANIFEST_FILE
+    manifest.write_text(json.dumps(json.loads(manifest.read_text()) | {"count": 3}))
+    with pytest.raises(ValueError, match=r"have shape \(2, 3\), expected \(3, 3\)"):
+        load_store(queries, index.manifest)
+
+
+def test_stored_embeddings_fill_the_rewards_cache_under_its_keys(tmp_path):
+    from types import SimpleNamespace
+
+    from rl.image_embeddings import image_path_of, preload_reward_cache, stored_image_embeddings
+
+    index = FakeIndex()
+    train, evals = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    embed_images(train, fake_images(tmp_path, a="abc", b="bcd"), tmp_path, index, **QUIET)
+    embed_images(evals, fake_images(tmp_path, e="efg"), tmp_path, index, **QUIET)
+    path = {n: image_path_of({"image": f"{n}.png"}, tmp_path) for n in "abcef"}
+    assert path["a"] == str((tmp_path / "a.png").resolve())
+    cache = {f"path:{path['b']}": "kept"}  # already cached: not replaced
+    assert (
+        preload_reward_cache(cache, train, [path["a"], path["b"], path["c"], path["a"]], tmp_path, index.manifest) == 3
+    )
+    assert cache[f"path:{path['a']}"].tolist() == [97.0, 98.0, 99.0] and cache[f"path:{path['b']}"] == "kept"
+    reward = SimpleNamespace(image_cache={})
+    args = SimpleNamespace(train_file=str(train), eval_file=str(evals), images_root=str(tmp_path))
+    train_data, eval_data = {"image_path": [path["a"], path["c"]]}, {"image_path": [path["e"], path["f"]]}
+
+    class Data(dict):  # a data set's column and length
+        def __len__(self):
+            return len(self["image_path"])
+
+    assert stored_image_embeddings(reward, index, args, Data(train_data), Data(eval_data)) == (2, 4)
+    assert stored_image_embeddings(reward, index, args, Data(train_data), None) == (1, 2)
+    assert sorted(reward.image_cache) == sorted(f"path:{path[n]}" for n in "abe")
