@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from common.files import read_jsonl, write_jsonl_atomic
+from common.files import read_jsonl, weights_fingerprint, write_jsonl_atomic
 from common.prompts import load_prompt
 from rl.baselines import BASELINES, BaselineArgs, baseline_queries, parse_baseline, run_baselines
 
@@ -184,7 +184,10 @@ def test_a_question_whose_image_cannot_be_used_falls_back_in_every_baseline(tiny
         return [json.dumps({"caption": "a creature", "query": q + " creature"}) for q in questions]
 
     args = BaselineArgs(model="unused", queries=str(tmp_path / "q.jsonl"), out=str(tmp_path / "b.jsonl"), batch_size=3)
-    assert run_baselines(args, generate=vlm, **QUIET) == 3
+    said = []
+    assert run_baselines(args, generate=vlm, log=said.append) == 3
+    assert said[1].startswith("2 question(s) fell back to their question in every baseline, their image not usable")
+    assert "(cut: image unreadable" in said[1] and said[2].startswith("query baselines: 0 of 3 answer(s)")
     out = {r["id"]: r for r in read_jsonl(tmp_path / "b.jsonl")}
     assert seen == ["what is good?"] and out["good"]["query_caption"] == "a creature"
     assert "image unreadable" in out["cut"]["image_error"] and "200:1" in out["strip"]["image_error"]
@@ -241,9 +244,11 @@ def test_what_baselines_refuse_record_and_say(tiny_world, tmp_path):
     args = BaselineArgs(**{**vars(args), "images_root": str(tiny_world), "max_new_tokens": 99})
     assert run_baselines(args, generate=stand_in_vlm([]), log=said.append) == 6
     settings = json.loads((tmp_path / "b.settings.json").read_text())
-    assert settings["model"] == str(tmp_path / "vlm") and settings["weights"] and settings["backend"] == "hf"
+    assert settings["model"] == str(tmp_path / "vlm") and settings["backend"] == "hf"
+    assert settings["weights"] == weights_fingerprint(tmp_path / "vlm")
     assert settings["prompt"]["system"] == BASELINE_PROMPT["system"] and settings["max_new_tokens"] == 99
     assert settings["queries"].startswith("sha256:") and settings["images_root"] == str(tiny_world.resolve())
     assert said[0].startswith("query baselines (query_baselines), process 0/1: 0 of 6 done")
     assert said[-1].startswith("query baselines: 3 of 6 answer(s) here lacked a field and fell back to the question")
     assert run_baselines(args, log=said.append) == 0  # every question done: no model is loaded
+    assert len(said) == 3 and "0 to go here" in said[-1]  # and no count of answers

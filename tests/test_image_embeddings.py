@@ -306,6 +306,9 @@ def test_a_store_that_does_not_fit_its_manifest_or_the_index_is_refused(tmp_path
     manifest.write_text(json.dumps(json.loads(manifest.read_text()) | {"count": 3}))
     with pytest.raises(ValueError, match=r"have shape \(2, 3\), expected \(3, 3\)"):
         load_store(queries, index.manifest)
+    manifest.write_text(json.dumps(json.loads(manifest.read_text()) | {"image_encoder": "other-clip"}))
+    with pytest.raises(ValueError, match="embeddings of 'other-clip' / 'proc-a', but the index uses 'fake-clip'"):
+        load_store(queries, index.manifest)
 
 
 def test_stored_embeddings_fill_the_rewards_cache_under_its_keys(tmp_path):

@@ -572,3 +572,34 @@ def test_a_vllm_engine_gets_one_image_no_video_and_the_budget_and_is_one_per_job
     with pytest.raises(ValueError, match="--backend vllm runs one engine per job, but this is one of 2 launched"):
         load_vllm("/x/refiner", image_budget=budget)
     assert len(built) == 1
+
+
+def test_a_checkpoint_in_its_run_folder_refines_with_its_runs_settings(tmp_path):
+    """refiner.json first; else the run record beside the checkpoint (its prompt, sampling, index, image budget and
+    query cap, 128 where an older record lacks it); else our defaults, said. A folder without config.json is refused
+    before anything loads."""
+    from rl.refine import FALLBACK_GENERATION, load_spec
+    from rl.run_record import RUN_RECORD
+
+    record = {
+        "prompt": prompt_spec("toy"),
+        "generation": {"temperature": 0.7, "max_new_tokens": 12},
+        "index": {"alpha": 0.3},
+        "image_budget": {"min_pixels": 3136, "max_pixels": 12544},
+        "refiner_args": {"max_query_tokens": 9},
+    }
+    ckpt = tmp_path / "run" / "checkpoint-5"
+    ckpt.mkdir(parents=True)
+    said = []
+    assert load_spec(ckpt, say=said.append) == {"prompt": prompt_spec("wikiseeker"), "generation": FALLBACK_GENERATION}
+    assert len(said) == 1 and "neither refiner.json" in said[0]
+    (tmp_path / "run" / RUN_RECORD).write_text(json.dumps(record))
+    assert load_spec(ckpt, say=said.append) == {k: v for k, v in record.items() if k != "refiner_args"} | {
+        "max_query_tokens": 9
+    }
+    (tmp_path / "run" / RUN_RECORD).write_text(json.dumps(record | {"refiner_args": {}}))
+    assert load_spec(ckpt, say=said.append)["max_query_tokens"] == 128
+    (ckpt / "refiner.json").write_text(json.dumps({"prompt": "exported"}))
+    assert load_spec(ckpt, say=said.append) == {"prompt": "exported"} and len(said) == 1
+    with pytest.raises(ValueError, match="--model: .*checkpoint-5 has no config.json"):
+        Refiner.load(ckpt)
