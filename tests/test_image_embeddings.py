@@ -283,6 +283,10 @@ def test_the_store_keeps_what_it_holds_lists_the_unreadable_and_tries_them_again
     embed_images(queries, names, tmp_path, index, batch_size=2, log=said.append)
     assert index.calls[2:] == [["d.png"]]  # neither what the store holds nor what it lists as unreadable
     assert sorted(load_store(queries, index.manifest)) == ["a.png", "b.png", "d.png"]
+    meta = store_manifest(queries, index.manifest)  # the old data files went once the new manifest named others
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        [MANIFEST_FILE, meta["embeddings_file"], meta["images_file"]]
+    )
     embed_images(queries, names, tmp_path, index, log=said.append)
     assert len(index.calls) == 3
     assert "all 3 readable images already in" in said[-1] and "1 listed unreadable there, not tried again" in said[-1]
@@ -338,3 +342,34 @@ def test_stored_embeddings_fill_the_rewards_cache_under_its_keys(tmp_path):
     assert stored_image_embeddings(reward, index, args, Data(train_data), Data(eval_data)) == (2, 4)
     assert stored_image_embeddings(reward, index, args, Data(train_data), None) == (1, 2)
     assert sorted(reward.image_cache) == sorted(f"path:{path[n]}" for n in "abe")
+
+
+def test_an_interrupted_job_tries_its_failures_again_and_a_leftover_work_file_goes(tmp_path):
+    from rl.image_embeddings import WORK_FILE
+
+    index, queries = FakeIndex(), tmp_path / "q.jsonl"
+    names = fake_images(tmp_path, a="unreadable", b="bcd", c="cde")
+    real = index.encode_image_files
+
+    def dying(paths, workers=0):
+        if len(index.calls) == 1:
+            raise Interrupted
+        return real(paths, workers)
+
+    index.encode_image_files = dying
+    with pytest.raises(Interrupted):
+        embed_images(queries, names, tmp_path, index, batch_size=2, **QUIET)
+    folder = store_dir(queries, index.manifest)
+    assert [r.get("problem") for r in read_jsonl(folder / f"{WORK_FILE}.part0")] == ["a.png: unreadable", None]
+    fake_images(tmp_path, a="abc")  # mended before the resume: an interrupted run's failure is tried again
+    index.encode_image_files = real
+    embed_images(queries, names, tmp_path, index, batch_size=2, **QUIET)
+    assert index.calls[1:] == [["a.png", "c.png"]] and sorted(load_store(queries, index.manifest)) == names
+
+    work = folder / WORK_FILE  # a run killed after it wrote the store, before it removed its work file
+    write_jsonl_atomic(work, [{"id": "a.png", "embedding": "x"}])
+    embed_images(queries, names, tmp_path, index, **QUIET)
+    assert not work.exists() and len(index.calls) == 2
+    write_jsonl_atomic(work, [{"id": "z.png", "embedding": "x"}])  # wanted other images too: resumed from, kept
+    embed_images(queries, names, tmp_path, index, **QUIET)
+    assert work.exists()

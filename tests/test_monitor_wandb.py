@@ -260,3 +260,48 @@ def test_the_reward_time_share_counts_training_steps_only(tmp_path):
     assert 0 < inside <= spent and monitor.reward_seconds() == inside  # the call's own seconds, no more
     timed()  # the evaluation after the step
     assert timed.seconds == inside and timed.seconds_outside_steps > outside
+
+
+def test_table_rows_hold_the_top3_the_gold_title_and_the_total_trl_trains_on(tmp_path):
+    """RefinerMonitor.rows with stand-ins: the first ``max_rows`` completions; top-3 titles from one batched search of
+    the parsed queries whose image embedding is cached (with the reward's α), an entity without a title by its id;
+    the total weighted as TRL weighs the two rewards; no total where the format reward is missing."""
+    searched = []
+
+    def top_entities(images, queries, alpha, k):
+        searched.append((images.tolist(), queries, alpha, k))
+        return [["E2", "E9", "E1"] for _ in queries]
+
+    rec = dict(question="What?", entity_id="E1", reward=2.0, rank=3)
+    last = [
+        {**rec, "image_key": "path:/i/a.png", "query": "a kite"},
+        {**rec, "image_key": "path:/i/b.png", "query": None, "reward": -2.5, "rank": None},  # unparseable
+        {**rec, "image_key": "path:/i/c.png", "query": "no embedding"},  # its image never cached
+        {**rec, "image_key": "path:/i/a.png", "query": "a hawk", "entity_id": "E7"},
+        {**rec, "image_key": "path:/i/a.png", "query": "past max_rows"},
+    ]
+    retrieval = SimpleNamespace(
+        last=last,
+        image_cache={"path:/i/a.png": np.array([1.0, 0.0]), "path:/i/b.png": np.array([0.0, 1.0])},
+        alpha=0.3,
+        index=SimpleNamespace(entity_titles={"E1": "Eagle", "E2": "Kite"}, top_entities=top_entities),
+    )
+    fmt = TimedReward(lambda **k: [])
+    fmt.last = [1.0, -4.0, 1.0]  # shorter than the table: the last row has none
+    monitor = RefinerMonitor(retrieval, fmt, [fmt], table_steps=1, output_dir=str(tmp_path), max_rows=4)
+    monitor.reward_weights = (0.5, 2.0)
+    rows = monitor.rows()
+    assert searched == [([[1.0, 0.0], [1.0, 0.0]], ["a kite", "a hawk"], 0.3, 3)]
+    assert [r["top3"] for r in rows] == [["Kite", "E9", "Eagle"], [], [], ["Kite", "E9", "Eagle"]]
+    assert [r["gold_title"] for r in rows] == ["Eagle", "Eagle", "Eagle", "E7"]
+    assert [r["format_reward"] for r in rows] == [1.0, -4.0, 1.0, None]
+    assert [r["retrieval_reward"] for r in rows] == [2.0, -2.5, 2.0, 2.0]
+    assert [r["total_reward"] for r in rows] == [pytest.approx(4.5), pytest.approx(-7.0), pytest.approx(4.5), None]
+
+
+def test_the_summary_line_shows_each_metric_first_to_last():
+    from rl.monitor import summary_line
+
+    assert summary_line("grpo", 3, 12.4, {}, {}) == "grpo: 3 steps in 12 s"
+    first, last = {"reward": 1.0, "hit@1": 0.25}, {"reward": 2.5, "hit@1": 0.25}
+    assert summary_line("grpo", 3, 12.6, first, last) == "grpo: 3 steps in 13 s; reward 1 → 2.5, hit@1 0.25"
