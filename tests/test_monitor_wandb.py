@@ -190,6 +190,7 @@ def test_a_grpo_run_logged_offline_reads_back(config, tmp_path, monkeypatch):
         ("machine api.wandb.ai\n  login user\n  password " + "a" * 40 + "\n", False, None),
         ("machine other.example.com\n  login user\n  password " + "a" * 40 + "\n", False, "offline"),
         (None, True, None),
+        (None, "WANDB_IDENTITY_TOKEN_FILE", None),  # a workload identity's token file also signs in
     ],
 )
 def test_wandb_is_online_for_a_user_who_logged_in(tmp_path, monkeypatch, netrc_entry, key_in_env, mode):
@@ -211,9 +212,13 @@ def test_wandb_is_online_for_a_user_who_logged_in(tmp_path, monkeypatch, netrc_e
     netrc.chmod(0o600)
     monkeypatch.setenv("NETRC", str(netrc))
     if key_in_env:
-        monkeypatch.setenv("WANDB_API_KEY", "b" * 40)
+        monkeypatch.setenv(key_in_env if isinstance(key_in_env, str) else "WANDB_API_KEY", "b" * 40)
+    for not_wandb in (None, ["none"], ["tensorboard"]):  # a run not reporting to W&B: nothing set
+        setup_wandb(str(tmp_path / "run"), not_wandb)
+        assert not {"WANDB_MODE", "WANDB_DIR", "WANDB_CACHE_DIR"} & set(os.environ)
     setup_wandb(str(tmp_path / "run"), ["wandb"])
     assert os.environ.get("WANDB_MODE") == mode
+    assert os.environ["WANDB_DIR"] == str((tmp_path / "run").resolve()) and (tmp_path / "run").is_dir()
     monkeypatch.setenv("WANDB_MODE", "disabled")
     setup_wandb(str(tmp_path / "run"), ["wandb"])
     assert os.environ["WANDB_MODE"] == "disabled"
