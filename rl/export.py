@@ -221,6 +221,8 @@ def export(args: ExportArgs, log=print) -> Path:
     if not args.out:
         raise ValueError("--out is required")
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out: {out} is a file, not a folder")
     if out.exists() and any(out.iterdir()) and not args.force:
         raise ValueError(f"--out: {out} is not empty (pass --force to replace it)")
     ckpt = resolve_checkpoint(Path(args.checkpoint))

@@ -115,6 +115,8 @@ def test_refusals(tmp_path):
     (tmp_path / "ckpt").mkdir()
     with pytest.raises(ValueError, match="not empty"):
         export(ExportArgs(checkpoint=str(tmp_path / "ckpt"), out=str(tmp_path / "busy")))
+    with pytest.raises(ValueError, match="--out: .*x is a file, not a folder"):  # was a NotADirectoryError
+        export(ExportArgs(checkpoint=str(tmp_path / "ckpt"), out=str(tmp_path / "busy" / "x"), force=True))
     with pytest.raises(ValueError, match="holds no model weights"):
         export(ExportArgs(checkpoint=str(tmp_path / "ckpt"), out=str(tmp_path / "new")))
     with pytest.raises(ValueError, match="--checkpoint"):
