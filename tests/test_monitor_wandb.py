@@ -267,11 +267,8 @@ def test_the_reward_time_share_counts_training_steps_only(tmp_path):
     assert timed.seconds == inside and timed.seconds_outside_steps > outside
 
 
-def test_table_rows_hold_the_top3_the_gold_title_and_the_total_trl_trains_on(tmp_path):
-    """RefinerMonitor.rows with stand-ins: the first ``max_rows`` completions; top-3 titles from one batched search of
-    the parsed queries whose image embedding is cached (with the reward's α), an entity without a title by its id;
-    the total weighted as TRL weighs the two rewards; no total where the format reward is missing."""
-    searched = []
+def stand_in_retrieval(searched: list):
+    """A retrieval reward's last completions and what the table reads of its index (top entities recorded)."""
 
     def top_entities(images, queries, alpha, k):
         searched.append((images.tolist(), queries, alpha, k))
@@ -285,12 +282,20 @@ def test_table_rows_hold_the_top3_the_gold_title_and_the_total_trl_trains_on(tmp
         {**rec, "image_key": "path:/i/a.png", "query": "a hawk", "entity_id": "E7"},
         {**rec, "image_key": "path:/i/a.png", "query": "past max_rows"},
     ]
-    retrieval = SimpleNamespace(
+    return SimpleNamespace(
         last=last,
         image_cache={"path:/i/a.png": np.array([1.0, 0.0]), "path:/i/b.png": np.array([0.0, 1.0])},
         alpha=0.3,
         index=SimpleNamespace(entity_titles={"E1": "Eagle", "E2": "Kite"}, top_entities=top_entities),
     )
+
+
+def test_table_rows_hold_the_top3_the_gold_title_and_the_total_trl_trains_on(tmp_path):
+    """RefinerMonitor.rows with stand-ins: the first ``max_rows`` completions; top-3 titles from one batched search of
+    the parsed queries whose image embedding is cached (with the reward's α), an entity without a title by its id;
+    the total weighted as TRL weighs the two rewards; no total where the format reward is missing."""
+    searched = []
+    retrieval = stand_in_retrieval(searched)
     fmt = TimedReward(lambda **k: [])
     fmt.last = [1.0, -4.0, 1.0]  # shorter than the table: the last row has none
     monitor = RefinerMonitor(retrieval, fmt, [fmt], table_steps=1, output_dir=str(tmp_path), max_rows=4)
@@ -310,3 +315,23 @@ def test_the_summary_line_shows_each_metric_first_to_last():
     assert summary_line("grpo", 3, 12.4, {}, {}) == "grpo: 3 steps in 12 s"
     first, last = {"reward": 1.0, "hit@1": 0.25}, {"reward": 2.5, "hit@1": 0.25}
     assert summary_line("grpo", 3, 12.6, first, last) == "grpo: 3 steps in 13 s; reward 1 → 2.5, hit@1 0.25"
+
+
+def test_the_table_is_written_every_table_steps_by_process_0_with_the_runs_weights(tmp_path):
+    import json
+
+    fmt = TimedReward(lambda **k: [])
+    fmt.last = [1.0, -4.0, 1.0, 1.0, 1.0]
+    monitor = RefinerMonitor(stand_in_retrieval([]), fmt, [fmt], table_steps=2, output_dir=str(tmp_path))
+    args = SimpleNamespace(report_to=["none"], reward_weights=[0.5, 2.0])
+    for step, zero in ((1, True), (2, True), (3, True), (4, False), (6, True)):
+        monitor.on_step_begin(args, SimpleNamespace(global_step=step), None)
+        monitor.on_step_end(args, SimpleNamespace(global_step=step, is_world_process_zero=zero), None)
+    written = [json.loads(line) for line in open(tmp_path / "samples.jsonl", encoding="utf-8")]
+    assert [r["step"] for r in written] == [2] * 5 + [6] * 5  # step 4 was another process's
+    assert written[0]["total_reward"] == pytest.approx(0.5 * 1.0 + 2.0 * 2.0)
+    assert monitor.step_seconds > 0
+    RefinerMonitor(stand_in_retrieval([]), fmt, [fmt], table_steps=0, output_dir=str(tmp_path / "never")).on_step_end(
+        args, SimpleNamespace(global_step=2, is_world_process_zero=True), None
+    )
+    assert not (tmp_path / "never").exists()
