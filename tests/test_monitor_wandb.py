@@ -318,8 +318,6 @@ def test_the_summary_line_shows_each_metric_first_to_last():
 
 
 def test_the_table_is_written_every_table_steps_by_process_0_with_the_runs_weights(tmp_path):
-    import json
-
     fmt = TimedReward(lambda **k: [])
     fmt.last = [1.0, -4.0, 1.0, 1.0, 1.0]
     monitor = RefinerMonitor(stand_in_retrieval([]), fmt, [fmt], table_steps=2, output_dir=str(tmp_path))
