@@ -603,3 +603,22 @@ def test_a_checkpoint_in_its_run_folder_refines_with_its_runs_settings(tmp_path)
     assert load_spec(ckpt, say=said.append) == {"prompt": "exported"} and len(said) == 1
     with pytest.raises(ValueError, match="--model: .*checkpoint-5 has no config.json"):
         Refiner.load(ckpt)
+
+
+def test_what_refine_file_refuses_before_any_model_loads(tiny_world, tmp_path):
+    rows = [json.loads(x) for x in open(tiny_world / "test.jsonl", encoding="utf-8")][:3]
+    (tmp_path / "q.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows + rows[:1]))
+    args = RefineArgs(model="m", queries=str(tmp_path / "q.jsonl"), out=str(tmp_path / "o.jsonl"))
+    for change, message in [
+        ({"backend": "tgi"}, "--backend must be one of hf, vllm, got 'tgi'"),
+        ({"queries": str(tmp_path / "none.jsonl")}, "none.jsonl"),
+        ({"out": None}, "--out is required"),
+        ({"out": args.queries}, "--out"),
+        ({"batch_size": 0}, "--batch_size must be positive, got 0"),
+        ({"images_root": str(tiny_world)}, "q.jsonl"),  # an id given twice
+    ]:
+        with pytest.raises(ValueError, match=message):
+            refine_file(RefineArgs(**{**vars(args), **change}), refiner=DrawingRefiner(), **QUIET)
+    with pytest.raises(ValueError, match="image"):  # the images are under tiny_world
+        refine_file(args, refiner=DrawingRefiner(), **QUIET)
+    assert not (tmp_path / "o.jsonl").exists()
