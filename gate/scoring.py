@@ -166,6 +166,14 @@ def check_threshold(name: str, threshold: float | None, flag: str = "--threshold
     return threshold
 
 
+def check_gate_threshold(folder, threshold: float | None, flag: str = "--threshold") -> None:
+    """``check_threshold`` for a trained gate folder, by the variant its gate.json names, before its model loads (a
+    folder without gate.json is named when it loads)."""
+    info = Path(folder) / GATE_FILE
+    if info.is_file():
+        check_threshold(read_json(info).get("variant"), threshold, flag)
+
+
 def decisions(scores, threshold: float) -> np.ndarray:
     """Positive (search / relevant / pass) when the score reaches the threshold."""
     return np.asarray(scores, dtype=float) >= threshold

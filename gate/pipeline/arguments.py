@@ -14,7 +14,7 @@ from common.placement import dist_timeout_field
 from gate.pipeline.consistency import STRATEGIES
 from gate.pipeline.metrics import METRICS
 from gate.pipeline.stages import generator_prompt, parse_stage_gpus
-from gate.scoring import GATE_FILE, check_threshold
+from gate.scoring import check_gate_threshold
 from retrieval.index import index_fingerprint, require_index
 from retrieval.ranking import check_alpha
 
@@ -177,8 +177,7 @@ def validate(args: PipelineArgs) -> None:
             continue
         if not (Path(value) / "config.json").is_file():
             raise ValueError(f"--{stage}: {value} is not a model folder (no config.json)")
-    if (Path(args.gate) / GATE_FILE).is_file():  # γ on the gate's own scale: skb's 1–5, a probability otherwise
-        check_threshold(read_json(Path(args.gate) / GATE_FILE).get("variant"), args.gate_threshold, "--gate_threshold")
+    check_gate_threshold(args.gate, args.gate_threshold, "--gate_threshold")  # skb's 1–5, a probability otherwise
     if args.generator_retries < 1:
         raise ValueError(f"--generator_retries must be at least 1 (attempts per answer), got {args.generator_retries}")
     if args.generator == "endpoint" and not (args.generator_url and args.generator_model):

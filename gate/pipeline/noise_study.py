@@ -192,7 +192,7 @@ def generator_source(kind: str, target: str) -> str:
     change) and, for a local model folder, its weights (a model exported again into the same folder answers anew)."""
     if kind == "endpoint":
         return f"endpoint:{target.partition('@')[0]}"
-    weights = weights_fingerprint(target) if Path(target).is_dir() else None
+    weights = weights_fingerprint(target)  # None for a hub name or a folder without weights
     return f"{kind}:{target}" + (f" (weights {weights})" if weights else "")
 
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 
 from common.cli import parse, require_file, run
-from common.files import pyplot, read_json, save_figure, write_json_atomic, write_jsonl_atomic, write_text_atomic
+from common.files import pyplot, save_figure, write_json_atomic, write_jsonl_atomic, write_text_atomic
 from gate.scoring import (
-    GATE_FILE,
+    check_gate_threshold,
     check_threshold,
     decisions,
     first_token_scores,
@@ -170,8 +170,7 @@ def score_file(args: ScoringArgs, log=print) -> dict:
     if not args.out:
         raise ValueError("--out is required")
     rows = read_rows(args.data)  # an empty file wrote NaN metrics over an earlier run's
-    if (Path(args.model) / GATE_FILE).is_file():  # before the model loads (load_gate names a folder without it)
-        check_threshold(read_json(Path(args.model) / GATE_FILE).get("variant"), args.threshold)
+    check_gate_threshold(args.model, args.threshold)  # before the model loads
     model, processor, s = load_gate(args.model, device=args.device, dtype=args.dtype)
     if s["name"] not in BINARY and s["name"] != "skb":
         raise ValueError(f"variant {s['name']} has no first-token score (generate-and-parse only)")
